@@ -1,0 +1,74 @@
+"""Input checks shared by every public function.
+
+Each check raises with the argument's name, what was expected and what was given, so a
+user never has to read a stack trace to find the bad input.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+MAX_ROWS_REPORTED = 10
+
+
+def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = None,
+                 shape: Sequence[int | None] | None = None, floating: bool | None = None,
+                 integer: bool | None = None) -> Tensor:
+    """Check that ``x`` is a tensor of the given rank/shape/dtype kind; return it."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if x.dim() not in allowed:
+            want = " or ".join(f"{d}-D" for d in allowed)
+            raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(x.shape)}")
+    if shape is not None:
+        if x.dim() != len(shape) or any(s is not None and s != a for s, a in zip(shape, x.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(x.shape)}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if integer and (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool):
+        raise TypeError(f"{name}: expected an integer tensor, got dtype {x.dtype}")
+    return x
+
+
+def bad_rows(bad: Tensor) -> list[int]:
+    """Row indices (dim 0) where ``bad`` has any True, at most MAX_ROWS_REPORTED of them."""
+    rows = bad.reshape(bad.shape[0], -1).any(dim=1) if bad.dim() > 1 else bad
+    return torch.nonzero(rows).flatten()[:MAX_ROWS_REPORTED].tolist()
+
+
+def check_finite(name: str, x: Tensor) -> None:
+    """Raise ValueError naming up to 10 rows that hold NaN or inf."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        n = int(bad.reshape(bad.shape[0], -1).any(dim=1).sum()) if x.dim() > 0 else 1
+        raise ValueError(f"{name}: {n} row(s) contain NaN or inf, e.g. rows {bad_rows(bad)}")
+
+
+def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
+    choices = list(choices)
+    if value not in choices:
+        raise ValueError(f"{name}: unknown value {value!r}; valid values are {choices}")
+
+
+def check_range(name: str, value: float, low: float | None = None, high: float | None = None, *,
+                low_inclusive: bool = True, high_inclusive: bool = True) -> None:
+    """Check ``low <(=) value <(=) high``; the message states the interval."""
+    ok = True
+    if low is not None:
+        ok &= value >= low if low_inclusive else value > low
+    if high is not None:
+        ok &= value <= high if high_inclusive else value < high
+    if not ok:
+        lo = ("[" if low_inclusive else "(") + ("-inf" if low is None else f"{low:g}")
+        hi = ("inf" if high is None else f"{high:g}") + ("]" if high_inclusive else ")")
+        raise ValueError(f"{name}: expected a value in {lo}, {hi}, got {value!r}")
+
+
+def check_same_shape(a_name: str, a: Tensor, b_name: str, b: Tensor) -> None:
+    if a.shape != b.shape:
+        raise ValueError(f"{b_name}: expected the shape of {a_name} {list(a.shape)}, got {list(b.shape)}")
