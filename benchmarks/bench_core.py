@@ -1,0 +1,237 @@
+"""Benchmark the core against straightforward references, side by side (issue 2, §3).
+
+    python benchmarks/bench_core.py            # the issue's sizes
+    python benchmarks/bench_core.py --quick    # small smoke run
+
+1. ``otb`` on B = 1024 (64 groups x 16), T in {4096, 16384} vs a per-group/per-step loop
+   (numpy inside a step). The loop is timed on ``--loop-groups`` groups and scaled linearly
+   to 64 (it is linear in the number of groups); the output says so. ``--loop-groups 64``
+   times it fully.
+2. ``maxpo`` for N in {8, 64, 512, 4096}, K = N/4 vs the O(N^2) ReLU-matrix method of the
+   MaxPO paper (App. E); results must agree to 1e-9.
+3. ``token_stats`` on logits [8, 2048, 32000] (fp32, bf16): time vs one ``torch.logsumexp``
+   over the same logits, and peak extra memory vs the naive full-softmax path. Memory is
+   counted per tensor allocation by a dispatch mode (CPU) or by the CUDA allocator.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import weakref
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from creditrl import compute_advantages, maxk_quantities, token_stats
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    """Median wall time of ``repeats`` calls (after one warm-up) and the last result."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        out = fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def row(*cells, widths=(28, 14, 14, 10, 26)):
+    print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)))
+
+
+# ---------------------------------------------------------------------------------- OTB
+
+
+def otb_loop(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, group: np.ndarray,
+             groups: list[int]) -> np.ndarray:
+    """Reference OTB (eq. 8/42): loop over groups and valid steps, numpy over members."""
+    out = np.zeros_like(returns)
+    for gid in groups:
+        members = np.nonzero(group == gid)[0]
+        cols = [np.nonzero(mask[i])[0] for i in members]
+        lengths = np.array([len(c) for c in cols])
+        steps = lengths.max()
+        g = np.zeros((len(members), steps))
+        w = np.zeros((len(members), steps))
+        for m, c in enumerate(cols):
+            g[m, : len(c)] = returns[members[m], c]
+            w[m, : len(c)] = np.cumsum(energy[members[m], c])
+        for t in range(steps):
+            live = lengths > t
+            if live.sum() < 2:
+                continue
+            gs, ws = g[live, t], w[live, t]
+            base = (gs * ws).sum() / ws.sum() if ws.sum() > 0 else gs.mean()
+            for m in np.nonzero(live)[0]:
+                out[members[m], cols[m][t]] = g[m, t] - base
+    return out
+
+
+def bench_otb(num_groups: int, size: int, lengths: list[int], loop_groups: int, device: str):
+    print(f"\n== otb: B = {num_groups * size} ({num_groups} groups x {size}), target >= 20x ==")
+    row("T", "vectorized s", "loop s", "speedup", "max |diff| (checked groups)")
+    gen = torch.Generator().manual_seed(0)
+    for steps in lengths:
+        num = num_groups * size
+        length = torch.randint(steps // 2, steps + 1, (num,), generator=gen)
+        mask = torch.arange(steps)[None, :] < length[:, None]
+        mask &= torch.rand(num, steps, generator=gen) > 0.05              # masked tool-output tokens
+        energy = torch.rand(num, steps, generator=gen) * mask
+        rewards = torch.randint(0, 2, (num,), generator=gen).float()
+        group = torch.arange(num_groups).repeat_interleave(size)[torch.randperm(num, generator=gen)]
+        args = [x.to(device) for x in (rewards, mask, group, energy)]
+        fast_s, fast = timed(lambda: compute_advantages("otb", rewards=args[0], mask=args[1], group=args[2],
+                                                        energy=args[3]), repeats=3)
+        subset = list(range(min(loop_groups, num_groups)))
+        returns = (rewards[:, None] * mask).double().numpy()
+        start = time.perf_counter()
+        ref = otb_loop(returns, energy.double().numpy(), mask.numpy(), group.numpy(), subset)
+        loop_s = (time.perf_counter() - start) * num_groups / len(subset)
+        rows = np.isin(group.numpy(), subset)
+        diff = float(np.abs(fast.cpu().double().numpy()[rows] - ref[rows]).max())
+        note = "" if len(subset) == num_groups else f" (loop: {len(subset)}/{num_groups} groups, x{num_groups / len(subset):g})"
+        row(steps, f"{fast_s:.4f}", f"{loop_s:.2f}", f"{loop_s / fast_s:.0f}x", f"{diff:.1e}{note}")
+
+
+# ---------------------------------------------------------------------------------- MaxPO
+
+
+def binom(n, k) -> torch.Tensor:
+    n, k = torch.as_tensor(n, dtype=torch.float64), torch.as_tensor(k, dtype=torch.float64)
+    log = torch.lgamma(n + 1) - torch.lgamma(k + 1) - torch.lgamma((n - k).clamp(min=0) + 1)
+    return torch.where((k >= 0) & (k <= n), log.exp(), torch.zeros_like(log))
+
+
+def maxpo_relu_matrix(r: torch.Tensor, k: int) -> torch.Tensor:
+    """MaxPO App. E: EI = ReLU-difference matrix @ hypergeometric weights; L2O baseline from the
+    leave-one-out column sums with the pool-without-i weights. O(N^2) time and memory."""
+    n = r.numel()
+    a, order = torch.sort(r.double())
+    q = torch.arange(1, n + 1, dtype=torch.float64, device=r.device)
+    relu = (a[:, None] - a[None, :]).clamp(min=0)
+    ei = relu @ (binom(q - 1, k - 2) / binom(n - 1, k - 1))
+    rank = q[None, :] - (q[None, :] > q[:, None]).double()
+    weights = binom(rank - 1, k - 2) / binom(n - 2, k - 1)
+    weights.fill_diagonal_(0)
+    base = (weights * (relu.sum(0)[None, :] - relu)).sum(1) / (n - 1)
+    return torch.empty_like(ei).index_copy_(0, order, ei - base)
+
+
+def bench_maxpo(sizes: list[int], device: str):
+    print("\n== maxpo: one group of N, K = N/4, vs the O(N^2) ReLU-matrix method; target >= 50x at N = 4096 ==")
+    row("N", "ours s", "O(N^2) s", "speedup", "max |diff| (<= 1e-9)")
+    for n in sizes:
+        k = max(2, n // 4)
+        r = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64).to(device)
+        group = torch.zeros(n, dtype=torch.long, device=device)
+        ours_s, ours = timed(lambda: maxk_quantities(r, group, k).advantage, repeats=5)
+        ref_s, ref = timed(lambda: maxpo_relu_matrix(r, k), repeats=3 if n >= 4096 else 5)
+        diff = float((ours - ref).abs().max())
+        row(n, f"{ours_s:.5f}", f"{ref_s:.5f}", f"{ref_s / ours_s:.1f}x", f"{diff:.1e} {'ok' if diff <= 1e-9 else 'FAIL'}")
+
+
+# ---------------------------------------------------------------------------------- token_stats
+
+
+class PeakMemory(TorchDispatchMode):
+    """Peak bytes of live tensors allocated by ops under the mode (views of inputs excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def _release(self, key: int, size: int):
+        self.live -= size
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key not in self.seen and key not in inputs:
+                    size = t.untyped_storage().nbytes()
+                    self.seen.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._release, key, size)
+        return out
+
+
+def peak_extra_bytes(fn, device: str) -> int:
+    if device.startswith("cuda"):
+        sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        sync()
+        return torch.cuda.max_memory_allocated() - base
+    with PeakMemory() as tracker:
+        fn()
+    return tracker.peak
+
+
+def naive_stats(logits, tokens):
+    """The naive path: a float32 log-softmax over the whole [B,T,V] tensor."""
+    logp_all = torch.log_softmax(logits.float(), -1)
+    probs = logp_all.exp()
+    entropy = -(probs * logp_all).sum(-1)
+    sum_p2 = (probs * probs).sum(-1)
+    logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
+    return logp, entropy, sum_p2, 1 - 2 * logp.exp() + sum_p2
+
+
+def bench_token_stats(shape: tuple[int, int, int], mem_batch: int, device: str):
+    print(f"\n== token_stats on logits {list(shape)}: time vs one torch.logsumexp (target <= 2x), "
+          "peak extra memory vs naive softmax (target <= 1/8) ==")
+    row("dtype", "token_stats s", "logsumexp s", "time ratio", "peak MiB ours/naive (ratio)")
+    num, steps, vocab = shape
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (num, steps), generator=gen).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(shape, generator=gen) * 2).to(dtype).to(device)
+        ours_s, _ = timed(lambda: token_stats(logits, tokens), repeats=3)
+        lse_s, _ = timed(lambda: torch.logsumexp(logits, -1), repeats=3)
+        small, small_tokens = logits[:mem_batch], tokens[:mem_batch]
+        ours_mem = peak_extra_bytes(lambda: token_stats(small, small_tokens), device)
+        naive_mem = peak_extra_bytes(lambda: naive_stats(small, small_tokens), device)
+        del logits
+        note = "" if mem_batch == num else f" [mem on B={mem_batch}]"
+        row(str(dtype).replace("torch.", ""), f"{ours_s:.3f}", f"{lse_s:.3f}", f"{ours_s / lse_s:.2f}x",
+            f"{ours_mem / 2**20:.0f}/{naive_mem / 2**20:.0f} (1/{naive_mem / max(ours_mem, 1):.0f}){note}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--loop-groups", type=int, default=8, help="groups the OTB loop reference is timed on")
+    parser.add_argument("--mem-batch", type=int, default=2,
+                        help="B used for the token_stats memory comparison (the naive path needs ~4x the logits)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    print(f"creditrl bench_core on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.quick:
+        bench_otb(8, 16, [256], loop_groups=8, device=args.device)
+        bench_maxpo([8, 64, 512], args.device)
+        bench_token_stats((2, 128, 4096), mem_batch=2, device=args.device)
+    else:
+        bench_otb(64, 16, [4096, 16384], loop_groups=args.loop_groups, device=args.device)
+        bench_maxpo([8, 64, 512, 4096], args.device)
+        bench_token_stats((8, 2048, 32000), mem_batch=args.mem_batch, device=args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""creditrl inside TRL's GRPO (TRL 1.14-1.16): any creditrl estimator, STAPO, GRPO-λ, rollout correction.
+
+``CreditGRPOTrainer`` changes three things in ``GRPOTrainer`` and nothing else:
+
+1. Rollout (``_generate_and_score_completions``): TRL's advantages are replaced by
+   ``creditrl.compute_advantages(advantage_estimator, rewards, mask, group)`` [B,T], with TRL's
+   prompt groups (``num_generations`` consecutive completions) and the weighted reward sum.
+   Estimators that need the energy w_t (otb, otb_isolated, ogb) get it from one no-grad forward
+   through TRL's fused LM head, which returns log pi(y_t), the entropy and log sum_v pi_v^2 in the
+   same tiled pass (no [B,T,V] logits at all): w_t = 1 - 2 pi(y_t) + sum pi^2 (OTB eq. 7).
+2. Loss (``_compute_loss``): one forward for log-probs and entropies (as TRL), then
+   ``creditrl.policy_loss`` with the clip, KL, STAPO keep-mask (renormalised), GRPO-λ trace and
+   rollout-correction options; TRL's own loss code is not used.
+3. Logging: creditrl's loss metrics (``creditrl/spurious_ratio`` ...) and rollout metrics
+   (``creditrl/variance_proxy``, ``creditrl/energy_mean`` ...) go through TRL's ``_metrics``.
+
+TRL options that have no creditrl counterpart raise at construction (see ``UNSUPPORTED``).
+"""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head
+
+from creditrl._validate import check_choice
+from creditrl.estimators import compute_advantages, list_estimators
+from creditrl.estimators.registry import get_estimator
+from creditrl.groups import GroupIndex
+from creditrl.integrations import energy_from_logp
+from creditrl.losses import ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions, policy_loss, variance_proxy
+
+# TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
+AGG_BY_LOSS_TYPE = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+                    "dr_grpo": "seq-mean-token-sum-norm"}
+MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
+                   "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@dataclass
+class CreditGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus creditrl's options. ``None`` means creditrl's default for that option."""
+
+    advantage_estimator: str = field(default="grpo", metadata={"help": "Any name of creditrl.list_estimators()."})
+    maxk_k: int | None = field(default=None, metadata={"help": "K for maxpo, pkpo, passk_chen, maxk_bon."})
+    estimator_options: dict | str | None = field(
+        default=None, metadata={"help": "Further estimator options (dict or JSON), e.g. {\"normalize\": \"std\"}."})
+    stapo: bool = field(default=False, metadata={"help": "Silence STAPO's spurious tokens (renormalised loss)."})
+    stapo_tau_p: float | None = None
+    stapo_high_entropy_fraction: float | None = None
+    stapo_pool: str | None = None
+    trace_lam: float | None = field(default=None, metadata={"help": "GRPO-λ trace decay λ; None = traces off."})
+    trace_gamma: float | None = None
+    trace_style: str | None = None
+    trace_floor: float | None = None
+    trace_update: str | None = None
+    trace_adv_clamp: float | None = None
+    clip_c: float | None = field(default=None, metadata={"help": "Dual-clip bound c > 1 for A < 0."})
+    kl_estimator: str = field(default="k3", metadata={"help": "KL estimator for beta > 0: k1, k2 or k3."})
+    rollout_correction: str | None = field(
+        default=None, metadata={"help": "tis, mis, seq-tis or seq-mis against the sampler's log-probs (vLLM)."})
+    rollout_cap: float = 2.0
+    log_energy_metrics: bool = field(
+        default=False, metadata={"help": "Compute the energy for estimators that do not need it, for the "
+                                         "variance-proxy metric (one extra no-grad forward per generation)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("advantage_estimator", self.advantage_estimator, list_estimators())
+        check_choice("loss_type", self.loss_type, list(AGG_BY_LOSS_TYPE))
+        check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if isinstance(self.estimator_options, str):
+            self.estimator_options = json.loads(self.estimator_options)
+        self.stapo_options(), self.trace_options()  # validate the STAPO / trace options now
+
+    def estimator_kwargs(self) -> dict:
+        options = dict(self.estimator_options or {})
+        if self.maxk_k is not None:
+            options["k"] = self.maxk_k
+        return options
+
+    def _prefixed(self, cls: type, prefix: str) -> dict:
+        return {f.name: getattr(self, prefix + f.name) for f in fields(cls)
+                if getattr(self, prefix + f.name, None) is not None}
+
+    def stapo_options(self) -> StapoOptions | None:
+        return StapoOptions(**self._prefixed(StapoOptions, "stapo_")) if self.stapo else None
+
+    def trace_options(self) -> TraceOptions | None:
+        return None if self.trace_lam is None else TraceOptions(**self._prefixed(TraceOptions, "trace_"))
+
+
+# GRPOConfig settings whose effect lives in TRL's loss code, which CreditGRPOTrainer replaces.
+UNSUPPORTED = {
+    "importance_sampling_level": ("token", "sequence-level ratios"),
+    "top_entropy_quantile": (1.0, "the entropy mask (use stapo)"),
+    "off_policy_mask_threshold": (None, "off-policy sequence masking"),
+    "delta": (None, "two-sided clipping (use clip_c)"),
+    "entropy_coef": (0.0, "the entropy bonus"),
+    "use_adaptive_entropy": (False, "adaptive entropy control"),
+}
+
+
+class CreditGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose advantages, loss and metrics come from creditrl (module docstring).
+
+    ``last_rollout`` holds the tensors of the latest generation batch on this process (rewards
+    and group ids of all processes; mask, energy, advantages of this process), for inspection.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, CreditGRPOConfig):
+            raise TypeError(f"args: expected a CreditGRPOConfig, got {type(self.args).__name__}")
+        for name, (default, what) in UNSUPPORTED.items():
+            if getattr(self.args, name) != default:
+                raise ValueError(f"{name}: CreditGRPOTrainer computes the loss with creditrl, which has no "
+                                 f"{what}; expected {default!r}, got {getattr(self.args, name)!r}")
+        if self.args.rollout_correction is not None and self.use_vllm and self.vllm_importance_sampling_correction:
+            raise ValueError("rollout_correction: set vllm_importance_sampling_correction=False to use "
+                             f"creditrl's {self.args.rollout_correction!r} instead of TRL's correction")
+        self.estimator = self.args.advantage_estimator
+        self.estimator_kwargs = self.args.estimator_kwargs()
+        self.wants_energy = get_estimator(self.estimator).needs_energy or self.args.log_energy_metrics
+        self.stapo = self.args.stapo_options()
+        self.trace = self.args.trace_options()
+        self.last_rollout: dict[str, Tensor] | None = None
+        # Re-patch TRL's fused LM head so the same tiled pass also returns log sum pi^2.
+        self._policy_module = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        add_fused_lm_head(self._policy_module, temperature=self.temperature,
+                          cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                          outputs=("log_probs", "entropy", "log_sum_sq_probs"))
+
+    # ------------------------------------------------------------------ rollout
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._rewards_per_func = rewards_per_func  # [all processes' completions, reward funcs]
+        return rewards_per_func
+
+    @contextmanager
+    def _capture_log_sum_p2(self):
+        """Collect ``log_sum_sq_probs`` of every fused forward of the policy (forward hook)."""
+        chunks: list[Tensor] = []
+
+        def hook(module, args, output):
+            value = getattr(output, "log_sum_sq_probs", None)
+            if value is not None:
+                chunks.append(value)
+
+        handle = self._policy_module.register_forward_hook(hook)
+        try:
+            yield chunks
+        finally:
+            handle.remove()
+
+    @torch.no_grad()
+    def _rollout_energy(self, output: dict, batch_size: int) -> Tensor:
+        """Energy w_t [B,T] of the completions under the current (rollout) policy."""
+        completion_ids = output["completion_ids"]
+        input_ids = torch.cat([output["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        steps = completion_ids.size(1)
+        with self._capture_log_sum_p2() as chunks:
+            logp, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, steps, batch_size=batch_size,
+                **{k: output[k] for k in MULTIMODAL_KEYS if k in output})
+        return energy_from_logp(logp, torch.cat(chunks, dim=0)[:, -steps:].exp())
+
+    def _gather_rows(self, x: Tensor) -> Tensor:
+        """[B_local, T_local] of every process -> [B_all, T_max] (zero-padded on the right)."""
+        return self.accelerator.gather(self.accelerator.pad_across_processes(x, dim=1, pad_index=0))
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
+        mask = mask.bool()
+        local_rows, steps = mask.shape
+        energy = None
+        if self.wants_energy:
+            batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+            energy = torch.where(mask, self._rollout_energy(output, batch_size), 0.0)
+
+        rewards_per_func = self._rewards_per_func
+        rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)[None]).nansum(dim=1)
+        group = torch.arange(rewards.numel(), device=rewards.device) // group_size
+        all_mask = self._gather_rows(mask.int()).bool()
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        if bool(unscorable.any()):  # every reward func returned None: group-mean reward, advantage 0
+            groups = GroupIndex.from_ids(group)
+            scored = (~unscorable).float()
+            mean = groups.gather(groups.sum(rewards * scored) / groups.sum(scored).clamp(min=1))
+            rewards = torch.where(unscorable, mean, rewards)
+            all_mask = all_mask & ~unscorable[:, None]
+        all_energy = None if energy is None else self._gather_rows(energy)
+        estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
+        advantages = compute_advantages(self.estimator, rewards=rewards, mask=all_mask, group=group,
+                                        energy=estimator_energy, **self.estimator_kwargs)
+        start = self.accelerator.process_index * local_rows
+        advantages = advantages[start:start + local_rows, :steps]
+        output["advantages"] = advantages
+
+        metrics = {"advantage_abs_mean": advantages[mask].abs().mean() if mask.any() else advantages.new_zeros(())}
+        if energy is not None:
+            metrics["energy_mean"] = energy[mask].mean() if mask.any() else energy.new_zeros(())
+            metrics["variance_proxy"] = variance_proxy(advantages, energy, mask)
+        self._log_creditrl(mode, {k: float(v) for k, v in metrics.items()})
+        self.last_rollout = {"rewards": rewards, "group": group, "mask": mask, "energy": energy,
+                             "advantages": advantages, "estimator_mask": all_mask}
+        return output
+
+    # ------------------------------------------------------------------ loss
+    def _compute_loss(self, model, inputs):
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        logp, entropy, aux_loss = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in MULTIMODAL_KEYS})
+        old_logp = inputs.get("old_per_token_logps")
+        advantages = inputs["advantages"]
+        if "importance_sampling_ratio" in inputs:  # TRL's vLLM correction: w >= 0 factors out of the clip
+            advantages = advantages * inputs["importance_sampling_ratio"]
+        loss, metrics = policy_loss(
+            logp, logp.detach() if old_logp is None else old_logp, advantages, mask.bool(),
+            clip_low=self.epsilon_low, clip_high=self.epsilon_high, clip_c=self.args.clip_c,
+            agg=AGG_BY_LOSS_TYPE[self.loss_type],
+            max_len=self.max_completion_length if self.loss_type == "dr_grpo" else None,
+            ref_logp=inputs.get("ref_per_token_logps"), kl_coef=self.beta, kl_estimator=self.args.kl_estimator,
+            rollout_logp=inputs.get("sampling_per_token_logps") if self.args.rollout_correction else None,
+            rollout_correction=self.args.rollout_correction, rollout_cap=self.args.rollout_cap,
+            stapo=self.stapo, entropy=entropy.detach() if self.stapo is not None else None, trace=self.trace)
+        mode = "train" if self.model.training else "eval"
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss / normalizer
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
+        valid = mask.bool()
+        metrics["entropy"] = float(entropy.detach()[valid].mean()) if valid.any() else 0.0
+        self._log_creditrl(mode, metrics)
+        return loss
+
+    def _log_creditrl(self, mode: str, metrics: dict[str, float]) -> None:
+        """Average ``metrics`` over processes (one gather) and queue them in TRL's logger."""
+        keys = sorted(metrics)
+        values = torch.tensor([[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device)
+        for key, value in zip(keys, self.accelerator.gather(values).mean(dim=0).tolist()):
+            self._metrics[mode][f"creditrl/{key}"].append(value)

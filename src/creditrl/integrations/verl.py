@@ -1,0 +1,355 @@
+"""creditrl inside verl 0.9: every estimator as ``creditrl_<name>``, STAPO and GRPO-λ policy losses.
+
+verl imports this module on ``import verl`` through the ``verl.plugins`` entry point declared in
+creditrl's ``pyproject.toml`` (also loadable with ``VERL_USE_EXTERNAL_MODULES`` or
+``actor_rollout_ref.model.external_lib``). Importing it is idempotent: a reload replaces its own
+registrations and refuses names bound to somebody else's function.
+
+- Advantage estimators, verl's convention (``core_algos.register_adv_est``)::
+
+      fn(token_level_rewards [B,T], response_mask [B,T], index: np.ndarray of uids, config, *,
+         old_log_probs=None, sum_pi_squared=None, rollout_is_weights=None, **kwargs)
+        -> (advantages [B,T], returns [B,T])
+
+  Energy w_t = 1 - 2 exp(old_log_probs) + sum_pi_squared (OTB eq. 7); IS weights from
+  ``rollout_is_weights`` (OTB App. D). Estimator options come from ``algorithm.creditrl``
+  (e.g. ``+algorithm.creditrl.k=4`` for maxpo).
+- Policy losses ``creditrl_stapo`` and ``creditrl_grpo_lambda`` (``register_policy_loss``),
+  verl's keyword set ``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+  rollout_is_weights``, built on ``creditrl.policy_loss``; options from ``actor.policy_loss``
+  (``CreditPolicyLossConfig``: ``stapo_*`` and ``trace_*`` fields).
+- Trainer hooks (verl 0.9.1 limitations, see docs/verl.md): its ``compute_advantage`` forwards
+  ``sum_pi_squared``/``old_log_probs``/``rollout_is_weights`` only to its own OTB, and its
+  ``ppo_loss`` never passes the entropy to a policy loss. ``install_trainer_hooks`` wraps both
+  (when their modules are imported) so creditrl's functions receive them.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import importlib.abc
+import inspect
+import sys
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+from verl.trainer.ppo import core_algos
+from verl.workers.config import PolicyLossConfig
+
+from creditrl.estimators import compute_advantages, list_estimators, returns_to_go
+from creditrl.estimators.registry import get_estimator
+from creditrl.estimators.steps import StepIndex
+from creditrl.integrations import energy_from_logp
+from creditrl.losses import StapoOptions, TraceOptions, policy_loss
+
+PREFIX = "creditrl_"
+ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")
+POLICY_LOSSES = ("creditrl_stapo", "creditrl_grpo_lambda")
+_MARK = "__creditrl__"  # attribute naming the creditrl object a verl-side function stands for
+
+
+# ----------------------------------------------------------------------------- estimators
+def group_ids(index: Any, batch_size: int, device: torch.device) -> Tensor:
+    """verl's ``index`` (numpy object array of uids, or None) -> dense int64 group ids [B]."""
+    if index is None:
+        raise ValueError("index: expected the prompt uids [B] (data.non_tensor_batch['uid']), got None")
+    index = np.asarray(index)
+    if index.shape != (batch_size,):
+        raise ValueError(f"index: expected shape [{batch_size}], got {list(index.shape)}")
+    return torch.from_numpy(np.unique(index, return_inverse=True)[1].reshape(-1)).to(device)
+
+
+def estimator_options(config: Any) -> dict:
+    """Options for creditrl's estimator: the ``creditrl`` node of verl's algorithm config."""
+    node = None if config is None else config.get("creditrl", None)
+    return {} if node is None else {str(k): v for k, v in dict(node).items()}
+
+
+def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """verl-convention wrapper of creditrl's estimator ``name`` (see module docstring)."""
+    needs_energy = get_estimator(name).needs_energy
+
+    def estimator(token_level_rewards: Tensor, response_mask: Tensor, index: np.ndarray | None = None,
+                  config: Any = None, *, old_log_probs: Tensor | None = None,
+                  sum_pi_squared: Tensor | None = None, rollout_is_weights: Tensor | None = None,
+                  **kwargs) -> tuple[Tensor, Tensor]:
+        energy = None if old_log_probs is None or sum_pi_squared is None else energy_from_logp(
+            old_log_probs, sum_pi_squared)
+        if needs_energy and energy is None:
+            raise ValueError(
+                f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; set "
+                "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
+                "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
+        mask = response_mask.bool()
+        rewards = torch.where(mask, token_level_rewards.float(), 0.0)
+        options = estimator_options(config)
+        with torch.no_grad():
+            advantages = compute_advantages(
+                name, rewards=rewards, mask=mask,
+                group=group_ids(index, mask.shape[0], mask.device), energy=energy,
+                is_weights=rollout_is_weights if energy is not None else None, **options)
+            returns = returns_to_go(rewards, StepIndex.from_mask(mask), float(options.get("gamma", 1.0)))
+        return advantages, returns
+
+    estimator.__name__ = estimator.__qualname__ = f"compute_{PREFIX}{name}_advantage"
+    estimator.__doc__ = f"creditrl estimator {name!r} ({get_estimator(name).doc}) in verl's calling convention."
+    setattr(estimator, _MARK, name)
+    return estimator
+
+
+def _register(registry: dict, name: str, fn: Callable, register: Callable) -> None:
+    """Bind ``name`` to ``fn``, replacing an earlier creditrl binding (module reloads)."""
+    old = registry.get(name)
+    if old is not None and old is not fn:
+        if getattr(old, _MARK, None) is None:
+            raise ValueError(f"verl already binds {name!r} to {old!r}, which is not creditrl's; "
+                             "refusing to replace it")
+        del registry[name]
+    register(name)(fn)
+
+
+def register_estimators() -> list[str]:
+    """Register every creditrl estimator as ``creditrl_<name>``; return the verl names."""
+    names = []
+    for name in list_estimators():
+        _register(core_algos.ADV_ESTIMATOR_REGISTRY, PREFIX + name, make_adv_estimator(name),
+                  core_algos.register_adv_est)
+        names.append(PREFIX + name)
+    return names
+
+
+# ----------------------------------------------------------------------------- policy losses
+def _prefixed_fields(cls: type, prefix: str) -> list[tuple]:
+    """(``<prefix><field>``, Any, default) for each field of an options dataclass (None if required)."""
+    return [(prefix + f.name, Any, dataclasses.field(default=None if f.default is dataclasses.MISSING else f.default))
+            for f in dataclasses.fields(cls)]
+
+
+# PolicyLossConfig plus STAPO (``stapo_*``) and GRPO-λ (``trace_*``) fields, defaults taken from
+# creditrl's StapoOptions / TraceOptions; ``trace_lam`` has no default and must be set.
+CreditPolicyLossConfig = dataclasses.make_dataclass(
+    "CreditPolicyLossConfig",
+    _prefixed_fields(StapoOptions, "stapo_") + _prefixed_fields(TraceOptions, "trace_"),
+    bases=(PolicyLossConfig,))
+CreditPolicyLossConfig.__module__ = __name__  # importable by hydra's _target_ and picklable for Ray
+CreditPolicyLossConfig.__doc__ = ("verl's PolicyLossConfig plus creditrl's STAPO (stapo_*) and GRPO-λ "
+                                  "(trace_*) options; select it with actor.policy_loss._target_.")
+
+
+def _options_from(node: Any, cls: type, prefix: str, required: tuple[str, ...] = ()):
+    """Build ``cls`` from the ``<prefix><field>`` keys of a verl config node."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = node.get(prefix + f.name, None) if node is not None else None
+        if value is not None:
+            values[f.name] = value
+    missing = [prefix + n for n in required if n not in values]
+    if missing:
+        raise ValueError(f"actor.policy_loss: missing {missing}; use "
+                         f"_target_={__name__}.CreditPolicyLossConfig and set them (docs/verl.md)")
+    return cls(**values)
+
+
+_ENTROPY: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("creditrl_entropy", default=None)
+
+
+@contextlib.contextmanager
+def token_entropy(entropy: Tensor | None):
+    """Make the padded token entropies [B,T] visible to creditrl's policy losses inside the block
+    (verl's policy-loss signature has no entropy; ``wrap_ppo_loss`` uses this around each call)."""
+    token = _ENTROPY.set(entropy)
+    try:
+        yield
+    finally:
+        _ENTROPY.reset(token)
+
+
+def global_scale(loss: Tensor, mask: Tensor, mode: str, info: dict) -> Tensor:
+    """Rescale a micro-batch loss aggregated by creditrl to verl's global-batch normalisation.
+
+    verl divides by the global token count (``batch_num_tokens``) or sequence count
+    (``global_batch_size``) and multiplies by ``dp_size`` so gradients are invariant to the
+    micro-batch split (``core_algos.agg_loss``); creditrl normalised by the local counts.
+    """
+    dp_size = info.get("dp_size", 1) or 1
+    tokens = mask.sum()
+    if mode == "token-sum":
+        return loss * tokens * dp_size
+    if mode == "token-mean":
+        total = info.get("batch_num_tokens")
+        return loss if total is None else loss * tokens / total * dp_size
+    seqs = mask.shape[0] if mode == "seq-mean-token-sum-norm" else (mask.sum(-1) > 0).sum()
+    total = info.get("global_batch_size")
+    return loss if total is None else loss * seqs / total * dp_size
+
+
+def _verl_policy_loss(*, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                      loss_agg_mode: str, config: Any, rollout_is_weights: Tensor | None, stapo: Any,
+                      trace: Any) -> tuple[Tensor, dict[str, Any]]:
+    """Shared body of the registered losses: verl config -> creditrl.policy_loss -> verl scale."""
+    if config is None:
+        raise ValueError("config: expected verl's ActorConfig, got None")
+    clip = config.get("clip_ratio", 0.2)
+    low, high = config.get("clip_ratio_low", None), config.get("clip_ratio_high", None)
+    mask = response_mask.bool()
+    if rollout_is_weights is not None:
+        # w >= 0 factors out of PPO's min/max and keeps the sign of A (so the STAPO and clip
+        # decisions): scaling A by w equals verl's pg_losses * rollout_is_weights.
+        advantages = advantages * rollout_is_weights.detach()
+    info = dict(config.get("global_batch_info", None) or {})
+    agg = "token-mean" if loss_agg_mode == "token-sum" else loss_agg_mode
+    max_len = config.get("loss_scale_factor", None) if agg == "seq-mean-token-sum-norm" else None
+    entropy = _ENTROPY.get()
+    if stapo is not None and entropy is None:
+        raise ValueError("creditrl_stapo: needs the token entropies; set actor_rollout_ref.actor."
+                         "calculate_entropy=True and keep creditrl's trainer hook installed (docs/verl.md)")
+    loss, metrics = policy_loss(
+        log_prob, old_log_prob, advantages, mask, clip_low=low if low is not None else clip,
+        clip_high=high if high is not None else clip, clip_c=config.get("clip_ratio_c", 3.0), agg=agg,
+        max_len=int(max_len) if max_len is not None else None, stapo=stapo,
+        entropy=None if entropy is None else entropy.detach(), trace=trace)
+    loss = global_scale(loss, mask, loss_agg_mode, info)
+    return loss, {f"actor/creditrl/{k}": v for k, v in metrics.items()}
+
+
+def compute_policy_loss_stapo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                              loss_agg_mode: str = "token-mean", config: Any = None,
+                              rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
+    """STAPO (S2T mask §3.3, renormalised eq. 1) on the clipped PPO loss, verl's signature."""
+    stapo = _options_from(config.get("policy_loss", None) if config is not None else None, StapoOptions, "stapo_")
+    return _verl_policy_loss(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                             response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
+                             rollout_is_weights=rollout_is_weights, stapo=stapo, trace=None)
+
+
+def compute_policy_loss_grpo_lambda(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
+                                    response_mask: Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
+                                    rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
+    """GRPO-λ traces (Theorem 1, eq. 1-2; App. A.3) on the clipped PPO loss, verl's signature."""
+    node = config.get("policy_loss", None) if config is not None else None
+    trace = _options_from(node, TraceOptions, "trace_", required=("lam",))
+    return _verl_policy_loss(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                             response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
+                             rollout_is_weights=rollout_is_weights, stapo=None, trace=trace)
+
+
+def register_policy_losses() -> list[str]:
+    for name, fn in zip(POLICY_LOSSES, (compute_policy_loss_stapo, compute_policy_loss_grpo_lambda)):
+        setattr(fn, _MARK, name)
+        _register(core_algos.POLICY_LOSS_REGISTRY, name, fn, core_algos.register_policy_loss)
+    return list(POLICY_LOSSES)
+
+
+# ----------------------------------------------------------------------------- trainer hooks
+def wrap_compute_advantage(original: Callable) -> Callable:
+    """``ray_trainer.compute_advantage`` that also hands creditrl estimators the actor's
+    ``sum_pi_squared``, ``old_log_probs`` and ``rollout_is_weights`` (verl passes them to its OTB only)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def compute_advantage(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        data, name = bound.arguments["data"], bound.arguments["adv_estimator"]
+        name = getattr(name, "value", name)
+        if not (isinstance(name, str) and name.startswith(PREFIX)):
+            return original(*args, **kwargs)
+        batch = data.batch
+        if "response_mask" not in batch.keys():
+            return original(*args, **kwargs)  # verl fills it and calls us without the energy
+        extra = {k: batch[k] for k in ENERGY_KEYS if k in batch.keys()}
+        fn = core_algos.get_adv_estimator_fn(name)
+        batch["advantages"], batch["returns"] = fn(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=data.non_tensor_batch.get("uid"), config=bound.arguments["config"], **extra)
+        return data
+
+    setattr(compute_advantage, _MARK, original)
+    return compute_advantage
+
+
+def wrap_ppo_loss(original: Callable) -> Callable:
+    """``verl.workers.utils.losses.ppo_loss`` that exposes the padded token entropies to
+    creditrl's policy losses for the duration of the call (verl does not pass them)."""
+
+    @functools.wraps(original)
+    def ppo_loss(config, model_output, data, dp_group=None):
+        entropy = model_output.get("entropy", None)
+        if entropy is not None:
+            from verl.workers.utils.padding import no_padding_2_padding
+            entropy = no_padding_2_padding(entropy, data)
+        with token_entropy(entropy):
+            return original(config, model_output, data, dp_group)
+
+    setattr(ppo_loss, _MARK, original)
+    return ppo_loss
+
+
+HOOKS = {  # module -> (attribute, wrapper factory)
+    "verl.trainer.ppo.ray_trainer": ("compute_advantage", wrap_compute_advantage),
+    "verl.workers.utils.losses": ("ppo_loss", wrap_ppo_loss),
+}
+
+
+def _patch(module_name: str) -> None:
+    """Wrap the hooked function of ``module_name`` and rebind every imported alias of it."""
+    attr, factory = HOOKS[module_name]
+    current = getattr(sys.modules[module_name], attr)
+    original = getattr(current, _MARK, current)  # unwrap an earlier creditrl wrapper (reload)
+    wrapped = factory(original)
+    for name, module in list(sys.modules.items()):
+        bound = vars(module).get(attr) if name.startswith("verl.") and module is not None else None
+        if bound is original or bound is current:  # vars(): never trigger a lazy module's __getattr__
+            setattr(module, attr, wrapped)
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _patch(module.__name__)
+
+    def __getattr__(self, name):  # get_source, get_code, ... of the real loader
+        return getattr(self.loader, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Wraps the hooked functions right after their module executes, before anyone imports them
+    by name (``from ...losses import ppo_loss`` in verl's workers), so no verl module is imported early."""
+
+    creditrl_hook = True
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in HOOKS:
+            return None
+        for finder in sys.meta_path:
+            if getattr(finder, "creditrl_hook", False) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader)
+                return spec
+        return None
+
+
+def install_trainer_hooks() -> None:
+    """Install the two trainer hooks (idempotent): now for imported modules, else at their import."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "creditrl_hook", False)]
+    sys.meta_path.insert(0, _PatchOnImport())
+    for module_name in HOOKS:
+        if module_name in sys.modules:
+            _patch(module_name)
+
+
+register_estimators()
+register_policy_losses()
+install_trainer_hooks()

@@ -1,0 +1,57 @@
+"""Loss aggregation: reduce a per-token loss matrix [B,T] to a scalar over kept tokens.
+
+The keep-mask may be any subset of the valid tokens (e.g. valid ∧ not silenced): every
+denominator counts kept tokens only, which is STAPO's renormalisation (STAPO eq. 1).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from creditrl._validate import check_choice, check_range, check_tensor
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def as_mask(name: str, mask: object, shape: torch.Size | tuple[int, ...]) -> Tensor:
+    """Check a [B,T] mask (bool, or numeric holding only 0/1) against ``shape``; return it as bool."""
+    mask = check_tensor(name, mask, shape=list(shape))
+    if mask.dtype == torch.bool:
+        return mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
+                         f"(dtype {mask.dtype})")
+    return mask != 0
+
+
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
+    """Aggregate a per-token loss ``loss_mat`` [B,T] over the kept tokens of ``mask`` [B,T].
+
+    Modes (n_b = kept tokens of response b, S = responses with n_b > 0):
+
+    - ``token-mean``:              Σ_{b,t} ℓ / Σ_b n_b                     (DAPO; STAPO eq. 1)
+    - ``seq-mean-token-mean``:     (1/|S|) Σ_{b∈S} (1/n_b) Σ_t ℓ          (GRPO)
+    - ``seq-mean-token-sum``:      (1/|S|) Σ_{b∈S} Σ_t ℓ
+    - ``seq-mean-token-sum-norm``: Σ_{b,t} ℓ / (B · max_len), max_len = T by default (Dr.GRPO)
+
+    Masked entries never reach the result, even when they hold NaN/inf. With no kept token
+    the result is 0 (still attached to the graph, so ``backward`` works and gives zero grads).
+    """
+    loss_mat = check_tensor("loss_mat", loss_mat, ndim=2, floating=True)
+    keep = as_mask("mask", mask, loss_mat.shape)
+    check_choice("mode", mode, AGG_MODES)
+    if max_len is not None:
+        if isinstance(max_len, bool) or not isinstance(max_len, int):
+            raise TypeError(f"max_len: expected an int, got {type(max_len).__name__}")
+        check_range("max_len", max_len, 1)
+    kept_loss = torch.where(keep, loss_mat, loss_mat.new_zeros(()))
+    if mode == "token-mean":
+        return kept_loss.sum() / keep.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        num_rows = max(loss_mat.shape[0], 1)
+        return kept_loss.sum() / (num_rows * (max_len if max_len is not None else loss_mat.shape[1]))
+    tokens = keep.sum(dim=-1)
+    seq_loss = kept_loss.sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        seq_loss = seq_loss / tokens.clamp(min=1)
+    return seq_loss.sum() / (tokens > 0).sum().clamp(min=1)

@@ -1,0 +1,100 @@
+"""STAPO spurious-token silencing (S2T mask, STAPO §3.3, Algorithm 1, Remark 3.5).
+
+A valid token is spurious — silenced — iff its advantage is positive, π(y_t) < τ_p and its
+entropy is below τ_h. τ_p is an absolute probability (Remark 3.5: never a quantile); τ_h is
+the (1 − high_entropy_fraction) quantile (linear interpolation, as ``numpy.quantile``) of the
+entropies of the tokens in ``pool`` within the mini-batch: with the default 0.2 only the top
+20% by entropy count as high-entropy (§5.3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
+from creditrl.losses.aggregation import as_mask
+
+STAPO_POOLS = ("valid", "candidates")
+
+
+@dataclass(frozen=True)
+class StapoOptions:
+    """STAPO thresholds: absolute probability ``tau_p``, entropy quantile from
+    ``high_entropy_fraction`` over ``pool`` ("valid" or "candidates")."""
+
+    tau_p: float = 2e-3
+    high_entropy_fraction: float = 0.2
+    pool: str = "valid"
+
+    def __post_init__(self):
+        check_stapo_args(self.tau_p, self.high_entropy_fraction, self.pool)
+
+
+def check_stapo_args(tau_p: float, high_entropy_fraction: float, pool: str) -> None:
+    check_range("tau_p", tau_p, 0.0, 1.0, low_inclusive=False, high_inclusive=False)
+    check_range("high_entropy_fraction", high_entropy_fraction, 0.0, 1.0, low_inclusive=False)
+    check_choice("pool", pool, STAPO_POOLS)
+
+
+def token_advantages(advantages: Tensor, like: Tensor, like_name: str = "logp") -> Tensor:
+    """Broadcast advantages [B] or [B,T] to the [B,T] shape of ``like`` (validated)."""
+    advantages = check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
+    if advantages.dim() == 1:
+        if advantages.shape[0] != like.shape[0]:
+            raise ValueError(f"advantages: expected shape [{like.shape[0]}] or {list(like.shape)}, "
+                             f"got {list(advantages.shape)}")
+        return advantages[:, None].expand_as(like)
+    check_same_shape(like_name, like, "advantages", advantages)
+    return advantages
+
+
+def pool_quantile(values: Tensor, in_pool: Tensor, q: float) -> Tensor | None:
+    """Linear-interpolation quantile (as ``numpy.quantile``) of ``values`` where ``in_pool``;
+    None for an empty pool. Two O(n) selections over the whole tensor with non-pool entries
+    set to +inf (no boolean indexing; ``torch.quantile`` refuses more than 2^24 elements)."""
+    count = int(in_pool.sum())
+    if count == 0:
+        return None
+    flat = torch.where(in_pool, values, torch.inf).flatten()
+    pos = q * (count - 1)
+    low = math.floor(pos)
+    high = min(low + 1, count - 1)
+    v_low = flat.kthvalue(low + 1).values
+    v_high = flat.kthvalue(high + 1).values if high != low else v_low
+    return v_low + (pos - low) * (v_high - v_low)
+
+
+def silence_keep_mask(logp: Tensor, entropy: Tensor, adv: Tensor, valid: Tensor,
+                      opts: "StapoOptions") -> Tensor:
+    """S2T keep-mask from validated [B,T] inputs (``adv`` per token, ``valid`` bool)."""
+    entropy = entropy.detach().float()
+    check_finite("entropy", torch.where(valid, entropy, 0.0))
+    candidates = valid & (adv > 0) & (logp.detach() < math.log(opts.tau_p))
+    in_pool = valid if opts.pool == "valid" else candidates
+    threshold = pool_quantile(entropy, in_pool, 1.0 - opts.high_entropy_fraction)
+    if threshold is None:
+        return valid.clone()
+    return valid & ~(candidates & (entropy < threshold))
+
+
+@torch.no_grad()
+def spurious_token_mask(logp: Tensor, entropy: Tensor, advantages: Tensor, mask: Tensor, *,
+                        tau_p: float = 2e-3, high_entropy_fraction: float = 0.2,
+                        pool: str = "valid") -> Tensor:
+    """Keep-mask [B,T] bool: ``mask ∧ ¬spurious`` (True = the token stays in the loss).
+
+    logp, entropy: [B,T] current-policy log π(y_t) and entropy H_t (detached here);
+    advantages: [B] or [B,T]; mask: [B,T] valid tokens.
+    spurious_t = A_t > 0 ∧ π(y_t) < tau_p ∧ H_t < quantile_{1−high_entropy_fraction}(H[pool])
+    (STAPO §3.3 S2T mask). An empty pool silences nothing.
+    """
+    logp = check_tensor("logp", logp, ndim=2, floating=True)
+    entropy = check_tensor("entropy", entropy, floating=True)
+    check_same_shape("logp", logp, "entropy", entropy)
+    valid = as_mask("mask", mask, logp.shape)
+    adv = token_advantages(advantages, logp)
+    opts = StapoOptions(tau_p, high_entropy_fraction, pool)
+    return silence_keep_mask(logp, entropy, adv, valid, opts)

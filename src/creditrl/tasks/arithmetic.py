@@ -1,0 +1,95 @@
+"""Addition and multiplication: prompts like ``"37+45="``, answers checked exactly.
+
+Character-level by design (a tiny model reads and writes one digit per token). The
+multiplication scratchpad writes every partial product, so responses run to tens of
+tokens and token-level credit matters; only the number after the last ``"="`` is scored.
+"""
+from __future__ import annotations
+
+import random
+
+from creditrl._validate import check_range
+from creditrl.tasks.base import Problem, ProceduralTask
+
+DIGITS = "0123456789"
+
+
+def _check_digits(digits: object, high: int) -> None:
+    if not isinstance(digits, int) or isinstance(digits, bool):
+        raise TypeError(f"digits: expected an int, got {type(digits).__name__}")
+    check_range("digits", digits, 1, high)
+
+
+def exact(text: str, answer: str) -> float:
+    """1.0 iff ``text`` equals ``answer`` up to surrounding whitespace."""
+    return float(isinstance(text, str) and text.strip() == answer)
+
+
+class Addition(ProceduralTask):
+    """``a+b=`` with ``a, b`` uniform in ``[0, 10**digits)``; response ``str(a+b)``."""
+
+    name = "addition"
+
+    def __init__(self, digits: int = 2, *, seed: int = 0, test_size: int = 200):
+        _check_digits(digits, 9)
+        super().__init__(seed=seed, test_size=test_size, digits=digits)
+        self.digits = digits
+
+    def space_size(self) -> int:
+        return 10 ** (2 * self.digits)
+
+    def generate(self, rng: random.Random) -> Problem:
+        a, b = rng.randrange(10 ** self.digits), rng.randrange(10 ** self.digits)
+        return Problem(f"{a}+{b}=", str(a + b), {"a": a, "b": b})
+
+    def reward(self, problem: Problem, response: str) -> float:
+        return exact(response, problem.answer)
+
+    def sft_target(self, problem: Problem) -> str:
+        return problem.answer
+
+    def alphabet(self) -> str:
+        return DIGITS + "+="
+
+
+class Multiplication(ProceduralTask):
+    """``a*b=`` with ``digits``-digit operands. With ``scratchpad`` the response lists the
+    partial products by digit of ``b`` then their sum, e.g. for ``37*45=``::
+
+        37*5=185,37*40=1480,185+1480=1665
+    """
+
+    name = "multiplication"
+
+    def __init__(self, digits: int = 2, scratchpad: bool = True, *, seed: int = 0, test_size: int = 200):
+        _check_digits(digits, 4)
+        if not isinstance(scratchpad, bool):
+            raise TypeError(f"scratchpad: expected a bool, got {scratchpad!r}")
+        super().__init__(seed=seed, test_size=test_size, digits=digits, scratchpad=scratchpad)
+        self.digits, self.scratchpad = digits, scratchpad
+
+    def space_size(self) -> int:
+        return (9 * 10 ** (self.digits - 1)) ** 2
+
+    def generate(self, rng: random.Random) -> Problem:
+        low, high = 10 ** (self.digits - 1), 10 ** self.digits
+        a, b = rng.randrange(low, high), rng.randrange(low, high)
+        return Problem(f"{a}*{b}=", str(a * b), {"a": a, "b": b})
+
+    def final_answer(self, response: str) -> str:
+        return response.rsplit("=", 1)[-1] if self.scratchpad else response
+
+    def reward(self, problem: Problem, response: str) -> float:
+        return exact(self.final_answer(response), problem.answer) if isinstance(response, str) else 0.0
+
+    def sft_target(self, problem: Problem) -> str:
+        if not self.scratchpad:
+            return problem.answer
+        a, b = problem.meta["a"], problem.meta["b"]
+        shifted = [int(d) * 10 ** i for i, d in enumerate(reversed(str(b)))]
+        steps = [f"{a}*{s}={a * s}" for s in shifted]
+        total = "+".join(str(a * s) for s in shifted)
+        return ",".join(steps + [f"{total}={a * b}"])
+
+    def alphabet(self) -> str:
+        return DIGITS + "*=+,"

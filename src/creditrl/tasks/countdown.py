@@ -1,0 +1,100 @@
+"""Countdown: reach a target from 3–5 given numbers with + − × ÷ and parentheses.
+
+Prompt ``"3,5,7:50="`` (numbers, target); the response is an expression such as ``"(3+7)*5"``.
+Reward 1 iff the expression parses with the safe parser, uses only given numbers, each at
+most as often as given, and equals the target exactly. Every instance is solvable: the
+target is the value of a random expression over all the numbers (kept as ``sft_target``).
+Many answers are valid, so pass@k is meaningful.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from fractions import Fraction
+
+from creditrl._validate import check_range
+from creditrl.tasks.base import Problem, ProceduralTask
+from creditrl.tasks.safe_math import literals, safe_eval
+
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def _render(node) -> str:
+    """Infix text of a (value, op, left, right) tree with only the parentheses needed."""
+    value, op, left, right = node
+    if op is None:
+        return str(value)
+
+    def child(sub, is_right: bool) -> str:
+        text = _render(sub)
+        sub_op = sub[1]
+        if sub_op is not None and (_PREC[sub_op] < _PREC[op] or (is_right and _PREC[sub_op] == _PREC[op] and op in "-/")):
+            return f"({text})"
+        return text
+
+    return child(left, False) + op + child(right, True)
+
+
+def _combine(a, b, op: str):
+    """Node for ``a op b`` if it stays a positive integer, else None."""
+    x, y = a[0], b[0]
+    value = {"+": x + y, "-": x - y, "*": x * y, "/": Fraction(x, y)}[op]
+    if value <= 0 or Fraction(value).denominator != 1:
+        return None
+    return (int(value), op, a, b)
+
+
+class Countdown(ProceduralTask):
+    name = "countdown"
+
+    def __init__(self, n_numbers: int = 3, max_number: int = 20, max_target: int = 200, *,
+                 seed: int = 0, test_size: int = 200):
+        for arg, value, low, high in (("n_numbers", n_numbers, 3, 5), ("max_number", max_number, 2, 10_000),
+                                      ("max_target", max_target, 2, 10 ** 9)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
+            check_range(arg, value, low, high)
+        super().__init__(seed=seed, test_size=test_size, n_numbers=n_numbers,
+                         max_number=max_number, max_target=max_target)
+        self.n_numbers, self.max_number, self.max_target = n_numbers, max_number, max_target
+
+    def _random_tree(self, numbers: list[int], rng: random.Random):
+        items = [(n, None, None, None) for n in numbers]
+        while len(items) > 1:
+            a, b = rng.sample(items, 2)
+            ops = ["+", "-", "*", "/"]
+            rng.shuffle(ops)
+            node = next((n for op in ops if (n := _combine(a, b, op)) is not None), None)
+            if node is None:
+                return None
+            items.remove(a)
+            items.remove(b)
+            items.append(node)
+        return items[0]
+
+    def generate(self, rng: random.Random) -> Problem:
+        while True:  # almost always succeeds in a few tries (a + b is always valid)
+            numbers = [rng.randint(1, self.max_number) for _ in range(self.n_numbers)]
+            tree = self._random_tree(numbers, rng)
+            if tree is not None and tree[0] <= self.max_target:
+                break
+        prompt = ",".join(map(str, numbers)) + f":{tree[0]}="
+        return Problem(prompt, str(tree[0]), {"numbers": numbers, "target": tree[0], "solution": _render(tree)})
+
+    def reward(self, problem: Problem, response: str) -> float:
+        if not isinstance(response, str):
+            return 0.0
+        value = safe_eval(response)
+        used = literals(response)
+        if value is None or used is None or value != problem.meta["target"]:
+            return 0.0
+        if any(x.denominator != 1 for x in used):
+            return 0.0
+        allowed = Counter(problem.meta["numbers"])
+        return float(not (Counter(int(x) for x in used) - allowed))
+
+    def sft_target(self, problem: Problem) -> str:
+        return problem.meta["solution"]
+
+    def alphabet(self) -> str:
+        return "0123456789+-*/(),:="

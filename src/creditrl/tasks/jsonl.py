@@ -1,0 +1,163 @@
+"""The user's own data: a local JSONL or Parquet file with prompt/answer columns.
+
+Loaded with ``datasets`` (local files only), split into train/test deterministically by
+``seed``. Checkers: ``exact`` (string equality up to surrounding whitespace), ``numeric``
+(the last number of the response within ``tolerance`` of the answer), ``math``
+(math-verify parse + verify, for LaTeX/boxed answers) or ``"pkg.module:function"`` called as
+``fn(prompt, response, answer) -> float``. A checker never raises on model output: errors
+inside a user function count as reward 0 and are reported once as a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import math
+import random
+import re
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from creditrl._validate import check_range
+from creditrl.tasks.base import Problem
+
+CHECKERS = ("exact", "numeric", "math")
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def check_exact(prompt: str, response: str, answer: str) -> float:
+    return float(response.strip() == answer.strip())
+
+
+def _last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text.replace(",", ""))
+    try:
+        return float(found[-1]) if found else None
+    except (ValueError, OverflowError):
+        return None
+
+
+def make_numeric(tolerance: float) -> Callable[[str, str, str], float]:
+    def check_numeric(prompt: str, response: str, answer: str) -> float:
+        got, want = _last_number(response), _last_number(answer)
+        if got is None or want is None or not math.isfinite(got):
+            return 0.0
+        return float(math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance))
+    return check_numeric
+
+
+def check_math(prompt: str, response: str, answer: str) -> float:
+    """math-verify: parse both sides (LaTeX, ``\\boxed{}``, plain expressions) and compare."""
+    from math_verify import parse, verify
+
+    # math-verify's timeouts use SIGALRM, which only works on the main thread.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+    try:
+        return float(verify(parse(gold, parsing_timeout=timeout), parse(response, parsing_timeout=timeout),
+                            timeout_seconds=timeout))
+    except Exception:  # noqa: BLE001 - malformed model output is reward 0, never a crash
+        return 0.0
+
+
+def resolve_checker(checker: str, tolerance: float) -> Callable[[str, str, str], float]:
+    """A checker name or ``"pkg.module:function"`` -> ``fn(prompt, response, answer)``."""
+    if not isinstance(checker, str):
+        raise TypeError(f"checker: expected a str, got {type(checker).__name__}")
+    if checker == "exact":
+        return check_exact
+    if checker == "numeric":
+        return make_numeric(tolerance)
+    if checker == "math":
+        return check_math
+    if ":" not in checker:
+        raise ValueError(f"checker: unknown value {checker!r}; valid values are {list(CHECKERS)} "
+                         "or 'package.module:function'")
+    module_name, _, attr = checker.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"checker: cannot import {checker!r} ({err})") from err
+    if not callable(fn):
+        raise TypeError(f"checker: {checker!r} is not callable")
+    return fn
+
+
+class JsonlTask:
+    """Prompt/answer pairs from a local file; ``sample`` draws from the train split."""
+
+    name = "jsonl"
+    max_tool_calls = 0
+    tool_stop = None
+
+    def __init__(self, path: str, checker: str = "exact", prompt_key: str = "prompt",
+                 answer_key: str = "answer", test_fraction: float = 0.1, tolerance: float = 1e-6,
+                 *, seed: int = 0, test_size: int | None = None):
+        import datasets
+
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise FileNotFoundError(f"path: no such file {str(file)!r} (expected a local .jsonl/.json/.parquet file)")
+        fmt = FORMATS.get(file.suffix.lower())
+        if fmt is None:
+            raise ValueError(f"path: expected a file ending in {sorted(FORMATS)}, got {file.name!r}")
+        check_range("test_fraction", test_fraction, 0, 1, low_inclusive=False, high_inclusive=False)
+        check_range("tolerance", tolerance, 0)
+        self._check = resolve_checker(checker, tolerance)
+        self.options = {"path": str(file), "checker": checker, "prompt_key": prompt_key, "answer_key": answer_key,
+                        "test_fraction": test_fraction, "tolerance": tolerance, "seed": seed, "test_size": test_size}
+        self._digest = hashlib.sha256(file.read_bytes()).hexdigest()
+
+        data = datasets.load_dataset(fmt, data_files=str(file), split="train")
+        for arg, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
+            if key not in data.column_names:
+                raise ValueError(f"{arg}: column {key!r} not in {file.name}; columns are {data.column_names}")
+        problems = [Problem(str(p), str(a)) for p, a in zip(data[prompt_key], data[answer_key])]
+        if len(problems) < 2:
+            raise ValueError(f"path: expected at least 2 rows to split into train/test, got {len(problems)}")
+        order = list(range(len(problems)))
+        random.Random(seed).shuffle(order)
+        n_test = min(len(problems) - 1, max(1, round(test_fraction * len(problems))))
+        if test_size is not None:
+            n_test = min(n_test, test_size)
+        self._test = [problems[i] for i in order[:n_test]]
+        self._train = [problems[i] for i in order[n_test:]]
+        self._warned = False
+
+    def sample(self, rng: random.Random) -> Problem:
+        return rng.choice(self._train)
+
+    def test_set(self) -> list[Problem]:
+        return list(self._test)
+
+    def train_set(self) -> list[Problem]:
+        return list(self._train)
+
+    def reward(self, problem: Problem, response: str) -> float:
+        if not isinstance(response, str):
+            return 0.0
+        try:
+            value = float(self._check(problem.prompt, response, problem.answer))
+        except Exception as err:  # noqa: BLE001 - a user checker bug must not kill training
+            value = math.nan
+            if not self._warned:
+                warnings.warn(f"checker {self.options['checker']!r} raised {err!r}; counting reward 0", stacklevel=2)
+                self._warned = True
+        return value if math.isfinite(value) else 0.0
+
+    def tool_output(self, response_so_far: str) -> str | None:
+        return None
+
+    def sft_target(self, problem: Problem) -> str:
+        return problem.answer
+
+    def alphabet(self) -> str:
+        return "".join(sorted({c for p in self._train + self._test for c in p.prompt + p.answer}))
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options, "data_sha256": self._digest}
+
+    def __repr__(self) -> str:
+        return f"JsonlTask({self.options['path']!r}, checker={self.options['checker']!r})"

@@ -1,0 +1,161 @@
+"""Per-token statistics of the sampling distribution, computed from logits in chunks.
+
+For pi_t = softmax(logits[b,t] / temperature) and the sampled token y_t:
+
+    logp    = log pi_t(y_t)
+    entropy = H(pi_t) = -sum_v pi_t(v) log pi_t(v)
+    sum_p2  = sum_v pi_t(v)^2
+    energy  = ||e_{y_t} - pi_t||^2 = 1 - 2 pi_t(y_t) + sum_p2      (OTB paper eq. 7), clamped >= 0
+
+Memory: only valid tokens are processed, ``chunk_size`` rows of the flattened [B*T, V] logits at
+a time, upcast to float32 inside the chunk, so the extra memory is O(chunk_size * V) float32 in
+the forward pass. The backward pass (a custom autograd Function) recomputes pi chunk by chunk
+from the saved logits and per-token log-normaliser: it allocates the logits' gradient (same
+dtype as the logits, as any backward must) plus O(chunk_size * V) float32 scratch, never a
+float32 [B,T,V] copy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from creditrl._validate import bad_rows, check_range, check_same_shape, check_tensor
+
+# Default chunk: about 4M float32 elements (16 MiB) of scratch per temporary.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """[B,T] float32 statistics, 0 where mask == 0. ``logp`` and ``entropy`` carry gradients."""
+
+    logp: Tensor
+    entropy: Tensor
+    sum_p2: Tensor
+    energy: Tensor
+
+
+def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, ...]:
+    """rows [n, V] any float dtype -> (logp, entropy, sum_p2, log_normaliser) float32 [n].
+
+    With z the tempered logits, m = max z, e = exp(z - m), s = sum e:
+    log pi(y) = z_y - m - log s,  H = log s - sum e (z - m) / s,  sum pi^2 = sum e^2 / s^2.
+    """
+    z = rows.to(torch.float32)
+    m = z.amax(-1, keepdim=True)
+    shifted = z - m
+    if temperature != 1.0:
+        shifted.div_(temperature)
+        m = m / temperature
+    e = shifted.exp()
+    s = e.sum(-1)
+    log_s = s.log()
+    dot = torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).flatten()        # sum e (z - m), no temp
+    sq = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).flatten()               # sum e^2
+    logp = shifted.gather(1, targets[:, None]).squeeze(1) - log_s
+    entropy = log_s - dot / s
+    return logp, entropy, sq / (s * s), m.squeeze(1) + log_s
+
+
+def _chunk_backward(rows: Tensor, targets: Tensor, log_norm: Tensor, entropy: Tensor,
+                    grad_logp: Tensor, grad_entropy: Tensor, temperature: float) -> Tensor:
+    """d/dlogits of sum(g_logp * logp + g_H * H) for one chunk, float32 [n, V]:
+    dlogp/dz = e_y - pi,  dH/dz = -pi (log pi + H),  dz/dlogits = 1 / temperature."""
+    log_pi = rows.to(torch.float32) - (log_norm * temperature)[:, None]
+    if temperature != 1.0:
+        log_pi.div_(temperature)
+    pi = log_pi.exp()
+    grad = log_pi.add_(entropy[:, None]).mul_(pi).mul_(-grad_entropy[:, None])
+    grad.addcmul_(pi, grad_logp[:, None], value=-1.0)
+    grad[torch.arange(rows.shape[0], device=rows.device), targets] += grad_logp
+    return grad.div_(temperature) if temperature != 1.0 else grad
+
+
+def _chunks(index: Tensor, chunk: int) -> list[tuple[slice, Tensor | slice]]:
+    """(positions in ``index``, rows of the flat logits) per chunk; rows are a plain slice (a view,
+    no copy) when the chunk's valid tokens are contiguous, as with a full mask."""
+    n = index.numel()
+    starts = list(range(0, n, chunk))
+    if not starts:
+        return []
+    ends = [min(s + chunk, n) for s in starts]
+    first = index[torch.tensor(starts, device=index.device)]
+    last = index[torch.tensor(ends, device=index.device) - 1]
+    spans = (last - first + 1).tolist()
+    firsts = first.tolist()
+    return [(slice(s, e), slice(f, f + e - s) if span == e - s else index[s:e])
+            for s, e, f, span in zip(starts, ends, firsts, spans)]
+
+
+class _TokenStatsFn(torch.autograd.Function):
+    """Flat valid-token statistics with a chunked, recomputing backward."""
+
+    @staticmethod
+    def forward(ctx, flat_logits: Tensor, index: Tensor, targets: Tensor, temperature: float, chunk: int):
+        n = index.numel()
+        outs = [flat_logits.new_zeros(n, dtype=torch.float32) for _ in range(4)]
+        for rows, source in _chunks(index, chunk):
+            results = _chunk_forward(flat_logits[source], targets[rows], temperature)
+            for out, res in zip(outs, results):
+                out[rows] = res
+        logp, entropy, sum_p2, log_norm = outs
+        ctx.save_for_backward(flat_logits, index, targets, log_norm, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(sum_p2)
+        return logp, entropy, sum_p2
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, _grad_sum_p2: Tensor):
+        flat_logits, index, targets, log_norm, entropy = ctx.saved_tensors
+        grad_logp = torch.zeros_like(entropy) if grad_logp is None else grad_logp.float()
+        grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy.float()
+        grad = torch.zeros_like(flat_logits)
+        for rows, source in _chunks(index, ctx.chunk):
+            grad[source] = _chunk_backward(flat_logits[source], targets[rows], log_norm[rows], entropy[rows],
+                                           grad_logp[rows], grad_entropy[rows], ctx.temperature).to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def token_stats(logits: Tensor, tokens: Tensor, mask: Tensor | None = None, *, temperature: float = 1.0,
+                chunk_size: int | None = None) -> TokenStats:
+    """logp, entropy, sum_p2 and energy (module docstring) of every valid token, [B,T] float32.
+
+    logits: [B,T,V] any float dtype, aligned so logits[b,t] produced tokens[b,t]; tokens: [B,T]
+    int; mask: [B,T] bool/0-1 (default: all valid; tokens at masked positions are ignored).
+    chunk_size: tokens per chunk (default ~4M elements / V). Accurate to ~1e-6 relative of a
+    float64 reference for float32 logits; bf16/fp16 logits are upcast chunk by chunk.
+    """
+    check_tensor("logits", logits, ndim=3, floating=True)
+    num, steps, vocab = logits.shape
+    check_tensor("tokens", tokens, shape=[num, steps], integer=True)
+    if mask is None:
+        mask = torch.ones(num, steps, dtype=torch.bool, device=logits.device)
+    else:
+        check_same_shape("tokens", tokens, "mask", mask)
+        mask = mask != 0
+    if not math.isfinite(float(temperature)):
+        raise ValueError(f"temperature: expected a finite value > 0, got {temperature!r}")
+    check_range("temperature", float(temperature), 0.0, None, low_inclusive=False)
+    if chunk_size is None:
+        chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab, 1))
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected an int >= 1 or None, got {chunk_size!r}")
+    out_of_vocab = mask & ((tokens < 0) | (tokens >= vocab))
+    if bool(out_of_vocab.any()):
+        raise ValueError(f"tokens: expected ids in [0, {vocab}) on valid positions, got "
+                         f"{int(tokens[out_of_vocab][0])} in rows {bad_rows(out_of_vocab)}")
+
+    index = torch.nonzero(mask.flatten()).flatten()
+    targets = tokens.flatten()[index].long()
+    logp, entropy, sum_p2 = _TokenStatsFn.apply(logits.reshape(num * steps, vocab), index, targets,
+                                                float(temperature), chunk_size)
+
+    def scatter(x: Tensor) -> Tensor:
+        return x.new_zeros(num * steps).index_put((index,), x).reshape(num, steps)
+
+    energy = (1.0 - 2.0 * logp.detach().exp() + sum_p2).clamp(min=0.0)
+    return TokenStats(logp=scatter(logp), entropy=scatter(entropy), sum_p2=scatter(sum_p2),
+                      energy=scatter(energy))

@@ -1,0 +1,197 @@
+"""The training loop: sample prompts -> rollouts -> update -> log / eval / checkpoint.
+
+Run directory (``train.output_dir/<run_name>``)::
+
+    config.yaml      resolved config        metrics.jsonl   one record per step
+    eval.jsonl       held-out evals          tensorboard/    event files (when installed)
+    checkpoints/     step_*.pt (atomic, last K)   final/     save_pretrained model + tokenizer
+    plots/*.png      summary.md / summary.json
+
+Determinism: every random draw comes from the task stream ``random.Random(seed)`` or the
+trainer's ``torch.Generator`` (both checkpointed); evals use their own seeded generator.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from creditrl.config import Config, config_from_dict, save_config
+from creditrl.trainer import checkpoint as ckpt
+from creditrl.trainer.evaluation import evaluate
+from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
+from creditrl.trainer.report import plot_run, write_summary
+from creditrl.trainer.rollout import generate_rollouts
+from creditrl.trainer.update import Learner
+
+TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' requested but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def set_determinism(cfg: Config) -> None:
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+
+
+def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
+    """Longest sampled part of the task's reference responses (tool outputs excluded) + slack."""
+    rng = random.Random(0)
+    longest = 0
+    for _ in range(samples):
+        target = task.sft_target(task.sample(rng))
+        spans = getattr(task, "tool_output_spans", lambda _: [])(target)
+        text = target
+        for start, end in reversed(spans):
+            text = text[:start] + text[end:]
+        longest = max(longest, len(tokenizer.encode(text, add_special_tokens=False)))
+    return longest + 4
+
+
+def run_name(cfg: Config) -> str:
+    return cfg.train.run_name or f"{cfg.task.name}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class Trainer:
+    """``Trainer(cfg).run()`` trains and returns the run directory; ``Trainer.resume(dir)``
+    continues an interrupted run from its newest checkpoint."""
+
+    def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
+        from creditrl.models import load_policy
+        from creditrl.tasks import get_task
+
+        self.cfg = cfg
+        set_determinism(cfg)
+        self.device = resolve_device(cfg.train.device)
+        self.task = get_task(cfg.task.name, **cfg.task.options)
+        show = cfg.logging.progress if progress is None else progress
+        self.model, self.tokenizer = load_policy(
+            cfg.model.name, self.task, model_cfg=cfg.model.tiny, warm_start=cfg.model.warm_start,
+            cache_dir=cfg.model.cache_dir, device=self.device, seed=cfg.train.seed, progress=show)
+        if cfg.rollout.max_new_tokens is None:
+            cfg.rollout.max_new_tokens = default_max_new_tokens(self.task, self.tokenizer)
+        ref = None
+        if cfg.loss.kl_coef > 0:  # frozen copy of the starting policy
+            ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.learner = Learner(self.model, cfg, ref_model=ref)
+        self.generator = torch.Generator().manual_seed(cfg.train.seed)
+        self.task_rng = random.Random(cfg.train.seed)
+        self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
+        self.run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
+        self.progress = show
+        test = self.task.test_set()
+        self.test_problems = test[:cfg.train.eval_problems] if cfg.train.eval_problems else test
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":
+        run_dir = Path(run_dir)
+        if not (run_dir / "config.yaml").is_file():
+            raise FileNotFoundError(f"resume: {str(run_dir)!r} has no config.yaml; expected a creditrl run directory")
+        import yaml
+        state = ckpt.load_latest(run_dir)
+        cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        trainer = cls(cfg, run_dir, progress=progress)
+        trainer.model.load_state_dict(state["model"])
+        trainer.learner.optimizer.load_state_dict(state["optimizer"])
+        trainer.learner.scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"], trainer.generator, trainer.task_rng)
+        trainer.step, trainer.tokens_total, trainer.elapsed = state["step"], state["tokens_total"], state["elapsed"]
+        for name in ("metrics", "eval"):
+            truncate_jsonl(run_dir / f"{name}.jsonl", trainer.step)
+        return trainer
+
+    def save(self) -> Path:
+        state = {"model": self.model.state_dict(), "optimizer": self.learner.optimizer.state_dict(),
+                 "scheduler": self.learner.scheduler.state_dict(),
+                 "rng": ckpt.rng_state(self.generator, self.task_rng),
+                 "tokens_total": self.tokens_total, "elapsed": self.elapsed}
+        return ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.train.keep_last)
+
+    def evaluate(self) -> dict:
+        c, r = self.cfg, self.cfg.rollout
+        start = time.perf_counter()
+        result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=c.train.eval_samples,
+                          ks=c.train.pass_k, temperature=r.temperature, top_p=r.top_p,
+                          max_new_tokens=r.max_new_tokens, max_tool_tokens=r.max_tool_tokens,
+                          seed=c.train.seed + 1_000_003 * (self.step + 1))
+        return {"step": self.step, "tokens_total": self.tokens_total, **result,
+                "time_eval": time.perf_counter() - start}
+
+    def train_step(self) -> dict:
+        c, r = self.cfg, self.cfg.rollout
+        t0 = time.perf_counter()
+        problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
+        batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
+                                  temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                  generator=self.generator, max_tool_tokens=r.max_tool_tokens)
+        t1 = time.perf_counter()
+        metrics = self.learner.update(batch, self.generator)
+        t2 = time.perf_counter()
+        self.step += 1
+        self.tokens_total += batch.num_tokens
+        return {"step": self.step, "tokens_total": self.tokens_total, **metrics,
+                "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
+
+    def run(self) -> Path:
+        c = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(c, self.run_dir / "config.yaml")
+        logger = RunLogger(self.run_dir, tensorboard=c.logging.tensorboard, progress=self.progress,
+                           total_steps=c.train.steps, start_step=self.step)
+        started = time.perf_counter() - self.elapsed
+        try:
+            if self.step == 0 and not read_jsonl(self.run_dir / "eval.jsonl"):
+                logger.log("eval", self.evaluate())
+            while self.step < c.train.steps:
+                logger.log("metrics", self.train_step())
+                self.elapsed = time.perf_counter() - started
+                last = self.step == c.train.steps
+                if c.train.eval_every and self.step % c.train.eval_every == 0 and not last:
+                    logger.log("eval", self.evaluate())
+                if last or (c.train.save_every and self.step % c.train.save_every == 0):
+                    self.save()
+            evals = read_jsonl(self.run_dir / "eval.jsonl")
+            if not evals or evals[-1]["step"] != self.step:
+                logger.log("eval", self.evaluate())
+        finally:
+            logger.close()
+        self.elapsed = time.perf_counter() - started
+        self.finish()
+        return self.run_dir
+
+    def finish(self) -> dict:
+        final = self.run_dir / "final"
+        self.model.save_pretrained(final)
+        self.tokenizer.save_pretrained(final)
+        metrics, evals = read_jsonl(self.run_dir / "metrics.jsonl"), read_jsonl(self.run_dir / "eval.jsonl")
+        if self.cfg.logging.plots:
+            plot_run(self.run_dir, metrics, evals)
+        c = self.cfg
+        title = f"creditrl run: {c.task.name} / {c.model.name} / {c.algorithm.estimator}"
+        return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
+                             extra={"run_dir": str(self.run_dir)})
+
+
+def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | None = None) -> Path:
+    """Train with ``cfg``; returns the run directory."""
+    return Trainer(copy.deepcopy(cfg), Path(run_dir) if run_dir else None, progress=progress).run()
+
+
+def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:
+    """Continue the interrupted run in ``run_dir`` from its newest checkpoint."""
+    return Trainer.resume(run_dir, progress=progress).run()

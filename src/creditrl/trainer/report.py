@@ -1,0 +1,85 @@
+"""End-of-run report: PNG plots of the main curves and a one-page summary (Markdown + JSON).
+
+The summary compares the held-out eval before the first update (the warm-start model) with
+the final one: greedy accuracy, sampled accuracy, pass@k; plus tokens used and wall time.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "grad_norm", "variance_proxy",
+                "approx_kl", "clip_frac_high")
+
+
+def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path]:
+    """plots/train.png (a panel per curve vs step) and plots/eval.png (held-out metrics vs step)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = run_dir / "plots"
+    folder.mkdir(exist_ok=True)
+    written = []
+    if metrics:
+        keys = [k for k in TRAIN_CURVES if any(m.get(k) is not None for m in metrics)]
+        cols = 4
+        rows = max(1, (len(keys) + cols - 1) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        steps = [m["step"] for m in metrics]
+        for ax, key in zip(axes.flat, keys):
+            ax.plot(steps, [m.get(key) if m.get(key) is not None else float("nan") for m in metrics])
+            ax.set_title(key)
+            ax.set_xlabel("step")
+        for ax in list(axes.flat)[len(keys):]:
+            ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(folder / "train.png", dpi=90)
+        plt.close(fig)
+        written.append(folder / "train.png")
+    if evals:
+        keys = [k for k in evals[-1] if k == "greedy_acc" or k == "sampled_acc" or k.startswith("pass@")]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in keys:
+            ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], marker="o", label=key)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(folder / "eval.png", dpi=90)
+        plt.close(fig)
+        written.append(folder / "eval.png")
+    return written
+
+
+def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list[dict], wall_time: float,
+                  extra: dict | None = None) -> dict:
+    """summary.json + summary.md; returns the summary dict."""
+    start, end = (evals[0], evals[-1]) if evals else ({}, {})
+    keys = [k for k in end if k in ("greedy_acc", "sampled_acc") or k.startswith(("pass@", "avg@"))]
+    summary = {
+        "title": title, "steps": metrics[-1]["step"] if metrics else 0,
+        "tokens_total": metrics[-1]["tokens_total"] if metrics else 0, "wall_time_s": round(wall_time, 1),
+        "start": {k: start.get(k) for k in keys}, "end": {k: end.get(k) for k in keys},
+        "start_step": start.get("step"), "end_step": end.get("step"),
+        "train_reward_last10": (sum(m["reward_mean"] for m in metrics[-10:]) / len(metrics[-10:])) if metrics else None,
+        **(extra or {}),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    lines = [f"# {title}", "",
+             f"- steps: {summary['steps']}, generated tokens: {summary['tokens_total']:,}, "
+             f"wall time: {wall_time / 60:.1f} min",
+             f"- held-out problems: {end.get('n_problems', '?')}, samples per problem: {end.get('n_samples', '?')}",
+             "", "| held-out metric | start (step %s) | end (step %s) | change |" % (start.get("step"), end.get("step")),
+             "|---|---|---|---|"]
+    for k in keys:
+        a, b = start.get(k), end.get(k)
+        change = f"{b - a:+.3f}" if a is not None and b is not None else ""
+        lines.append(f"| {k} | {a:.3f} | {b:.3f} | {change} |" if a is not None else f"| {k} | | {b:.3f} | |")
+    for name in ("train.png", "eval.png"):
+        if (run_dir / "plots" / name).is_file():
+            lines += ["", f"![{name}](plots/{name})"]
+    for key, value in (extra or {}).items():
+        lines.append(f"- {key}: {value}")
+    (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
+    return summary

@@ -1,0 +1,111 @@
+"""Tests of ``creditrl compare``: report aggregation against loops over synthetic runs, spec and
+CLI errors, and one small end-to-end comparison with the real trainer."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from creditrl.experiments import common
+from creditrl.trainer import compare
+
+
+def fake_run(root, name, seed, steps=12, scale=1.0):
+    """A run dir with metrics.jsonl / eval.jsonl shaped like the trainer's."""
+    d = root / "runs" / f"{name}-s{seed}"
+    d.mkdir(parents=True)
+    metrics = [{"step": s, "tokens_total": 100 * s + seed, "reward_mean": scale * s / steps + 0.01 * seed,
+                "accuracy": 0.5 + 0.01 * seed, "entropy": 1.0 - 0.01 * s, "grad_norm": 2.0, "variance_proxy": 3.0 + seed,
+                "spurious_ratio": 0.0, "response_len": 5.0} for s in range(1, steps + 1)]
+    evals = [{"step": 0, "tokens_total": 0, "greedy_acc": 0.2, "sampled_acc": 0.1, "pass@1": 0.1, "pass@4": 0.3},
+             {"step": steps, "tokens_total": 100 * steps, "greedy_acc": 0.4 + 0.1 * seed * scale, "sampled_acc": 0.3,
+              "pass@1": 0.3, "pass@4": 0.6}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (d / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    (d / "summary.json").write_text("{}")
+    return d
+
+
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(st.floats(-10, 10), min_size=1, max_size=30), window=st.integers(1, 8))
+def test_smooth_matches_loop(values, window):
+    got = compare.smooth(torch.tensor([values], dtype=torch.float64), window)[0]
+    for i in range(len(values)):
+        chunk = values[max(0, i + 1 - window): i + 1]
+        assert math.isclose(got[i].item(), sum(chunk) / len(chunk), rel_tol=1e-9, abs_tol=1e-9)
+
+
+def test_report_aggregates_seeds(tmp_path):
+    for seed in (0, 1, 2):
+        fake_run(tmp_path, "otb", seed)
+        fake_run(tmp_path, "grpo-n16", seed, scale=2.0)
+    runs = compare.find_runs(tmp_path)
+    assert sorted(runs) == ["grpo-n16", "otb"] and all(len(v) == 3 for v in runs.values())
+    report = compare.write_report(runs, tmp_path, window=1)
+    text = report.read_text()
+    assert "![curves](compare.png)" in text and (tmp_path / "compare.png").stat().st_size > 0
+    final = common.read_csv(tmp_path / "final.csv")
+    otb = [r for r in final if r["run"] == "otb"]
+    assert [r["greedy_acc"] for r in otb] == pytest.approx([0.4, 0.5, 0.6])
+    # mean ± std of the held-out greedy accuracy, computed by hand
+    line = next(l for l in text.splitlines() if l.startswith("| otb"))
+    assert f"{statistics.mean([0.4, 0.5, 0.6]):.3g} ± {statistics.stdev([0.4, 0.5, 0.6]):.2g}" in line
+    # the last 10% of steps (here: 1 step of 12) of reward_mean, seed 1
+    assert otb[1]["reward_mean"] == pytest.approx(12 / 12 + 0.01)
+    curves = [r for r in common.read_csv(tmp_path / "curves.csv") if r["run"] == "otb"]
+    assert len(curves) == 12
+    assert curves[0]["tokens_total"] == pytest.approx(101.0)  # mean of 100+seed over seeds 0..2
+    assert curves[0]["variance_proxy_mean"] == pytest.approx(4.0)
+    assert curves[0]["variance_proxy_std"] == pytest.approx(1.0)
+
+
+def test_uneven_seeds_are_truncated(tmp_path):
+    fake_run(tmp_path, "a", 0, steps=10)
+    fake_run(tmp_path, "a", 1, steps=7)
+    xs, ys = compare.seed_curves(compare.find_runs(tmp_path)["a"], "reward_mean", "step")
+    assert ys.shape == (2, 7) and xs.tolist() == list(range(1, 8))
+
+
+def test_spec_file_and_errors(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("seeds: [0, 1]\noverrides: [train.steps=3]\nruns:\n  otb: [algorithm.estimator=otb]\n")
+    loaded = compare.load_spec(spec)
+    assert loaded.seeds == [0, 1] and loaded.runs == {"otb": ["algorithm.estimator=otb"]}
+    spec.write_text("runs:\n  otb: [algorithm.estimator=otb]\nrunz: 1\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['runz'\]"):
+        compare.load_spec(spec)
+    spec.write_text("runs:\n  otb: algorithm.estimator\n")
+    with pytest.raises(ValueError, match="runs.otb: expected a list of 'key=value'"):
+        compare.load_spec(spec)
+    with pytest.raises(FileNotFoundError, match="--spec: file not found"):
+        compare.load_spec(tmp_path / "missing.yaml")
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert compare.main(["--out", str(tmp_path)]) == 2
+    assert "expected at least one run" in capsys.readouterr().err
+    assert compare.main(["--out", str(tmp_path), "--run", "a", "oops"]) == 2
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+    assert compare.main(["--out", str(tmp_path), "--seeds", "x", "--run", "a", "k=v"]) == 2
+    assert "--seeds: expected comma-separated integers" in capsys.readouterr().err
+    assert compare.main(["--out", str(tmp_path), "--report-only"]) == 2
+    assert "no runs with metrics.jsonl" in capsys.readouterr().err
+
+
+def test_cli_rejects_bad_config_before_training(tmp_path, capsys):
+    pytest.importorskip("creditrl.trainer.loop")
+    rc = compare.main(["--out", str(tmp_path), "--run", "a", "algorithm.estimator=not-an-estimator"])
+    assert rc == 2 and "not-an-estimator" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_report_only_cli(tmp_path):
+    fake_run(tmp_path, "a", 0)
+    fake_run(tmp_path, "b", 0)
+    assert compare.main(["--out", str(tmp_path), "--report-only"]) == 0
+    assert "| a | 1 |" in (tmp_path / "report.md").read_text()

@@ -1,0 +1,328 @@
+"""compute_advantages and the non-max@K estimators against straightforward loop references."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from creditrl import compute_advantages, list_estimators, register_estimator
+from creditrl.estimators.steps import StepIndex, discounted_suffix_sum
+
+ALL = ("dr_grpo", "grpo", "maxk_bon", "maxpo", "ogb", "opo", "otb", "otb_isolated", "passk_chen", "pkpo",
+       "reinforce", "rloo")
+CENTRED = ("dr_grpo", "grpo", "rloo", "opo", "ogb", "otb", "otb_isolated")
+
+
+def make_batch(seed: int, sizes=(3, 4, 1, 5), steps: int = 9, token_rewards: bool = False):
+    """Random batch: shuffled non-contiguous group ids, holey masks (prompt/tool tokens), an
+    empty response, energies with exact zeros (certain tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([11, -3, 40, 7, 2, 5][: len(sizes)])
+    group = torch.repeat_interleave(ids, torch.tensor(sizes))
+    num = group.numel()
+    perm = torch.randperm(num, generator=g)
+    group = group[perm]
+    mask = torch.rand(num, steps, generator=g) < 0.7
+    mask[0] = False                                               # an empty response
+    energy = torch.rand(num, steps, generator=g) * (torch.rand(num, steps, generator=g) < 0.8)
+    if token_rewards:
+        rewards = torch.randn(num, steps, generator=g) * mask
+    else:
+        rewards = torch.randint(0, 3, (num,), generator=g).float()
+    return dict(rewards=rewards, mask=mask, group=group, energy=energy)
+
+
+# ---------------------------------------------------------------- loop references
+
+
+def ref_returns(rewards, mask, gamma):
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for b in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[b, t]]
+        acc = 0.0
+        for t in reversed(valid):
+            acc = (rewards[b, t].item() if rewards.dim() == 2 else 0.0) + gamma * acc
+            out[b, t] = acc if rewards.dim() == 2 else rewards[b].item()
+    return out
+
+
+def seq_rewards(batch):
+    r = batch["rewards"]
+    return (r * batch["mask"]).sum(1).double() if r.dim() == 2 else r.double()
+
+
+def ref_sequence(name, batch, eps=1e-6):
+    r, mask, group = seq_rewards(batch), batch["mask"], batch["group"]
+    out = torch.zeros(r.numel(), dtype=torch.float64)
+    for gid in group.unique().tolist():
+        idx = [i for i in range(r.numel()) if group[i] == gid]
+        vals = [r[i].item() for i in idx]
+        n = len(idx)
+        if n == 1:
+            continue
+        mean = sum(vals) / n
+        for i, v in zip(idx, vals):
+            if name == "dr_grpo":
+                out[i] = v - mean
+            elif name == "grpo":
+                std = math.sqrt(sum((x - mean) ** 2 for x in vals) / (n - 1))
+                out[i] = (v - mean) / (std + eps)
+            elif name == "rloo":
+                out[i] = v - (sum(vals) - v) / (n - 1)
+            elif name in ("opo", "ogb"):
+                w = [mask[j].sum().item() if name == "opo" else batch["energy"][j][mask[j]].double().sum().item()
+                     for j in idx]
+                base = sum(a * b for a, b in zip(w, vals)) / sum(w) if sum(w) > 0 else mean
+                out[i] = v - base
+    return out[:, None] * mask
+
+
+def ref_otb(batch, cumulative=True, gamma=1.0, is_weights=None):
+    mask, group = batch["mask"], batch["group"]
+    energy = batch["energy"].double() * (1 if is_weights is None else is_weights.double() ** 2)
+    returns = ref_returns(batch["rewards"], mask, gamma)
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for gid in group.unique().tolist():
+        idx = [i for i in range(mask.shape[0]) if group[i] == gid]
+        cols = {i: [t for t in range(mask.shape[1]) if mask[i, t]] for i in idx}
+        w = {}
+        for i in idx:
+            run, w[i] = 0.0, []
+            for t in cols[i]:
+                run = run + energy[i, t].item() if cumulative else energy[i, t].item()
+                w[i].append(run)
+        for step in range(max(len(c) for c in cols.values())):
+            live = [i for i in idx if len(cols[i]) > step]
+            if len(live) < 2:
+                continue
+            gs = [returns[i, cols[i][step]].item() for i in live]
+            ws = [w[i][step] for i in live]
+            base = sum(a * b for a, b in zip(gs, ws)) / sum(ws) if sum(ws) > 0 else sum(gs) / len(gs)
+            for i, gval in zip(live, gs):
+                out[i, cols[i][step]] = gval - base
+    return out
+
+
+def run(name, batch, **options):
+    return compute_advantages(name, **batch, **options).double()
+
+
+# ---------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("token_rewards", [False, True])
+@pytest.mark.parametrize("name", ["dr_grpo", "grpo", "rloo", "opo", "ogb"])
+def test_sequence_estimators_match_loops(name, seed, token_rewards):
+    batch = make_batch(seed, token_rewards=token_rewards)
+    assert torch.allclose(run(name, batch), ref_sequence(name, batch), atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_is_returns_to_go(seed, gamma):
+    batch = make_batch(seed, token_rewards=True)
+    got = run("reinforce", batch, gamma=gamma)
+    assert torch.allclose(got, ref_returns(batch["rewards"], batch["mask"], gamma), atol=1e-5)
+    outcome = make_batch(seed)
+    want = outcome["rewards"][:, None].double() * outcome["mask"]
+    assert torch.equal(run("reinforce", outcome), want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", ["otb", "otb_isolated"])
+@pytest.mark.parametrize("token_rewards", [False, True])
+def test_otb_matches_loop(name, seed, token_rewards):
+    batch = make_batch(seed, token_rewards=token_rewards)
+    gamma = 0.8 if token_rewards else 1.0
+    got = run(name, batch, gamma=gamma)
+    assert torch.allclose(got, ref_otb(batch, cumulative=name == "otb", gamma=gamma), atol=1e-5)
+
+
+def test_is_weights_square_the_energy():
+    batch = make_batch(5)
+    rho = torch.rand(batch["mask"].shape, generator=torch.Generator().manual_seed(0)) * 2
+    for name in ("otb", "otb_isolated", "ogb"):
+        got = run(name, batch, is_weights=rho)
+        assert torch.allclose(got, run(name, {**batch, "energy": batch["energy"] * rho ** 2}), atol=1e-6)
+    assert torch.allclose(run("otb", batch, is_weights=rho), ref_otb(batch, is_weights=rho), atol=1e-5)
+
+
+def test_zero_energy_uses_plain_mean_not_zero():
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    batch = dict(rewards=torch.tensor([1.0, 2.0, 6.0]), mask=mask, group=torch.zeros(3, dtype=torch.long),
+                 energy=torch.zeros(3, 4))
+    for name in ("otb", "otb_isolated", "ogb"):
+        assert torch.allclose(run(name, batch), torch.tensor([-2.0, -1.0, 3.0]).double()[:, None].expand(3, 4))
+
+
+def test_degenerate_inputs_are_finite_and_documented():
+    batch = make_batch(1)
+    batch["mask"][:] = False                                 # every response empty
+    for name in ALL:
+        opts = {"k": 1} if name in ("maxpo", "maxk_bon", "passk_chen") else {"k": 2} if name == "pkpo" else {}
+        if name == "passk_chen":
+            batch = {**batch, "rewards": (batch["rewards"] > 0).float()}
+        out = run(name, batch, **opts)
+        assert torch.equal(out, torch.zeros_like(out))
+    single = dict(rewards=torch.tensor([3.0]), mask=torch.ones(1, 4), group=torch.tensor([0]), energy=torch.rand(1, 4))
+    for name in ALL:
+        opts = {"k": 1} if name in ("maxpo", "maxk_bon", "passk_chen") else {"k": 2} if name == "pkpo" else {}
+        batch = {**single, "rewards": torch.tensor([1.0])} if name == "passk_chen" else single
+        want = 3.0 if name == "reinforce" else 0.0
+        assert torch.equal(run(name, batch, **opts), torch.full((1, 4), want).double()), name
+    tied = dict(rewards=torch.ones(4), mask=torch.ones(4, 3), group=torch.zeros(4, dtype=torch.long),
+                energy=torch.rand(4, 3))
+    for name in ("grpo", "dr_grpo", "rloo", "otb", "ogb"):
+        assert torch.equal(run(name, tied), torch.zeros(4, 3).double())
+
+
+def test_bf16_and_output_contract():
+    batch = make_batch(2, token_rewards=True)
+    low = {k: (v.bfloat16() if v.is_floating_point() else v) for k, v in batch.items()}
+    low["mask"] = batch["mask"].to(torch.int64)
+    for name in ("grpo", "otb", "reinforce", "ogb"):
+        out = compute_advantages(name, **low)
+        assert out.dtype == torch.float32 and out.shape == batch["mask"].shape
+        assert torch.equal(out[~batch["mask"]], torch.zeros(int((~batch["mask"]).sum())))
+        ref = compute_advantages(name, **{k: (v.float() if v.is_floating_point() else v) for k, v in low.items()})
+        assert torch.allclose(out, ref)
+
+
+def test_long_discounted_returns_do_not_overflow():
+    steps = 20_000
+    rewards = torch.zeros(2, steps, dtype=torch.float64)
+    rewards[:, -1] = 1.0
+    rewards[1, ::97] = -0.5
+    for gamma in (0.9, 0.99, 0.999):
+        got = discounted_suffix_sum(rewards, gamma)
+        want = torch.zeros_like(rewards)
+        acc = torch.zeros(2, dtype=torch.float64)
+        for t in reversed(range(steps)):
+            acc = rewards[:, t] + gamma * acc
+            want[:, t] = acc
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-140)  # documented: < 1e-150 relative dropped
+
+
+def test_step_index_compacts_valid_tokens():
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    steps = StepIndex.from_mask(mask)
+    x = torch.arange(15.0).reshape(3, 5)
+    assert steps.compact(x).tolist() == [[1, 2, 4], [5, 0, 0], [0, 0, 0]]
+    assert torch.equal(steps.expand(steps.compact(x)), x * mask)
+    assert steps.live().tolist() == [[True] * 3, [True, False, False], [False] * 3]
+
+
+# ---------------------------------------------------------------- properties
+
+
+def sized_batch(seed, token_rewards=False):
+    g = torch.Generator().manual_seed(seed)
+    sizes = tuple(torch.randint(3, 6, (3,), generator=g).tolist())
+    return make_batch(seed, sizes=sizes, token_rewards=token_rewards)
+
+
+def group_sums(x, group):
+    return torch.stack([x[group == gid].sum(0) for gid in group.unique()])
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 100_000), token_rewards=st.booleans())
+def test_centering(seed, token_rewards):
+    batch = sized_batch(seed, token_rewards)
+    for name in ("dr_grpo", "grpo", "rloo"):
+        seq = run(name, {**batch, "mask": torch.ones_like(batch["mask"])})[:, 0]
+        assert group_sums(seq, batch["group"]).abs().max() < 1e-4
+    # OTB: sum_i W_t^(i) A_t^(i) = 0 over live members at every step
+    steps = StepIndex.from_mask(batch["mask"])
+    adv = steps.compact(run("otb", batch).float())
+    weights = steps.compact(batch["energy"] * batch["mask"]).cumsum(1) * steps.live()
+    assert group_sums(weights * adv, batch["group"]).abs().max() < 1e-4
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 100_000), shift=st.floats(-20, 20), scale=st.floats(0.1, 10))
+def test_invariances(seed, shift, scale):
+    batch = sized_batch(seed)
+    perm = torch.randperm(batch["group"].numel(), generator=torch.Generator().manual_seed(seed))
+    relabel = {**{k: v[perm] for k, v in batch.items()}, "group": batch["group"][perm] * 13 - 4}
+    for name in CENTRED + ("maxpo", "pkpo", "maxk_bon"):
+        opts = {"k": 2} if name in ("maxpo", "pkpo", "maxk_bon") else {}
+        base = run(name, batch, **opts)
+        # batch order, permutation within groups and relabeling of ids
+        assert torch.allclose(run(name, relabel, **opts), base[perm], atol=1e-5), name
+        if name in ("grpo", "maxk_bon"):  # scale-invariant z-scores
+            assert torch.allclose(run(name, {**batch, "rewards": batch["rewards"] * scale}, **opts), base, atol=1e-3)
+            continue
+        shifted = run(name, {**batch, "rewards": batch["rewards"] + shift}, **opts)
+        if name != "pkpo":  # PKPO's EI is translation invariant too
+            assert torch.allclose(shifted, base, atol=1e-4), name
+        scaled = run(name, {**batch, "rewards": batch["rewards"] * scale}, **opts)
+        assert torch.allclose(scaled, base * scale, atol=1e-4 * scale), name
+
+
+# ---------------------------------------------------------------- registry and errors
+
+
+def test_registry_lists_all_and_accepts_third_party():
+    assert set(ALL) <= set(list_estimators())
+
+    @register_estimator("test_constant", overwrite=True)
+    def constant(batch, *, value: float = 1.0):
+        return torch.full_like(batch.rewards, value)
+
+    batch = make_batch(0)
+    out = compute_advantages("test_constant", **batch, value=2.5)
+    assert torch.equal(out, 2.5 * batch["mask"].float())
+    with pytest.raises(ValueError, match=r"test_constant: unknown option\(s\) \['valu'\]; valid options are \['gamma', 'value'\]"):
+        compute_advantages("test_constant", **batch, valu=2.5)
+
+
+def test_error_messages():
+    batch = make_batch(0)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gpro'; valid names are .*'grpo'"):
+        compute_advantages("gpro", **batch)
+    with pytest.raises(ValueError, match=r"grpo: unknown option\(s\) \['epsilon'\]; valid options are \['eps', 'gamma'\]"):
+        compute_advantages("grpo", **batch, epsilon=1.0)
+    bad = batch["rewards"].clone()
+    bad[[1, 4]] = float("nan")
+    with pytest.raises(ValueError, match=r"rewards: 2 row\(s\) contain NaN or inf, e.g. rows \[1, 4\]"):
+        compute_advantages("grpo", **{**batch, "rewards": bad})
+    many = torch.full((14,), float("inf"))
+    with pytest.raises(ValueError, match=r"rows \[0, 1, 2, 3, 4, 5, 6, 7, 8, 9\]$"):
+        compute_advantages("grpo", rewards=many, mask=torch.ones(14, 2), group=torch.zeros(14, dtype=torch.long))
+    energy = batch["energy"].clone()
+    energy[2, batch["mask"][2].nonzero()[0]] = float("inf")
+    with pytest.raises(ValueError, match=r"energy: 1 row\(s\) contain NaN or inf, e.g. rows \[2\]"):
+        compute_advantages("otb", **{**batch, "energy": energy})
+    energy = batch["energy"].clone()
+    energy[3, batch["mask"][3].nonzero()[0]] = -0.1
+    with pytest.raises(ValueError, match=r"energy: expected values >= 0, got -0.1 in rows \[3\]"):
+        compute_advantages("otb", **{**batch, "energy": energy})
+    energy[3] = -1e-8 * batch["mask"][3]                        # rounding: accepted, clamped
+    compute_advantages("otb", **{**batch, "energy": energy})
+    with pytest.raises(ValueError, match="energy: estimator 'otb' needs per-token energies"):
+        compute_advantages("otb", **{**batch, "energy": None})
+    with pytest.raises(ValueError, match=r"rewards: expected shape \[6, 9\]|rewards: expected shape \[13, 9\]"):
+        compute_advantages("grpo", **{**batch, "rewards": torch.zeros(batch["group"].numel(), 3)})
+    with pytest.raises(ValueError, match=r"rewards: expected shape \[13\], got \[5\]"):
+        compute_advantages("grpo", **{**batch, "rewards": torch.zeros(5)})
+    with pytest.raises(TypeError, match="group: expected an integer tensor, got dtype torch.float32"):
+        compute_advantages("grpo", **{**batch, "group": batch["group"].float()})
+    with pytest.raises(ValueError, match=r"energy: expected shape \[13, 9\], got \[13, 8\]"):
+        compute_advantages("otb", **{**batch, "energy": batch["energy"][:, :8]})
+    with pytest.raises(ValueError, match="mask: expected bool or 0/1 values"):
+        compute_advantages("grpo", **{**batch, "mask": batch["mask"] * 2.0})
+    with pytest.raises(TypeError, match="rewards: expected a torch.Tensor, got list"):
+        compute_advantages("grpo", **{**batch, "rewards": [1.0] * 13})
+    with pytest.raises(ValueError, match=r"gamma: expected a value in \[0, 1\], got 1.5"):
+        compute_advantages("reinforce", **batch, gamma=1.5)
+    token = make_batch(0, token_rewards=True)
+    token["rewards"][~token["mask"]] = 1.0
+    with pytest.raises(ValueError, match="rewards: token rewards must be 0 where mask == 0"):
+        compute_advantages("reinforce", **token)
+    with pytest.raises(ValueError, match="is_weights: expected values >= 0"):
+        compute_advantages("otb", **batch, is_weights=-torch.ones_like(batch["energy"]))

@@ -1,0 +1,137 @@
+"""CreditGRPOTrainer on a tiny local Llama (char tokenizer, no download): 2 steps per method.
+
+Checks, per run: the advantages entering the loss equal ``creditrl.compute_advantages`` on the
+same rewards and groups; the rollout energy equals ``token_stats`` on the same logits; the
+parameters change; creditrl's metrics reach TRL's log.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl.trainer import grpo_trainer  # noqa: E402
+
+import creditrl  # noqa: E402
+from creditrl.integrations.trl import CreditGRPOConfig, CreditGRPOTrainer  # noqa: E402
+from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
+
+ALPHABET = "abcdefgh0123456789+= "
+NUM_GENERATIONS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = char_tokenizer(ALPHABET)
+    cfg = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=64)
+    tiny_model(tokenizer, cfg, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def count_digits(completions, **kwargs):
+    return [float(sum(c.isdigit() for c in text)) for text in completions]
+
+
+def run_trainer(model_dir, tmp_path, monkeypatch, **options):
+    # Keep TRL's generation order so the loss batch is the rollout batch row for row.
+    monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    dataset = Dataset.from_dict({"prompt": ["ab", "cd", "12", "ef", "34", "gh"] * 2})
+    args = CreditGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2 * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
+        max_completion_length=8, max_steps=2, learning_rate=5e-2, logging_steps=1, report_to="none",
+        use_cpu=True, bf16=False, save_strategy="no", seed=0, temperature=1.0, **options)
+    trainer = CreditGRPOTrainer(model=model, reward_funcs=count_digits, args=args, train_dataset=dataset,
+                                processing_class=tokenizer)
+    records = {"rollouts": [], "loss_inputs": []}
+    generate, compute_loss = trainer._generate_and_score_completions, trainer._compute_loss
+
+    def recording_generate(inputs):
+        output = generate(inputs)
+        records["rollouts"].append((dict(trainer.last_rollout), reference_energy(trainer, output)))
+        return output
+
+    def recording_loss(model, inputs):
+        records["loss_inputs"].append(inputs["advantages"].detach().clone())
+        return compute_loss(model, inputs)
+
+    monkeypatch.setattr(trainer, "_generate_and_score_completions", recording_generate)
+    monkeypatch.setattr(trainer, "_compute_loss", recording_loss)
+    before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    changed = any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
+    return trainer, records, changed
+
+
+@torch.no_grad()
+def reference_energy(trainer, output):
+    """token_stats on the plain (unfused) logits of the same model at rollout time."""
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    steps = output["completion_ids"].size(1)
+    logits = trainer.model(input_ids=ids, attention_mask=attention).logits[:, -steps - 1:-1]
+    stats = creditrl.token_stats(logits, output["completion_ids"], output["completion_mask"],
+                                 temperature=trainer.temperature)
+    return stats.energy
+
+
+CASES = {
+    "otb": dict(advantage_estimator="otb"),
+    "maxpo_k2": dict(advantage_estimator="maxpo", maxk_k=2),
+    "stapo": dict(advantage_estimator="grpo", stapo=True, stapo_tau_p=0.5, stapo_high_entropy_fraction=0.5),
+    "eps_trace": dict(advantage_estimator="rloo", trace_lam=0.9, loss_type="bnpo"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_steps(case, model_dir, tmp_path, monkeypatch):
+    options = CASES[case]
+    trainer, records, changed = run_trainer(model_dir, tmp_path, monkeypatch, **options)
+    assert changed, "parameters did not change"
+    assert len(records["rollouts"]) == 2 and len(records["loss_inputs"]) == 2
+    kwargs = trainer.args.estimator_kwargs()
+    for (rollout, ref_energy), loss_adv in zip(records["rollouts"], records["loss_inputs"]):
+        energy = rollout["energy"]
+        if options["advantage_estimator"] == "otb":
+            torch.testing.assert_close(energy, ref_energy, atol=1e-5, rtol=1e-5)
+        expected = creditrl.compute_advantages(
+            options["advantage_estimator"], rewards=rollout["rewards"], mask=rollout["estimator_mask"],
+            group=torch.arange(len(rollout["rewards"])) // NUM_GENERATIONS,
+            energy=ref_energy if energy is not None else None, **kwargs)
+        torch.testing.assert_close(loss_adv, expected, atol=1e-5, rtol=1e-5)
+        assert loss_adv.shape == rollout["mask"].shape
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"creditrl/kept_frac", "creditrl/advantage_abs_mean"} <= logged
+    if case == "otb":
+        assert "creditrl/variance_proxy" in logged
+    if case == "stapo":
+        assert "creditrl/spurious_ratio" in logged
+
+
+def test_config_rejects_bad_options(tmp_path):
+    with pytest.raises(ValueError, match="advantage_estimator"):
+        CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="nope", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="loss_type"):
+        CreditGRPOConfig(output_dir=str(tmp_path), loss_type="cispo", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="lam"):
+        CreditGRPOConfig(output_dir=str(tmp_path), trace_lam=1.5, use_cpu=True, bf16=False)
+
+
+def test_trainer_rejects_trl_only_loss_options(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = CreditGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                            max_completion_length=4, use_cpu=True, bf16=False, report_to="none",
+                            top_entropy_quantile=0.2)
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        CreditGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=count_digits, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))

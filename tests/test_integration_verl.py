@@ -1,0 +1,259 @@
+"""creditrl's verl plug-in: entry-point loading, estimator and loss adapters, verl's own OTB."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("verl")
+
+import torch  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+
+import creditrl  # noqa: E402
+from creditrl.integrations import verl as plugin  # noqa: E402
+from creditrl.losses import StapoOptions, TraceOptions  # noqa: E402
+
+MAXK = {"maxpo", "pkpo", "passk_chen", "maxk_bon"}
+
+
+def verl_batch(seed=0, lengths=(5, 3, 6, 6, 2, 4, 1, 6, 6), uids=("a", "a", "a", "b", "b", "b", "c", "c", "c"),
+               steps=7, binary=False):
+    """verl-shaped inputs: outcome score on the last valid token, numpy object array of uids."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    mask = (torch.arange(steps)[None] < lengths[:, None]).float()
+    score = torch.randint(0, 2, (len(lengths),), generator=gen).float() if binary else torch.rand(len(lengths), generator=gen)
+    rewards = torch.zeros(len(lengths), steps)
+    rewards[torch.arange(len(lengths)), lengths - 1] = score
+    logits = torch.randn(len(lengths), steps, 11, generator=gen)
+    tokens = torch.randint(0, 11, (len(lengths), steps), generator=gen)
+    stats = creditrl.token_stats(logits, tokens, mask)
+    return dict(token_level_rewards=rewards, response_mask=mask, index=np.array(uids, dtype=object),
+                old_log_probs=stats.logp, sum_pi_squared=stats.sum_p2, stats=stats)
+
+
+def group_of(uids):
+    return torch.from_numpy(np.unique(uids, return_inverse=True)[1])
+
+
+def test_plain_import_verl_loads_the_plugin_through_the_entry_point():
+    code = ("import verl; from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn;"
+            "import creditrl; names = creditrl.list_estimators();"
+            "assert all(get_adv_estimator_fn('creditrl_' + n).__creditrl__ == n for n in names), names;"
+            "assert get_policy_loss_fn('creditrl_stapo').__module__ == 'creditrl.integrations.verl';"
+            "assert get_policy_loss_fn('creditrl_grpo_lambda').__module__ == 'creditrl.integrations.verl'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_import_creditrl_does_not_import_trl_or_verl():
+    code = "import sys, creditrl; creditrl.compute_advantages; assert 'verl' not in sys.modules and 'trl' not in sys.modules"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", creditrl.list_estimators())
+def test_registered_estimator_matches_direct_call(name):
+    batch = verl_batch(binary=name == "passk_chen")
+    options = {"k": 2} if name in MAXK else {}
+    fn = core_algos.get_adv_estimator_fn(plugin.PREFIX + name)
+    advantages, returns = fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+                             index=batch["index"], config={"creditrl": options},
+                             old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
+    expected = creditrl.compute_advantages(name, rewards=batch["token_level_rewards"], mask=batch["response_mask"],
+                                           group=group_of(batch["index"]), energy=batch["stats"].energy, **options)
+    torch.testing.assert_close(advantages, expected)
+    # returns: reward-to-go, computed independently with a loop
+    mask, rewards = batch["response_mask"], batch["token_level_rewards"]
+    loop = torch.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        running = 0.0
+        for t in reversed(range(rewards.shape[1])):
+            running += float(rewards[b, t] * mask[b, t])
+            loop[b, t] = running * mask[b, t]
+    torch.testing.assert_close(returns, loop)
+
+
+def test_energy_estimator_without_actor_energy_names_the_fix():
+    batch = verl_batch()
+    fn = core_algos.get_adv_estimator_fn("creditrl_otb")
+    with pytest.raises(ValueError, match="calculate_sum_pi_squared"):
+        fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+           index=batch["index"], config=None)
+
+
+def verl_otb(batch, **kwargs):
+    return core_algos.compute_optimal_token_baseline_advantage(
+        token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"], index=batch["index"],
+        old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"], **kwargs)
+
+
+def credit_otb(batch, **kwargs):
+    return core_algos.get_adv_estimator_fn("creditrl_otb")(
+        token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"], index=batch["index"],
+        config=None, old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"], **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_verl_otb_agrees_where_the_definitions_coincide(seed):
+    """Groups of >= 2, positive energies, no zero-tail rule: B_t = sum G W / sum W in both."""
+    batch = verl_batch(seed, lengths=(5, 3, 6, 6, 2, 6), uids=("a", "a", "a", "b", "b", "b"))
+    ours, our_returns = credit_otb(batch)
+    theirs, their_returns = verl_otb(batch, handle_zero_tail=False)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(our_returns, their_returns)
+    weights = torch.rand(batch["response_mask"].shape, generator=torch.Generator().manual_seed(seed)) + 0.5
+    ours, _ = credit_otb(batch, rollout_is_weights=weights)
+    theirs, _ = verl_otb(batch, handle_zero_tail=False, rollout_is_weights=weights)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_verl_otb_differs_on_the_zero_tail_singletons_and_zero_energy():
+    batch = verl_batch(1, lengths=(5, 3, 7, 2, 4, 6), uids=("a", "a", "a", "b", "b", "c"))
+    ours, returns = credit_otb(batch)
+    theirs, _ = verl_otb(batch, handle_zero_tail=True)
+    # zero tail: group a's unique longest response (7) past the second longest (5): verl's
+    # baseline is 0 (A = G_t); creditrl has one live member there and gives A = 0.
+    tail = torch.zeros_like(ours, dtype=torch.bool)
+    tail[2, 5:7] = True
+    tail[4, 2:4] = True  # same in group b (lengths 2 and 4)
+    # singleton group c: verl gives A = G_t (no baseline), creditrl gives 0.
+    tail[5, :6] = True
+    torch.testing.assert_close(theirs[tail], returns[tail])
+    assert torch.all(ours[tail] == 0)
+    torch.testing.assert_close(ours[~tail], theirs[~tail], atol=1e-5, rtol=1e-5)
+    # all energies 0 (every token certain): verl divides by eps (baseline 0, A = G_t);
+    # creditrl falls back to the plain group mean of the returns.
+    zero = dict(batch, old_log_probs=torch.zeros_like(batch["old_log_probs"]),
+                sum_pi_squared=torch.ones_like(batch["sum_pi_squared"]))
+    theirs, _ = verl_otb(zero, handle_zero_tail=False)
+    ours, _ = credit_otb(zero)
+    valid = batch["response_mask"].bool()
+    torch.testing.assert_close(theirs[valid], returns[valid])
+    mean_a = returns[:3, 0].mean()
+    assert torch.isclose(ours[0, 0], returns[0, 0] - mean_a)
+
+
+def actor_config(**policy_loss):
+    return ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio_c=3.0,
+                       policy_loss=plugin.CreditPolicyLossConfig(**policy_loss))
+
+
+def loss_inputs(seed=0, shape=(6, 5)):
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(shape, generator=gen) * 3
+    logp = (old + 0.3 * torch.randn(shape, generator=gen)).requires_grad_()
+    mask = torch.ones(shape)
+    mask[0, 3:] = 0
+    mask[4, 1:] = 0
+    advantages = torch.randn(shape, generator=gen) * mask
+    return dict(old_log_prob=old, log_prob=logp, advantages=advantages, response_mask=mask)
+
+
+def test_stapo_loss_with_verl_keywords_matches_policy_loss():
+    inputs = loss_inputs()
+    entropy = torch.rand(inputs["response_mask"].shape, generator=torch.Generator().manual_seed(5)) * 2
+    config = actor_config(stapo_tau_p=0.3, stapo_high_entropy_fraction=0.2)
+    fn = core_algos.get_policy_loss_fn("creditrl_stapo")
+    with plugin.token_entropy(entropy):
+        loss, metrics = fn(**inputs, loss_agg_mode="token-mean", config=config, rollout_is_weights=None)
+    expected, expected_metrics = creditrl.policy_loss(
+        inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"], inputs["response_mask"], clip_low=0.2,
+        clip_high=0.2, clip_c=3.0, agg="token-mean", stapo=StapoOptions(tau_p=0.3, high_entropy_fraction=0.2),
+        entropy=entropy)
+    torch.testing.assert_close(loss, expected)
+    assert metrics["actor/creditrl/spurious_ratio"] == expected_metrics["spurious_ratio"] > 0
+    loss.backward()
+    assert inputs["log_prob"].grad is not None
+    with pytest.raises(ValueError, match="calculate_entropy"):
+        fn(**loss_inputs(), loss_agg_mode="token-mean", config=config, rollout_is_weights=None)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_grpo_lambda_at_lambda_zero_equals_verl_vanilla(mode):
+    """ε-trace with λ = 0, style recent, no advantage clamp is GRPO's clipped loss (Theorem 1)."""
+    inputs = loss_inputs(1)
+    weights = torch.rand(inputs["response_mask"].shape, generator=torch.Generator().manual_seed(2)) * 2
+    config = actor_config(trace_lam=0.0, trace_adv_clamp=-1e9)
+    for rollout_is_weights in (None, weights):
+        ours, metrics = core_algos.get_policy_loss_fn("creditrl_grpo_lambda")(
+            **inputs, loss_agg_mode=mode, config=config, rollout_is_weights=rollout_is_weights)
+        theirs, _ = core_algos.compute_policy_loss_vanilla(**inputs, loss_agg_mode=mode, config=config,
+                                                           rollout_is_weights=rollout_is_weights)
+        torch.testing.assert_close(ours, theirs)
+    assert "actor/creditrl/kept_frac" in metrics
+
+
+def test_grpo_lambda_requires_trace_lam_and_uses_the_trace():
+    inputs = loss_inputs(3)
+    with pytest.raises(ValueError, match="trace_lam"):
+        core_algos.get_policy_loss_fn("creditrl_grpo_lambda")(**inputs, loss_agg_mode="token-mean",
+                                                              config=actor_config(), rollout_is_weights=None)
+    loss, _ = core_algos.get_policy_loss_fn("creditrl_grpo_lambda")(
+        **inputs, loss_agg_mode="token-mean", config=actor_config(trace_lam=0.8), rollout_is_weights=None)
+    expected, _ = creditrl.policy_loss(inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"],
+                                       inputs["response_mask"], clip_c=3.0, trace=TraceOptions(lam=0.8))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_global_batch_normalisation_follows_verl_agg_loss():
+    inputs = loss_inputs(4)
+    config = actor_config(trace_lam=0.0, trace_adv_clamp=-1e9)
+    mask = inputs["response_mask"]
+    for mode, info in [("token-mean", {"dp_size": 2, "batch_num_tokens": 3 * int(mask.sum())}),
+                       ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 17}),
+                       ("seq-mean-token-sum-norm", {"dp_size": 4, "global_batch_size": 9})]:
+        config.global_batch_info.clear()
+        config.global_batch_info.update(info)
+        ours, _ = core_algos.get_policy_loss_fn("creditrl_grpo_lambda")(**inputs, loss_agg_mode=mode, config=config,
+                                                                         rollout_is_weights=None)
+        theirs, _ = core_algos.compute_policy_loss_vanilla(**inputs, loss_agg_mode=mode, config=config)
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_compute_advantage_hook_passes_the_actor_energy():
+    batch = verl_batch()
+    data = DataProto.from_dict(tensors={k: batch[k] for k in ("token_level_rewards", "response_mask",
+                                                               "old_log_probs", "sum_pi_squared")},
+                               non_tensors={"uid": batch["index"]})
+    calls = []
+
+    def compute_advantage(data, adv_estimator, gamma=1.0, lam=1.0, num_repeat=1, norm_adv_by_std_in_grpo=True,
+                          config=None):  # verl 0.9.1's signature; forwards only the basic kwargs
+        calls.append(adv_estimator)
+        return data
+
+    wrapped = plugin.wrap_compute_advantage(compute_advantage)
+    wrapped(data, "grpo", config=None)
+    assert calls == ["grpo"]  # verl's own estimators go to verl
+    out = wrapped(data, adv_estimator="creditrl_otb", gamma=1.0, config={"creditrl": {}})
+    assert calls == ["grpo"]
+    expected = creditrl.compute_advantages("otb", rewards=batch["token_level_rewards"], mask=batch["response_mask"],
+                                           group=group_of(batch["index"]), energy=batch["stats"].energy)
+    torch.testing.assert_close(out.batch["advantages"], expected)
+
+
+def test_reload_is_idempotent_and_foreign_names_are_refused():
+    first = core_algos.get_adv_estimator_fn("creditrl_otb")
+    module = importlib.reload(plugin)
+    second = core_algos.get_adv_estimator_fn("creditrl_otb")
+    assert second is not first and second.__creditrl__ == "otb"
+    importlib.reload(module)
+    assert sum(getattr(f, "creditrl_hook", False) for f in sys.meta_path) == 1
+
+    def foreign(**kwargs):
+        return None
+
+    core_algos.ADV_ESTIMATOR_REGISTRY["creditrl_rloo"] = foreign
+    try:
+        with pytest.raises(ValueError, match="creditrl_rloo"):
+            module.register_estimators()
+    finally:
+        del core_algos.ADV_ESTIMATOR_REGISTRY["creditrl_rloo"]
+        module.register_estimators()

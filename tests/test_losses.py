@@ -1,0 +1,321 @@
+"""agg_loss, policy_loss (clip, dual clip, KL, rollout correction, metrics, option grid), variance_proxy."""
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import creditrl
+from creditrl import StapoOptions, TraceOptions, agg_loss, policy_loss, variance_proxy
+from creditrl.losses import METRIC_KEYS
+
+MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+def loop_agg(loss, mask, mode, max_len=None):
+    rows, length = loss.shape
+    per_row = [[loss[b, t].item() for t in range(length) if mask[b, t]] for b in range(rows)]
+    nonempty = [r for r in per_row if r]
+    if mode == "token-mean":
+        n = sum(len(r) for r in per_row)
+        return sum(sum(r) for r in per_row) / n if n else 0.0
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in nonempty) / len(nonempty) if nonempty else 0.0
+    if mode == "seq-mean-token-sum":
+        return sum(sum(r) for r in nonempty) / len(nonempty) if nonempty else 0.0
+    return sum(sum(r) for r in per_row) / (rows * (max_len or length))
+
+
+def make_batch(seed=0, rows=5, length=7, token_adv=False, spread=0.4):
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(rows, length, generator=gen) * 4
+    old = logp + spread * torch.randn(rows, length, generator=gen)
+    adv = torch.randn((rows, length) if token_adv else (rows,), generator=gen)
+    mask = torch.rand(rows, length, generator=gen) > 0.3
+    mask[0] = False                     # an empty response
+    mask[1, :] = True
+    return logp, old, adv, mask
+
+
+# ---- aggregation ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_matches_loop(mode):
+    gen = torch.Generator().manual_seed(1)
+    loss = torch.randn(6, 9, generator=gen)
+    mask = torch.rand(6, 9, generator=gen) > 0.4
+    mask[2] = False
+    loss[~mask] = float("nan")                  # masked garbage must not leak
+    for max_len in (None, 16):
+        got = agg_loss(loss, mask, mode, max_len=max_len)
+        assert got.item() == pytest.approx(loop_agg(loss, mask, mode, max_len), rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_empty_mask_is_zero_with_grad(mode):
+    loss = torch.randn(3, 4, requires_grad=True)
+    out = agg_loss(loss, torch.zeros(3, 4, dtype=torch.bool), mode)
+    out.backward()
+    assert out.item() == 0.0 and torch.equal(loss.grad, torch.zeros(3, 4))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), value=st.floats(-5, 5), mode=st.sampled_from(MODES[:2]))
+def test_agg_loss_of_constant_is_constant(seed, value, mode):
+    mask = torch.rand(4, 6, generator=torch.Generator().manual_seed(seed)) > 0.5
+    mask[0, 0] = True
+    assert agg_loss(torch.full((4, 6), value), mask, mode).item() == pytest.approx(value, abs=1e-5)
+
+
+def test_agg_loss_bad_input():
+    with pytest.raises(ValueError, match=r"mode: unknown value 'sum'; valid values are \['token-mean'"):
+        agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "sum")
+    with pytest.raises(ValueError, match=r"mask: expected shape \[2, 3\], got \[3, 2\]"):
+        agg_loss(torch.zeros(2, 3), torch.ones(3, 2), "token-mean")
+    with pytest.raises(ValueError, match=r"max_len: expected a value in \[1, inf\], got 0"):
+        agg_loss(torch.zeros(2, 3), torch.ones(2, 3), "seq-mean-token-sum-norm", max_len=0)
+
+
+# ---- plain clipped loss -----------------------------------------------------------------------
+
+def loop_policy_loss(logp, old, adv, mask, clip_low, clip_high, clip_c, mode, kl=None):
+    """Per-token PPO/DAPO/dual-clip written out with Python floats."""
+    token = torch.zeros(logp.shape, dtype=torch.float64)
+    for b in range(logp.shape[0]):
+        for t in range(logp.shape[1]):
+            a = adv[b].item() if adv.dim() == 1 else adv[b, t].item()
+            r = math.exp(logp[b, t].item() - old[b, t].item())
+            loss = max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high))
+            if clip_c is not None and a < 0:
+                loss = min(loss, -a * clip_c)
+            if kl is not None:
+                coef, est, ref = kl
+                x = ref[b, t].item() - logp[b, t].item()
+                loss += coef * {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[est]
+            token[b, t] = loss
+    return loop_agg(token, mask, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip_high,clip_c,token_adv", [(None, None, False), (0.28, None, True), (0.28, 3.0, False)])
+def test_plain_loss_matches_loop(mode, clip_high, clip_c, token_adv):
+    logp, old, adv, mask = make_batch(2, token_adv=token_adv)
+    loss, metrics = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=clip_high, clip_c=clip_c, agg=mode)
+    ch = 0.2 if clip_high is None else clip_high
+    assert loss.item() == pytest.approx(loop_policy_loss(logp, old, adv, mask, 0.2, ch, clip_c, mode), rel=1e-5)
+    # clip fractions by loop
+    ratio = torch.exp(logp - old)
+    a = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
+    n = mask.sum().item()
+    assert metrics["clip_frac_low"] == pytest.approx((((ratio < 0.8) & (a < 0) & mask).sum() / n).item())
+    assert metrics["clip_frac_high"] == pytest.approx((((ratio > 1 + ch) & (a > 0) & mask).sum() / n).item())
+    assert metrics["clip_frac_low"] + metrics["clip_frac_high"] > 0
+
+
+def test_everything_off_is_exactly_the_plain_loss():
+    logp, old, adv, mask = make_batch(3)
+    plain, m_plain = policy_loss(logp, old, adv, mask)
+    off, m_off = policy_loss(logp, old, adv, mask, clip_high=None, clip_c=None, ref_logp=old, kl_coef=0.0,
+                             rollout_logp=None, rollout_correction=None, stapo=False, trace=None)
+    assert torch.equal(plain, off)
+    assert plain.item() == pytest.approx(loop_policy_loss(logp, old, adv, mask, 0.2, 0.2, None, "token-mean"), rel=1e-6)
+    assert set(m_plain) == set(METRIC_KEYS) and all(type(v) is float for v in m_plain.values())
+    for key in ("ref_kl", "mismatch_kl", "ppl_gap", "is_masked_frac", "spurious_ratio"):
+        assert m_plain[key] == 0.0
+    assert m_plain["kept_frac"] == 1.0
+    assert m_plain["adv_abs_mean"] == pytest.approx((adv.abs()[:, None].expand_as(mask)[mask]).mean().item())
+    k3 = (torch.exp(logp - old) - 1 - (logp - old))[mask].mean().item()
+    assert m_plain["approx_kl"] == pytest.approx(k3, rel=1e-5)
+
+
+@pytest.mark.parametrize("est", ["k1", "k2", "k3"])
+def test_kl_penalty_matches_loop(est):
+    logp, old, adv, mask = make_batch(4)
+    ref = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9))
+    loss, metrics = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean", ref_logp=ref,
+                                kl_coef=0.05, kl_estimator=est)
+    expected = loop_policy_loss(logp, old, adv, mask, 0.2, 0.2, None, "seq-mean-token-mean", (0.05, est, ref))
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    assert metrics["ref_kl"] != 0.0
+
+
+# ---- rollout correction -----------------------------------------------------------------------
+
+def loop_rollout(old, rollout, mask, mode, cap):
+    """Per-token weight (TIS) and keep (MIS) by loop."""
+    weight = torch.ones(old.shape, dtype=torch.float64)
+    keep = mask.clone()
+    for b in range(old.shape[0]):
+        idx = [t for t in range(old.shape[1]) if mask[b, t]]
+        seq_log = sum(old[b, t].item() - rollout[b, t].item() for t in idx) / max(len(idx), 1)
+        for t in idx:
+            log_rho = seq_log if mode.startswith("seq") else old[b, t].item() - rollout[b, t].item()
+            rho = math.exp(log_rho)
+            if mode.endswith("tis"):
+                weight[b, t] = min(rho, cap)
+            elif not (1 / cap <= rho <= cap):
+                keep[b, t] = False
+    return weight, keep
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis", "seq-tis", "seq-mis"])
+def test_rollout_correction_matches_loop(mode):
+    logp, old, adv, mask = make_batch(5)
+    rollout = old + 0.8 * torch.randn(old.shape, generator=torch.Generator().manual_seed(11))
+    cap = 1.5
+    loss, metrics = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_correction=mode,
+                                rollout_cap=cap, agg="token-mean")
+    weight, keep = loop_rollout(old, rollout, mask, mode, cap)
+    ratio = torch.exp(logp - old).double()
+    a = adv[:, None].double()
+    token = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * weight
+    expected = token[keep].sum() / keep.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert metrics["is_masked_frac"] == pytest.approx(((mask & ~keep).sum() / mask.sum()).item())
+    if mode.endswith("mis"):
+        assert 0 < metrics["is_masked_frac"] < 1
+    rho = old - rollout
+    assert metrics["mismatch_kl"] == pytest.approx((torch.exp(rho) - 1 - rho)[mask].mean().item(), rel=1e-5)
+    gaps = [abs((old[b] - rollout[b])[mask[b]].mean().item()) for b in range(mask.shape[0]) if mask[b].any()]
+    assert metrics["ppl_gap"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
+
+
+def test_tis_weight_is_detached():
+    logp, old, adv, mask = make_batch(6)
+    rollout = (old + 0.5).requires_grad_()
+    loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_correction="tis")
+    assert not loss.requires_grad  # only logp may carry gradient; here it has none
+
+
+# ---- option grid ------------------------------------------------------------------------------
+
+OPTIONS = {
+    "clip_high": dict(clip_high=0.28),
+    "dual_clip": dict(clip_c=3.0),
+    "kl": dict(kl_coef=0.1, kl_estimator="k2"),
+    "tis": dict(rollout_correction="tis"),
+    "mis": dict(rollout_correction="mis"),
+    "seq_mis": dict(rollout_correction="seq-mis"),
+    "stapo": dict(stapo=StapoOptions(tau_p=0.1, high_entropy_fraction=0.5)),
+    "trace": dict(trace=TraceOptions(lam=0.95, style="both", floor=0.01)),
+    "weight": dict(trace=TraceOptions(lam=0.9, update="weight")),
+    "seq_agg": dict(agg="seq-mean-token-sum-norm", max_len=10),
+}
+COMBOS = [(a,) for a in OPTIONS] + [(a, b) for a, b in itertools.combinations(OPTIONS, 2)
+                                     if not ({a, b} <= {"tis", "mis", "seq_mis"} or {a, b} == {"trace", "weight"})]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "+".join(c))
+def test_option_grid_is_finite(combo):
+    logp, old, adv, mask = make_batch(7, spread=1.0)
+    gen = torch.Generator().manual_seed(12)
+    logp = logp.clone().requires_grad_()
+    kwargs = dict(ref_logp=old - 0.2, rollout_logp=old + 0.5 * torch.randn(old.shape, generator=gen),
+                  entropy=torch.rand(old.shape, generator=gen))
+    for name in combo:
+        kwargs.update(OPTIONS[name])
+    loss, metrics = policy_loss(logp, old, adv, mask, **kwargs)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad.abs().sum() > 0
+    assert set(metrics) == set(METRIC_KEYS) and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_all_options_bf16_and_extreme_ratios():
+    logp, old, adv, mask = make_batch(8)
+    old = old.clone()
+    old[1, 0] = logp[1, 0] - 60.0                     # exp would overflow without the clamp
+    lp = logp.bfloat16().requires_grad_()
+    loss, metrics = policy_loss(lp, old.bfloat16(), adv.bfloat16(), mask, clip_high=0.28, clip_c=3.0,
+                                ref_logp=old, kl_coef=0.1, rollout_logp=old + 0.3, rollout_correction="seq-tis",
+                                stapo=True, entropy=torch.rand(mask.shape), trace=TraceOptions(lam=0.99))
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(lp.grad.float()).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_degenerate_batches():
+    # all-empty masks, singleton response, zero advantages: finite, zero loss where nothing counts
+    logp = torch.zeros(1, 4, requires_grad=True)
+    loss, metrics = policy_loss(logp, logp.detach(), torch.zeros(1), torch.zeros(1, 4), trace=TraceOptions(lam=0.5))
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["kept_frac"] == 0.0
+    loss, _ = policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1))
+    assert loss.item() == -1.0
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+def test_policy_loss_bad_input():
+    logp, old, adv, mask = make_batch(9)
+    with pytest.raises(ValueError, match=r"old_logp: expected the shape of logp \[5, 7\], got \[5, 6\]"):
+        policy_loss(logp, old[:, :-1], adv, mask)
+    with pytest.raises(ValueError, match=r"advantages: expected shape \[5\] or \[5, 7\], got \[4\]"):
+        policy_loss(logp, old, adv[:-1], mask)
+    bad = adv.clone()
+    bad[[2, 4]] = float("nan")
+    with pytest.raises(ValueError, match=r"advantages: 2 row\(s\) contain NaN or inf, e.g. rows \[2, 4\]"):
+        policy_loss(logp, old, bad, mask)
+    with pytest.raises(ValueError, match=r"agg: unknown value 'mean'; valid values are"):
+        policy_loss(logp, old, adv, mask, agg="mean")
+    with pytest.raises(ValueError, match=r"kl_estimator: unknown value 'k4'; valid values are \['k1', 'k2', 'k3'\]"):
+        policy_loss(logp, old, adv, mask, ref_logp=old, kl_coef=0.1, kl_estimator="k4")
+    with pytest.raises(ValueError, match=r"rollout_correction: unknown value 'is'; valid values are \[None, 'tis'"):
+        policy_loss(logp, old, adv, mask, rollout_logp=old, rollout_correction="is")
+    with pytest.raises(ValueError, match="rollout_logp: expected a \\[B,T\\] tensor when rollout_correction='tis'"):
+        policy_loss(logp, old, adv, mask, rollout_correction="tis")
+    with pytest.raises(ValueError, match="ref_logp: expected a \\[B,T\\] tensor when kl_coef > 0"):
+        policy_loss(logp, old, adv, mask, kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"clip_c: expected a value in \(1, inf\], got 0.5"):
+        policy_loss(logp, old, adv, mask, clip_c=0.5)
+    with pytest.raises(ValueError, match=r"rollout_cap: expected a value in \[1, inf\], got 0.5"):
+        policy_loss(logp, old, adv, mask, rollout_logp=old, rollout_correction="mis", rollout_cap=0.5)
+    with pytest.raises(TypeError, match="trace: expected None or TraceOptions, got dict"):
+        policy_loss(logp, old, adv, mask, trace={"lam": 0.5})
+
+
+# ---- variance proxy ---------------------------------------------------------------------------
+
+def test_variance_proxy_matches_loop():
+    gen = torch.Generator().manual_seed(13)
+    energy = torch.rand(4, 6, generator=gen)
+    adv = torch.randn(4, 6, generator=gen)
+    mask = torch.rand(4, 6, generator=gen) > 0.3
+    mask[3] = False
+    total = 0.0
+    for b in range(4):
+        idx = [t for t in range(6) if mask[b, t]]
+        w = sum(energy[b, t].item() for t in idx)
+        a = sum(adv[b, t].item() for t in idx) / len(idx) if idx else 0.0
+        total += w * a * a
+    assert variance_proxy(adv, energy, mask) == pytest.approx(total / 4, rel=1e-6)
+    seq_adv = torch.randn(4, generator=gen)
+    expected = (torch.where(mask, energy, 0).sum(1) * seq_adv ** 2).mean().item()
+    assert variance_proxy(seq_adv, energy, mask) == pytest.approx(expected, rel=1e-6)
+    assert variance_proxy(seq_adv, torch.where(mask, energy, 0).sum(1), mask) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match=r"energy: expected the shape of mask \[4, 5\], got \[4, 6\]"):
+        variance_proxy(seq_adv, energy, mask[:, :-1])
+
+
+def test_public_names_exported():
+    for name in ("agg_loss", "policy_loss", "spurious_token_mask", "apply_trace", "variance_proxy",
+                 "StapoOptions", "TraceOptions"):
+        assert getattr(creditrl, name) is getattr(creditrl.losses, name)
+
+
+def test_policy_loss_names_non_finite_inputs():
+    logp, old, adv, mask = make_batch(10)
+    mask[3, 0] = True
+    bad = logp.clone()
+    bad[3, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"logp: 1 row\(s\) contain NaN or inf, e.g. rows \[3\]"):
+        policy_loss(bad, old, adv, mask)
+    with pytest.raises(ValueError, match=r"rollout_logp: 1 row\(s\) contain NaN or inf, e.g. rows \[3\]"):
+        policy_loss(logp, old, adv, mask, rollout_logp=bad, rollout_correction="tis")
+    with pytest.raises(ValueError, match=r"entropy: 1 row\(s\) contain NaN or inf, e.g. rows \[3\]"):
+        policy_loss(logp, old, adv, mask, stapo=True, entropy=bad.exp())
+    garbage = logp.clone()
+    garbage[~mask] = float("nan")               # padding may hold anything
+    loss, metrics = policy_loss(garbage, old, adv, mask, ref_logp=garbage, kl_coef=0.1)
+    assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())

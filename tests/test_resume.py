@@ -1,0 +1,89 @@
+"""Exact resume: a run SIGKILLed mid-training and resumed with ``creditrl train --resume``
+logs the same per-step metrics as an uninterrupted run (deterministic CPU mode)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from creditrl.config import load_config
+from creditrl.models import load_policy
+from creditrl.tasks import get_task
+from creditrl.trainer.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from creditrl.trainer.logging import truncate_jsonl
+
+TIMING = {"tokens_per_s", "time_rollout", "time_update", "time_eval"}
+TINY_RUN = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+            "model.warm_start.max_steps=400", "model.warm_start.eval_every=25", "model.warm_start.eval_size=32",
+            "model.warm_start.target_accuracy=0.3", "model.warm_start.lr=3e-3", "task.options.digits=1",
+            "train.eval_problems=8", "train.eval_samples=4", "train.pass_k=[1,4]", "logging.progress=false",
+            "train.threads=1", "train.steps=14", "train.save_every=3", "train.eval_every=5",
+            "loss.stapo.enabled=true", "loss.rollout_correction=tis", "optim.epochs=2", "optim.minibatch_size=32"]
+
+
+def records(path):
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in path.read_text().splitlines()]
+
+
+def train_cmd(*args):
+    return [sys.executable, "-m", "creditrl.cli", "train", "--no-progress", *args]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    out = tmp_path_factory.mktemp("resume")
+    common = TINY_RUN + [f"model.cache_dir={base / 'tiny-cache'}", f"train.output_dir={out}"]
+    cfg = load_config(None, common)  # warm-start once here so both subprocesses load the cache
+    load_policy(cfg.model.name, get_task(cfg.task.name, **cfg.task.options), model_cfg=cfg.model.tiny,
+                warm_start=cfg.model.warm_start, cache_dir=cfg.model.cache_dir, seed=cfg.train.seed, progress=False)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    full = subprocess.run(train_cmd(*common, "train.run_name=full"), env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    run = out / "killed"
+    proc = subprocess.Popen(train_cmd(*common, "train.run_name=killed"), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:  # kill once step 4 is logged (checkpoint at 3)
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "summary.json").exists(), "the run finished before it could be killed"
+    killed_at = len(metrics.read_text().splitlines())
+    assert killed_at < 14 and list_checkpoints(run)
+
+    resumed = subprocess.run(train_cmd("--resume", str(run)), env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = records(out / "full" / "metrics.jsonl"), records(metrics)
+    assert [r["step"] for r in b] == list(range(1, 15))
+    assert a == b  # exact equality of every non-timing metric, every step
+    assert records(out / "full" / "eval.jsonl") == records(run / "eval.jsonl")
+    assert any(r["grad_norm"] > 0 for r in a)  # the comparison is not vacuous
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, {"x": step}, keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000003.pt", "step_000004.pt"]
+    (tmp_path / "checkpoints" / "step_000005.pt.tmp").write_bytes(b"torn")  # a crash mid-write
+    assert load_latest(tmp_path)["x"] == 4 and load_latest(tmp_path)["step"] == 4
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_latest(tmp_path / "elsewhere")
+
+
+def test_truncate_jsonl_drops_later_steps_and_torn_lines(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "x"')
+    truncate_jsonl(path, 3)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]

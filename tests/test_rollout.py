@@ -1,0 +1,209 @@
+"""Rollout: positions/log-probs consistent with the training forward, top-p, greedy vs HF
+generate, EOS stop, tool-output masking in the calculator's multi-turn loop."""
+from __future__ import annotations
+
+import random
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+from creditrl.tasks import get_task
+from creditrl.tasks.base import Problem
+from creditrl.trainer.rollout import generate_rollouts, position_ids_from_mask, sample_next
+from creditrl.trainer.update import response_stats
+
+SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def addition():
+    task = get_task("addition", digits=2)
+    tok = char_tokenizer(task.alphabet())
+    return task, tok, tiny_model(tok, SMALL, seed=0).eval()
+
+
+def mixed_problems():
+    """Prompts of different lengths, so left padding matters."""
+    return [Problem("1+2=", "3"), Problem("12+34=", "46"), Problem("123+4567=", "4690")]
+
+
+def test_rollout_logp_matches_training_forward(addition):
+    task, tok, model = addition
+    gen = torch.Generator().manual_seed(0)
+    batch = generate_rollouts(model, tok, task, mixed_problems(), group_size=3, temperature=1.0, top_p=1.0,
+                              max_new_tokens=6, generator=gen)
+    assert batch.input_ids.shape[0] == 9 and batch.group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert torch.equal(batch.position_ids, position_ids_from_mask(batch.attention_mask))
+    # plain full forward, log_softmax over everything: the reference
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids).logits.float()
+    ref = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    mask = batch.response_mask[:, 1:].bool()
+    assert mask.any()
+    torch.testing.assert_close(ref[mask], batch.rollout_logp[:, 1:][mask], atol=1e-5, rtol=1e-5)
+    # the trainer's path (logits of the response columns only, token_stats) agrees too
+    with torch.no_grad():
+        stats = response_stats(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                               batch.response_mask, batch.prompt_len, temperature=1.0)
+    rmask = batch.response_mask[:, batch.prompt_len:].bool()
+    torch.testing.assert_close(stats.logp[rmask], batch.rollout_logp[:, batch.prompt_len:][rmask],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_rollout_logp_with_temperature(addition):
+    task, tok, model = addition
+    batch = generate_rollouts(model, tok, task, mixed_problems(), group_size=2, temperature=0.7,
+                              max_new_tokens=5, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        stats = response_stats(model, batch.input_ids, batch.attention_mask, batch.position_ids,
+                               batch.response_mask, batch.prompt_len, temperature=0.7)
+    rmask = batch.response_mask[:, batch.prompt_len:].bool()
+    torch.testing.assert_close(stats.logp[rmask], batch.rollout_logp[:, batch.prompt_len:][rmask],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_matches_hf_generate(addition):
+    task, tok, model = addition
+    problems = mixed_problems()
+    batch = generate_rollouts(model, tok, task, problems, group_size=1, temperature=0.0, max_new_tokens=6)
+    enc = tok([p.prompt for p in problems], return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)
+    hf_texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert batch.response_texts == hf_texts
+
+
+def test_rollout_is_deterministic_given_generator(addition):
+    task, tok, model = addition
+    a = generate_rollouts(model, tok, task, mixed_problems(), group_size=4, max_new_tokens=5,
+                          generator=torch.Generator().manual_seed(7))
+    b = generate_rollouts(model, tok, task, mixed_problems(), group_size=4, max_new_tokens=5,
+                          generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a.input_ids, b.input_ids) and a.response_texts == b.response_texts
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.05, 1.0), st.floats(0.3, 2.0))
+def test_top_p_matches_bruteforce(seed, top_p, temperature):
+    logits = torch.randn(4, 7, generator=torch.Generator().manual_seed(seed)) * 3
+    token, logp = sample_next(logits, temperature=temperature, top_p=top_p,
+                              generator=torch.Generator().manual_seed(seed))
+    for row in range(4):  # brute force: smallest prefix of the sorted tokens with mass >= top_p
+        probs = torch.softmax(logits[row].double() / temperature, -1)
+        order = probs.argsort(descending=True).tolist()
+        kept, mass = [], 0.0
+        for i in order:
+            kept.append(i)
+            mass += float(probs[i])
+            if mass >= top_p - 1e-9:
+                break
+        assert int(token[row]) in kept
+        expected = float(probs[token[row]] / probs[kept].sum())
+        assert abs(float(logp[row].exp()) - expected) < 1e-4
+
+
+class ScriptedModel(torch.nn.Module):
+    """Writes ``script`` after any prompt (then EOS), skipping tool outputs the environment
+    inserted: the next character depends on the response text with <out>...</out> removed.
+    The 'cache' is the token history, so the rollout's cache protocol is exercised."""
+
+    def __init__(self, tok, script: str):
+        super().__init__()
+        self.tok, self.script = tok, script
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+        self.prompt_len = None
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=True,
+                logits_to_keep=None, **_):
+        if past_key_values is None:
+            history, self.prompt_len = input_ids, input_ids.shape[1]
+        else:
+            history = torch.cat([past_key_values, input_ids], dim=1)
+        logits = torch.full((input_ids.shape[0], 1, len(self.tok)), -30.0)
+        for b in range(history.shape[0]):
+            text = self.tok.decode(history[b, self.prompt_len:], skip_special_tokens=True)
+            clean = re.sub(r"<out>.*?</out>", "", text)
+            nxt = self.tok.eos_token_id if len(clean) >= len(self.script) else \
+                self.tok.convert_tokens_to_ids(self.script[len(clean)])
+            logits[b, 0, nxt] = 30.0
+        return SimpleNamespace(logits=logits, past_key_values=history)
+
+
+def test_tool_outputs_have_mask_zero():
+    task = get_task("calculator", max_tool_calls=2)
+    tok = char_tokenizer(task.alphabet())
+    script = "<calc>1+2</calc><calc>2*3</calc><answer>3</answer>"
+    model = ScriptedModel(tok, script)
+    problems = [Problem("1+2=", "3"), Problem("10+20*3=", "70")]
+    batch = generate_rollouts(model, tok, task, problems, group_size=2, max_new_tokens=len(script) + 1,
+                              max_tool_tokens=16, generator=torch.Generator().manual_seed(0))
+    expected_text = "<calc>1+2</calc><out>3</out><calc>2*3</calc><out>6</out><answer>3</answer>"
+    assert batch.response_texts == [expected_text] * 4
+    assert batch.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+    p = batch.prompt_len
+    for b in range(4):
+        cols = batch.attention_mask[b, p:].bool()
+        ids = batch.input_ids[b, p:][cols]
+        mask = batch.response_mask[b, p:][cols]
+        # character-level: mask 0 exactly on the <out>...</out> characters, 1 on the rest + EOS
+        char_mask = [1] * len(expected_text)
+        for m in re.finditer(r"<out>.*?</out>", expected_text):
+            char_mask[m.start():m.end()] = [0] * (m.end() - m.start())
+        assert tok.decode(ids[:-1]) == expected_text and int(ids[-1]) == tok.eos_token_id
+        assert mask.tolist() == char_mask + [1]
+        # tool tokens carry no behaviour log-prob; sampled ones do (prob ~1 here)
+        assert torch.all(batch.rollout_logp[b, p:][cols][mask == 0] == 0)
+    assert batch.num_tokens == 4 * (sum(char_mask) + 1)
+
+
+def test_tool_calls_stop_at_budget():
+    task = get_task("calculator", max_tool_calls=1)
+    tok = char_tokenizer(task.alphabet())
+    script = "<calc>1+2</calc><calc>2*3</calc><answer>3</answer>"
+    batch = generate_rollouts(ScriptedModel(tok, script), tok, task, [Problem("1+2=", "3")], group_size=1,
+                              max_new_tokens=len(script) + 1)
+    assert batch.response_texts == ["<calc>1+2</calc><out>3</out><calc>2*3</calc><answer>3</answer>"]
+
+
+def test_eos_stops_row_and_pads_after():
+    task = get_task("addition", digits=1)
+    tok = char_tokenizer(task.alphabet())
+    batch = generate_rollouts(ScriptedModel(tok, "12"), tok, task, [Problem("5+7=", "12"), Problem("1+1=", "2")],
+                              group_size=1, max_new_tokens=6)
+    p = batch.prompt_len
+    assert batch.response_texts == ["12", "12"] and batch.rewards.tolist() == [1.0, 0.0]
+    assert batch.response_mask[:, p:].sum(-1).tolist() == [3.0, 3.0]  # "1", "2", EOS
+    assert batch.input_ids.shape[1] == p + 3  # the loop stopped once every row ended
+
+
+def test_max_new_tokens_truncates():
+    task = get_task("addition", digits=1)
+    tok = char_tokenizer(task.alphabet())
+    batch = generate_rollouts(ScriptedModel(tok, "1234567"), tok, task, [Problem("5+7=", "12")], group_size=2,
+                              max_new_tokens=3)
+    assert batch.response_texts == ["123", "123"]
+    assert batch.response_mask.sum().item() == 6
+
+
+def test_bad_arguments(addition):
+    task, tok, model = addition
+    with pytest.raises(ValueError, match="group_size"):
+        generate_rollouts(model, tok, task, mixed_problems(), group_size=0)
+    with pytest.raises(ValueError, match="problems"):
+        generate_rollouts(model, tok, task, [], group_size=2)
+
+
+def test_sampled_problems_from_stream(addition):
+    task, tok, model = addition
+    rng = random.Random(0)
+    problems = [task.sample(rng) for _ in range(4)]
+    batch = generate_rollouts(model, tok, task, problems, group_size=2, max_new_tokens=4,
+                              generator=torch.Generator().manual_seed(0))
+    assert len(batch.response_texts) == 8 and batch.correct.dtype == torch.bool
+    assert torch.all(batch.response_mask[:, :batch.prompt_len] == 0)

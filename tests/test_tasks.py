@@ -1,0 +1,287 @@
+"""Built-in tasks: generators, held-out sets, reward checkers (incl. adversarial output)."""
+import json
+import random
+import re
+import sys
+import warnings
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from creditrl.tasks import Problem, Task, get_task, list_tasks, task_options
+from creditrl.tasks.calculator import tool_output_spans
+from creditrl.tasks.safe_math import safe_eval
+
+PROCEDURAL = ["addition", "multiplication", "countdown", "calculator"]
+VARIANTS = [("addition", {}), ("addition", {"digits": 1}), ("multiplication", {}),
+            ("multiplication", {"digits": 3, "scratchpad": False}), ("countdown", {}),
+            ("countdown", {"n_numbers": 5}), ("calculator", {}), ("calculator", {"max_tool_calls": 1, "n_terms": 2})]
+ADVERSARIAL = ["", " ", "\x00", "__import__('os')", "9**9**9", "1e999999", "(" * 500, "<answer>" * 100,
+               "<calc>1/0</calc>", "=" * 50, "١٢٣", "\ud800", "x" * 10000, "<answer></answer>", "nan", "-",
+               "+-*/", "<|eos|>"]
+
+
+def test_registry():
+    assert list_tasks() == ["addition", "multiplication", "countdown", "calculator", "jsonl"]
+    with pytest.raises(ValueError, match=r"unknown task 'adition'.*addition.*jsonl"):
+        get_task("adition")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['digit'\].*'digits'"):
+        get_task("addition", digit=3)
+    with pytest.raises(ValueError, match=r"missing required option\(s\) \['path'\]"):
+        get_task("jsonl")
+    with pytest.raises(ValueError, match=r"n_numbers: expected a value in \[3, 5\], got 6"):
+        get_task("countdown", n_numbers=6)
+    with pytest.raises(TypeError, match="digits: expected an int"):
+        get_task("addition", digits="2")
+    assert task_options("addition") == {"digits": 2, "seed": 0, "test_size": 200}
+
+
+@pytest.mark.parametrize("name, options", VARIANTS)
+def test_generator_contract(name, options):
+    task = get_task(name, **options)
+    assert isinstance(task, Task)
+    test = task.test_set()
+    assert test == get_task(name, **options).test_set()          # fixed across instances
+    assert len({p.prompt for p in test}) == len(test) > 0          # no duplicates
+    rng_a, rng_b = random.Random(1), random.Random(1)
+    train = [task.sample(rng_a) for _ in range(300)]
+    assert train == [task.sample(rng_b) for _ in range(300)]      # seeded stream
+    if name != "addition" or options.get("digits", 2) > 1:
+        assert not {p.prompt for p in train} & {p.prompt for p in test}  # held out
+    alphabet = set(task.alphabet())
+    for p in train[:100] + test[:100]:
+        target = task.sft_target(p)
+        assert task.reward(p, target) == 1.0, (p, target)
+        assert set(p.prompt + target) <= alphabet
+        for bad in ADVERSARIAL:
+            assert task.reward(p, bad) == 0.0
+    assert get_task(name, **options, seed=1).test_set() != test
+
+
+def test_small_space_keeps_training_problems():
+    task = get_task("addition", digits=1)
+    assert len(task.test_set()) == 50          # at most half of the 100 problems
+    rng = random.Random(0)
+    test = {p.prompt for p in task.test_set()}
+    assert sum(task.sample(rng).prompt not in test for _ in range(200)) == 200
+
+
+def test_addition_reward_brute_force():
+    task = get_task("addition")
+    rng = random.Random(0)
+    for _ in range(200):
+        p = task.sample(rng)
+        a, b = map(int, re.fullmatch(r"(\d+)\+(\d+)=", p.prompt).groups())
+        assert p.answer == str(a + b)
+        assert task.reward(p, f" {a + b}\n") == 1.0
+        assert task.reward(p, str(a + b + 1)) == 0.0
+        assert task.reward(p, f"{a + b}0") == 0.0
+        assert task.reward(p, f"x={a + b}") == 0.0
+
+
+def test_multiplication_scratchpad():
+    task = get_task("multiplication", digits=3)
+    rng = random.Random(0)
+    for _ in range(50):
+        p = task.sample(rng)
+        a, b = map(int, re.fullmatch(r"(\d+)\*(\d+)=", p.prompt).groups())
+        target = task.sft_target(p)
+        *steps, total = target.split(",")
+        partial = [int(d) * 10 ** i for i, d in enumerate(reversed(str(b)))]
+        assert steps == [f"{a}*{s}={a * s}" for s in partial]
+        assert total == "+".join(str(a * s) for s in partial) + f"={a * b}"
+        assert len(target) >= 30                         # tens of tokens
+        assert task.reward(p, f"wrong work={a * b}") == 1.0   # only the final answer is checked
+        assert task.reward(p, target[:-1]) == 0.0
+        assert task.reward(p, f"{a * b}=0") == 0.0
+    plain = get_task("multiplication", scratchpad=False)
+    p = plain.sample(rng)
+    assert plain.sft_target(p) == p.answer and plain.reward(p, "1=" + p.answer) == 0.0
+
+
+def _countdown(numbers, target):
+    return Problem(",".join(map(str, numbers)) + f":{target}=", str(target), {"numbers": numbers, "target": target})
+
+
+@pytest.mark.parametrize("response, reward", [
+    ("2+3", 1), ("(2+3)", 1), ("3+2", 1), ("4/2+3", 1), ("2*4-3", 1), ("4-2+3", 1), (" 2 + 3 ", 1),
+    ("3+3-1", 0), ("4+1", 0), ("2*2+1", 0), ("5", 0), ("10/2", 0), ("2+3+0", 0), ("2+3.0", 1),
+    ("2+3.5", 0), ("2+3=5", 0), ("(2+3", 0), ("__import__('os')", 0), ("4*4/4+1", 0),
+])
+def test_countdown_reward_rules(response, reward):
+    task = get_task("countdown")
+    assert task.reward(_countdown([2, 3, 4], 5), response) == reward
+
+
+def test_countdown_generator_is_solvable():
+    task = get_task("countdown", n_numbers=4, max_target=500)
+    rng = random.Random(3)
+    for _ in range(300):
+        p = task.sample(rng)
+        numbers, target = p.meta["numbers"], p.meta["target"]
+        solution = task.sft_target(p)
+        assert 1 <= target <= 500 and len(numbers) == 4
+        assert safe_eval(solution) == target
+        assert Counter(int(n) for n in re.findall(r"\d+", solution)) == Counter(numbers)  # uses every number once
+        assert p.prompt == ",".join(map(str, numbers)) + f":{target}="
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=3, max_size=5), st.data())
+def test_countdown_reward_matches_brute_force(numbers, data):
+    """reward == [value == target] for expressions over a sub-multiset of the numbers."""
+    chosen = data.draw(st.permutations(numbers)).copy()[: data.draw(st.integers(1, len(numbers)))]
+    ops = data.draw(st.lists(st.sampled_from("+-*/"), min_size=len(chosen) - 1, max_size=len(chosen) - 1))
+    expr = str(chosen[0]) + "".join(op + str(n) for op, n in zip(ops, chosen[1:]))
+    value = _left_to_right_with_precedence(chosen, ops)
+    target = data.draw(st.integers(1, 50))
+    expected = float(value is not None and value == target)
+    assert get_task("countdown").reward(_countdown(numbers, target), expr) == expected
+    extra = max(numbers) + 1   # a number not given
+    assert get_task("countdown").reward(_countdown(numbers, target), f"{expr}+{extra}-{extra}") == 0.0
+
+
+def _left_to_right_with_precedence(nums, ops):
+    """Reference evaluation: fold * and / first, then + and -, with Fractions."""
+    terms, signs, current = [], ["+"], Fraction(nums[0])
+    for op, n in zip(ops, nums[1:]):
+        if op in "*/":
+            if op == "/" and n == 0:
+                return None
+            current = current * n if op == "*" else current / n
+        else:
+            terms.append(current)
+            signs.append(op)
+            current = Fraction(n)
+    terms.append(current)
+    return sum(t if s == "+" else -t for s, t in zip(signs, terms))
+
+
+def test_calculator_tool_output():
+    task = get_task("calculator", max_tool_calls=2)
+    assert task.tool_stop == "</calc>" and task.max_tool_calls == 2
+    assert task.tool_output("<calc>12*3+4</calc>") == "<out>40</out>"
+    assert task.tool_output("<calc>7/2</calc>") == "<out>7/2</out>"
+    assert task.tool_output("<calc>1/0</calc>") == "<out>error</out>"
+    assert task.tool_output("<calc>__import__('os')</calc>") == "<out>error</out>"
+    assert task.tool_output("</calc>") == "<out>error</out>"
+    assert task.tool_output("<calc>1+<calc>2*3</calc>") == "<out>6</out>"        # the last open tag
+    assert task.tool_output("<calc>2*3") is None                                # call not closed
+    assert task.tool_output("<answer>6</answer>") is None
+    two = "<calc>1+1</calc><out>2</out><calc>2+2</calc>"
+    assert task.tool_output(two) == "<out>4</out>"
+    assert task.tool_output(two + "<out>4</out><calc>3+3</calc>") is None       # budget of 2 spent
+    for bad in ADVERSARIAL:
+        out = task.tool_output(bad + "</calc>")
+        assert out is None or re.fullmatch(r"<out>[^<]*</out>", out)
+    assert task.tool_output(None) is None
+
+
+def test_calculator_reward_and_spans():
+    task = get_task("calculator")
+    p = task.sample(random.Random(0))
+    target = task.sft_target(p)
+    assert target == f"<calc>{p.meta['expr']}</calc><out>{p.answer}</out><answer>{p.answer}</answer>"
+    assert p.answer == str(safe_eval(p.prompt[:-1]))
+    assert task.reward(p, f"<answer>0</answer><answer> {p.answer} </answer>") == 1.0   # the last answer counts
+    assert task.reward(p, f"<answer>{p.answer}</answer><answer>0</answer>") == 0.0
+    assert task.reward(p, p.answer) == 0.0
+    spans = tool_output_spans(target)
+    assert [target[s:e] for s, e in spans] == [f"<out>{p.answer}</out>"]
+    assert tool_output_spans("<out>1</out>x<out>2</out>") == [(0, 12), (13, 25)]
+
+
+# --- jsonl -------------------------------------------------------------------------------
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+ROWS = [{"prompt": f"q{i}", "answer": str(i), "question": f"Q{i}", "gold": f"\\frac{{{i}}}{{2}}"} for i in range(40)]
+
+
+def test_jsonl_split_is_deterministic_and_disjoint(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    task = get_task("jsonl", path=path, test_fraction=0.25)
+    test, train = task.test_set(), task.train_set()
+    assert len(test) == 10 and len(train) == 30
+    assert {p.prompt for p in test} | {p.prompt for p in train} == {r["prompt"] for r in ROWS}
+    assert not {p.prompt for p in test} & {p.prompt for p in train}
+    assert get_task("jsonl", path=path, test_fraction=0.25).test_set() == test
+    assert get_task("jsonl", path=path, test_fraction=0.25, seed=1).test_set() != test
+    rng = random.Random(0)
+    assert all(task.sample(rng) in train for _ in range(100))
+    p = train[0]
+    assert task.reward(p, f" {p.answer}\n") == 1.0 and task.reward(p, p.answer + "0") == 0.0
+    assert set(task.alphabet()) == set("".join(r["prompt"] + r["answer"] for r in ROWS))
+    assert task.fingerprint()["data_sha256"]
+
+
+def test_jsonl_parquet_and_keys(tmp_path):
+    import datasets
+
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list(ROWS).to_parquet(str(path))
+    task = get_task("jsonl", path=str(path), prompt_key="question", answer_key="gold", checker="math")
+    p = task.test_set()[0]
+    half = Fraction(int(p.prompt[1:]), 2)
+    assert p.prompt.startswith("Q")
+    assert task.reward(p, f"The answer is $\\boxed{{{float(half)}}}$") == 1.0
+    assert task.reward(p, f"\\boxed{{{float(half) + 1}}}") == 0.0
+    for bad in ADVERSARIAL:
+        assert task.reward(p, bad) == 0.0
+
+
+def test_jsonl_numeric_checker(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1,000.5"}, {"prompt": "b", "answer": "2"}])
+    task = get_task("jsonl", path=path, checker="numeric", tolerance=1e-6)
+    p = Problem("a", "1,000.5")
+    assert task.reward(p, "so it is 1000.5004") == 1.0
+    assert task.reward(p, "1000.6") == 0.0
+    assert task.reward(p, "inf") == 0.0 and task.reward(p, "1e999") == 0.0
+    for bad in ADVERSARIAL:
+        assert task.reward(p, bad) == 0.0
+
+
+def test_jsonl_user_checker(tmp_path, monkeypatch):
+    (tmp_path / "my_reward.py").write_text(
+        "def score(prompt, response, answer):\n"
+        "    if response == 'boom':\n        raise RuntimeError('bad')\n"
+        "    if response == 'nan':\n        return float('nan')\n"
+        "    return 0.5 if answer in response else 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    task = get_task("jsonl", path=path, checker="my_reward:score")
+    p = Problem("q7", "7")
+    assert task.reward(p, "it is 7") == 0.5 and task.reward(p, "it is 8") == 0.0
+    assert task.reward(p, "nan") == 0.0
+    with pytest.warns(UserWarning, match="raised RuntimeError"):
+        assert task.reward(p, "boom") == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert task.reward(p, "boom") == 0.0   # warned once only
+    sys.modules.pop("my_reward", None)
+
+
+def test_jsonl_errors(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        get_task("jsonl", path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match=r"answer_key: column 'label' not in d.jsonl; columns are \["):
+        get_task("jsonl", path=path, answer_key="label")
+    with pytest.raises(ValueError, match=r"checker: unknown value 'regex'; valid values are \['exact'"):
+        get_task("jsonl", path=path, checker="regex")
+    with pytest.raises(ValueError, match="checker: cannot import 'no_such_mod:f'"):
+        get_task("jsonl", path=path, checker="no_such_mod:f")
+    with pytest.raises(ValueError, match="test_fraction"):
+        get_task("jsonl", path=path, test_fraction=1.0)
+    (tmp_path / "d.csv").write_text("prompt,answer\n")
+    with pytest.raises(ValueError, match="path: expected a file ending in"):
+        get_task("jsonl", path=str(tmp_path / "d.csv"))
+    one = _write_jsonl(tmp_path / "one.jsonl", ROWS[:1])
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        get_task("jsonl", path=one)

@@ -1,0 +1,162 @@
+"""token_stats against a float64 reference, gradients, bf16, chunked memory and errors."""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from creditrl import token_stats
+
+
+def reference(logits, tokens, mask, temperature=1.0):
+    """Float64 full-softmax reference; also returns the differentiable logp/entropy."""
+    logp_all = torch.log_softmax(logits.double() / temperature, -1)
+    p = logp_all.exp()
+    logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
+    entropy = -(p * logp_all).sum(-1)
+    sum_p2 = (p * p).sum(-1)
+    energy = ((torch.nn.functional.one_hot(tokens, logits.shape[-1]) - p) ** 2).sum(-1)  # ||e_y - pi||^2
+    m = mask.double()
+    return logp * m, entropy * m, sum_p2 * m, energy * m
+
+
+def sample(seed, shape=(3, 7, 50), scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(shape, generator=g) * scale
+    logits[0, 0, 5] = 40.0                                   # a near-certain token
+    tokens = torch.randint(0, shape[-1], shape[:2], generator=g)
+    tokens[0, 0] = 5
+    mask = torch.rand(shape[:2], generator=g) < 0.7
+    tokens[~mask] = -100                                     # ignored label at masked positions
+    return logits, tokens, mask
+
+
+def close(got, want, rtol=1e-5, atol=1e-6):
+    return torch.allclose(got.double(), want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk_size", [None, 1, 4])
+def test_matches_float64_reference(temperature, chunk_size):
+    logits, tokens, mask = sample(0)
+    stats = token_stats(logits, tokens, mask, temperature=temperature, chunk_size=chunk_size)
+    ref = reference(logits, tokens.clamp(min=0), mask, temperature)
+    for name, want in zip(("logp", "entropy", "sum_p2", "energy"), ref):
+        got = getattr(stats, name)
+        assert got.dtype == torch.float32 and got.shape == mask.shape
+        assert close(got, want), name
+        assert torch.equal(got[~mask], torch.zeros(int((~mask).sum())))
+    assert (stats.energy >= 0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_gradients_match_reference(temperature):
+    logits, tokens, mask = sample(1)
+    g = torch.Generator().manual_seed(2)
+    w_logp, w_ent = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    x = logits.clone().requires_grad_()
+    stats = token_stats(x, tokens, mask, temperature=temperature, chunk_size=3)
+    (stats.logp * w_logp + stats.entropy * w_ent).sum().backward()
+    x64 = logits.double().requires_grad_()
+    logp, entropy, _, _ = reference(x64, tokens.clamp(min=0), mask, temperature)
+    (logp * w_logp + entropy * w_ent).sum().backward()
+    assert torch.allclose(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+    assert not stats.sum_p2.requires_grad and not stats.energy.requires_grad
+    # only logp used: the entropy gradient slot arrives as None
+    x.grad = None
+    token_stats(x, tokens, mask).logp.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.equal(x.grad[~mask], torch.zeros_like(x.grad[~mask]))
+
+
+def test_bf16_input():
+    logits, tokens, mask = sample(4)
+    low = logits.bfloat16()
+    stats = token_stats(low, tokens, mask, chunk_size=5)
+    ref = reference(low.float(), tokens.clamp(min=0), mask)  # same (rounded) logits in float64
+    for name, want in zip(("logp", "entropy", "sum_p2", "energy"), ref):
+        assert getattr(stats, name).dtype == torch.float32
+        assert close(getattr(stats, name), want), name
+    x = low.clone().requires_grad_()
+    token_stats(x, tokens, mask).entropy.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
+
+
+def test_default_mask_and_noncontiguous_logits():
+    logits, tokens, _ = sample(5)
+    tokens = tokens.clamp(min=0)
+    strided = logits.transpose(0, 1).contiguous().transpose(0, 1)
+    full = token_stats(strided, tokens)
+    ref = reference(logits, tokens, torch.ones_like(tokens, dtype=torch.bool))
+    assert close(full.entropy, ref[1]) and close(full.logp, ref[0])
+
+
+class PeakMemory(TorchDispatchMode):
+    """Tracks the peak bytes of tensors allocated by ops run under the mode and still alive."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.seen = 0, 0, set()
+
+    def _release(self, key, size):
+        self.live -= size
+        self.seen.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage().data_ptr()
+                if key not in self.seen and key not in inputs:  # views/in-place results are not new
+                    size = t.untyped_storage().nbytes()
+                    self.seen.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._release, key, size)
+        return out
+
+
+def test_chunking_bounds_peak_memory():
+    num, steps, vocab = 4, 64, 512
+    logits = torch.randn(num, steps, vocab)
+    tokens = torch.randint(0, vocab, (num, steps))
+    chunk = 16
+    full_bytes = logits.numel() * 4
+    with PeakMemory() as tracker:
+        token_stats(logits, tokens, chunk_size=chunk)
+    assert tracker.peak < 4 * chunk * vocab * 4 + 64 * num * steps      # a few chunk buffers + [B,T] outputs
+    with PeakMemory() as naive:
+        logp = torch.log_softmax(logits.float(), -1)
+        (logp.exp() * logp).sum(-1)
+    assert naive.peak >= 2 * full_bytes and tracker.peak < naive.peak / 8
+    # backward: the logits' gradient itself plus a few chunk buffers, no float32 [B,T,V] scratch
+    x = logits.clone().requires_grad_()
+    stats = token_stats(x, tokens, chunk_size=chunk)
+    with PeakMemory() as backward:
+        (stats.logp + stats.entropy).sum().backward()
+    assert backward.peak < full_bytes + 4 * chunk * vocab * 4 + 64 * num * steps
+
+
+def test_errors():
+    logits, tokens, mask = sample(6)
+    with pytest.raises(ValueError, match=r"logits: expected a 3-D tensor, got shape \(3, 7\)"):
+        token_stats(logits[..., 0], tokens, mask)
+    with pytest.raises(TypeError, match="logits: expected a floating-point tensor"):
+        token_stats(logits.long(), tokens, mask)
+    with pytest.raises(ValueError, match=r"tokens: expected shape \[3, 7\], got \[3, 6\]"):
+        token_stats(logits, tokens[:, :6], mask)
+    with pytest.raises(TypeError, match="tokens: expected an integer tensor"):
+        token_stats(logits, tokens.float(), mask)
+    with pytest.raises(ValueError, match=r"mask: expected the shape of tokens \[3, 7\], got \[3, 6\]"):
+        token_stats(logits, tokens, mask[:, :6])
+    bad = tokens.clone()
+    bad[1, mask[1].nonzero()[0]] = 50
+    with pytest.raises(ValueError, match=r"tokens: expected ids in \[0, 50\) on valid positions, got 50 in rows \[1\]"):
+        token_stats(logits, bad, mask)
+    with pytest.raises(ValueError, match="temperature: expected a value in"):
+        token_stats(logits, tokens, mask, temperature=0.0)
+    with pytest.raises(ValueError, match="chunk_size: expected an int >= 1"):
+        token_stats(logits, tokens, mask, chunk_size=0)

@@ -1,0 +1,225 @@
+"""GRPO-λ traces: O(T) apply_trace vs the dense trace matrix, gradient identity, λ = 0."""
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from creditrl import TraceOptions, apply_trace, policy_loss
+
+
+def dense_trace_matrix(length, c, style, floor):
+    """GRPO-λ eq. 17–18 written out: M[t,j] = max(floor, c^{t−j}[, c^j]) for j < t, M[t,t] = 1."""
+    t = torch.arange(length, dtype=torch.float64)[:, None]
+    j = torch.arange(length, dtype=torch.float64)[None, :]
+    c = torch.tensor(c, dtype=torch.float64)
+    m = torch.maximum(torch.tensor(floor, dtype=torch.float64), c ** (t - j).clamp(min=0))
+    if style == "both":
+        m = torch.maximum(m, c ** j.expand(length, length))
+    return torch.where(t > j, m, (t == j).double())
+
+
+def dense_apply(values, mask, c, style, floor):
+    """Reference: compact each row's valid tokens, multiply by the dense matrix, scatter back."""
+    out = torch.zeros(values.shape, dtype=torch.float64)
+    cache = {}
+    for b in range(values.shape[0]):
+        idx = torch.nonzero(mask[b]).flatten()
+        n = len(idx)
+        if n not in cache:
+            cache[n] = dense_trace_matrix(n, c, style, floor)
+        out[b, idx] = cache[n] @ values[b, idx].double()
+    return out
+
+
+def assert_matches_dense(values, mask, lam, gamma, style, floor):
+    got = apply_trace(values, mask, lam=lam, gamma=gamma, style=style, floor=floor)
+    ref = dense_apply(values, mask, gamma * lam, style, floor)
+    assert got.dtype == torch.float32 and got.shape == values.shape
+    scale = max(1.0, ref.abs().max().item())
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("style,floor,lam", itertools.product(
+    ["recent", "both"], [0.0, 0.05, 0.6], [0.0, 0.5, 0.99, 1.0]))
+def test_apply_trace_matches_dense_matrix_t512_with_gaps(style, floor, lam):
+    gen = torch.Generator().manual_seed(hash((style, floor, lam)) % 2**31)
+    values = torch.randn(2, 512, generator=gen)
+    mask = torch.rand(2, 512, generator=gen) > 0.25  # masked tool-output gaps
+    mask[1, 300:] = False                          # right padding
+    mask[1, :40] = False                           # left gap
+    assert_matches_dense(values, mask, lam, 1.0, style, floor)
+
+
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 150), lam=st.floats(0.0, 1.0), gamma=st.floats(0.5, 1.0),
+       floor=st.sampled_from([0.0, 1e-3, 0.2, 1.0]), style=st.sampled_from(["recent", "both"]),
+       seed=st.integers(0, 2**16), keep=st.floats(0.0, 1.0))
+def test_apply_trace_matches_dense_property(length, lam, gamma, floor, style, seed, keep):
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(3, length, generator=gen)
+    mask = torch.rand(3, length, generator=gen) < keep
+    assert_matches_dense(values, mask, lam, gamma, style, floor)
+
+
+def test_apply_trace_basic_cases():
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    full = torch.ones(1, 4, dtype=torch.bool)
+    # λ = 0, recent: identity; λ = 1: prefix sums; a masked step is skipped, not decayed
+    assert torch.equal(apply_trace(x, full, lam=0.0), x)
+    assert torch.equal(apply_trace(x, full, lam=1.0), torch.cumsum(x, 1))
+    gap = torch.tensor([[True, False, True, True]])
+    y = apply_trace(x, gap, lam=0.5)
+    torch.testing.assert_close(y, torch.tensor([[1.0, 0.0, 3.5, 5.75]]))
+    # λ = 0, both: the first valid token keeps weight c^0 = 1 in every row (eq. 17)
+    torch.testing.assert_close(apply_trace(x, full, lam=0.0, style="both"),
+                               torch.tensor([[1.0, 3.0, 4.0, 5.0]]))
+    # empty rows / empty sequences
+    assert apply_trace(torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.bool), lam=0.5).shape == (2, 0)
+    assert torch.equal(apply_trace(x, torch.zeros(1, 4), lam=0.5), torch.zeros(1, 4))
+
+
+def test_apply_trace_long_sequence_is_finite_and_linear():
+    # (γλ)^{-t} would overflow float32 here; the chunked scan only uses powers ≤ 1
+    values = torch.randn(2, 20000)
+    mask = torch.ones(2, 20000, dtype=torch.bool)
+    for lam, style, floor in [(0.999, "recent", 0.0), (0.9, "both", 1e-4), (0.3, "recent", 0.01)]:
+        y = apply_trace(values, mask, lam=lam, style=style, floor=floor)
+        assert torch.isfinite(y).all()
+        y2 = apply_trace(2 * values, mask, lam=lam, style=style, floor=floor)
+        torch.testing.assert_close(y2, 2 * y, rtol=1e-5, atol=1e-4)
+    # windowed tail against the plain recursion over the last 100 steps
+    y = apply_trace(values[:1], mask[:1], lam=0.9)
+    rec = torch.zeros((), dtype=torch.float64)
+    for v in values[0].double():
+        rec = v + 0.9 * rec
+    assert abs(y[0, -1].item() - rec.item()) < 1e-4
+
+
+def test_apply_trace_bf16_input():
+    values = torch.randn(2, 100).bfloat16()
+    y = apply_trace(values, torch.ones(2, 100), lam=0.9, style="both", floor=0.01)
+    assert y.dtype == torch.float32 and torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(lam=1.5), r"lam: expected a value in \[0, 1\], got 1.5"),
+    (dict(lam=-0.1), r"lam: expected a value in \[0, 1\]"),
+    (dict(lam=0.5, gamma=2.0), r"gamma: expected"),
+    (dict(lam=0.5, floor=-1.0), r"floor: expected"),
+    (dict(lam=0.5, style="forward"), r"style: unknown value 'forward'; valid values are \['recent', 'both'\]"),
+])
+def test_apply_trace_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        apply_trace(torch.zeros(2, 3), torch.ones(2, 3), **kwargs)
+
+
+def test_apply_trace_bad_shapes():
+    with pytest.raises(ValueError, match=r"mask: expected shape \[2, 3\], got \[2, 4\]"):
+        apply_trace(torch.zeros(2, 3), torch.ones(2, 4), lam=0.5)
+    with pytest.raises(ValueError, match="values: expected a 2-D tensor"):
+        apply_trace(torch.zeros(3), torch.ones(3), lam=0.5)
+    with pytest.raises(ValueError, match="mask: expected a bool or 0/1 mask"):
+        apply_trace(torch.zeros(2, 3), torch.full((2, 3), 0.5), lam=0.5)
+
+
+def test_trace_options_validate():
+    with pytest.raises(ValueError, match=r"trace.update: unknown value 'both'; valid values are \['trace', 'weight'\]"):
+        TraceOptions(lam=0.5, update="both")
+    with pytest.raises(ValueError, match="lam: expected"):
+        TraceOptions(lam=2.0)
+
+
+# ---- GRPO-λ updates inside policy_loss ------------------------------------------------------
+
+def tiny_policy(seed=0, rows=3, length=9, params=4):
+    """log π as a smooth function of a tiny parameter vector θ, plus a mask with gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(rows, length, params, generator=gen, dtype=torch.float64)
+    theta = torch.randn(params, generator=gen, dtype=torch.float64)
+    mask = torch.rand(rows, length, generator=gen) > 0.3
+    mask[:, 0] = True
+    adv = torch.randn(rows, generator=gen, dtype=torch.float64)
+
+    def logp_fn(th):
+        return -torch.nn.functional.softplus(features @ th)
+    return theta, logp_fn, mask, adv
+
+
+@pytest.mark.parametrize("style,floor", [("recent", 0.0), ("recent", 0.3), ("both", 0.0), ("both", 0.1)])
+def test_eps_trace_gradient_identity(style, floor):
+    """Theorem 1: ∇ of the ε-trace objective at θ_old = θ is Σ_t Â_t Σ_{j≤t} M[t,j] ∇log π(y_j)."""
+    theta, logp_fn, mask, adv = tiny_policy()
+    opts = TraceOptions(lam=0.8, gamma=0.95, style=style, floor=floor, adv_clamp=-0.1)
+    th = theta.clone().requires_grad_()
+    logp = logp_fn(th)
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, agg="seq-mean-token-sum", trace=opts)
+    (grad,) = torch.autograd.grad(loss, th)
+
+    jac = torch.autograd.functional.jacobian(logp_fn, theta)  # [B,T,P]
+    expected = torch.zeros_like(theta)
+    clamped = adv.clamp(min=-0.1)
+    for b in range(mask.shape[0]):
+        idx = torch.nonzero(mask[b]).flatten()
+        m = dense_trace_matrix(len(idx), 0.8 * 0.95, style, floor)
+        for ti in range(len(idx)):
+            for ji in range(ti + 1):
+                expected += clamped[b] * m[ti, ji] * jac[b, idx[ji]]
+    expected = -expected / mask.shape[0]
+    torch.testing.assert_close(grad.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_eps_trace_lambda_zero_is_plain_loss_with_clamp():
+    theta, logp_fn, mask, adv = tiny_policy(seed=1)
+    gen = torch.Generator().manual_seed(5)
+    th1, th2 = theta.clone().requires_grad_(), theta.clone().requires_grad_()
+    old = logp_fn(theta) + 0.3 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    traced, _ = policy_loss(logp_fn(th1), old, adv, mask, trace=TraceOptions(lam=0.0, adv_clamp=-0.1))
+    plain, _ = policy_loss(logp_fn(th2), old, adv.clamp(min=-0.1), mask)
+    assert torch.equal(traced, plain)
+    traced.backward(), plain.backward()
+    assert torch.equal(th1.grad, th2.grad)
+
+
+def test_eps_weight_matches_reference_and_sigma_carries_gradient():
+    """ε-weight (Algorithm 2): ℓ_t · Σ_j M[t,j](1 + σ(log π_j − 1)), σ with gradient."""
+    theta, logp_fn, mask, adv = tiny_policy(seed=2)
+    gen = torch.Generator().manual_seed(6)
+    old = logp_fn(theta) + 0.2 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    opts = TraceOptions(lam=0.9, style="both", floor=0.05, update="weight", adv_clamp=-0.1)
+    th = theta.clone().requires_grad_()
+    loss, _ = policy_loss(logp_fn(th), old, adv, mask, clip_low=0.2, agg="token-mean", trace=opts)
+    (grad,) = torch.autograd.grad(loss, th)
+
+    def reference(th_):
+        logp = logp_fn(th_)
+        total = 0.0
+        a = adv.clamp(min=-0.1)
+        for b in range(mask.shape[0]):
+            idx = torch.nonzero(mask[b]).flatten()
+            m = dense_trace_matrix(len(idx), 0.9, "both", 0.05)
+            soft = 1 + torch.sigmoid(logp[b, idx] - 1)
+            weight = m @ soft
+            for ti, t in enumerate(idx):
+                r = torch.exp(logp[b, t] - old[b, t])
+                tok = torch.maximum(-a[b] * r, -a[b] * r.clamp(0.8, 1.2))
+                total = total + weight[ti] * tok
+        return total / mask.sum()
+    th_ref = theta.clone().requires_grad_()
+    ref = reference(th_ref)
+    (ref_grad,) = torch.autograd.grad(ref, th_ref)
+    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_eps_weight_lambda_zero_is_plain_loss_times_soft_clamp():
+    theta, logp_fn, mask, adv = tiny_policy(seed=3)
+    logp = logp_fn(theta)
+    old = logp + 0.1
+    weighted, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum",
+                              trace=TraceOptions(lam=0.0, update="weight"))
+    ratio = torch.exp(logp - old)
+    a = adv.clamp(min=-0.1)[:, None]
+    tok = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * (1 + torch.sigmoid(logp - 1))
+    expected = torch.where(mask, tok, 0.0).sum() / mask.shape[0]
+    torch.testing.assert_close(weighted.double(), expected, rtol=1e-6, atol=1e-7)
