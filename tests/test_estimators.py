@@ -214,6 +214,21 @@ def test_step_index_compacts_valid_tokens():
     assert steps.compact(x).tolist() == [[1, 2, 4], [5, 0, 0], [0, 0, 0]]
     assert torch.equal(steps.expand(steps.compact(x)), x * mask)
     assert steps.live().tolist() == [[True] * 3, [True, False, False], [False] * 3]
+    prefix = StepIndex.from_mask(torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool))
+    assert prefix.pos is None                                   # right-padded fast path
+    y = torch.arange(10.0).reshape(2, 5)
+    assert prefix.compact(y).tolist() == [[0, 1], [5, 0]]
+    assert prefix.expand(prefix.compact(y)).tolist() == [[0, 1, 0, 0, 0], [5, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("name", ["otb", "otb_isolated"])
+def test_otb_right_padded_fast_path_matches_loop(name):
+    batch = make_batch(7, token_rewards=True)
+    lengths = torch.randint(0, 10, (batch["group"].numel(),), generator=torch.Generator().manual_seed(1))
+    batch["mask"] = torch.arange(9)[None, :] < lengths[:, None]
+    batch["rewards"] = batch["rewards"] * batch["mask"]
+    got = run(name, batch, gamma=0.9)
+    assert torch.allclose(got, ref_otb(batch, cumulative=name == "otb", gamma=0.9), atol=1e-5)
 
 
 # ---------------------------------------------------------------- properties

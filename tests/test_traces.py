@@ -223,3 +223,12 @@ def test_eps_weight_lambda_zero_is_plain_loss_times_soft_clamp():
     tok = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * (1 + torch.sigmoid(logp - 1))
     expected = torch.where(mask, tok, 0.0).sum() / mask.shape[0]
     torch.testing.assert_close(weighted.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("style,floor", [("recent", 0.0), ("recent", 0.01), ("both", 0.0), ("both", 0.2)])
+def test_apply_trace_right_padding_fast_path(style, floor):
+    """Rows that are prefixes (right padding only) skip compaction; still equal to dense."""
+    values = torch.randn(3, 300, generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([300, 170, 0])
+    mask = torch.arange(300)[None] < lengths[:, None]
+    assert_matches_dense(values, mask, 0.97, 0.99, style, floor)

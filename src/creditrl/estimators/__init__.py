@@ -7,6 +7,7 @@ to the response's valid tokens.
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import Tensor
@@ -41,12 +42,23 @@ def _real(name: str, x: Tensor) -> Tensor:
     return x
 
 
-def _token_tensor(name: str, x: object, mask: Tensor) -> Tensor:
-    """A [B,T] float input (energy, is_weights): checked, float32, finite on valid tokens, 0 elsewhere."""
+def _token_tensor(name: str, x: object, mask: Tensor, *, non_negative: bool = False) -> Tensor:
+    """A [B,T] float input (energy, is_weights): float32, 0 on masked tokens, finite on valid ones.
+
+    With ``non_negative``, values below -ENERGY_TOLERANCE * eps(dtype) raise (they are not
+    rounding) and the rest are clamped at 0. One min/max pass checks the common good case.
+    """
     check_tensor(name, x, shape=list(mask.shape), floating=True)
+    tolerance = ENERGY_TOLERANCE * torch.finfo(x.dtype).eps
     x = torch.where(mask, x.to(torch.float32), torch.zeros((), device=x.device))
-    check_finite(name, x)
-    return x
+    if x.numel() == 0:
+        return x
+    low, high = (float(v) for v in torch.aminmax(x))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        check_finite(name, x)
+    if non_negative and low < -tolerance:
+        raise ValueError(f"{name}: expected values >= 0, got {low:.3g} in rows {bad_rows(x < -tolerance)}")
+    return x.clamp(min=0) if non_negative and low < 0 else x
 
 
 def _check_device(device: torch.device, **tensors: Tensor | None) -> None:
@@ -88,21 +100,11 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
         returns = torch.where(mask, seq_rewards[:, None], 0.0)
 
     if energy is not None:
-        dtype = energy.dtype
-        energy = _token_tensor("energy", energy, mask)
-        negative = energy < -ENERGY_TOLERANCE * torch.finfo(dtype).eps
-        if bool(negative.any()):
-            raise ValueError(f"energy: expected values >= 0, got {float(energy.min()):.3g} "
-                             f"in rows {bad_rows(negative)}")
-        energy = energy.clamp(min=0)
+        energy = _token_tensor("energy", energy, mask, non_negative=True)
         if is_weights is not None:
-            weights = _token_tensor("is_weights", is_weights, mask)
-            if bool((weights < 0).any()):
-                raise ValueError(f"is_weights: expected values >= 0, got negative values in rows "
-                                 f"{bad_rows(weights < 0)}")
-            energy = energy * weights.square()
+            energy = energy * _token_tensor("is_weights", is_weights, mask, non_negative=True).square()
     elif is_weights is not None:
-        _token_tensor("is_weights", is_weights, mask)  # still validated; unused without energy
+        _token_tensor("is_weights", is_weights, mask, non_negative=True)  # validated; unused without energy
     return AdvantageBatch(rewards=seq_rewards, returns=returns, mask=mask,
                           groups=GroupIndex.from_ids(group), energy=energy, token_level=token_level)
 

@@ -14,20 +14,21 @@ from creditrl.estimators.registry import AdvantageBatch, register_estimator
 from creditrl.groups import GroupIndex
 
 
-def weighted_baseline(values: Tensor, weights: Tensor, groups: GroupIndex, live: Tensor | None = None) -> Tensor:
-    """Per-member group baseline sum_i w_i v_i / sum_i w_i over live members, [B] or [B, L].
+def weighted_mean_or_plain(weighted_sum: Tensor, weight_sum: Tensor, plain_sum: Tensor, count: Tensor) -> Tensor:
+    """sum w v / sum w, or the plain mean sum v / count where the weights sum to 0.
 
-    Where the live weights of a group sum to 0 (e.g. all tokens certain, so every energy is 0),
-    the plain mean of the live members' values is used instead. Dividing by a tiny eps there
-    would set the baseline to 0 and bias the gradient (OTB paper §4; verl divides by eps).
+    Where the energies are all 0 (every token certain) the plain mean is the right baseline;
+    dividing by a tiny eps there would set it to 0 and bias the gradient (verl does this).
     """
-    live = torch.ones_like(values, dtype=torch.bool) if live is None else live
-    w = torch.where(live, weights, torch.zeros_like(weights))
-    v = torch.where(live, values, torch.zeros_like(values))
-    weight_sum = groups.sum(w)
-    count = groups.sum(live.to(values.dtype)).clamp(min=1)
-    weighted = groups.sum(w * v) / torch.where(weight_sum > 0, weight_sum, torch.ones_like(weight_sum))
-    return groups.gather(torch.where(weight_sum > 0, weighted, groups.sum(v) / count))
+    safe = torch.where(weight_sum > 0, weight_sum, torch.ones_like(weight_sum))
+    return torch.where(weight_sum > 0, weighted_sum / safe, plain_sum / count.clamp(min=1))
+
+
+def weighted_baseline(values: Tensor, weights: Tensor, groups: GroupIndex) -> Tensor:
+    """Per-member group baseline sum_i w_i v_i / sum_i w_i, [B] (plain mean where sum w = 0)."""
+    count = groups.sizes.to(values.dtype)
+    return groups.gather(weighted_mean_or_plain(groups.sum(weights * values), groups.sum(weights),
+                                                groups.sum(values), count))
 
 
 def drop_singletons(adv: Tensor, groups: GroupIndex) -> Tensor:

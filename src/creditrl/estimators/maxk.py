@@ -119,11 +119,11 @@ def _maxk_stats(rewards: Tensor, groups: GroupIndex, k: int) -> MaxKStats:
     else:
         w = binom_ratio(p - 1, k - 2, n - 1, k - 1)
         ei = a * prefix(w) - prefix(w * a)
-    rho_terms = binom_ratio(p - 1, k - 1, n, k) * a
-    rho = groups.gather(groups.sum(torch.zeros_like(a).index_copy_(0, order, rho_terms)))
 
     def unsort(x: Tensor) -> Tensor:
         return torch.empty_like(x).index_copy_(0, order, x)
+
+    rho = groups.gather(groups.sum(unsort(binom_ratio(p - 1, k - 1, n, k) * a)))
 
     sizes = groups.member_sizes()
     too_big = sizes < k

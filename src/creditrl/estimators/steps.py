@@ -4,6 +4,7 @@ Multi-turn responses interleave generated tokens with masked tool output; OTB (O
 §4, "baselines only over valid tokens") and returns-to-go are defined over the generated
 tokens alone. ``StepIndex`` compacts each row's valid tokens to the left ([B,T] -> [B,L],
 L = longest response) with one cumsum, and scatters results back; O(B·T), no loops.
+Right-padded masks (valid tokens already first) take a fast path with no scatter/gather.
 """
 from __future__ import annotations
 
@@ -21,17 +22,21 @@ _MIN_BLOCK_DISCOUNT = 1e-150
 class StepIndex:
     """pos[b,t]: compacted column of token t (L for masked tokens); lengths[b]: valid tokens."""
 
-    pos: Tensor      # [B, T] int64
-    lengths: Tensor  # [B] int64
-    num_steps: int   # L = max(lengths)
+    pos: Tensor | None  # [B, T] int64; None on the prefix fast path
+    lengths: Tensor     # [B] int64
+    num_steps: int      # L = max(lengths)
+    num_tokens: int     # T
 
     @classmethod
     def from_mask(cls, mask: Tensor) -> "StepIndex":
         mask = mask.bool()
         lengths = mask.sum(1)
         num_steps = int(lengths.max()) if mask.numel() else 0
+        steps = torch.arange(mask.shape[1], device=mask.device)
+        if torch.equal(mask, steps[None, :] < lengths[:, None]):
+            return cls(pos=None, lengths=lengths, num_steps=num_steps, num_tokens=mask.shape[1])  # already compact (right padding)
         pos = torch.where(mask, mask.cumsum(1) - 1, torch.full_like(lengths[:, None], num_steps))
-        return cls(pos=pos, lengths=lengths, num_steps=num_steps)
+        return cls(pos=pos, lengths=lengths, num_steps=num_steps, num_tokens=mask.shape[1])
 
     def live(self) -> Tensor:
         """[B, L] bool: step t exists for response b (t < its length)."""
@@ -40,11 +45,15 @@ class StepIndex:
 
     def compact(self, x: Tensor) -> Tensor:
         """[B, T] -> [B, L]: valid tokens moved left in order, 0 past each row's length."""
+        if self.pos is None:
+            return torch.where(self.live(), x[:, : self.num_steps], torch.zeros((), dtype=x.dtype, device=x.device))
         out = x.new_zeros(x.shape[0], self.num_steps + 1)
         return out.scatter_(1, self.pos, x)[:, : self.num_steps]
 
     def expand(self, xc: Tensor) -> Tensor:
-        """[B, L] -> [B, T]: inverse of ``compact``; 0 at masked tokens."""
+        """[B, L] -> [B, T]: inverse of ``compact``; 0 at masked tokens (``xc`` is 0 past lengths)."""
+        if self.pos is None:
+            return torch.nn.functional.pad(xc, (0, self.num_tokens - self.num_steps))
         padded = torch.cat([xc, xc.new_zeros(xc.shape[0], 1)], dim=1)
         return padded.gather(1, self.pos)
 

@@ -5,6 +5,7 @@ section from those CSVs, so ``docs/results.md`` is always regenerated from data,
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -15,6 +16,18 @@ import torch
 from torch import Tensor
 
 Row = dict[str, object]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run with ``n`` torch CPU threads, then restore. On a shared 2-core machine one thread was
+    ~100x faster per small matmul than two (OpenMP threads spin against other processes)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def write_csv(path: Path, rows: Sequence[Row]) -> Path:
@@ -129,7 +142,7 @@ def bootstrap_ci(statistic: Callable[[Tensor], Tensor], n: int, *, n_boot: int =
     values = statistic(idx).double()
     alpha = (1.0 - level) / 2
     q = torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)
-    low, high = torch.quantile(values, q, dim=0)
+    low, high = torch.nanquantile(values, q, dim=0)  # resamples with a 0/0 ratio are dropped
     return low, high
 
 

@@ -41,6 +41,7 @@ class GradVarianceConfig:
     max_new_tokens: int = 40
     temperature: float = 1.0
     bootstrap: int = 2000
+    threads: int = 1                     # torch CPU threads (see common.torch_threads)
     seed: int = 0
 
 
@@ -89,14 +90,19 @@ def flat_grad(output: Tensor, params: list[Tensor], cotangent: Tensor, retain: b
 
 
 def estimator_advantages(batch, energy: Tensor, mask: Tensor, names: tuple[str, ...], k: int) -> Tensor:
-    """[E, B, R] advantages of every estimator on the same rollouts (all groups at once)."""
+    """[E, B, R] advantages of every estimator on the same rollouts (all groups at once).
+
+    ``maxpo`` is multiplied by K/N: (K/N)Σ(μ_i−ν_i)s_i and PKPO's Σ(K/N)EI_i s_i are then
+    unbiased for the same max@K gradient, so their variances compare like for like."""
     from creditrl import compute_advantages
 
     out = []
     for name in names:
         options = {"k": k} if name in MAXK_ESTIMATORS else {}
-        out.append(compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group, energy=energy,
-                                      **options))
+        adv = compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group, energy=energy, **options)
+        if name == "maxpo":  # μ−ν estimates N/K × the gradient PKPO's (K/N)·EI estimates: match the scale
+            adv = adv * (k / torch.bincount(batch.group)[batch.group])[:, None]
+        out.append(adv)
     return torch.stack(out)
 
 
@@ -183,7 +189,7 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
         raise ValueError(f"block: expected 2 <= block <= groups, got block={cfg.block}, groups={cfg.groups}")
     out_dir = Path(out_dir)
     task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), common.torch_threads(cfg.threads):
         torch.manual_seed(cfg.seed)
         block_rows, signal_rows = measure(cfg, model, params, task, tokenizer)
     common.write_csv(out_dir / "blocks.csv", block_rows)
@@ -264,7 +270,7 @@ def report(out_dir: Path, figure_path: str) -> str:
              f"(digits={cfg['digits']}, scratchpad responses up to {cfg['max_new_tokens']} tokens) to "
              f"{cfg['warm_start_accuracy']:.0%} sampled accuracy and held fixed; {cfg['groups']} groups per N "
              f"(mean reward {summary['reward_mean']:.2f}), blocks of {cfg['block']} groups, exact per-group gradients "
-             f"of all {summary['parameters']:,} parameters (token-mean normaliser), maxpo/pkpo with K={cfg['k']}. "
+             f"of all {summary['parameters']:,} parameters (token-mean normaliser), maxpo/pkpo with K={cfg['k']} (maxpo scaled by K/N so both estimate the same max@K gradient). "
              f"95% bootstrap CIs over blocks; ratios are paired (same responses for every estimator). "
              "`grpo` divides by the group std, so its gradient has a different scale — its ratio mixes scale "
              "and noise.\n", f"![grad variance]({figure_path})\n",

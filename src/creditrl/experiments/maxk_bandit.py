@@ -37,6 +37,7 @@ class BanditConfig:
     k_sweep: tuple[int, ...] = (1, 2, 4, 8, 12, 15)
     seed: int = 0
     chunk_elements: int = 4_000_000      # bound on S·M·n per vectorised draw (memory)
+    threads: int = 1                     # torch CPU threads (see common.torch_threads)
 
 
 PRESETS = {
@@ -197,9 +198,10 @@ def run(cfg: BanditConfig, out_dir: Path) -> dict:
     validate(cfg)
     out_dir = Path(out_dir)
     generator = torch.Generator().manual_seed(cfg.seed)
-    bias = bias_curve(cfg, generator)
-    var_n = variance_sweep(cfg, generator, over="actions")
-    var_k = variance_sweep(cfg, generator, over="k")
+    with common.torch_threads(cfg.threads):
+        bias = bias_curve(cfg, generator)
+        var_n = variance_sweep(cfg, generator, over="actions")
+        var_k = variance_sweep(cfg, generator, over="k")
     common.write_csv(out_dir / "bias.csv", bias)
     common.write_csv(out_dir / "variance_actions.csv", var_n)
     common.write_csv(out_dir / "variance_k.csv", var_k)

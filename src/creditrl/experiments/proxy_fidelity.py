@@ -31,6 +31,7 @@ class ProxyFidelityConfig:
     group_size: int = 8
     max_new_tokens: int = 40
     temperature: float = 1.0
+    threads: int = 1                     # torch CPU threads (see common.torch_threads)
     seed: int = 0
 
 
@@ -131,7 +132,7 @@ def correlations(token_rows: list[common.Row], response_rows: list[common.Row]) 
 def run(cfg: ProxyFidelityConfig, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), common.torch_threads(cfg.threads):
         torch.manual_seed(cfg.seed)
         token_rows, response_rows = measure(cfg, model, params, task, tokenizer)
     common.write_csv(out_dir / "tokens.csv", token_rows)

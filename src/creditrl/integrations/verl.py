@@ -259,8 +259,8 @@ def wrap_compute_advantage(original: Callable) -> Callable:
         if not (isinstance(name, str) and name.startswith(PREFIX)):
             return original(*args, **kwargs)
         batch = data.batch
-        if "response_mask" not in batch.keys():
-            return original(*args, **kwargs)  # verl fills it and calls us without the energy
+        if "response_mask" not in batch.keys():  # as verl does for trainers that do not set it
+            batch["response_mask"] = sys.modules[original.__module__].compute_response_mask(data)
         extra = {k: batch[k] for k in ENERGY_KEYS if k in batch.keys()}
         fn = core_algos.get_adv_estimator_fn(name)
         batch["advantages"], batch["returns"] = fn(

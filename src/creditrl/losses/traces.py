@@ -155,6 +155,8 @@ def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
     rows, length = x.shape
     if rows == 0 or length == 0:
         return x
+    if not bool((valid[:, 1:] & ~valid[:, :-1]).any()):              # rows are prefixes: no gaps
+        return torch.where(valid, _trace_dense_rows(x, gamma * lam, style, floor), 0.0)
     pos = torch.cumsum(valid, dim=1) - 1                              # compacted position
     dest = torch.where(valid, pos, length)                            # invalid → spare column
     compact = x.new_zeros(rows, length + 1).scatter(1, dest, x)[:, :length]

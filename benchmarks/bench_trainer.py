@@ -1,0 +1,123 @@
+"""creditrl's trainer vs TRL's GRPOTrainer: the same tiny model, task, batch and loss.
+
+Both sides: builtin:tiny architecture (fresh init, seed 0) with the char tokenizer, task
+``addition`` (2 digits), 8 prompts x 8 completions = 64 completions per step, the same
+max completion length, temperature 1, GRPO advantages, token-mean ("dapo") loss with
+clip 0.2/0.28, no KL (beta 0), one optimizer step per batch, fp32 on CPU. TRL runs with
+gradient checkpointing off (its fastest setting here). A step = sampling + update.
+
+    python benchmarks/bench_trainer.py            # 12 timed steps each (after 2 warm-up)
+    python benchmarks/bench_trainer.py --quick    # 4 timed steps each
+
+Prints steps/s, completion tokens/s and the ratio creditrl / TRL (target >= 1.5x).
+Timings on a shared machine are noisy; run it on an idle one for numbers you quote.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+import warnings
+
+import torch
+
+from creditrl.config import load_config
+from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+from creditrl.tasks import get_task
+from creditrl.tasks.base import Problem
+from creditrl.trainer.rollout import generate_rollouts
+from creditrl.trainer.update import Learner
+
+PROMPTS, GROUP = 8, 8
+
+
+def setup(seed: int = 0):
+    task = get_task("addition", digits=2)
+    tok = char_tokenizer(task.alphabet())
+    return task, tok, tiny_model(tok, TinyModelConfig(), seed=seed)
+
+
+def bench_creditrl(steps: int, warmup: int, max_len: int) -> dict:
+    task, tok, model = setup()
+    cfg = load_config(None, ["algorithm.estimator=grpo", "loss.agg=token-mean", "loss.clip_low=0.2",
+                             "loss.clip_high=0.28", "loss.kl_coef=0", f"rollout.max_new_tokens={max_len}",
+                             f"rollout.group_size={GROUP}", f"rollout.prompts_per_step={PROMPTS}", "optim.lr=2e-5"])
+    learner = Learner(model, cfg)
+    gen, rng = torch.Generator().manual_seed(0), random.Random(0)
+    tokens, start = 0, None
+    for i in range(warmup + steps):
+        if i == warmup:
+            start, tokens = time.perf_counter(), 0
+        batch = generate_rollouts(model, tok, task, [task.sample(rng) for _ in range(PROMPTS)], group_size=GROUP,
+                                  max_new_tokens=max_len, generator=gen)
+        learner.update(batch, gen)
+        tokens += batch.num_tokens
+    elapsed = time.perf_counter() - start
+    return {"steps_per_s": steps / elapsed, "tokens_per_s": tokens / elapsed, "mean_len": tokens / steps / 64}
+
+
+def bench_trl(steps: int, warmup: int, max_len: int) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    task, tok, model = setup()
+    rng = random.Random(0)
+    problems = [task.sample(rng) for _ in range(PROMPTS * (steps + warmup + 2))]
+    data = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer} for p in problems])
+
+    def reward(prompts, completions, answer, **_):
+        return [task.reward(Problem(p, a), c) for p, a, c in zip(prompts, answer, completions)]
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter())
+
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+                          max_completion_length=max_len, learning_rate=2e-5, beta=0.0, loss_type="dapo",
+                          epsilon=0.2, epsilon_high=0.28, num_iterations=1, temperature=1.0, bf16=False, use_cpu=True,
+                          report_to=[], logging_steps=1, max_steps=steps + warmup, save_strategy="no",
+                          gradient_checkpointing=False, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=tok, callbacks=[clock])
+        trainer.train()
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    elapsed = clock.times[-1] - clock.times[warmup - 1]
+    mean_len = sum(lengths[warmup:]) / max(1, len(lengths[warmup:]))
+    return {"steps_per_s": steps / elapsed, "tokens_per_s": steps * 64 * mean_len / elapsed, "mean_len": mean_len}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 timed steps instead of 12")
+    parser.add_argument("--steps", type=int, help="timed steps per trainer")
+    parser.add_argument("--max-len", type=int, default=16, help="max completion tokens (both trainers)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    steps = args.steps or (4 if args.quick else 12)
+    warmup = 2
+    ours = bench_creditrl(steps, warmup, args.max_len)
+    trl = bench_trl(steps, warmup, args.max_len)
+    print(f"trainer benchmark: builtin:tiny arch ({sum(p.numel() for p in setup()[2].parameters()) / 1e6:.2f}M params), "
+          f"addition, {PROMPTS}x{GROUP}=64 completions/step, max {args.max_len} tokens, "
+          f"{steps} timed steps, torch threads {torch.get_num_threads()}")
+    print(f"{'':<10}{'steps/s':>10}{'tokens/s':>12}{'mean len':>10}")
+    for name, r in (("creditrl", ours), ("TRL GRPO", trl)):
+        print(f"{name:<10}{r['steps_per_s']:>10.3f}{r['tokens_per_s']:>12.1f}{r['mean_len']:>10.2f}")
+    print(f"ratio creditrl / TRL: steps/s {ours['steps_per_s'] / trl['steps_per_s']:.2f}x, "
+          f"tokens/s {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}x  (target >= 1.5x)")
+
+
+if __name__ == "__main__":
+    main()

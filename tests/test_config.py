@@ -1,0 +1,115 @@
+"""Config: defaults, YAML + dotted overrides, typed values, clear errors, invalid combinations."""
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from creditrl.config import (Config, ConfigError, config_from_dict, config_to_dict, flat_items, load_config,
+                             parse_override, save_config)
+
+
+def test_packaged_default_yaml_equals_dataclass_defaults():
+    path = resources.files("creditrl") / "configs" / "default.yaml"
+    assert config_to_dict(load_config(str(path))) == config_to_dict(Config())
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["optim.lr=1e-5", "rollout.group_size=4", "train.pass_k=[1,2]",
+                             "loss.stapo.enabled=true", "task.options.digits=3", "loss.clip_c=3",
+                             "algorithm.estimator=maxpo", "algorithm.k=2", "algorithm.normalize=std"])
+    assert cfg.optim.lr == 1e-5 and isinstance(cfg.optim.lr, float)
+    assert cfg.rollout.group_size == 4 and cfg.train.pass_k == [1, 2]
+    assert cfg.loss.stapo.enabled is True and cfg.task.options == {"digits": 3}
+    assert cfg.loss.clip_c == 3.0 and isinstance(cfg.loss.clip_c, float)
+    assert (cfg.algorithm.k, cfg.algorithm.normalize) == (2, "std")
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 3.0e-5\ntrain:\n  steps: 7\n")
+    cfg = load_config(path, ["train.steps=9"])
+    assert cfg.optim.lr == 3e-5 and cfg.train.steps == 9
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["loss.trace.enabled=true", "loss.trace.lam=0.5", "rollout.max_new_tokens=12"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = config_from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
+    assert config_to_dict(again) == config_to_dict(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lrr=1", "optim.lrr: unknown key; valid keys of optim are ['lr'"),
+    ("nope.x=1", "nope: unknown key; valid keys of config are ['model'"),
+    ("loss.agg=mean", "loss.agg: unknown value 'mean'; valid values are ['token-mean'"),
+    ("optim.schedule=linear", "optim.schedule: unknown value 'linear'; valid values are ['constant', 'cosine']"),
+    ("optim.lr=fast", "optim.lr: expected float, got 'fast'"),
+    ("rollout.group_size=2.5", "rollout.group_size: expected int, got 2.5"),
+    ("train.deterministic=maybe", "train.deterministic: expected bool"),
+    ("rollout.group_size=0", "rollout.group_size: expected a value > 0, got 0"),
+    ("rollout.top_p=0", "rollout.top_p: expected a value in (0, 1]"),
+    ("optim.lr=-1", "optim.lr: expected a value > 0"),
+    ("loss.clip_c=0.5", "loss.clip_c: expected a dual-clip constant > 1"),
+    ("loss.stapo.pool=all", "loss.stapo: pool: unknown value 'all'"),
+    ("loss.trace.lam=2", "loss.trace: lam: expected a value in [0, 1]"),
+    ("model.tiny.num_heads=3", "model.tiny: num_heads: expected a divisor of hidden_size"),
+    ("train.pass_k=[1,16]", "train.pass_k: each k must be in [1, train.eval_samples=8], got 16"),
+    ("task.name=sudoku", "task.name: unknown task 'sudoku'; valid tasks are ['addition'"),
+    ("algorithm.estimator=ppo", "algorithm.estimator: unknown estimator 'ppo'; valid estimators are"),
+    ("algorithm.k=2", "algorithm.k: estimator 'otb' takes no option 'k'"),
+    ("train.device=tpu", "train.device: unknown value 'tpu'; valid values are ['auto', 'cpu', 'cuda']"),
+    ("optim.lr", "expected key=value"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.estimator=maxpo"], "algorithm.k: estimator 'maxpo' requires it"),
+    (["algorithm.estimator=maxpo", "algorithm.k=8"], "maxpo needs 1 <= k < rollout.group_size (=8)"),
+    (["algorithm.estimator=maxpo", "algorithm.k=4", "rollout.group_size=4"], "maxpo needs 1 <= k < rollout.group_size (=4)"),
+    (["algorithm.estimator=pkpo", "algorithm.k=9"], "pkpo: k=9 is out of range"),
+    (["algorithm.estimator=maxk_bon", "algorithm.k=2", "algorithm.normalize=std"],
+     "estimator 'maxk_bon' takes no option 'normalize'"),
+])
+def test_invalid_combinations(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert message in str(err.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(listy)
+
+
+def test_every_key_is_listed_for_help():
+    keys = dict(flat_items(Config()))
+    assert keys["optim.lr"] == 2e-5 and "loss.trace.lam" in keys and "model.warm_start.target_accuracy" in keys
+
+
+@settings(max_examples=30, deadline=None)
+@given(lr=st.floats(1e-9, 1.0), steps=st.integers(1, 10_000), estimator=st.sampled_from(["grpo", "rloo", "otb"]))
+def test_override_values_round_trip(lr, steps, estimator):
+    cfg = load_config(None, [f"optim.lr={lr!r}", f"train.steps={steps}", f"algorithm.estimator={estimator}"])
+    assert (cfg.optim.lr, cfg.train.steps, cfg.algorithm.estimator) == (lr, steps, estimator)
+
+
+def test_parse_override_builds_nested_mapping():
+    assert parse_override("a.b.c=5") == {"a": {"b": {"c": 5}}}
+    assert parse_override("a=hello world") == {"a": "hello world"}
+    assert parse_override("a=") == {"a": None}
