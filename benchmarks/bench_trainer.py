@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 timed steps instead of 12")
     parser.add_argument("--steps", type=int, help="timed steps per trainer")
     parser.add_argument("--max-len", type=int, default=16, help="max completion tokens (both trainers)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for both trainers "
+                        "(default 1, creditrl's default for builtin:tiny)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -109,3 +109,24 @@ def test_report_only_cli(tmp_path):
     fake_run(tmp_path, "b", 0)
     assert compare.main(["--out", str(tmp_path), "--report-only"]) == 0
     assert "| a | 1 |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_compare_end_to_end_with_trainer(tmp_path):
+    """Two configs x two seeds through the real trainer; a second call reuses finished runs."""
+    pytest.importorskip("creditrl.trainer.loop")
+    from creditrl.cli import main as cli_main
+
+    argv = ["compare", "--out", str(tmp_path), "--seeds", "0,1", "--no-progress",
+            "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "train.eval_problems=4",
+            "train.eval_samples=4", "train.pass_k=[1,4]", "train.save_every=0", "train.threads=1",
+            "model.warm_start.max_steps=25", "logging.tensorboard=false", "logging.plots=false",
+            "--run", "grpo", "algorithm.estimator=grpo", "--run", "otb", "algorithm.estimator=otb"]
+    assert cli_main(argv) == 0
+    final = common.read_csv(tmp_path / "final.csv")
+    assert sorted((r["run"], r["seed"]) for r in final) == [("grpo", 0), ("grpo", 1), ("otb", 0), ("otb", 1)]
+    assert all(r["steps"] == 2 and math.isfinite(r["entropy"]) for r in final)
+    assert "| grpo | 2 |" in (tmp_path / "report.md").read_text()
+    stamp = (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns
+    assert cli_main(argv) == 0  # finished runs are reused, not retrained
+    assert (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp

@@ -122,9 +122,23 @@ def test_bandit_config_errors():
         mb.validate(mb.BanditConfig(k_sweep=(1, 16), group_size=16))
 
 
-def test_maxk_bandit_fast_preset(tmp_path):
+@pytest.fixture(scope="module")
+def fast_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("fast")
+
+
+def fast_run(root, name):
+    """Run (once per module) the ``fast`` preset of experiment ``name`` under ``root/name``."""
+    out = root / name
+    if not (out / "summary.json").exists():
+        experiments.run_experiment(name, "fast", out)
+    return out
+
+
+def test_maxk_bandit_fast_preset(fast_root, tmp_path):
     """L1O plateaus while EI and EI+L2O fall like M^-1/2; all variances finite; seeded."""
-    summary = mb.run(mb.PRESETS["fast"], tmp_path / "a")
+    summary = mb.summarize(fast_run(fast_root, "maxk-bandit"))
+    (tmp_path / "a").symlink_to(fast_root / "maxk-bandit")
     for name in ("EI", "EI+L2O"):
         assert -0.65 < summary["slope"][name] < -0.35
     assert summary["last_decade_slope"]["EI+L1O"] > -0.25
@@ -174,3 +188,193 @@ def test_bootstrap_ci_and_slope():
     assert abs(common.loglog_slope([1, 10, 100], [1.0, 0.1 ** 0.5, 0.1])) - 0.5 < 1e-12
     rows = [{"a": 1, "b": 0.5, "c": "x"}]
     assert common.markdown_table(rows).splitlines()[2] == "| 1 | 0.5 | x |"
+
+
+# ---------------------------------------------------------------- grad-variance / proxy-fidelity: exact gradients
+@pytest.fixture(scope="module")
+def tiny_rollouts():
+    """A random (not warm-started) tiny policy and one rollout batch: 2 groups x 3 responses."""
+    import random
+
+    from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+    from creditrl.tasks import get_task
+    from creditrl.trainer.rollout import generate_rollouts
+
+    torch.manual_seed(0)
+    task = get_task("multiplication", digits=1)
+    tokenizer = char_tokenizer(task.alphabet())
+    model = tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64))
+    model.eval()
+    problems = [task.sample(random.Random(i)) for i in (1, 2)]  # different prompt lengths -> left padding
+    batch = generate_rollouts(model, tokenizer, task, problems, group_size=3, max_new_tokens=6,
+                              generator=torch.Generator().manual_seed(0))
+    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # non-degenerate groups
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, params, batch
+
+
+def row_logp(model, batch, row):
+    """Response log-probs of one row from its own unpadded forward (independent of the batch layout)."""
+    keep = batch.attention_mask[row] > 0
+    ids = batch.input_ids[row][keep][None]
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+    logp = torch.log_softmax(logits.double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    resp = batch.response_mask[row][keep][1:] > 0
+    return logp, resp
+
+
+def test_block_gradients_match_per_response_loop(tiny_rollouts):
+    from creditrl.experiments import grad_variance as gv
+
+    model, params, batch = tiny_rollouts
+    cfg = gv.GradVarianceConfig(estimators=("reinforce", "rloo", "otb", "maxpo"), k=2, temperature=1.0)
+    got = gv.block_gradients(model, params, batch, cfg)  # [E, G, P]
+    with torch.no_grad():
+        energy = gv.response_tokens(model, batch, slice(None), 1.0).energy
+    mask = batch.response_mask[:, batch.prompt_len:] > 0
+    adv = gv.estimator_advantages(batch, energy, mask, cfg.estimators, cfg.k)
+    for e in range(len(cfg.estimators)):
+        for g in range(2):
+            total = None
+            rows = range(3 * g, 3 * g + 3)
+            norm = sum(int(mask[r].sum()) for r in rows)
+            for r in rows:  # Σ_t A_t log π(y_t) of each response separately, then its gradient
+                logp, resp = row_logp(model, batch, r)
+                a = adv[e, r][mask[r]].double()
+                grads = torch.autograd.grad((a * logp[resp]).sum() / norm, params, allow_unused=True)
+                flat = torch.cat([(torch.zeros_like(p) if x is None else x).reshape(-1) for p, x in zip(params, grads)])
+                total = flat if total is None else total + flat
+            assert torch.allclose(got[e, g].double(), total.double(), atol=1e-5, rtol=1e-4), cfg.estimators[e]
+
+
+def test_maxpo_is_scaled_to_pkpo(tiny_rollouts):
+    from creditrl import compute_advantages
+    from creditrl.experiments import grad_variance as gv
+
+    model, params, batch = tiny_rollouts
+    mask = batch.response_mask[:, batch.prompt_len:] > 0
+    adv = gv.estimator_advantages(batch, torch.zeros(mask.shape), mask, ("maxpo",), 2)[0]
+    raw = compute_advantages("maxpo", rewards=batch.rewards, mask=mask, group=batch.group, k=2)
+    assert torch.allclose(adv, raw * 2 / 3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(G=st.integers(2, 6), P=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_within_block_variance_matches_loop(G, P, seed):
+    from creditrl.experiments import grad_variance as gv
+
+    grads = torch.randn(2, G, P, generator=torch.Generator().manual_seed(seed))
+    got = gv.within_block_variance(grads)
+    for e in range(2):
+        mean = [sum(grads[e, g, p].item() for g in range(G)) / G for p in range(P)]
+        expect = sum((grads[e, g, p].item() - mean[p]) ** 2 for g in range(G) for p in range(P)) / (G - 1)
+        assert math.isclose(got[e].item(), expect, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def test_per_token_grad_norms_match_loop(tiny_rollouts):
+    from creditrl.experiments import proxy_fidelity as pf
+
+    model, params, batch = tiny_rollouts
+    for row in (0, 4):
+        got, seq = pf.per_token_grad_sq_norms(model, params, batch, row, 1.0)
+        logp, resp = row_logp(model, batch, row)
+        cols = torch.nonzero(batch.response_mask[row, batch.prompt_len:] > 0).flatten().tolist()
+        total = 0
+        for t, lp in zip(cols, logp[resp]):
+            grads = torch.autograd.grad(lp, params, retain_graph=True, allow_unused=True)
+            flat = torch.cat([(torch.zeros_like(p) if x is None else x).reshape(-1) for p, x in zip(params, grads)])
+            assert math.isclose(got[t].item(), flat.pow(2).sum().item(), rel_tol=1e-4)
+            total = total + flat
+        assert math.isclose(seq.item(), total.pow(2).sum().item(), rel_tol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(xs=st.lists(st.integers(0, 4), min_size=2, max_size=12))
+def test_ranks_average_ties(xs):
+    from creditrl.experiments import proxy_fidelity as pf
+
+    got = pf.ranks(torch.tensor(xs, dtype=torch.float64)).tolist()
+    for i, x in enumerate(xs):  # average rank = (# smaller) + (# equal - 1) / 2
+        expect = sum(v < x for v in xs) + (sum(v == x for v in xs) - 1) / 2
+        assert got[i] == expect
+
+
+def test_pearson_spearman_reference():
+    from creditrl.experiments import proxy_fidelity as pf
+
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert math.isclose(pf.pearson(x, 2 * x + 1), 1.0, rel_tol=1e-12)
+    assert math.isclose(pf.spearman(x, x.exp()), 1.0, rel_tol=1e-12)
+    assert math.isclose(pf.spearman(x, -x ** 3), -1.0, rel_tol=1e-12)
+    assert math.isnan(pf.pearson(x, torch.ones(5)))
+
+
+def test_grad_variance_fast_preset(fast_root, tmp_path):
+    """Every estimator's variance estimate is finite, CIs bracket it, and a seed reproduces it."""
+    import dataclasses
+
+    from creditrl.experiments import grad_variance as gv
+
+    (tmp_path / "a").symlink_to(fast_run(fast_root, "grad-variance"))
+    rows = common.read_csv(tmp_path / "a" / "variance.csv")
+    assert {r["estimator"] for r in rows} == set(gv.PRESETS["fast"].estimators)
+    for r in rows:
+        assert math.isfinite(r["variance"]) and r["variance"] >= 0
+        assert r["variance_low"] - 1e-12 <= r["variance"] <= r["variance_high"] + 1e-12
+        if r["estimator"] == "rloo":
+            assert r["ratio_to_rloo"] == 1.0
+    assert any(r["variance"] > 0 for r in rows)  # the checkpoint gives non-degenerate groups
+    assert "OTB lowers" in gv.report(tmp_path / "a", "figures/grad_variance.png")
+    small = dataclasses.replace(gv.PRESETS["fast"], group_sizes=(4,), groups=4, block=2,
+                                estimators=("rloo", "otb"), bootstrap=50)
+    gv.run(small, tmp_path / "b")
+    gv.run(small, tmp_path / "c")
+    assert (tmp_path / "b" / "blocks.csv").read_text() == (tmp_path / "c" / "blocks.csv").read_text()
+
+
+def test_proxy_fidelity_fast_preset(fast_root):
+    from creditrl.experiments import proxy_fidelity as pf
+
+    tmp_path = fast_run(fast_root, "proxy-fidelity")
+    summary = common.read_json(tmp_path / "summary.json")
+    assert summary["tokens"] > 0 and summary["responses"] == 12
+    assert math.isfinite(summary["token_spearman"]) and -1 <= summary["token_spearman"] <= 1
+    tokens = common.read_csv(tmp_path / "tokens.csv")
+    assert all(r["true_sq_norm"] >= 0 and 0 <= r["proxy"] <= 2 for r in tokens)  # ŵ = 1 − 2π + Σπ² ∈ [0, 2]
+    assert "Spearman" in pf.report(tmp_path, "figures/proxy_fidelity.png")
+
+
+@pytest.mark.slow
+def test_learning_curves_fast_preset(fast_root):
+    """Real trainer runs through ``creditrl compare``: every run and seed finished, metrics finite,
+    N=16 generates more tokens than N=4, the verdicts are computed from the numbers."""
+    from creditrl.experiments import learning_curves as lc
+
+    out = fast_run(fast_root, "learning-curves")
+    cfg = lc.PRESETS["fast"]
+    for study in cfg.studies:
+        final = common.read_csv(out / study / "final.csv")
+        assert {r["run"] for r in final} == set(lc.STUDIES[study]["runs"])
+        assert all(r["steps"] == cfg.steps and math.isfinite(r["entropy"]) for r in final)
+    tokens = {r["run"]: r["tokens_total"] for r in common.read_csv(out / "otb-vs-grpo" / "final.csv")}
+    assert tokens["grpo-n16"] > 2 * tokens["grpo-n4"]
+    section = lc.report(out, "figures/learning_curves.png")
+    assert "OTB at N=4" in section and "MaxPO improves held-out pass@4" in section
+    with pytest.raises(ValueError, match="valid studies"):
+        lc.study_spec(cfg, "nope")
+
+
+@pytest.mark.slow
+def test_results_report_from_fast_runs(fast_root, tmp_path):
+    """docs/results.md is assembled from the CSVs; figures are copied; missing ones are listed."""
+    for name in experiments.EXPERIMENTS:
+        fast_run(fast_root, name)
+    path = experiments.write_report(fast_root, tmp_path / "docs")
+    text = path.read_text()
+    for name in experiments.EXPERIMENTS:
+        png = name.replace("-", "_") + ".png"
+        assert f"figures/{png}" in text and (tmp_path / "docs" / "figures" / png).stat().st_size > 0
+    assert text.count("**") >= 2 * 7  # every claim has a bold verdict
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "## Not run" in experiments.write_report(empty, tmp_path / "docs2").read_text()

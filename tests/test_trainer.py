@@ -169,6 +169,12 @@ def test_short_run_writes_every_output(tmp_path_factory):
     assert load_config(run / "config.yaml").train.steps == 4  # the saved config reloads
     assert any((run / "tensorboard").iterdir())
     assert (run / "final" / "config.json").is_file()
+    # creditrl eval on the finished run: the final model, the run's task, JSON out
+    from creditrl.cli import main
+    assert main(["eval", "--run", str(run), "--n", "2", "--k", "1", "2", "--problems", "4",
+                 "--out", str(out / "eval.json"), "--no-progress"]) == 0
+    result = json.loads((out / "eval.json").read_text())
+    assert result["n_problems"] == 4 and {"greedy_acc", "pass@2", "avg@2"} <= set(result)
 
 
 def cli(*args):
@@ -199,6 +205,19 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert main(["estimators"]) == 0
     out = capsys.readouterr().out
     assert "otb" in out and "maxpo" in out
+
+
+def test_cli_dispatches_compare_and_experiment_lazily(capsys):
+    from creditrl.cli import main
+
+    for name in ("compare", "experiment"):
+        try:
+            code = main([name, "--help"])
+        except SystemExit as exc:  # argparse --help of the subcommand's own parser
+            code = exc.code
+        text = capsys.readouterr()
+        assert code == 0, (name, text.err)
+        assert "usage" in (text.out + text.err).lower()
 
 
 def test_config_errors_surface_before_model_load():

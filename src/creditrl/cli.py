@@ -14,7 +14,7 @@ import sys
 import time
 
 LAZY_COMMANDS = {  # subcommand -> (module, function taking argv and returning an exit code)
-    "compare": ("creditrl.trainer.compare", "run_compare",
+    "compare": ("creditrl.trainer.compare", "main",
                 "run several configs x seeds and write one comparison report"),
     "experiment": ("creditrl.experiments", "main", "run the papers' experiments (bandit, variance, curves)"),
 }

@@ -110,7 +110,7 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-5
+    lr: float = 5e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
@@ -123,19 +123,20 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 60
+    steps: int = 200
     seed: int = 0
     output_dir: str = "runs"
     run_name: str | None = None  # None = <task>-<estimator>-s<seed>-<time>
-    save_every: int = 20         # checkpoint every N steps (and at the end); 0 = end only
+    save_every: int = 50         # checkpoint every N steps (and at the end); 0 = end only
     keep_last: int = 2
-    eval_every: int = 0          # periodic held-out eval every N steps; 0 = start and end only
+    eval_every: int = 50         # periodic held-out eval every N steps; 0 = start and end only
     eval_samples: int = 8        # n samples per test prompt for pass@k / avg@k
     eval_problems: int | None = 128  # test prompts used (None = the whole test set)
     pass_k: list[int] = field(default_factory=lambda: [1, 4, 8])
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deterministic: bool = True   # deterministic torch algorithms (exact resume on CPU)
-    threads: int | None = None   # torch CPU threads; None = torch default
+    threads: int | None = None   # torch CPU threads; None = 1 for builtin:tiny (tiny matmuls gain
+                                 # nothing from more), torch's default otherwise
     chunk_size: int | None = None  # token_stats vocabulary chunk; None = its default
 
 

@@ -112,7 +112,7 @@ def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None, di
     if not rows:
         return "_(no rows)_\n"
     columns = list(columns or rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(map(str, columns)) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(row.get(c, ""), digits) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 

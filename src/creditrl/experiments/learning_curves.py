@@ -42,7 +42,7 @@ class LearningCurvesConfig:
     studies: tuple[str, ...] = tuple(STUDIES)
     num_seeds: int = 3
     seed: int = 0                        # seeds are seed, seed+1, ...
-    steps: int = 30
+    steps: int = 25                      # sized so all full presets fit ~20-25 min on 2 shared cores
     prompts_per_step: int = 8
     eval_problems: int = 64
     eval_samples: int = 16               # n per test prompt: pass@k for k <= n
@@ -58,18 +58,45 @@ PRESETS = {
 }
 
 
-def study_spec(cfg: LearningCurvesConfig, study: str):
-    from creditrl.trainer.compare import CompareSpec
-
+def study_task(study: str) -> str:
     if study not in STUDIES:
         raise ValueError(f"studies: unknown study {study!r}; valid studies are {list(STUDIES)}")
+    return next(o.split("=", 1)[1] for o in STUDIES[study]["overrides"] if o.startswith("task.name="))
+
+
+def shared_checkpoint(cfg: LearningCurvesConfig, task_name: str) -> Path:
+    """Warm-start ``builtin:tiny`` on ``task_name`` once (seed ``cfg.seed``) and return its cache dir.
+
+    Every run and seed of a study starts from this same checkpoint (passed as a local model
+    dir), so differences between seeds come from RL alone, not from separate warm starts."""
+    from creditrl.config import load_config
+    from creditrl.models import load_policy, tiny_cache_path
+    from creditrl.tasks import get_task
+
+    model = load_config(None, warm_start_overrides(cfg)).model
+    task = get_task(task_name)
+    with common.torch_threads(cfg.threads):
+        load_policy("builtin:tiny", task, model_cfg=model.tiny, warm_start=model.warm_start, seed=cfg.seed,
+                    progress=False)
+    return tiny_cache_path(task, model.tiny, model.warm_start, cfg.seed)
+
+
+def warm_start_overrides(cfg: LearningCurvesConfig) -> list[str]:
+    return [f"model.warm_start.max_steps={cfg.warm_start_max_steps}"] if cfg.warm_start_max_steps else []
+
+
+def study_spec(cfg: LearningCurvesConfig, study: str, checkpoint: Path | None = None):
+    """The ``CompareSpec`` of one study (``checkpoint``: the shared warm-started model dir)."""
+    from creditrl.trainer.compare import CompareSpec
+
+    study_task(study)
     common_overrides = [
         f"train.steps={cfg.steps}", f"rollout.prompts_per_step={cfg.prompts_per_step}",
         f"train.eval_problems={cfg.eval_problems}", f"train.eval_samples={cfg.eval_samples}",
         f"train.pass_k=[{','.join(str(k) for k in cfg.pass_k)}]", "train.save_every=0", "train.keep_last=1",
         f"train.threads={cfg.threads}", "logging.tensorboard=false", "logging.plots=false"]
-    if cfg.warm_start_max_steps:
-        common_overrides.append(f"model.warm_start.max_steps={cfg.warm_start_max_steps}")
+    if checkpoint is not None:
+        common_overrides.append(f"model.name={checkpoint}")
     spec = STUDIES[study]
     return CompareSpec(runs=dict(spec["runs"]), seeds=[cfg.seed + i for i in range(cfg.num_seeds)],
                        overrides=[*common_overrides, *spec["overrides"]])
@@ -79,8 +106,11 @@ def run(cfg: LearningCurvesConfig, out_dir: Path) -> dict:
     from creditrl.trainer import compare
 
     out_dir = Path(out_dir)
-    specs = {study: study_spec(cfg, study) for study in cfg.studies}  # validate names before training
-    for study, spec in specs.items():
+    for study in cfg.studies:  # validate names before the first long job
+        study_task(study)
+    checkpoints = {task: shared_checkpoint(cfg, task) for task in dict.fromkeys(map(study_task, cfg.studies))}
+    for study in cfg.studies:
+        spec = study_spec(cfg, study, checkpoints[study_task(study)])
         runs = compare.run_all(spec, out_dir / study, progress=False)
         compare.write_report(runs, out_dir / study, title=f"learning curves: {study}")
     summary = {"config": asdict(cfg), "studies": {s: summarize_study(out_dir / s, s) for s in cfg.studies}}
@@ -133,6 +163,7 @@ def plot(out_dir: Path, studies: tuple[str, ...]) -> Path:
                 ax.plot(ks, [_stats(final, run, f"pass@{k}")[0] for k in ks], marker="o", ms=3, label=run)
             ax.set(xscale="log", xlabel="k", ylabel="held-out pass@k (end)", title="(d) maxk on countdown")
             ax.set_xticks(ks, [str(k) for k in ks])
+            ax.minorticks_off()
         else:
             x, y, xl, yl = panel[study]
             for run, rows in common.group_rows(common.read_csv(d / "curves.csv"), "run").items():
@@ -211,7 +242,8 @@ def report(out_dir: Path, figure_path: str) -> str:
     summary = common.read_json(out_dir / "summary.json")
     cfg = summary["config"]
     lines = ["## Learning curves with the real trainer (OTB §6.3, STAPO §5.2/§5.5, GRPO-λ §4.2, MaxPO §5.2)\n",
-             f"Setting: `builtin:tiny` warm-started per task, {cfg['num_seeds']} seeds per run, {cfg['steps']} "
+             f"Setting: `builtin:tiny` warm-started once per task (all runs and seeds start from that checkpoint), "
+             f"{cfg['num_seeds']} seeds per run, {cfg['steps']} "
              f"steps of {cfg['prompts_per_step']} prompts, held-out eval on {cfg['eval_problems']} prompts × "
              f"{cfg['eval_samples']} samples at the start and the end. These runs are far shorter than the papers' "
              "(hundreds of steps on billion-parameter models), so small differences are within seed noise.\n",

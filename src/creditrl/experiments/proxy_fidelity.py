@@ -36,7 +36,7 @@ class ProxyFidelityConfig:
 
 
 PRESETS = {
-    "fast": ProxyFidelityConfig(groups=2, group_size=4, max_new_tokens=40),
+    "fast": ProxyFidelityConfig(digits=1, groups=3, group_size=4, max_new_tokens=16),
     "full": ProxyFidelityConfig(),
 }
 
@@ -131,8 +131,8 @@ def correlations(token_rows: list[common.Row], response_rows: list[common.Row]) 
 
 def run(cfg: ProxyFidelityConfig, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
-    task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
     with torch.random.fork_rng(devices=[]), common.torch_threads(cfg.threads):
+        task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
         torch.manual_seed(cfg.seed)
         token_rows, response_rows = measure(cfg, model, params, task, tokenizer)
     common.write_csv(out_dir / "tokens.csv", token_rows)

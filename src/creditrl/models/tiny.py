@@ -8,7 +8,7 @@ the left, as generation needs. The encoder adds no special tokens, so
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -73,7 +73,3 @@ def tiny_model(tokenizer, cfg: TinyModelConfig = TinyModelConfig(), seed: int = 
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
-
-
-def config_dict(cfg) -> dict:
-    return asdict(cfg)

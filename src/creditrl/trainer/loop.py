@@ -40,8 +40,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def set_determinism(cfg: Config) -> None:
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    threads = cfg.train.threads or (1 if cfg.model.name.startswith("builtin:") else None)
+    if threads:
+        torch.set_num_threads(threads)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     random.seed(cfg.train.seed)

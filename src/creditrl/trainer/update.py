@@ -115,9 +115,16 @@ class Learner:
         rollout_logp = t["rollout_logp"][:, p:]
         rewards, group = batch.rewards.to(self.device), batch.group.to(self.device)
 
+        size = batch.input_ids.shape[0]
+        mb = cfg.optim.minibatch_size or size
+        # On-policy single pass (μ = 1, one mini-batch): π_old is the current policy, so one
+        # forward with grad serves both the old stats (detached) and the loss.
+        fused = cfg.optim.epochs == 1 and mb >= size
+        self.model.train()
+        with torch.set_grad_enabled(fused):
+            first = self.stats(self.model, t, p)
+        old_logp, entropy, energy = (x.detach().float() for x in (first.logp, first.entropy, first.energy))
         with torch.no_grad():
-            old = self.stats(self.model, t, p)
-            old_logp, entropy, energy = old.logp.float(), old.entropy.float(), old.energy.float()
             ref_logp = self.stats(self.ref_model, t, p).logp.float() if self.ref_model is not None else None
             is_weights = None
             if cfg.loss.rollout_correction is not None:
@@ -125,20 +132,14 @@ class Learner:
             advantages = compute_advantages(
                 cfg.algorithm.estimator, rewards=rewards, mask=mask, group=group,
                 energy=energy if self.needs_energy else None, is_weights=is_weights, **self.estimator_options)
-            if advantages.dim() == 1:
-                advantages = advantages[:, None] * mask
             advantages = advantages.float()
 
-        self.model.train()
-        size = batch.input_ids.shape[0]
-        mb = cfg.optim.minibatch_size or size
         sums: dict[str, float] = {}
         n_updates = 0
         for _ in range(cfg.optim.epochs):
-            order = torch.randperm(size, generator=generator).to(self.device)
+            order = (torch.arange(size) if fused else torch.randperm(size, generator=generator)).to(self.device)
             for rows in order.split(mb):
-                sub = {k: v[rows] for k, v in t.items()}
-                new = self.stats(self.model, sub, p)
+                new = first if fused else self.stats(self.model, {k: v[rows] for k, v in t.items()}, p)
                 loss, metrics = policy_loss(
                     new.logp.float(), old_logp[rows], advantages[rows], mask[rows],
                     ref_logp=None if ref_logp is None else ref_logp[rows], rollout_logp=rollout_logp[rows],
