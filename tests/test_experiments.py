@@ -378,3 +378,15 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "## Not run" in experiments.write_report(empty, tmp_path / "docs2").read_text()
+
+
+def test_dr_grpo_gradient_is_scaled_rloo(tiny_rollouts):
+    """dr_grpo's advantage R − mean is exactly (N−1)/N × RLOO's, so are their group gradients."""
+    from creditrl.experiments import grad_variance as gv
+
+    model, params, batch = tiny_rollouts
+    cfg = gv.GradVarianceConfig(estimators=("dr_grpo", "rloo"))
+    grads = gv.block_gradients(model, params, batch, cfg)
+    assert torch.allclose(grads[0], grads[1] * 2 / 3, atol=1e-7)
+    assert gv.within_block_variance(grads)[0] == pytest.approx(float(gv.within_block_variance(grads)[1]) * 4 / 9,
+                                                                rel=1e-5)

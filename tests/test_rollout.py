@@ -191,6 +191,14 @@ def test_max_new_tokens_truncates():
     assert batch.response_mask.sum().item() == 6
 
 
+def test_empty_prompt_is_legal(addition):
+    task, tok, model = addition
+    batch = generate_rollouts(model, tok, task, [Problem("", "1"), Problem("1+2=", "3")], group_size=2,
+                              max_new_tokens=3, generator=torch.Generator().manual_seed(0))
+    assert batch.prompt_len == 4 and batch.attention_mask[0, :batch.prompt_len].tolist() == [0, 0, 0, 1]
+    assert torch.isfinite(batch.rollout_logp).all()
+
+
 def test_bad_arguments(addition):
     task, tok, model = addition
     with pytest.raises(ValueError, match="group_size"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 import subprocess
 import sys
 
@@ -41,7 +42,7 @@ def setup():
 def random_batch(task, tok, model, seed=0):
     """A real rollout batch whose rewards are replaced by mixed 0/1 values (an untrained model
     scores 0, which would give all-zero advantages)."""
-    problems = [task.sample(__import__("random").Random(seed + i)) for i in range(4)]
+    problems = [task.sample(random.Random(seed + i)) for i in range(4)]
     batch = generate_rollouts(model, tok, task, problems, group_size=4, max_new_tokens=4,
                               generator=torch.Generator().manual_seed(seed))
     batch.rewards = (torch.arange(16) % 3 == 0).float()

@@ -83,7 +83,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from creditrl.config import config_from_dict, load_config
+    from creditrl.config import apply_overrides, config_from_dict, load_config
     from creditrl.models import load_policy
     from creditrl.tasks import get_task
     from creditrl.trainer import evaluate
@@ -99,12 +99,7 @@ def cmd_eval(args) -> int:
             raise FileNotFoundError(f"--run: {str(run / 'final')!r} not found; the run has not finished")
         data = yaml.safe_load((run / "config.yaml").read_text())
         data["model"]["name"] = str(run / "final")
-        cfg = config_from_dict(data)
-        if args.overrides:
-            from creditrl.config import _merge, parse_override, validate
-            for text in args.overrides:
-                cfg = _merge(cfg, parse_override(text))
-            validate(cfg)
+        cfg = apply_overrides(config_from_dict(data), args.overrides)
     else:
         cfg = load_config(args.config, args.overrides)
     task = get_task(cfg.task.name, **cfg.task.options)

@@ -285,6 +285,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             except yaml.YAMLError as err:
                 raise ConfigError(f"config file {str(path)!r}: invalid YAML: {err}") from None
         cfg = _merge(cfg, data or {})
+    return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """A validated copy of ``cfg`` with dotted ``key=value`` overrides applied."""
     for text in overrides:
         cfg = _merge(cfg, parse_override(text))
     validate(cfg)

@@ -107,8 +107,12 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs")) 
         sections.append(experiment_module(name).report(out_dir, f"figures/{png}"))
     if missing:
         sections.append("## Not run\n\n" + "".join(f"- `{m}`: no results under `{runs / m}`\n" for m in missing))
+    # the summary repeats each section's bold verdict head ("**claim: outcome.**")
+    heads = [line.split(".**")[0].lstrip("*") for section in sections[1:] for line in section.splitlines()
+             if line.startswith("**") and ".**" in line]
+    summary = "## Summary of verdicts\n\n" + "".join(f"- {h}\n" for h in heads)
     path = docs / "results.md"
-    path.write_text("\n".join(sections))
+    path.write_text("\n".join([sections[0], summary, *sections[1:]]))
     return path
 
 

@@ -276,7 +276,9 @@ def verdicts(summary: dict) -> list[tuple[str, str, str]]:
     outcome = "reproduces" if below and grows else "partly" if below or grows else "does not reproduce"
     out.append(("L2O lowers the variance versus EI, more so with more actions", outcome,
                 "Var(EI+L2O)/Var(EI) by n: " + ", ".join(f"n={n}: {by_n[n]:.3f}" for n in ns) +
-                " (rule: all < 1 and smaller at the largest n than at the smallest)."))
+                " (rule: all < 1 and smaller at the largest n than at the smallest)." +
+                ("" if below else f" With n = {ns[0]} actions most batches repeat the same actions, EI is often 0 "
+                 "and has little variance to remove, so the noise of the L2O baseline dominates.")))
     by_k = {int(k): v for k, v in summary["l2o_ratio_vs_k"].items()}
     ks = sorted(by_k)
     best = min(ks, key=lambda k: by_k[k])

@@ -19,7 +19,7 @@ from creditrl.tasks.base import Problem
 @dataclass(frozen=True)
 class WarmStartConfig:
     target_accuracy: float = 0.4   # stop once sampled held-out accuracy reaches this
-    max_steps: int = 3000
+    max_steps: int = 2000
     batch_size: int = 64
     lr: float = 2e-3
     warmup_steps: int = 20

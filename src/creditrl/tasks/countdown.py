@@ -47,7 +47,7 @@ def _combine(a, b, op: str):
 class Countdown(ProceduralTask):
     name = "countdown"
 
-    def __init__(self, n_numbers: int = 3, max_number: int = 20, max_target: int = 200, *,
+    def __init__(self, n_numbers: int = 3, max_number: int = 10, max_target: int = 100, *,
                  seed: int = 0, test_size: int = 200):
         for arg, value, low, high in (("n_numbers", n_numbers, 3, 5), ("max_number", max_number, 2, 10_000),
                                       ("max_target", max_target, 2, 10 ** 9)):

@@ -136,8 +136,8 @@ def curves_rows(runs: dict[str, list[Path]], metrics: tuple[str, ...], window: i
     """Per run and step: tokens, and mean/std over seeds of each (smoothed) training metric."""
     rows = []
     for name, dirs in runs.items():
-        steps, _ = seed_curves(dirs, "tokens_total", "step")
-        columns = {"tokens_total": seed_curves(dirs, "tokens_total", "step")[1].mean(0)}
+        steps, tokens = seed_curves(dirs, "tokens_total", "step")
+        columns = {"tokens_total": tokens.mean(0)}
         for m in metrics:
             _, ys = seed_curves(dirs, m, "step")
             if ys.shape[-1] == steps.numel():
@@ -202,7 +202,7 @@ def plot_panels(runs: dict[str, list[Path]], panels, path: Path, window: int, nc
             mean, std = ys.mean(0), _std(ys)
             (line,) = ax.plot(xs.numpy(), mean.numpy(), label=name, lw=1.2, marker="o" if xs.numel() < 8 else None, ms=3)
             ax.fill_between(xs.numpy(), (mean - std).numpy(), (mean + std).numpy(), color=line.get_color(), alpha=0.2)
-        ax.set(xlabel="generated tokens" if x == "tokens_total" else x, title=metric, )
+        ax.set(xlabel="generated tokens" if x == "tokens_total" else x, title=metric)
         ax.tick_params(labelsize=7)
     for ax in axes[len(panels):]:
         ax.axis("off")

@@ -184,8 +184,16 @@ class Trainer:
             plot_run(self.run_dir, metrics, evals)
         c = self.cfg
         title = f"creditrl run: {c.task.name} / {c.model.name} / {c.algorithm.estimator}"
+        extra = {"run_dir": str(self.run_dir)}
+        if c.model.name.startswith("builtin:"):
+            from creditrl.models import tiny_cache_path, warm_start_info
+            info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
+                                                   c.model.cache_dir)) or {}
+            if info:
+                extra["warm_start"] = (f"{info.get('steps')} SFT steps to sampled accuracy "
+                                       f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
-                             extra={"run_dir": str(self.run_dir)})
+                             extra=extra)
 
 
 def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | None = None) -> Path:

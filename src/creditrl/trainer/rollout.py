@@ -51,16 +51,6 @@ class RolloutBatch:
         """Sampled (trained-on) tokens in the batch."""
         return int(self.response_mask.sum())
 
-    def select(self, rows: Tensor) -> "RolloutBatch":
-        """The responses ``rows`` (tensor fields only; texts/problems follow)."""
-        idx = rows.tolist()
-        return RolloutBatch(
-            **{k: getattr(self, k)[rows] for k in ("input_ids", "attention_mask", "position_ids",
-                                                      "response_mask", "rollout_logp", "rewards",
-                                                      "group", "correct")},
-            response_texts=[self.response_texts[i] for i in idx],
-            problems=[self.problems[i] for i in idx], prompt_len=self.prompt_len)
-
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """[B,L] positions counting only attended tokens, so left padding does not shift them."""
@@ -68,8 +58,11 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> tuple[Tensor, Tensor]:
-    """Left-padded ``(input_ids, attention_mask)`` [N,P] with the tokenizer's special tokens."""
-    enc = [tokenizer(p)["input_ids"] for p in prompts]
+    """Left-padded ``(input_ids, attention_mask)`` [N,P] with the tokenizer's special tokens.
+    An empty prompt becomes the single BOS (else EOS) token, so every row has a position to
+    predict its first response token from."""
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    enc = [tokenizer(p)["input_ids"] or [start] for p in prompts]
     width = max(len(e) for e in enc)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in enc], dtype=torch.long)
@@ -150,7 +143,8 @@ def generate(model, tokenizer, prompts: list[str], *, temperature: float = 1.0, 
         forced_pos += is_forced.long()
         n_sampled += chosen.long()
         steps = t + 1
-        alive &= ~(chosen & (token == eos)) & (n_sampled < max_new_tokens) | (alive & (forced_pos < forced_len))
+        ended = (chosen & (token == eos)) | (n_sampled >= max_new_tokens)
+        alive &= ~ended | (forced_pos < forced_len)  # queued tool tokens still get fed
         if stop_ids is not None:
             _queue_tool_outputs(tokenizer, task, tokens[:, :t + 1], prompts, chosen & alive,
                                 stop_ids, n_calls, tool_calls, forced, forced_len, forced_pos)
