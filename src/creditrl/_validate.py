@@ -72,3 +72,17 @@ def check_range(name: str, value: float, low: float | None = None, high: float |
 def check_same_shape(a_name: str, a: Tensor, b_name: str, b: Tensor) -> None:
     if a.shape != b.shape:
         raise ValueError(f"{b_name}: expected the shape of {a_name} {list(a.shape)}, got {list(b.shape)}")
+
+
+def as_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
+    """Check a [B,T] mask (bool, or numeric holding only 0/1), against ``shape`` when given; return bool."""
+    mask = check_tensor(name, mask, ndim=2) if shape is None else check_tensor(name, mask, shape=list(shape))
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_complex():
+        raise TypeError(f"{name}: expected a bool or 0/1 mask, got dtype {mask.dtype}")
+    outside = (mask != 0) & (mask != 1)
+    if bool(outside.any()):
+        raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
+                         f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
+    return mask != 0

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from creditrl._validate import bad_rows, check_finite, check_range, check_tensor
+from creditrl._validate import as_mask, bad_rows, check_finite, check_range, check_tensor
 from creditrl.estimators.registry import (AdvantageBatch, EstimatorSpec, get_estimator, list_estimators,
                                           register_estimator)
 from creditrl.estimators.steps import StepIndex, returns_to_go
@@ -24,16 +24,6 @@ __all__ = ["compute_advantages", "list_estimators", "register_estimator", "Advan
 
 # Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
 ENERGY_TOLERANCE = 8.0
-
-
-def _as_mask(mask: object) -> Tensor:
-    check_tensor("mask", mask, ndim=2)
-    if mask.dtype != torch.bool:
-        if mask.is_complex() or bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError("mask: expected bool or 0/1 values, got other values "
-                             f"in rows {bad_rows((mask != 0) & (mask != 1))}")
-        mask = mask != 0
-    return mask
 
 
 def _real(name: str, x: Tensor) -> Tensor:
@@ -75,7 +65,7 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     group [B] int ids; energy, is_weights [B,T] floats (is_weights multiply energies by
     rho_bar^2, OTB App. D eq. 58-60). Returns-to-go use ``gamma`` over valid tokens.
     """
-    mask = _as_mask(mask)
+    mask = as_mask("mask", mask)
     num, steps_t = mask.shape
     check_tensor("rewards", rewards, ndim=(1, 2))
     _real("rewards", rewards)

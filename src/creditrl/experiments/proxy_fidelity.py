@@ -154,7 +154,7 @@ def plot(out_dir: Path, summary: dict) -> Path:
                                  (ax_len, "length", "response length (OPO)", "group_spearman_energy_vs_length")):
         for group, members in common.group_rows(responses, "group").items():
             ax.scatter([m[key] for m in members], [m["true_energy"] for m in members], s=10, label=f"group {group}")
-        ax.set(xlabel=label, ylabel="true W = Σ_t ‖∇θ log π(y_t)‖²",
+        ax.set(xlabel=label, ylabel="true W = Σ_t ‖∇θ log π(y_t)‖²", yscale="log",
                title=f"within-group Spearman {summary[stat]:.2f}")
     ax_tok.title.set_fontsize(8)
     ax_proxy.title.set_fontsize(8)
@@ -185,6 +185,6 @@ def report(out_dir: Path, figure_path: str) -> str:
              f"Setting: the `grad-variance` checkpoint (`{cfg['task']}`, digits={cfg['digits']}); {cfg['groups']} "
              f"groups × {cfg['group_size']} sampled responses, {s['tokens']} response tokens, each with the exact "
              "squared norm of its full-parameter gradient.\n", f"![proxy fidelity]({figure_path})\n",
-             common.markdown_table([{k: v for k, v in s.items() if k != "config"}]), ""]
+             common.markdown_table([{"quantity": k, "value": v} for k, v in s.items() if k != "config"]), ""]
     lines += [common.verdict_line(*v) for v in verdicts(s)]
     return "\n".join(lines)

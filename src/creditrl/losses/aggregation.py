@@ -8,20 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from creditrl._validate import check_choice, check_range, check_tensor
+from creditrl._validate import as_mask, check_choice, check_range, check_tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-def as_mask(name: str, mask: object, shape: torch.Size | tuple[int, ...]) -> Tensor:
-    """Check a [B,T] mask (bool, or numeric holding only 0/1) against ``shape``; return it as bool."""
-    mask = check_tensor(name, mask, shape=list(shape))
-    if mask.dtype == torch.bool:
-        return mask
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
-                         f"(dtype {mask.dtype})")
-    return mask != 0
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_same_shape, check_tensor
-from creditrl.losses.aggregation import as_mask
+from creditrl._validate import as_mask
 from creditrl.losses.stapo import token_advantages
 
 KL_ESTIMATORS = ("k1", "k2", "k3")

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
-from creditrl.losses.aggregation import AGG_MODES, agg_loss, as_mask
+from creditrl._validate import as_mask
+from creditrl.losses.aggregation import AGG_MODES, agg_loss
 from creditrl.losses.diagnostics import MAX_LOG_RATIO, kl_estimate, masked_mean, ppl_gap
 from creditrl.losses.stapo import StapoOptions, silence_keep_mask, token_advantages
 from creditrl.losses.traces import TraceOptions, apply_trace

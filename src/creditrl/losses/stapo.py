@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
-from creditrl.losses.aggregation import as_mask
+from creditrl._validate import as_mask
 
 STAPO_POOLS = ("valid", "candidates")
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_range, check_tensor
-from creditrl.losses.aggregation import as_mask
+from creditrl._validate import as_mask
 
 TRACE_STYLES = ("recent", "both")
 TRACE_UPDATES = ("trace", "weight")
