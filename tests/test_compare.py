@@ -130,3 +130,6 @@ def test_compare_end_to_end_with_trainer(tmp_path):
     stamp = (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns
     assert cli_main(argv) == 0  # finished runs are reused, not retrained
     assert (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp
+    argv[argv.index("train.steps=2")] = "train.steps=3"  # a changed recipe retrains
+    assert cli_main(argv) == 0
+    assert common.read_csv(tmp_path / "final.csv")[0]["steps"] == 3

@@ -14,7 +14,7 @@ instances × batches × group members through ``creditrl.maxk_quantities``.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -283,9 +283,8 @@ def verdicts(summary: dict) -> list[tuple[str, str, str]]:
     ks = sorted(by_k)
     best = min(ks, key=lambda k: by_k[k])
     interior = ks[0] < best < ks[-1]
-    out.append(("L2O helps most at moderate K (rule: the largest reduction is strictly inside the K sweep)",
-                "reproduces" if interior else "does not reproduce",
-                "Var(EI+L2O)/Var(EI) by K: " + ", ".join(f"K={k}: {by_k[k]:.3f}" for k in ks) +
+    out.append(("L2O helps most at moderate K", "reproduces" if interior else "does not reproduce",
+                "Rule: the largest reduction lies strictly inside the K sweep. Var(EI+L2O)/Var(EI) by K: " + ", ".join(f"K={k}: {by_k[k]:.3f}" for k in ks) +
                 f"; the largest reduction is at K={best}" +
                 (f"; L2O raises the variance above EI at K = {', '.join(str(k) for k in ks if by_k[k] > 1.005)}"
                  if any(by_k[k] > 1.005 for k in ks) else "") + ("" if interior else

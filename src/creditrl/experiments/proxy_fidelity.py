@@ -187,4 +187,19 @@ def report(out_dir: Path, figure_path: str) -> str:
              "squared norm of its full-parameter gradient.\n", f"![proxy fidelity]({figure_path})\n",
              common.markdown_table([{"quantity": k, "value": v} for k, v in s.items() if k != "config"]), ""]
     lines += [common.verdict_line(*v) for v in verdicts(s)]
+    lines.append(floor_note(Path(out_dir)))
     return "\n".join(lines)
+
+
+def floor_note(out_dir: Path, floor: float = 1e-6) -> str:
+    """How many tokens sit at the float32 floor of ŵ_t = 1 − 2π + Σπ² (π(y_t) ≈ 1), where the proxy
+    can no longer rank tokens, and how much their true norms still vary."""
+    rows = common.read_csv(out_dir / "tokens.csv")
+    low = [r["true_sq_norm"] for r in rows if r["proxy"] <= floor]
+    if not low:
+        return ""
+    spread = max(low) / min(low) if min(low) > 0 else float("inf")
+    return (f"Note: {len(low)} tokens have ŵ_t ≤ {floor:g} (near-certain tokens; float32 rounding of 1 − 2π + Σπ² "
+            f"floors there), yet their true squared norms span a factor {spread:.3g} — the proxy cannot rank "
+            f"them (their largest true norm is {max(low):.3g}, against "
+            f"{max(r['true_sq_norm'] for r in rows):.3g} overall).\n")

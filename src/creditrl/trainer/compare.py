@@ -6,7 +6,8 @@
 
 A spec file holds ``config`` (base YAML, optional), ``overrides`` (for every run), ``seeds`` and
 ``runs`` (name -> list of ``key=value`` overrides). Each run × seed trains into
-``OUT/runs/<name>-s<seed>``; a finished one (summary.json present) is reused unless ``--force``.
+``OUT/runs/<name>-s<seed>``; a finished one trained from the same config and overrides is reused
+unless ``--force``.
 The report (``OUT/report.md``, ``OUT/compare.png``, ``OUT/final.csv``, ``OUT/curves.csv``) is
 built from the runs' metrics.jsonl / eval.jsonl only, so ``--report-only`` redraws it.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,8 @@ PANELS = (  # (metric, x axis) of the report figure
     ("entropy", "step"), ("grad_norm", "step"), ("variance_proxy", "step"), ("greedy_acc", "tokens_total"),
 )
 FINAL_TRAIN = ("reward_mean", "accuracy", "entropy", "grad_norm", "variance_proxy", "spurious_ratio", "response_len")
-EVAL_METRICS = ("greedy_acc",)  # held-out metrics whose curve is read from eval.jsonl
+EVAL_METRICS = ("greedy_acc",)
+RECIPE_FILE = "compare_recipe.json"  # base config + overrides a run was trained with (reuse check)  # held-out metrics whose curve is read from eval.jsonl
 
 
 @dataclass
@@ -77,15 +80,20 @@ def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool
     for name, overrides in spec.runs.items():  # validate every config before the first long run
         for seed in spec.seeds:
             target = run_dir(out, name, seed)
-            configs[name, seed] = load_config(spec.config, [
-                *spec.overrides, *overrides, f"train.seed={seed}", f"train.output_dir={target.parent}",
-                f"train.run_name={target.name}", f"logging.progress={str(progress).lower()}"])
+            recipe = {"config": spec.config, "overrides": [*spec.overrides, *overrides, f"train.seed={seed}"]}
+            configs[name, seed] = recipe, load_config(spec.config, [
+                *recipe["overrides"], f"train.output_dir={target.parent}", f"train.run_name={target.name}",
+                f"logging.progress={str(progress).lower()}"])
     dirs: dict[str, list[Path]] = {name: [] for name in spec.runs}
-    for (name, seed), cfg in configs.items():
+    for (name, seed), (recipe, cfg) in configs.items():
         target = run_dir(out, name, seed)
-        if force or not (target / "summary.json").exists():
+        stamp = target / RECIPE_FILE
+        # reuse a finished run only if it was trained from the same base config and overrides
+        if force or not (target / "summary.json").exists() or not stamp.exists() or json.loads(stamp.read_text()) != recipe:
             print(f"[creditrl compare] training {name} seed {seed} -> {target}", flush=True)
+            shutil.rmtree(target, ignore_errors=True)  # a stale or partial run: start clean, never append
             target = Path(train(cfg))
+            (target / RECIPE_FILE).write_text(json.dumps(recipe))
         dirs[name].append(target)
     return dirs
 

@@ -99,15 +99,29 @@ def _tail_matches(generated: Tensor, length: Tensor, pattern: Tensor) -> Tensor:
     return (generated.gather(1, cols) == pattern).all(-1) & (length >= m)
 
 
+def select_cache_rows(cache, rows: Tensor):
+    """The KV cache restricted/expanded to batch ``rows`` (indices may repeat): HF ``Cache``
+    objects in place, legacy tuple/tensor caches by indexing every tensor's first dim."""
+    if hasattr(cache, "batch_select_indices"):
+        cache.batch_select_indices(rows)
+        return cache
+    return torch.utils._pytree.tree_map(lambda x: x[rows] if isinstance(x, Tensor) else x, cache)
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], *, temperature: float = 1.0, top_p: float = 1.0,
-             max_new_tokens: int = 16, generator: torch.Generator | None = None, task: Task | None = None,
-             max_tool_tokens: int = 16) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
-    """Decode every prompt once (repeat prompts for groups). Returns
-    ``(input_ids, attention_mask, response_mask, rollout_logp, prompt_len)`` as in RolloutBatch."""
+def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, temperature: float = 1.0,
+             top_p: float = 1.0, max_new_tokens: int = 16, generator: torch.Generator | None = None,
+             task: Task | None = None, max_tool_tokens: int = 16) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """Decode ``group_size`` responses per prompt (rows i*G .. i*G+G-1 answer prompt i). Returns
+    ``(input_ids, attention_mask, response_mask, rollout_logp, prompt_len)`` as in RolloutBatch.
+
+    Each prompt is prefilled once and its KV cache expanded G times (the G responses share it),
+    and finished rows leave the decode batch, so a decode step costs only the live rows."""
     device = next(model.parameters()).device
     ids, attn = encode_prompts(tokenizer, prompts)
-    n, prompt_len = ids.shape
+    prompt_len = ids.shape[1]
+    expand = torch.arange(len(prompts)).repeat_interleave(group_size)
+    n = len(expand)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     tool_calls = int(getattr(task, "max_tool_calls", 0) or 0)
     stop_ids = (torch.tensor(tokenizer(task.tool_stop, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -117,54 +131,62 @@ def generate(model, tokenizer, prompts: list[str], *, temperature: float = 1.0, 
     tokens = torch.full((n, max_steps), pad, dtype=torch.long)
     sampled = torch.zeros(n, max_steps)                      # 1 where the policy chose the token
     logps = torch.zeros(n, max_steps)
-    alive = torch.ones(n, dtype=torch.bool)
+    fed = torch.zeros(n, dtype=torch.long)                   # response tokens fed = attended columns
     n_sampled = torch.zeros(n, dtype=torch.long)
     n_calls = torch.zeros(n, dtype=torch.long)
     forced = torch.full((n, max_tool_tokens), pad, dtype=torch.long)  # queued tool-output tokens
     forced_len = torch.zeros(n, dtype=torch.long)
     forced_pos = torch.zeros(n, dtype=torch.long)
 
-    attn_full = torch.cat([attn, torch.zeros(n, max_steps, dtype=torch.long)], dim=1).to(device)
-    out = model(input_ids=ids.to(device), attention_mask=attn_full[:, :prompt_len],
+    out = model(input_ids=ids.to(device), attention_mask=attn.to(device),
                 position_ids=position_ids_from_mask(attn).to(device), use_cache=True, logits_to_keep=1)
-    cache, next_pos = out.past_key_values, attn.sum(-1).to(device)
-    rows = torch.arange(n)
+    cache = select_cache_rows(out.past_key_values, expand.to(device))
+    logits = out.logits[:, -1].cpu()[expand]
+    ids, attn = ids[expand], attn[expand]
+    live = torch.arange(n)                                   # rows still decoding, in cache order
+    prompt_attn, next_pos = attn.to(device), attn.sum(-1)
     steps = 0
     for t in range(max_steps):
-        token, logp = sample_next(out.logits[:, -1].cpu(), temperature=temperature, top_p=top_p,
-                                  generator=generator)
-        is_forced = forced_pos < forced_len
-        token = torch.where(is_forced, forced[rows, forced_pos.clamp(max=max_tool_tokens - 1)], token)
-        chosen = alive & ~is_forced
-        tokens[:, t] = torch.where(alive, token, torch.full_like(token, pad))
-        sampled[:, t] = chosen.float()
-        logps[:, t] = torch.where(chosen, logp, torch.zeros_like(logp))
-        attn_full[:, prompt_len + t] = alive.long().to(device)
-        forced_pos += is_forced.long()
-        n_sampled += chosen.long()
+        token, logp = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
+        pos = forced_pos[live]
+        is_forced = pos < forced_len[live]
+        token = torch.where(is_forced, forced[live, pos.clamp(max=max_tool_tokens - 1)], token)
+        chosen = ~is_forced
+        tokens[live, t] = token
+        sampled[live, t] = chosen.float()
+        logps[live, t] = torch.where(chosen, logp, torch.zeros_like(logp))
+        fed[live] += 1
+        forced_pos[live] = pos + is_forced.long()
+        n_sampled[live] += chosen.long()
         steps = t + 1
-        ended = (chosen & (token == eos)) | (n_sampled >= max_new_tokens)
-        alive &= ~ended | (forced_pos < forced_len)  # queued tool tokens still get fed
+        ended = (chosen & (token == eos)) | (n_sampled[live] >= max_new_tokens)
+        keep = ~ended | (forced_pos[live] < forced_len[live])  # queued tool tokens still get fed
         if stop_ids is not None:
-            _queue_tool_outputs(tokenizer, task, tokens[:, :t + 1], prompts, chosen & alive,
-                                stop_ids, n_calls, tool_calls, forced, forced_len, forced_pos)
-            alive |= forced_pos < forced_len
-        if not bool(alive.any()):
-            break
-        out = model(input_ids=tokens[:, t:t + 1].to(device), attention_mask=attn_full[:, :prompt_len + t + 1],
-                    position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        next_pos = next_pos + 1
+            candidates = torch.zeros(n, dtype=torch.bool).index_fill_(0, live[chosen & keep], True)
+            _queue_tool_outputs(tokenizer, task, tokens[:, :t + 1], candidates, stop_ids, n_calls, tool_calls,
+                                forced, forced_len, forced_pos)
+            keep |= forced_pos[live] < forced_len[live]
+        if not bool(keep.all()):
+            if not bool(keep.any()):
+                break
+            kept = torch.nonzero(keep).flatten()
+            live = live[kept]
+            cache = select_cache_rows(cache, kept.to(device))
+        # every column a live row has been fed is attended: only the prompt's left padding is masked
+        step_attn = torch.cat([prompt_attn[live.to(device)],
+                               torch.ones(len(live), t + 1, dtype=torch.long, device=device)], dim=1)
+        out = model(input_ids=tokens[live, t:t + 1].to(device), attention_mask=step_attn,
+                    position_ids=(next_pos[live] + t)[:, None].to(device), past_key_values=cache, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1].cpu()
 
-    response_mask = sampled[:, :steps]
     input_ids = torch.cat([ids, tokens[:, :steps]], dim=1)
-    attention_mask = attn_full[:, :prompt_len + steps].cpu()
+    attention_mask = torch.cat([attn, (torch.arange(steps) < fed[:, None]).long()], dim=1)
     rollout_logp = torch.cat([torch.zeros(n, prompt_len), logps[:, :steps]], dim=1)
-    response_mask = torch.cat([torch.zeros(n, prompt_len), response_mask], dim=1)
+    response_mask = torch.cat([torch.zeros(n, prompt_len), sampled[:, :steps]], dim=1)
     return input_ids, attention_mask, response_mask, rollout_logp, prompt_len
 
 
-def _queue_tool_outputs(tokenizer, task, generated: Tensor, prompts: list[str], candidates: Tensor,
+def _queue_tool_outputs(tokenizer, task, generated: Tensor, candidates: Tensor,
                         stop_ids: Tensor, n_calls: Tensor, max_calls: int, forced: Tensor,
                         forced_len: Tensor, forced_pos: Tensor) -> None:
     """Rows that just wrote ``task.tool_stop`` get the tool output queued (mask 0 tokens).
@@ -195,9 +217,8 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     was_training = model.training
     model.eval()
     try:
-        prompts = [p.prompt for p in problems for _ in range(group_size)]
         input_ids, attention_mask, response_mask, rollout_logp, prompt_len = generate(
-            model, tokenizer, prompts, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+            model, tokenizer, [p.prompt for p in problems], group_size=group_size, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
             generator=generator, task=task, max_tool_tokens=max_tool_tokens)
     finally:
         model.train(was_training)

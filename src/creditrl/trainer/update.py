@@ -18,28 +18,106 @@ from dataclasses import asdict
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from creditrl.config import Config, estimator_options
 from creditrl.trainer.rollout import RolloutBatch
 
-TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logp")
+TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logp", "group")
 
 
 def response_stats(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_mask: Tensor,
-                   prompt_len: int, *, temperature: float, chunk_size: int | None = None):
+                   prompt_len: int, *, temperature: float, chunk_size: int | None = None, group: Tensor | None = None):
     """TokenStats of the response tokens (columns ``prompt_len:``, where ``response_mask``), each [B, R].
 
     Differentiable in ``model``'s parameters; logits are kept in the model's dtype and
-    reduced chunk-wise by ``token_stats`` (never a [B,R,V] float32 copy)."""
+    reduced chunk-wise by ``token_stats`` (never a [B,R,V] float32 copy). With ``group`` [B]
+    (rows of one group share their prompt columns, as in a RolloutBatch) the same values are
+    computed by ``shared_prompt_stats`` without repeating prompts or scoring right padding."""
     from creditrl import token_stats
 
+    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+    tokens, mask = input_ids[:, prompt_len:], response_mask[:, prompt_len:]
+    if group is not None and prompt_len > 0 and tokens.shape[1] > 1 and _plain_kv_cache(model):
+        return shared_prompt_stats(model, input_ids, attention_mask, position_ids, response_mask, prompt_len,
+                                   group, temperature=temperature, **kwargs)
     response_len = input_ids.shape[1] - prompt_len
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 logits_to_keep=response_len + 1, use_cache=False)
-    tokens = input_ids[:, prompt_len:]
-    mask = response_mask[:, prompt_len:]
-    kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
     return token_stats(out.logits[:, :-1], tokens, mask, temperature=temperature, **kwargs)
+
+
+def _plain_kv_cache(model) -> bool:
+    """True when the model's cache is one full-attention DynamicLayer per layer (prefix sharing is exact)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "get_decoder"):
+        return False
+    cache = DynamicCache(config=config)
+    return len(cache.layers) > 0 and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def length_buckets(lengths: Tensor, overhead: int = 32, max_buckets: int = 4) -> list[Tensor]:
+    """Split rows into at most ``max_buckets`` groups of similar length (equal-count cuts of the
+    sorted lengths) minimising Σ rows·max_len + overhead·buckets: the padded tokens a forward per
+    bucket computes, plus a per-forward cost in tokens. Returns the row indices of each bucket."""
+    order = lengths.argsort(stable=True)
+    n = len(order)
+    best, best_cost = [order], None
+    for k in range(1, min(max_buckets, n) + 1):
+        parts = [p for p in order.tensor_split(k) if len(p)]
+        cost = sum(len(p) * int(lengths[p[-1]]) for p in parts) + overhead * len(parts)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
+def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                        response_mask: Tensor, prompt_len: int, group: Tensor, *, temperature: float, **kwargs):
+    """``response_stats`` computed once per prompt: each group's prompt runs through the model
+    once (with grad) and its KV cache is shared by the group's rows, which then feed only their
+    response tokens, in ``length_buckets`` so right padding is (mostly) not computed.
+
+    Equal to the plain forward up to float rounding: attention is causal, so the prompt's
+    keys/values do not depend on the response, and a row's padded tail only follows its tokens.
+    The logits at the prompt's last column predict each row's first response token."""
+    from creditrl import token_stats
+    from creditrl.token_stats import TokenStats
+
+    p, (size, width) = prompt_len, input_ids.shape
+    tokens, mask = input_ids[:, p:], response_mask[:, p:]
+    _, inverse = torch.unique(group, return_inverse=True)
+    first_row = torch.full((int(inverse.max()) + 1,), size, device=group.device).scatter_reduce_(
+        0, inverse, torch.arange(size, device=group.device), "amin")
+    shared = first_row[inverse]
+    if not (torch.equal(input_ids[:, :p], input_ids[shared, :p])
+            and torch.equal(attention_mask[:, :p], attention_mask[shared, :p])):
+        differ = (input_ids[:, :p] != input_ids[shared, :p]).any(-1) | (attention_mask[:, :p] != attention_mask[shared, :p]).any(-1)
+        raise ValueError(f"group: expected rows of one group to share their first {p} (prompt) columns, "
+                         f"got different prompts in rows {torch.nonzero(differ).flatten().tolist()[:10]}")
+    prefix = model(input_ids=input_ids[first_row, :p], attention_mask=attention_mask[first_row, :p],
+                   position_ids=position_ids[first_row, :p], use_cache=True, logits_to_keep=1)
+    kv = [(layer.keys, layer.values) for layer in prefix.past_key_values.layers]
+    first = token_stats(prefix.logits[inverse], tokens[:, :1], mask[:, :1], temperature=temperature, **kwargs)
+
+    lengths = attention_mask[:, p:].sum(-1).clamp(min=1)   # a row's attended response columns
+    pieces, order = [], []
+    for rows in length_buckets(lengths):
+        w = int(lengths[rows[-1]])                           # tokens 1..w-1 need inputs 0..w-2
+        if w > 1:
+            cache = DynamicCache(ddp_cache_data=[(k[inverse[rows]], v[inverse[rows]]) for k, v in kv])
+            out = model(input_ids=tokens[rows, :w - 1], attention_mask=attention_mask[rows, :p + w - 1],
+                        position_ids=position_ids[rows, p:p + w - 1], past_key_values=cache, use_cache=True)
+            stats = token_stats(out.logits, tokens[rows, 1:w], mask[rows, 1:w], temperature=temperature, **kwargs)
+            pieces.append([torch.nn.functional.pad(x, (0, width - p - w)) for x in
+                           (stats.logp, stats.entropy, stats.sum_p2, stats.energy)])
+        else:
+            pieces.append([first.logp.new_zeros(len(rows), width - p - 1)] * 4)
+        order.append(rows)
+    back = torch.cat(order).argsort()
+    rest = [torch.cat(column)[back] for column in zip(*pieces)]
+    head = (first.logp, first.entropy, first.sum_p2, first.energy)
+    return TokenStats(*(torch.cat([h, r], dim=1) for h, r in zip(head, rest)))
 
 
 def lr_lambda(cfg: Config):
@@ -102,15 +180,15 @@ class Learner:
     def stats(self, model, t: dict, prompt_len: int):
         with self.autocast():
             return response_stats(model, t["input_ids"], t["attention_mask"], t["position_ids"],
-                                  t["response_mask"], prompt_len,
-                                  temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.train.chunk_size)
+                                  t["response_mask"], prompt_len, temperature=self.cfg.rollout.temperature,
+                                  chunk_size=self.cfg.train.chunk_size, group=t["group"])
 
     def update(self, batch: RolloutBatch, generator: torch.Generator) -> dict:
         """One train step on ``batch``; returns the step's metrics (floats)."""
         from creditrl import compute_advantages, policy_loss, variance_proxy
 
         cfg, p = self.cfg, batch.prompt_len
-        t = {k: getattr(batch, k).to(self.device) for k in TENSOR_FIELDS}
+        t = {k: getattr(batch, k).to(self.device) for k in TENSOR_FIELDS}  # "group" lets prompts be shared
         mask = t["response_mask"][:, p:]
         rollout_logp = t["rollout_logp"][:, p:]
         rewards, group = batch.rewards.to(self.device), batch.group.to(self.device)
