@@ -22,7 +22,7 @@ from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
 from creditrl.models.warm_start import WarmStartConfig, WarmStartResult, sample_responses, warm_start
 
 BUILTINS = ("builtin:tiny",)
-CACHE_VERSION = 1  # bump when the warm-start recipe changes so old entries are not reused
+CACHE_VERSION = 2  # bump when the warm-start recipe changes so old entries are not reused
 META_FILE = "warm_start.json"
 
 

@@ -137,6 +137,13 @@ def sampled_accuracy(model, tokenizer, task, problems: list[Problem], *, max_new
     return sum(task.reward(p, r) for p, r in zip(problems, responses)) / len(problems)
 
 
+def held_out_problems(task, cfg: WarmStartConfig) -> list[Problem]:
+    """The fixed slice the warm start measures accuracy on: ``eval_size`` draws from ONE seeded
+    stream of the task's training generator (so they are distinct problems, never test prompts)."""
+    rng = random.Random(f"creditrl-warm-start-eval-{cfg.seed}")
+    return [task.sample(rng) for _ in range(cfg.eval_size)]
+
+
 def warm_start(model, tokenizer, task, cfg: WarmStartConfig = WarmStartConfig(), *,
                progress: bool = True) -> WarmStartResult:
     """Train ``model`` in place on ``task``'s generator; see module docstring. Deterministic
@@ -148,7 +155,7 @@ def warm_start(model, tokenizer, task, cfg: WarmStartConfig = WarmStartConfig(),
     from tqdm.auto import tqdm
 
     rng = random.Random(f"creditrl-warm-start-{cfg.seed}")
-    held_out = [task.sample(random.Random(f"creditrl-warm-start-eval-{cfg.seed}")) for _ in range(cfg.eval_size)]
+    held_out = held_out_problems(task, cfg)
     longest = max(len(tokenizer.encode(task.sft_target(p), add_special_tokens=False)) for p in held_out)
     max_new_tokens = longest + 8
     history: list[dict] = []
