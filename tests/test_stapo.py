@@ -139,3 +139,14 @@ def test_policy_loss_renormalises_over_kept_tokens():
         policy_loss(logp, logp, adv, mask, stapo=True)
     with pytest.raises(TypeError, match="stapo: expected None, a bool or StapoOptions, got str"):
         policy_loss(logp, logp, adv, mask, stapo="on", entropy=entropy)
+
+
+def test_order_statistics_numpy_and_torch_paths_agree():
+    """The CPU selection (np.partition) and the device path (torch.kthvalue) give the same values."""
+    from creditrl.losses.stapo import order_statistics
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(2)).round(decimals=1)   # with ties
+    ranks = (0, 437, 438, 1000)
+    expected = torch.sort(x).values[list(ranks)]
+    for use_numpy in (True, False):
+        got = torch.stack(order_statistics(x, ranks, use_numpy=use_numpy))
+        assert torch.equal(got, expected) and got.dtype == x.dtype

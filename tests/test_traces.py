@@ -96,6 +96,61 @@ def test_apply_trace_long_sequence_is_finite_and_linear():
     assert abs(y[0, -1].item() - rec.item()) < 1e-4
 
 
+@pytest.mark.parametrize("style,floor,lam", [("recent", 1e-3, 0.99), ("both", 1e-3, 0.99),
+                                              ("both", 0.0, 0.995), ("recent", 0.2, 0.9)])
+def test_apply_trace_matches_dense_multilevel_scan(style, floor, lam):
+    """Lengths that need three levels of the blocked scan, a ragged last block, padded rows."""
+    gen = torch.Generator().manual_seed(7)
+    values = torch.randn(3, 1501, generator=gen)
+    mask = torch.ones(3, 1501, dtype=torch.bool)
+    mask[1, 1200:] = False                          # right padding: the compaction-free path
+    mask[2, 700:] = False
+    assert_matches_dense(values, mask, lam, 1.0, style, floor)
+    mask[2, 100:140] = False                        # a gap: the compaction path
+    assert_matches_dense(values, mask, lam, 1.0, style, floor)
+
+
+@pytest.mark.parametrize("style,floor", [("recent", 0.0), ("recent", 0.3), ("both", 0.0), ("both", 0.2)])
+@pytest.mark.parametrize("layout", ["full", "padded", "gaps"])
+def test_apply_trace_gradcheck_across_blocks(style, floor, layout):
+    """The in-place updates of the blocked scan keep autograd exact (Mᵀ·grad), also past a block."""
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(2, 37, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    if layout != "full":
+        mask[1, 30:] = False
+    if layout == "gaps":
+        mask[0, 5:9] = False
+    torch.autograd.gradcheck(lambda v: apply_trace(v, mask, lam=0.8, style=style, floor=floor), (values,))
+
+
+@pytest.mark.parametrize("style,floor", [("recent", 0.01), ("both", 0.01), ("both", 0.0)])
+def test_apply_trace_all_valid_fast_path_equals_masked_path(style, floor):
+    """An all-True mask skips the masking passes; results equal those of the masked path."""
+    values = torch.randn(3, 300, generator=torch.Generator().manual_seed(4))
+    full = torch.ones(3, 300, dtype=torch.bool)
+    padded = full.clone()
+    padded[0, -1] = False                       # forces the masked path; row 0 is checked apart
+    fast = apply_trace(values, full, lam=0.97, style=style, floor=floor)
+    slow = apply_trace(values, padded, lam=0.97, style=style, floor=floor)
+    assert torch.equal(fast[1:], slow[1:]) and torch.equal(fast[0, :-1], slow[0, :-1])
+    assert not values.requires_grad and fast.data_ptr() != values.data_ptr()
+    assert_matches_dense(values, full, 0.97, 1.0, style, floor)
+
+
+def test_apply_trace_masked_garbage_does_not_leak():
+    """NaN/inf at masked positions never reach valid outputs (the block matmul would spread them)."""
+    values = torch.randn(2, 40)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, 20:] = False
+    mask[1, 3:6] = False
+    dirty = torch.where(mask, values, torch.tensor([float("nan"), float("inf")]).repeat(20).expand(2, 40))
+    for style in ("recent", "both"):
+        y = apply_trace(dirty, mask, lam=0.9, style=style, floor=0.1)
+        assert torch.equal(y, apply_trace(values, mask, lam=0.9, style=style, floor=0.1))
+        assert torch.equal(y[~mask], torch.zeros(int((~mask).sum())))
+
+
 def test_apply_trace_bf16_input():
     values = torch.randn(2, 100).bfloat16()
     y = apply_trace(values, torch.ones(2, 100), lam=0.9, style="both", floor=0.01)

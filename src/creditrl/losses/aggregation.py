@@ -34,13 +34,18 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None =
             raise TypeError(f"max_len: expected an int, got {type(max_len).__name__}")
         check_range("max_len", max_len, 1)
     kept_loss = torch.where(keep, loss_mat, loss_mat.new_zeros(()))
+    return reduce_kept(kept_loss, keep.sum(dim=-1), mode, max_len=max_len)
+
+
+def reduce_kept(kept_loss: Tensor, row_tokens: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
+    """The reduction of ``agg_loss`` for a loss [B,T] that is already 0 off the keep-mask, with
+    ``row_tokens`` [B] the kept tokens per row (unchecked: callers that hold both use this)."""
     if mode == "token-mean":
-        return kept_loss.sum() / keep.sum().clamp(min=1)
+        return kept_loss.sum() / row_tokens.sum().clamp(min=1)
     if mode == "seq-mean-token-sum-norm":
-        num_rows = max(loss_mat.shape[0], 1)
-        return kept_loss.sum() / (num_rows * (max_len if max_len is not None else loss_mat.shape[1]))
-    tokens = keep.sum(dim=-1)
+        num_rows = max(kept_loss.shape[0], 1)
+        return kept_loss.sum() / (num_rows * (max_len if max_len is not None else kept_loss.shape[1]))
     seq_loss = kept_loss.sum(dim=-1)
     if mode == "seq-mean-token-mean":
-        seq_loss = seq_loss / tokens.clamp(min=1)
-    return seq_loss.sum() / (tokens > 0).sum().clamp(min=1)
+        seq_loss = seq_loss / row_tokens.clamp(min=1)
+    return seq_loss.sum() / (row_tokens > 0).sum().clamp(min=1)

@@ -34,10 +34,10 @@ from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
 from creditrl._validate import as_mask
-from creditrl.losses.aggregation import AGG_MODES, agg_loss
-from creditrl.losses.diagnostics import MAX_LOG_RATIO, kl_estimate, masked_mean, ppl_gap
+from creditrl.losses.aggregation import AGG_MODES, reduce_kept
+from creditrl.losses.diagnostics import MAX_LOG_RATIO, kl_estimate, masked_mean
 from creditrl.losses.stapo import StapoOptions, silence_keep_mask, token_advantages
-from creditrl.losses.traces import TraceOptions, apply_trace
+from creditrl.losses.traces import TraceOptions, masked_trace
 
 ROLLOUT_CORRECTIONS = (None, "tis", "mis", "seq-tis", "seq-mis")
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
@@ -51,34 +51,43 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_h
                       clip_c: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """PPO clipped token loss [B,T] (PPO eq. 7, DAPO clip-higher, dual clip for A < 0).
 
+    ``advantages`` broadcasts against ``ratio`` [B,T] ([B,1] per response or [B,T]).
     Returns (loss, clipped_low, clipped_high): the bool masks mark tokens whose ratio left the
     trust region on the side that the clip binds (r < 1−ε_low with A < 0, r > 1+ε_high with A > 0).
     """
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss = torch.maximum(unclipped, clipped)
-    if clip_c is not None:
-        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_c), loss)
+    neg_adv = -advantages
+    loss = torch.maximum(neg_adv * ratio, neg_adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    if clip_c is not None:                       # the bound is +inf where A ≥ 0
+        loss = torch.minimum(loss, torch.where(advantages < 0, neg_adv * clip_c, torch.inf))
     with torch.no_grad():
         clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0)
         clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0)
     return loss, clipped_low, clipped_high
 
 
-def mismatch_correction(log_rho: Tensor, valid: Tensor, mode: str,
-                       cap: float) -> tuple[Tensor | None, Tensor | None]:
-    """Training–inference mismatch correction from log ρ_t = log π_old − log π_rollout [B,T].
+def mismatch_correction(log_rho: Tensor, row_tokens: Tensor, mode: str,
+                        cap: float) -> tuple[Tensor | None, Tensor | None]:
+    """Training–inference mismatch correction from log ρ_t = log π_old − log π_rollout [B,T]
+    (0 off the valid tokens; ``row_tokens`` [B] valid tokens per row).
 
     ``tis``/``seq-tis``: detached weight min(ρ, cap); ``mis``/``seq-mis``: bool mask of tokens
     with ρ ∈ [1/cap, cap]. The ``seq-`` modes use the sequence's geometric-mean ratio
-    exp(mean_t log ρ_t). Returns (weight or None, in_range or None).
+    exp(mean_t log ρ_t), returned as [B,1]. Returns (weight or None, in_range or None).
     """
+    log_rho = log_rho.detach()
     if mode.startswith("seq-"):
-        log_rho = masked_mean(log_rho, valid, dim=1)[:, None].expand_as(log_rho)
+        log_rho = (log_rho.sum(dim=1) / row_tokens.clamp(min=1))[:, None]
     if mode.endswith("tis"):
-        return log_rho.detach().exp().clamp(max=cap), None
+        return log_rho.exp().clamp(max=cap), None
     bound = math.log(cap)
     return None, (log_rho >= -bound) & (log_rho <= bound)
+
+
+def _keep_grad_where(x: Tensor, keep: Tensor) -> Tensor:
+    """x with its value unchanged but gradient only where ``keep`` (float 0/1); x finite.
+    Three cheap float passes instead of ``torch.where(keep, x, x.detach())``."""
+    kept = x * keep
+    return kept + (x - kept).detach()
 
 
 def _stapo_options(stapo: object) -> StapoOptions | None:
@@ -157,67 +166,83 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     like = logp
     logp, old_logp, rollout_logp, ref_logp, entropy = [
         None if x is None else _as_float(name, x, like) for name, x in inputs.items()]
-    adv = token_advantages(advantages, logp).to(logp.dtype)
+    # Every [B,T] input is zeroed off the mask once (one `where` each); after that all tokens
+    # hold finite values, so masks apply as cheap float products and sums need no masking.
+    valid_f = valid.view(torch.uint8).to(logp.dtype)
+    row_tokens = valid_f.sum(dim=1)                                  # float sums: no bool→int pass
+    token_adv = token_advantages(advantages, logp)                   # validated
+    if advantages.dim() == 1:                                        # [B,1]: no [B,T] passes
+        adv = torch.where(row_tokens > 0, advantages.to(logp.dtype), 0.0)[:, None]
+    else:
+        adv = torch.where(valid, token_adv.to(logp.dtype), 0.0)
+    adv_abs = adv.detach().abs()
 
-    keep = valid
+    keep, silenced = valid, None
     if stapo_opts is not None:
         if entropy is None:
             raise ValueError("entropy: expected a [B,T] tensor when stapo is on, got None")
         keep = silence_keep_mask(logp, entropy, adv, valid, stapo_opts)
-    silenced = valid & ~keep
-    is_weight, log_rho, is_masked = None, None, None
+        silenced = keep
+    is_weight, log_rho, rho_gap, is_masked = None, None, None, None
     if rollout_logp is not None:
-        log_rho = torch.where(valid, old_logp - rollout_logp, 0.0).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        rho_gap = torch.where(valid, old_logp - rollout_logp, 0.0)
+        log_rho = rho_gap.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         if rollout_correction is not None:
-            is_weight, in_range = mismatch_correction(log_rho, valid, rollout_correction, rollout_cap)
+            is_weight, in_range = mismatch_correction(log_rho, row_tokens, rollout_correction, rollout_cap)
             if in_range is not None:
-                is_masked = valid & ~in_range
+                is_masked = ~in_range                                # off-mask: log ρ = 0, in range
                 keep = keep & in_range
+    keep_f = valid_f if keep is valid else keep.view(torch.uint8).to(logp.dtype)
 
     log_ratio = torch.where(valid, logp - old_logp, 0.0)
     surrogate_log_ratio = log_ratio
     if trace is not None:
         adv = adv.clamp(min=trace.adv_clamp)
         if trace.update == "trace":
-            traced_in = torch.where(keep, log_ratio, log_ratio.detach())
-            surrogate_log_ratio = apply_trace(traced_in, valid, lam=trace.lam, gamma=trace.gamma,
-                                              style=trace.style, floor=trace.floor)
-    ratio = surrogate_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
-    token_loss, clipped_low, clipped_high = clipped_surrogate(ratio, adv, clip_low, clip_high, clip_c)
+            traced_in = log_ratio if keep is valid else _keep_grad_where(log_ratio, keep_f)
+            surrogate_log_ratio = masked_trace(traced_in, valid, trace.gamma * trace.lam, trace.style,
+                                               trace.floor)
+    ratio_m1 = torch.expm1(surrogate_log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    token_loss, clipped_low, clipped_high = clipped_surrogate(ratio_m1 + 1.0, adv, clip_low, clip_high, clip_c)
     if trace is not None and trace.update == "weight":
-        soft = 1.0 + torch.sigmoid(logp - 1.0)
-        soft = torch.where(keep, soft, soft.detach())
-        token_loss = token_loss * apply_trace(soft, valid, lam=trace.lam, gamma=trace.gamma,
-                                              style=trace.style, floor=trace.floor)
+        soft = torch.sigmoid(torch.where(valid, logp, 1.0) - 1.0) * valid_f + valid_f   # 1 + σ(log π − 1)
+        token_loss = token_loss * masked_trace(_keep_grad_where(soft, keep_f), valid,
+                                               trace.gamma * trace.lam, trace.style, trace.floor)
     if is_weight is not None:
         token_loss = token_loss * is_weight
     ref_kl = None
     if ref_logp is not None:
         ref_kl = kl_estimate(torch.where(valid, ref_logp - logp, 0.0), kl_estimator)
         if kl_coef > 0:
-            token_loss = token_loss + kl_coef * ref_kl
-    loss = agg_loss(token_loss, keep, agg, max_len=max_len)
+            token_loss = torch.add(token_loss, ref_kl, alpha=kl_coef)
+    keep_rows = row_tokens if keep is valid else keep_f.sum(dim=1)
+    loss = reduce_kept(token_loss * keep_f, keep_rows, agg, max_len=max_len)
 
     with torch.no_grad():
-        n_valid = valid.sum().clamp(min=1)
-        n_keep = keep.sum().clamp(min=1)
+        # k3 = (e^x − 1) − x, zero off the mask; the loss's own expm1 serves when untraced
+        kl_m1 = ratio_m1 if surrogate_log_ratio is log_ratio else torch.expm1(log_ratio)
+        clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        n_valid = row_tokens.sum().clamp(min=1)
+        n_keep = keep_rows.sum().clamp(min=1)
         zero = logp.new_zeros(())
+        adv_weight = row_tokens[:, None] if adv_abs.shape[1] == 1 else 1   # [B,1]: per response
         values = [
-            (clipped_low & keep).sum() / n_keep,
-            (clipped_high & keep).sum() / n_keep,
-            masked_mean(kl_estimate(log_ratio.detach(), "k3"), valid),
-            masked_mean(ref_kl.detach(), valid) if ref_kl is not None else zero,
-            masked_mean(kl_estimate(log_rho, "k3"), valid) if log_rho is not None else zero,
-            ppl_gap(old_logp, rollout_logp, valid) if log_rho is not None else zero,
-            is_masked.sum() / n_valid if is_masked is not None else zero,
-            silenced.sum() / n_valid,
-            masked_mean(token_advantages(advantages, logp).detach().abs(), valid),
-            keep.sum() / n_valid,
+            torch.count_nonzero(clipped_low & keep) / n_keep,
+            torch.count_nonzero(clipped_high & keep) / n_keep,
+            (kl_m1 - clamped).sum() / n_valid,
+            ref_kl.sum() / n_valid if ref_kl is not None else zero,
+            kl_estimate(log_rho, "k3").sum() / n_valid if log_rho is not None else zero,
+            masked_mean((rho_gap.sum(dim=1) / row_tokens.clamp(min=1)).abs(), row_tokens > 0)
+            if rho_gap is not None else zero,                                   # OTB eq. 68
+            (is_masked * (row_tokens[:, None] if is_masked.shape[1] == 1 else 1)).sum() / n_valid
+            if is_masked is not None else zero,
+            (n_valid - torch.count_nonzero(silenced)) / n_valid if silenced is not None else zero,
+            (adv_abs * adv_weight).sum() / n_valid,
+            keep_rows.sum() / n_valid,
         ]
         floats = torch.stack([v.to(torch.float64) for v in values] + [loss.detach().double()]).tolist()
     metrics = dict(zip(METRIC_KEYS, floats[:-1]))
     if not all(math.isfinite(v) for v in floats):
-        inputs["advantages"] = token_advantages(advantages, logp)
+        inputs["advantages"] = token_adv
         _explain_non_finite(inputs, valid, metrics)
     return loss, metrics
-

@@ -134,15 +134,17 @@ def _trace_rows(x: Tensor, c: float, style: str, floor: float) -> Tensor:
         pairs = (n_early + 1) // 2
         head = _exp_scan(x[:, :pairs] * _powers(c, pairs, x), 1.0)           # Q_m, m < pairs
         decay = _powers(c, pairs + 2, x).unfold(0, 2, 1)[1:]                # [c^{m+1}, c^{m+2}]
-        pair_part = (head[:, :, None] - y[:, :pairs, None] * decay).reshape(rows, 2 * pairs)
+        pair_part = torch.addcmul(head[:, :, None], y[:, :pairs, None], decay, value=-1.0)
+        pair_part = pair_part.view(rows, 2 * pairs)
     floor_start = span if style == "recent" else 2 * span     # first t with floor terms
     if floor > 0.0 and floor_start < length:
         prefix = _exp_scan(x, 1.0)                            # P
-        lagged = slice(floor_start - span, length - span)
-        # (P − (c^S/f)·E)_{t−S}; c^S < f, so the ratio is < 1 and nothing is amplified
-        floor_part = torch.add(prefix[:, lagged], y[:, lagged], alpha=-(c ** span) / floor)
         if style == "both":                                   # here pairs = S: Q_D − f·P_D
             offset = (head[:, span - 1] - floor * prefix[:, span - 1])[:, None]
+        # (P − (c^S/f)·E)_{t−S}, in place in P (fresh [N,L] buffers cost page faults on CPU);
+        # c^S < f, so the ratio is < 1 and nothing is amplified
+        floor_part = prefix[:, floor_start - span: length - span]
+        floor_part.add_(y[:, floor_start - span: length - span], alpha=-(c ** span) / floor)
     if pair_part is not None:
         y[:, 1:1 + n_early].add_(pair_part[:, :n_early])
     if floor_part is not None:
@@ -165,16 +167,22 @@ def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
     valid = as_mask("mask", mask, values.shape)
     check_trace_args(lam, gamma, style, floor)
     dtype = torch.promote_types(values.dtype, torch.float32)
+    if valid.numel() and bool(valid.view(torch.uint8).amin()):      # nothing masked: no masking passes
+        return _trace_rows(values.to(dtype), gamma * lam, style, floor)
     x = torch.where(valid, values.to(dtype), 0.0)
+    return masked_trace(x, valid, gamma * lam, style, floor).masked_fill_(~valid, 0.0)
+
+
+def masked_trace(x: Tensor, valid: Tensor, c: float, style: str, floor: float) -> Tensor:
+    """``apply_trace`` without checks for x [B,T] float that is already 0 off ``valid`` [B,T]
+    bool, c = γλ. Entries off ``valid`` come back finite but unspecified (callers mask them)."""
     rows, length = x.shape
-    if rows == 0 or length == 0:
+    if x.numel() == 0:
         return x
     flags = valid.view(torch.uint8)                                   # uint8 reductions are vectorised
-    if length == 1 or not bool(torch.gt(flags[:, 1:], flags[:, :-1]).view(torch.uint8).amax()):
-        # rows are prefixes (no valid token after an invalid one): no compaction needed
-        return torch.where(valid, _trace_rows(x, gamma * lam, style, floor), 0.0)
+    if length <= 1 or not bool(torch.gt(flags[:, 1:], flags[:, :-1]).view(torch.uint8).amax()):
+        return _trace_rows(x, c, style, floor)                        # rows are prefixes: no compaction
     pos = torch.cumsum(valid, dim=1) - 1                              # compacted position
     dest = torch.where(valid, pos, length)                            # invalid → spare column
     compact = x.new_zeros(rows, length + 1).scatter(1, dest, x)[:, :length]
-    y = _trace_rows(compact, gamma * lam, style, floor)
-    return torch.where(valid, y.gather(1, pos.clamp(min=0)), 0.0)
+    return _trace_rows(compact, c, style, floor).gather(1, pos.clamp(min=0))
