@@ -7,17 +7,20 @@ clip 0.2/0.28, no KL (beta 0), one optimizer step per batch, fp32 on CPU, the sa
 thread count. TRL is timed twice: with its defaults (gradient checkpointing on) and with
 gradient checkpointing off (its fastest setting here). A step = sampling + update.
 
-    python benchmarks/bench_trainer.py            # 12 timed steps each (after 2 warm-up)
-    python benchmarks/bench_trainer.py --quick    # 4 timed steps each
+    python benchmarks/bench_trainer.py                # 12 timed steps each (after 2 warm-up), 3 repeats
+    python benchmarks/bench_trainer.py --quick        # 4 timed steps each, 1 repeat
+    python benchmarks/bench_trainer.py --threads 1 2  # one table per thread count
 
-Prints steps/s, completion tokens/s and the ratio creditrl / TRL (target >= 1.5x).
-Timings on a shared machine are noisy; run it on an idle one for numbers you quote.
+Prints the median steps/s and completion tokens/s of interleaved repeats and the ratio
+creditrl / TRL (target >= 1.5x). Timings on a shared machine are noisy; run it on an idle
+one for numbers you quote.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import random
+import statistics
 import tempfile
 import time
 import warnings
@@ -95,34 +98,48 @@ def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool) -> dic
     return {"steps_per_s": steps / elapsed, "tokens_per_s": steps * 64 * mean_len / elapsed, "mean_len": mean_len}
 
 
+TRAINERS = (("creditrl", lambda steps, warmup, max_len: bench_creditrl(steps, warmup, max_len)),
+            ("TRL GRPOTrainer (defaults, grad ckpt on)", lambda *a: bench_trl(*a, checkpointing=True)),
+            ("TRL GRPOTrainer (grad ckpt off)", lambda *a: bench_trl(*a, checkpointing=False)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="4 timed steps instead of 12")
+    parser.add_argument("--quick", action="store_true", help="4 timed steps instead of 12, one repeat")
     parser.add_argument("--steps", type=int, help="timed steps per trainer")
     parser.add_argument("--max-len", type=int, default=16, help="max completion tokens (both trainers)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads for both trainers "
-                        "(default 1, creditrl's default for builtin:tiny)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch CPU threads for both trainers; "
+                        "several values give one table each (default 1, creditrl's default for builtin:tiny)")
+    parser.add_argument("--repeats", type=int, help="interleaved runs per trainer; medians are reported (default 3)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
     steps = args.steps or (4 if args.quick else 12)
+    repeats = args.repeats or (1 if args.quick else 3)
     warmup = 2
-    ours = bench_creditrl(steps, warmup, args.max_len)
-    trl_default = bench_trl(steps, warmup, args.max_len, checkpointing=True)
-    trl_fast = bench_trl(steps, warmup, args.max_len, checkpointing=False)
+    # interleave trainers and thread counts so a load change on a shared machine hits all alike
+    runs = {(threads, name): [] for threads in args.threads for name, _ in TRAINERS}
+    for _ in range(repeats):
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for name, bench in TRAINERS:
+                runs[threads, name].append(bench(steps, warmup, args.max_len))
     print(f"trainer benchmark: builtin:tiny arch ({sum(p.numel() for p in setup()[2].parameters()) / 1e6:.2f}M params), "
           f"addition, {PROMPTS}x{GROUP}=64 completions/step, max {args.max_len} tokens, "
-          f"{steps} timed steps, torch threads {torch.get_num_threads()}")
-    rows = (("creditrl", ours), ("TRL GRPOTrainer (defaults, grad ckpt on)", trl_default),
-            ("TRL GRPOTrainer (grad ckpt off)", trl_fast))
-    print(f"{'':<42}{'steps/s':>9}{'tokens/s':>10}{'mean len':>10}")
-    for name, r in rows:
-        print(f"{name:<42}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}{r['mean_len']:>10.2f}")
-    for name, r in rows[1:]:
-        print(f"ratio creditrl / {name}: steps/s {ours['steps_per_s'] / r['steps_per_s']:.2f}x, "
-              f"tokens/s {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x  (target >= 1.5x)")
+          f"{steps} timed steps, median of {repeats} interleaved runs")
+    for threads in args.threads:
+        med = {name: {k: statistics.median(r[k] for r in runs[threads, name]) for k in runs[threads, name][0]}
+               for name, _ in TRAINERS}  # per-metric medians
+        print(f"\ntorch threads {threads}")
+        print(f"{'':<42}{'steps/s':>9}{'tokens/s':>10}{'mean len':>10}   steps/s of each run")
+        for name, r in med.items():
+            each = " ".join(f"{x['steps_per_s']:.2f}" for x in runs[threads, name])
+            print(f"{name:<42}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}{r['mean_len']:>10.2f}"
+                  f"   {each}")
+        ours = med["creditrl"]
+        for name, r in list(med.items())[1:]:
+            print(f"ratio creditrl / {name}: steps/s {ours['steps_per_s'] / r['steps_per_s']:.2f}x, "
+                  f"tokens/s {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x  (target >= 1.5x)")
 
 
 if __name__ == "__main__":

@@ -215,3 +215,57 @@ def test_sampled_problems_from_stream(addition):
                               generator=torch.Generator().manual_seed(0))
     assert len(batch.response_texts) == 8 and batch.correct.dtype == torch.bool
     assert torch.all(batch.response_mask[:, :batch.prompt_len] == 0)
+
+
+def test_greedy_groups_share_the_prompt_prefill(addition):
+    """Prefill once per prompt, expanded G times: greedy rows of a group equal HF generate's."""
+    task, tok, model = addition
+    problems = mixed_problems()
+    batch = generate_rollouts(model, tok, task, problems, group_size=3, temperature=0.0, max_new_tokens=6)
+    enc = tok([p.prompt for p in problems], return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=6, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id)
+    hf_texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert batch.response_texts == [t for t in hf_texts for _ in range(3)]
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_rest():
+    """Rows end at different steps (EOS-heavy model); the live rows keep decoding from the right
+    cache rows: every sampled log-prob equals the plain full forward's, and a row's attended
+    response columns are a prefix ending at its EOS (or the length limit)."""
+    task = get_task("addition", digits=2)
+    tok = char_tokenizer(task.alphabet())
+    model = tiny_model(tok, SMALL, seed=3).eval()
+    with torch.no_grad():  # make EOS likely so rows finish at many different steps
+        model.lm_head.weight[tok.eos_token_id] += 0.5 * model.lm_head.weight.std()
+        model.model.embed_tokens.weight[tok.eos_token_id].copy_(model.lm_head.weight[tok.eos_token_id])
+    batch = generate_rollouts(model, tok, task, mixed_problems(), group_size=6, temperature=1.3, max_new_tokens=10,
+                              generator=torch.Generator().manual_seed(0))
+    p = batch.prompt_len
+    attn = batch.attention_mask[:, p:]
+    lengths = attn.sum(-1)
+    assert len(set(lengths.tolist())) >= 3 and int(lengths.min()) < 10
+    assert torch.equal(attn, (torch.arange(attn.shape[1]) < lengths[:, None]).long())  # prefix, then padding
+    ended_early = lengths < 10
+    last = batch.input_ids[:, p:].gather(1, (lengths - 1)[:, None]).squeeze(1)
+    assert torch.all(last[ended_early] == tok.eos_token_id)
+    assert torch.all(batch.input_ids[:, p:][attn == 0] == tok.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids).logits.float()
+    ref = torch.log_softmax(logits[:, :-1] / 1.3, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    mask = batch.response_mask[:, 1:].bool()
+    torch.testing.assert_close(ref[mask], batch.rollout_logp[:, 1:][mask], atol=1e-5, rtol=1e-5)
+
+
+def test_select_cache_rows_on_hf_and_legacy_caches():
+    from transformers import DynamicCache
+
+    from creditrl.trainer.rollout import select_cache_rows
+
+    k, v = torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)
+    rows = torch.tensor([2, 0, 0])
+    hf = select_cache_rows(DynamicCache(ddp_cache_data=[(k, v)]), rows)
+    assert torch.equal(hf.layers[0].keys, k[rows]) and torch.equal(hf.layers[0].values, v[rows])
+    legacy = select_cache_rows(((k, v),), rows)
+    assert torch.equal(legacy[0][0], k[rows]) and torch.equal(legacy[0][1], v[rows])

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from creditrl.config import ConfigError, load_config
 from creditrl.estimators import list_estimators
@@ -224,3 +226,100 @@ def test_cli_dispatches_compare_and_experiment_lazily(capsys):
 def test_config_errors_surface_before_model_load():
     with pytest.raises(ConfigError, match="rollout.top_p"):
         load_config(None, ["rollout.top_p=1.5"])
+
+
+# --- shared-prompt training forward (performance path) vs the plain full forward -------------
+
+def stats_and_grads(model, batch, group, rows=None):
+    """response_stats (+ gradients of a fixed function of them) on ``rows`` of ``batch``."""
+    from creditrl.trainer.update import response_stats
+
+    rows = torch.arange(batch.input_ids.shape[0]) if rows is None else rows
+    model.zero_grad(set_to_none=True)
+    stats = response_stats(model, batch.input_ids[rows], batch.attention_mask[rows], batch.position_ids[rows],
+                           batch.response_mask[rows], batch.prompt_len, temperature=0.8,
+                           group=None if group is None else group[rows])
+    (stats.logp.sum() + 0.3 * stats.entropy.sum()).backward()
+    return stats, [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_stats(a, b):
+    (sa, ga), (sb, gb) = a, b
+    for name in ("logp", "entropy", "sum_p2", "energy"):
+        torch.testing.assert_close(getattr(sa, name), getattr(sb, name), atol=2e-5, rtol=1e-4)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(params=["default", "one_bucket_per_length"])
+def buckets(request, monkeypatch):
+    """The default bucketing, and one forward per distinct length (every bucket path exercised)."""
+    import functools
+
+    from creditrl.trainer import update
+    if request.param != "default":
+        monkeypatch.setattr(update, "length_buckets", functools.partial(update.length_buckets, overhead=0,
+                                                                        max_buckets=64))
+    return request.param
+
+
+def test_shared_prompt_stats_match_plain_forward(setup, buckets):
+    task, tok = setup
+    model = tiny_model(tok, SMALL, seed=1)
+    problems = [task.sample(random.Random(i)) for i in range(3)] + [task.sample(random.Random(7))]
+    batch = generate_rollouts(model, tok, task, problems, group_size=5, max_new_tokens=9,
+                              generator=torch.Generator().manual_seed(3))
+    lengths = batch.attention_mask[:, batch.prompt_len:].sum(-1)
+    assert len(set(lengths.tolist())) > 2  # rows of different lengths: several buckets
+    assert_same_stats(stats_and_grads(model, batch, None), stats_and_grads(model, batch, batch.group))
+    # a shuffled mini-batch: groups are not contiguous, some groups have one row
+    rows = torch.randperm(20, generator=torch.Generator().manual_seed(0))[:9]
+    assert_same_stats(stats_and_grads(model, batch, None, rows), stats_and_grads(model, batch, batch.group, rows))
+
+
+def test_shared_prompt_stats_with_length_one_rows_and_tool_holes(setup, buckets):
+    """Rows of response length 1 (only the prompt's logits predict them) next to long rows, and
+    mask-0 tokens inside a response (tool outputs): still the plain forward's values."""
+    task, tok = setup
+    model = tiny_model(tok, SMALL, seed=2)
+    batch = generate_rollouts(model, tok, task, [task.sample(random.Random(i)) for i in range(2)], group_size=4,
+                              max_new_tokens=6, generator=torch.Generator().manual_seed(0))
+    p = batch.prompt_len
+    width = batch.input_ids.shape[1] - p
+    lengths = torch.tensor([1, 1, 1, 1, width, 1, width, 2])
+    cols = torch.arange(width)
+    batch.attention_mask[:, p:] = (cols < lengths[:, None]).long()
+    batch.response_mask[:, p:] = batch.attention_mask[:, p:].float()
+    batch.response_mask[4, p + 1] = 0.0  # a tool-output token: attended, not trained on
+    from creditrl.trainer.rollout import position_ids_from_mask
+    batch.position_ids = position_ids_from_mask(batch.attention_mask)
+    assert_same_stats(stats_and_grads(model, batch, None), stats_and_grads(model, batch, batch.group))
+
+
+def test_shared_prompt_stats_reject_groups_with_different_prompts(setup):
+    from creditrl.trainer.update import response_stats
+
+    task, tok = setup
+    model = tiny_model(tok, SMALL, seed=0)
+    batch = random_batch(task, tok, model)
+    wrong = batch.group.clone()
+    wrong[4] = 0  # row 4 answers prompt 1 but claims group 0
+    with pytest.raises(ValueError, match=r"group: .*rows \[4\]"):
+        response_stats(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask,
+                       batch.prompt_len, temperature=1.0, group=wrong)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=50), st.integers(0, 64), st.integers(1, 6))
+def test_length_buckets_partition_rows(lengths, overhead, max_buckets):
+    from creditrl.trainer.update import length_buckets
+
+    lengths = torch.tensor(lengths)
+    buckets = length_buckets(lengths, overhead=overhead, max_buckets=max_buckets)
+    rows = torch.cat(buckets)
+    assert sorted(rows.tolist()) == list(range(len(lengths)))      # every row exactly once
+    assert 1 <= len(buckets) <= max_buckets
+    for b in buckets:  # each bucket's last row is its longest (its forward's width)
+        assert int(lengths[b[-1]]) == int(lengths[b].max())
+    cost = sum(len(b) * int(lengths[b].max()) for b in buckets) + overhead * len(buckets)
+    assert cost <= len(lengths) * int(lengths.max()) + overhead  # never worse than one padded batch

@@ -1,10 +1,11 @@
 """Batched sampling with a KV cache: G responses per prompt, behaviour log-probs, tool turns.
 
-One decoding loop serves every task. Each step feeds one token per row (all rows in one
-forward through the cache); rows whose response just ended with the task's ``tool_stop``
-(e.g. ``</calc>``) get the environment's output (``<out>42</out>``) queued as *forced* tokens,
-which are fed over the next steps with mask 0 and log-prob 0, so single- and multi-turn
-tasks share one batched loop with no per-row forward.
+One decoding loop serves every task. Each prompt is prefilled once and its KV cache expanded
+to its G rows; each step then feeds one token per live row (one forward through the cache;
+finished rows leave the batch and the cache, so they cost nothing). Rows whose response just
+ended with the task's ``tool_stop`` (e.g. ``</calc>``) get the environment's output
+(``<out>42</out>``) queued as *forced* tokens, which are fed over the next steps with mask 0
+and log-prob 0, so single- and multi-turn tasks share one batched loop with no per-row forward.
 
 Layout: prompts are left-padded to a common length P, responses follow from column P and
 are right-padded, so every response starts at column P and ``position_ids`` =
@@ -118,8 +119,8 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, tempe
     Each prompt is prefilled once and its KV cache expanded G times (the G responses share it),
     and finished rows leave the decode batch, so a decode step costs only the live rows."""
     device = next(model.parameters()).device
-    ids, attn = encode_prompts(tokenizer, prompts)
-    prompt_len = ids.shape[1]
+    prompt_ids, prompt_attn = encode_prompts(tokenizer, prompts)
+    prompt_len = prompt_ids.shape[1]
     expand = torch.arange(len(prompts)).repeat_interleave(group_size)
     n = len(expand)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -138,46 +139,49 @@ def generate(model, tokenizer, prompts: list[str], *, group_size: int = 1, tempe
     forced_len = torch.zeros(n, dtype=torch.long)
     forced_pos = torch.zeros(n, dtype=torch.long)
 
-    out = model(input_ids=ids.to(device), attention_mask=attn.to(device),
-                position_ids=position_ids_from_mask(attn).to(device), use_cache=True, logits_to_keep=1)
-    cache = select_cache_rows(out.past_key_values, expand.to(device))
-    logits = out.logits[:, -1].cpu()[expand]
-    ids, attn = ids[expand], attn[expand]
-    live = torch.arange(n)                                   # rows still decoding, in cache order
-    prompt_attn, next_pos = attn.to(device), attn.sum(-1)
+    ids, attn = prompt_ids[expand], prompt_attn[expand]
+    attn_dev, next_pos = attn.to(device), attn.sum(-1)
     steps = 0
-    for t in range(max_steps):
-        token, logp = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
-        pos = forced_pos[live]
-        is_forced = pos < forced_len[live]
-        token = torch.where(is_forced, forced[live, pos.clamp(max=max_tool_tokens - 1)], token)
-        chosen = ~is_forced
-        tokens[live, t] = token
-        sampled[live, t] = chosen.float()
-        logps[live, t] = torch.where(chosen, logp, torch.zeros_like(logp))
-        fed[live] += 1
-        forced_pos[live] = pos + is_forced.long()
-        n_sampled[live] += chosen.long()
-        steps = t + 1
-        ended = (chosen & (token == eos)) | (n_sampled[live] >= max_new_tokens)
-        keep = ~ended | (forced_pos[live] < forced_len[live])  # queued tool tokens still get fed
-        if stop_ids is not None:
-            candidates = torch.zeros(n, dtype=torch.bool).index_fill_(0, live[chosen & keep], True)
-            _queue_tool_outputs(tokenizer, task, tokens[:, :t + 1], candidates, stop_ids, n_calls, tool_calls,
-                                forced, forced_len, forced_pos)
-            keep |= forced_pos[live] < forced_len[live]
-        if not bool(keep.all()):
-            if not bool(keep.any()):
-                break
-            kept = torch.nonzero(keep).flatten()
-            live = live[kept]
-            cache = select_cache_rows(cache, kept.to(device))
-        # every column a live row has been fed is attended: only the prompt's left padding is masked
-        step_attn = torch.cat([prompt_attn[live.to(device)],
-                               torch.ones(len(live), t + 1, dtype=torch.long, device=device)], dim=1)
-        out = model(input_ids=tokens[live, t:t + 1].to(device), attention_mask=step_attn,
-                    position_ids=(next_pos[live] + t)[:, None].to(device), past_key_values=cache, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1].cpu()
+    # inference mode inside only: what leaves it is built below from ordinary tensors, so the
+    # training forward can save it for backward
+    with torch.inference_mode():
+        out = model(input_ids=prompt_ids.to(device), attention_mask=prompt_attn.to(device),
+                    position_ids=position_ids_from_mask(prompt_attn).to(device), use_cache=True, logits_to_keep=1)
+        cache = select_cache_rows(out.past_key_values, expand.to(device))
+        logits = out.logits[:, -1].cpu()[expand]
+        live = torch.arange(n)                                   # rows still decoding, in cache order
+        for t in range(max_steps):
+            token, logp = sample_next(logits, temperature=temperature, top_p=top_p, generator=generator)
+            pos = forced_pos[live]
+            is_forced = pos < forced_len[live]
+            token = torch.where(is_forced, forced[live, pos.clamp(max=max_tool_tokens - 1)], token)
+            chosen = ~is_forced
+            tokens[live, t] = token
+            sampled[live, t] = chosen.float()
+            logps[live, t] = torch.where(chosen, logp, torch.zeros_like(logp))
+            fed[live] += 1
+            forced_pos[live] = pos + is_forced.long()
+            n_sampled[live] += chosen.long()
+            steps = t + 1
+            ended = (chosen & (token == eos)) | (n_sampled[live] >= max_new_tokens)
+            keep = ~ended | (forced_pos[live] < forced_len[live])  # queued tool tokens still get fed
+            if stop_ids is not None:
+                candidates = torch.zeros(n, dtype=torch.bool).index_fill_(0, live[chosen & keep], True)
+                _queue_tool_outputs(tokenizer, task, tokens[:, :t + 1], candidates, stop_ids, n_calls, tool_calls,
+                                    forced, forced_len, forced_pos)
+                keep |= forced_pos[live] < forced_len[live]
+            if not bool(keep.all()):
+                if not bool(keep.any()):
+                    break
+                kept = torch.nonzero(keep).flatten()
+                live = live[kept]
+                cache = select_cache_rows(cache, kept.to(device))
+            # every column a live row has been fed is attended: only the prompt's left padding is masked
+            step_attn = torch.cat([attn_dev[live.to(device)],
+                                   torch.ones(len(live), t + 1, dtype=torch.long, device=device)], dim=1)
+            out = model(input_ids=tokens[live, t:t + 1].to(device), attention_mask=step_attn,
+                        position_ids=(next_pos[live] + t)[:, None].to(device), past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1].cpu()
 
     input_ids = torch.cat([ids, tokens[:, :steps]], dim=1)
     attention_mask = torch.cat([attn, (torch.arange(steps) < fed[:, None]).long()], dim=1)
@@ -218,8 +222,9 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     model.eval()
     try:
         input_ids, attention_mask, response_mask, rollout_logp, prompt_len = generate(
-            model, tokenizer, [p.prompt for p in problems], group_size=group_size, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-            generator=generator, task=task, max_tool_tokens=max_tool_tokens)
+            model, tokenizer, [p.prompt for p in problems], group_size=group_size, temperature=temperature,
+            top_p=top_p, max_new_tokens=max_new_tokens, generator=generator, task=task,
+            max_tool_tokens=max_tool_tokens)
     finally:
         model.train(was_training)
     texts = decode_responses(tokenizer, input_ids[:, prompt_len:], attention_mask[:, prompt_len:])
