@@ -160,3 +160,16 @@ def test_errors():
         token_stats(logits, tokens, mask, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size: expected an int >= 1"):
         token_stats(logits, tokens, mask, chunk_size=0)
+
+
+def test_public_name_is_the_function_even_after_importing_the_module():
+    # The module is creditrl.token_statistics, so importing it never shadows the exported function.
+    import importlib
+
+    import creditrl
+
+    importlib.import_module("creditrl.token_statistics")
+    from creditrl import TokenStats, token_stats as fn
+
+    assert callable(fn) and fn.__name__ == "token_stats" and creditrl.token_stats is fn
+    assert TokenStats.__name__ == "TokenStats"

@@ -15,8 +15,8 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "token_stats": "creditrl.token_stats",
-    "TokenStats": "creditrl.token_stats",
+    "token_stats": "creditrl.token_statistics",
+    "TokenStats": "creditrl.token_statistics",
     "compute_advantages": "creditrl.estimators",
     "list_estimators": "creditrl.estimators",
     "register_estimator": "creditrl.estimators",

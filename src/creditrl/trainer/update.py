@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from creditrl.config import Config, estimator_options
 from creditrl.trainer.rollout import RolloutBatch
+from creditrl.token_statistics import TokenStats, token_stats
 
 TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logp", "group")
 
@@ -38,8 +39,6 @@ def response_stats(model, input_ids: Tensor, attention_mask: Tensor, position_id
     reduced chunk-wise by ``token_stats`` (never a [B,R,V] float32 copy). With ``group`` [B]
     (rows of one group share their prompt columns, as in a RolloutBatch) the same values are
     computed by ``shared_prompt_stats`` without repeating prompts or scoring right padding."""
-    from creditrl import token_stats
-
     kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
     tokens, mask = input_ids[:, prompt_len:], response_mask[:, prompt_len:]
     if group is not None and prompt_len > 0 and tokens.shape[1] > 1 and _plain_kv_cache(model):
@@ -85,8 +84,6 @@ def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
     Equal to the plain forward up to float rounding: attention is causal, so the prompt's
     keys/values do not depend on the response, and a row's padded tail only follows its tokens.
     The logits at the prompt's last column predict each row's first response token."""
-    from creditrl import token_stats
-
     p, (size, width) = prompt_len, input_ids.shape
     tokens, mask = input_ids[:, p:], response_mask[:, p:]
     _, inverse = torch.unique(group, return_inverse=True)
@@ -101,9 +98,7 @@ def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
                    position_ids=position_ids[first_row, :p], use_cache=True, logits_to_keep=1)
     kv = [(layer.keys, layer.values) for layer in prefix.past_key_values.layers]
     head = token_stats(prefix.logits[inverse], tokens[:, :1], mask[:, :1], temperature=temperature, **kwargs)
-    # (fields and class taken from the result: importing creditrl.token_stats here would bind the
-    # submodule over the lazily exported function of the same name)
-    names = [f.name for f in dataclasses.fields(head)]
+    names = [f.name for f in dataclasses.fields(TokenStats)]
 
     # a row's length: up to its last attended or trained-on response column
     valid = (attention_mask[:, p:] != 0) | (mask != 0)
@@ -121,7 +116,7 @@ def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
             pieces.append(dict.fromkeys(names, head.logp.new_zeros(len(rows), width - p - 1)))
         order.append(rows)
     back = torch.cat(order).argsort()
-    return type(head)(**{f: torch.cat([getattr(head, f), torch.cat([x[f] for x in pieces])[back]], dim=1)
+    return TokenStats(**{f: torch.cat([getattr(head, f), torch.cat([x[f] for x in pieces])[back]], dim=1)
                          for f in names})
 
 
