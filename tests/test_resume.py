@@ -71,6 +71,18 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path_factory):
     assert records(out / "full" / "eval.jsonl") == records(run / "eval.jsonl")
     assert any(r["grad_norm"] > 0 for r in a)  # the comparison is not vacuous
 
+    # Killed before the first checkpoint (step 2, checkpoint due at 3): resume restarts from step 0.
+    early = out / "early"
+    early.mkdir()
+    (early / "config.yaml").write_text((out / "full" / "config.yaml").read_text())
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        lines = (out / "full" / name).read_text().splitlines(keepends=True)
+        (early / name).write_text("".join(line for line in lines if json.loads(line)["step"] <= 2))
+    resumed = subprocess.run(train_cmd("--resume", str(early)), env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert records(early / "metrics.jsonl") == a
+    assert records(early / "eval.jsonl") == records(out / "full" / "eval.jsonl")
+
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
     for step in (1, 2, 3, 4):

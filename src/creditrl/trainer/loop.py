@@ -104,14 +104,16 @@ class Trainer:
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"resume: {str(run_dir)!r} has no config.yaml; expected a creditrl run directory")
         import yaml
-        state = ckpt.load_latest(run_dir)
         cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
         trainer = cls(cfg, run_dir, progress=progress)
-        trainer.model.load_state_dict(state["model"])
-        trainer.learner.optimizer.load_state_dict(state["optimizer"])
-        trainer.learner.scheduler.load_state_dict(state["scheduler"])
-        ckpt.set_rng_state(state["rng"], trainer.generator, trainer.task_rng)
-        trainer.step, trainer.tokens_total, trainer.elapsed = state["step"], state["tokens_total"], state["elapsed"]
+        if ckpt.list_checkpoints(run_dir):
+            state = ckpt.load_latest(run_dir)
+            trainer.model.load_state_dict(state["model"])
+            trainer.learner.optimizer.load_state_dict(state["optimizer"])
+            trainer.learner.scheduler.load_state_dict(state["scheduler"])
+            ckpt.set_rng_state(state["rng"], trainer.generator, trainer.task_rng)
+            trainer.step, trainer.tokens_total, trainer.elapsed = state["step"], state["tokens_total"], state["elapsed"]
+        # else: killed before the first checkpoint -> the freshly seeded trainer IS the state at step 0
         for name in ("metrics", "eval"):
             truncate_jsonl(run_dir / f"{name}.jsonl", trainer.step)
         return trainer
