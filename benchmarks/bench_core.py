@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-import weakref
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from creditrl import compute_advantages, maxk_quantities, token_stats
+from creditrl._memory import PeakMemory
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -149,34 +148,6 @@ def bench_maxpo(sizes: list[int], device: str):
 
 
 # ---------------------------------------------------------------------------------- token_stats
-
-
-class PeakMemory(TorchDispatchMode):
-    """Peak bytes of live tensors allocated by ops under the mode (views of inputs excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def _release(self, key: int, size: int):
-        self.live -= size
-        self.seen.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = t.untyped_storage().data_ptr()
-                if key not in self.seen and key not in inputs:
-                    size = t.untyped_storage().nbytes()
-                    self.seen.add(key)
-                    self.live += size
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._release, key, size)
-        return out
 
 
 def peak_extra_bytes(fn, device: str) -> int:

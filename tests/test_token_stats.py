@@ -1,13 +1,11 @@
 """token_stats against a float64 reference, gradients, bf16, chunked memory and errors."""
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from creditrl import token_stats
+from creditrl._memory import PeakMemory
 
 
 def reference(logits, tokens, mask, temperature=1.0):
@@ -90,33 +88,6 @@ def test_default_mask_and_noncontiguous_logits():
     full = token_stats(strided, tokens)
     ref = reference(logits, tokens, torch.ones_like(tokens, dtype=torch.bool))
     assert close(full.entropy, ref[1]) and close(full.logp, ref[0])
-
-
-class PeakMemory(TorchDispatchMode):
-    """Tracks the peak bytes of tensors allocated by ops run under the mode and still alive."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.peak, self.seen = 0, 0, set()
-
-    def _release(self, key, size):
-        self.live -= size
-        self.seen.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                key = t.untyped_storage().data_ptr()
-                if key not in self.seen and key not in inputs:  # views/in-place results are not new
-                    size = t.untyped_storage().nbytes()
-                    self.seen.add(key)
-                    self.live += size
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(t, self._release, key, size)
-        return out
 
 
 def test_chunking_bounds_peak_memory():

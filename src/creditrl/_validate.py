@@ -69,6 +69,14 @@ def check_range(name: str, value: float, low: float | None = None, high: float |
         raise ValueError(f"{name}: expected a value in {lo}, {hi}, got {value!r}")
 
 
+def check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """Check that ``value`` is a Python int (bool excluded) in [low, high]; return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    check_range(name, value, low, high)
+    return value
+
+
 def check_same_shape(a_name: str, a: Tensor, b_name: str, b: Tensor) -> None:
     if a.shape != b.shape:
         raise ValueError(f"{b_name}: expected the shape of {a_name} {list(a.shape)}, got {list(b.shape)}")

@@ -44,9 +44,9 @@ def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float) -> tuple[T
     With z the tempered logits, m = max z, e = exp(z - m), s = sum e:
     log pi(y) = z_y - m - log s,  H = log s - sum e (z - m) / s,  sum pi^2 = sum e^2 / s^2.
     """
-    z = rows.to(torch.float32)
-    m = z.amax(-1, keepdim=True)
-    shifted = z - m
+    # max is exact in any dtype; subtracting a float32 max upcasts in the same pass (no separate copy)
+    m = rows.amax(-1, keepdim=True).to(torch.float32)
+    shifted = rows - m
     if temperature != 1.0:
         shifted.div_(temperature)
         m = m / temperature
@@ -64,7 +64,7 @@ def _chunk_backward(rows: Tensor, targets: Tensor, log_norm: Tensor, entropy: Te
                     grad_logp: Tensor, grad_entropy: Tensor, temperature: float) -> Tensor:
     """d/dlogits of sum(g_logp * logp + g_H * H) for one chunk, float32 [n, V]:
     dlogp/dz = e_y - pi,  dH/dz = -pi (log pi + H),  dz/dlogits = 1 / temperature."""
-    log_pi = rows.to(torch.float32) - (log_norm * temperature)[:, None]
+    log_pi = rows - (log_norm * temperature)[:, None]                      # upcasts to float32
     if temperature != 1.0:
         log_pi.div_(temperature)
     pi = log_pi.exp()

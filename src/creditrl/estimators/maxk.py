@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from creditrl._validate import check_choice, check_finite, check_tensor
+from creditrl._validate import check_choice, check_finite, check_int, check_tensor
 from creditrl.estimators.baselines import drop_singletons, group_std
 from creditrl.estimators.registry import AdvantageBatch, register_estimator
 from creditrl.groups import GroupIndex
@@ -136,9 +136,7 @@ def _maxk_stats(rewards: Tensor, groups: GroupIndex, k: int) -> MaxKStats:
 
 
 def _check_k(name: str, k: object) -> int:
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k: expected an int, got {type(k).__name__} {k!r}")
-    return k
+    return check_int(name, k)
 
 
 def check_k_range(estimator: str, groups: GroupIndex, k: int, low: int, high_offset: int,

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-import torch
 from torch import Tensor
 
 from creditrl.groups import GroupIndex

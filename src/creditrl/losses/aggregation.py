@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from creditrl._validate import as_mask, check_choice, check_range, check_tensor
+from creditrl._validate import as_mask, check_choice, check_int, check_tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -30,9 +30,7 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None =
     keep = as_mask("mask", mask, loss_mat.shape)
     check_choice("mode", mode, AGG_MODES)
     if max_len is not None:
-        if isinstance(max_len, bool) or not isinstance(max_len, int):
-            raise TypeError(f"max_len: expected an int, got {type(max_len).__name__}")
-        check_range("max_len", max_len, 1)
+        check_int("max_len", max_len, 1)
     kept_loss = torch.where(keep, loss_mat, loss_mat.new_zeros(()))
     return reduce_kept(kept_loss, keep.sum(dim=-1), mode, max_len=max_len)
 

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import random
 
-from creditrl._validate import check_range
+from creditrl._validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask
 
 DIGITS = "0123456789"
 
 
 def _check_digits(digits: object, high: int) -> None:
-    if not isinstance(digits, int) or isinstance(digits, bool):
-        raise TypeError(f"digits: expected an int, got {type(digits).__name__}")
-    check_range("digits", digits, 1, high)
+    check_int("digits", digits, 1, high)
 
 
 def exact(text: str, answer: str) -> float:

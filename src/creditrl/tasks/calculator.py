@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 
-from creditrl._validate import check_range
+from creditrl._validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask
 from creditrl.tasks.safe_math import format_number, safe_eval
 
@@ -37,9 +37,7 @@ class Calculator(ProceduralTask):
                  seed: int = 0, test_size: int = 200):
         for arg, value, low, high in (("max_tool_calls", max_tool_calls, 1, 16), ("digits", digits, 1, 4),
                                       ("n_terms", n_terms, 2, 6)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
-            check_range(arg, value, low, high)
+            check_int(arg, value, low, high)
         super().__init__(seed=seed, test_size=test_size, max_tool_calls=max_tool_calls,
                          digits=digits, n_terms=n_terms)
         self.max_tool_calls, self.digits, self.n_terms = max_tool_calls, digits, n_terms

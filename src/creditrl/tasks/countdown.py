@@ -12,7 +12,7 @@ import random
 from collections import Counter
 from fractions import Fraction
 
-from creditrl._validate import check_range
+from creditrl._validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask
 from creditrl.tasks.safe_math import literals, safe_eval
 
@@ -51,9 +51,7 @@ class Countdown(ProceduralTask):
                  seed: int = 0, test_size: int = 200):
         for arg, value, low, high in (("n_numbers", n_numbers, 3, 5), ("max_number", max_number, 2, 10_000),
                                       ("max_target", max_target, 2, 10 ** 9)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
-            check_range(arg, value, low, high)
+            check_int(arg, value, low, high)
         super().__init__(seed=seed, test_size=test_size, n_numbers=n_numbers,
                          max_number=max_number, max_target=max_target)
         self.n_numbers, self.max_number, self.max_target = n_numbers, max_number, max_target

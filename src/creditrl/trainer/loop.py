@@ -136,7 +136,7 @@ class Trainer:
                 "time_eval": time.perf_counter() - start}
 
     def train_step(self) -> dict:
-        c, r = self.cfg, self.cfg.rollout
+        r = self.cfg.rollout
         t0 = time.perf_counter()
         problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
         batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
