@@ -44,7 +44,7 @@ class LearningCurvesConfig:
     studies: tuple[str, ...] = tuple(STUDIES)
     num_seeds: int = 3
     seed: int = 0                        # seeds are seed, seed+1, ...
-    steps: int = 25                      # sized so all full presets fit ~20-25 min on 2 shared cores
+    steps: int = 60                      # sized so all full presets fit ~25-30 min on 2 cores
     prompts_per_step: int = 8
     eval_problems: int = 64
     eval_samples: int = 16               # n per test prompt: pass@k for k <= n

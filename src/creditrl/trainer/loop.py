@@ -193,7 +193,7 @@ class Trainer:
                                                    c.model.cache_dir)) or {}
             if info:
                 extra["warm_start"] = (f"{info.get('steps')} SFT steps to sampled accuracy "
-                                       f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached)")
+                                       f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
                              extra=extra)
 
