@@ -144,3 +144,18 @@ def test_public_name_is_the_function_even_after_importing_the_module():
 
     assert callable(fn) and fn.__name__ == "token_stats" and creditrl.token_stats is fn
     assert TokenStats.__name__ == "TokenStats"
+
+
+def test_energy_is_accurate_for_near_certain_tokens():
+    # ŵ = ||e_y - π||² for π(y) ≈ 1: the naive 1 - 2π + Σπ² cancels to ~1e-7 in float32; the
+    # direct float64 norm is the reference, and ranking near-certain tokens needs relative accuracy.
+    vocab = 50
+    margins = torch.tensor([4.0, 8.0, 12.0, 16.0, 20.0])
+    logits = torch.zeros(1, len(margins), vocab)
+    logits[0, torch.arange(len(margins)), 3] = margins
+    tokens = torch.full((1, len(margins)), 3)
+    got = token_stats(logits, tokens).energy[0].double()
+    pi = torch.softmax(logits.double(), -1)[0]
+    want = ((torch.nn.functional.one_hot(tokens[0], vocab).double() - pi) ** 2).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+    assert bool((got[1:] < got[:-1]).all())  # strictly ordered by certainty, down to ~1e-15

@@ -7,6 +7,11 @@ For pi_t = softmax(logits[b,t] / temperature) and the sampled token y_t:
     sum_p2  = sum_v pi_t(v)^2
     energy  = ||e_{y_t} - pi_t||^2 = 1 - 2 pi_t(y_t) + sum_p2      (OTB paper eq. 7), clamped >= 0
 
+The energy is evaluated as (1 - pi(y))^2 + sum_{v != y} pi(v)^2 with 1 - pi(y) = sum_{v != y} pi(v),
+both sums taken over the other tokens directly: the same quantity without the cancellation of
+1 - 2 pi + sum pi^2, which in float32 floors at ~1e-7 for near-certain tokens (the proxy must
+still rank them).
+
 Memory: only valid tokens are processed, ``chunk_size`` rows of the flattened [B*T, V] logits at
 a time, upcast to float32 inside the chunk, so the extra memory is O(chunk_size * V) float32 in
 the forward pass. The backward pass (a custom autograd Function) recomputes pi chunk by chunk
@@ -39,10 +44,12 @@ class TokenStats:
 
 
 def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, ...]:
-    """rows [n, V] any float dtype -> (logp, entropy, sum_p2, log_normaliser) float32 [n].
+    """rows [n, V] any float dtype -> (logp, entropy, sum_p2, energy, log_normaliser) float32 [n].
 
     With z the tempered logits, m = max z, e = exp(z - m), s = sum e:
-    log pi(y) = z_y - m - log s,  H = log s - sum e (z - m) / s,  sum pi^2 = sum e^2 / s^2.
+    log pi(y) = z_y - m - log s,  H = log s - sum e (z - m) / s,  sum pi^2 = sum e^2 / s^2,
+    energy = (r / s)^2 + q / s^2 with r = sum_{v != y} e, q = sum_{v != y} e^2, summed with e_y
+    zeroed (no cancellation for pi(y) -> 1).
     """
     # max is exact in any dtype; subtracting a float32 max upcasts in the same pass (no separate copy)
     m = rows.amax(-1, keepdim=True).to(torch.float32)
@@ -54,10 +61,13 @@ def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float) -> tuple[T
     s = e.sum(-1)
     log_s = s.log()
     dot = torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).flatten()        # sum e (z - m), no temp
-    sq = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).flatten()               # sum e^2
     logp = shifted.gather(1, targets[:, None]).squeeze(1) - log_s
     entropy = log_s - dot / s
-    return logp, entropy, sq / (s * s), m.squeeze(1) + log_s
+    e_y = e.gather(1, targets[:, None]).squeeze(1)
+    e.scatter_(1, targets[:, None], 0.0)                                    # e is scratch from here on
+    others = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).flatten() / (s * s)  # sum_{v != y} pi^2
+    not_y = e.sum(-1) / s                                                   # 1 - pi(y)
+    return logp, entropy, others + (e_y / s).square(), not_y.square() + others, m.squeeze(1) + log_s
 
 
 def _chunk_backward(rows: Tensor, targets: Tensor, log_norm: Tensor, entropy: Tensor,
@@ -96,19 +106,19 @@ class _TokenStatsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat_logits: Tensor, index: Tensor, targets: Tensor, temperature: float, chunk: int):
         n = index.numel()
-        outs = [flat_logits.new_zeros(n, dtype=torch.float32) for _ in range(4)]
+        outs = [flat_logits.new_zeros(n, dtype=torch.float32) for _ in range(5)]
         for rows, source in _chunks(index, chunk):
             results = _chunk_forward(flat_logits[source], targets[rows], temperature)
             for out, res in zip(outs, results):
                 out[rows] = res
-        logp, entropy, sum_p2, log_norm = outs
+        logp, entropy, sum_p2, energy, log_norm = outs
         ctx.save_for_backward(flat_logits, index, targets, log_norm, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.mark_non_differentiable(sum_p2)
-        return logp, entropy, sum_p2
+        ctx.mark_non_differentiable(sum_p2, energy)
+        return logp, entropy, sum_p2, energy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, _grad_sum_p2: Tensor):
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, _grad_sum_p2: Tensor, _grad_energy: Tensor):
         flat_logits, index, targets, log_norm, entropy = ctx.saved_tensors
         grad_logp = torch.zeros_like(entropy) if grad_logp is None else grad_logp.float()
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy.float()
@@ -150,12 +160,11 @@ def token_stats(logits: Tensor, tokens: Tensor, mask: Tensor | None = None, *, t
 
     index = torch.nonzero(mask.flatten()).flatten()
     targets = tokens.flatten()[index].long()
-    logp, entropy, sum_p2 = _TokenStatsFn.apply(logits.reshape(num * steps, vocab), index, targets,
+    logp, entropy, sum_p2, energy = _TokenStatsFn.apply(logits.reshape(num * steps, vocab), index, targets,
                                                 float(temperature), chunk_size)
 
     def scatter(x: Tensor) -> Tensor:
         return x.new_zeros(num * steps).index_put((index,), x).reshape(num, steps)
 
-    energy = (1.0 - 2.0 * logp.detach().exp() + sum_p2).clamp(min=0.0)
     return TokenStats(logp=scatter(logp), entropy=scatter(entropy), sum_p2=scatter(sum_p2),
                       energy=scatter(energy))
