@@ -192,14 +192,15 @@ def report(out_dir: Path, figure_path: str) -> str:
 
 
 def floor_note(out_dir: Path, floor: float = 1e-6) -> str:
-    """How many tokens sit at the float32 floor of ŵ_t = 1 − 2π + Σπ² (π(y_t) ≈ 1), where the proxy
-    can no longer rank tokens, and how much their true norms still vary."""
+    """How the proxy does on near-certain tokens (ŵ_t ≤ ``floor``, π(y_t) ≈ 1): their count and the
+    Spearman correlation of ŵ_t with the true norm among them alone. token_stats evaluates ŵ_t without
+    the cancellation of 1 − 2π + Σπ² (which floors at ~1e-7 in float32), so they stay rankable."""
     rows = common.read_csv(out_dir / "tokens.csv")
-    low = [r["true_sq_norm"] for r in rows if r["proxy"] <= floor]
-    if not low:
+    low = [r for r in rows if r["proxy"] <= floor]
+    if len(low) < 3:
         return ""
-    spread = max(low) / min(low) if min(low) > 0 else float("inf")
-    return (f"Note: {len(low)} tokens have ŵ_t ≤ {floor:g} (near-certain tokens; float32 rounding of 1 − 2π + Σπ² "
-            f"floors there), yet their true squared norms span a factor {spread:.3g} — the proxy cannot rank "
-            f"them (their largest true norm is {max(low):.3g}, against "
-            f"{max(r['true_sq_norm'] for r in rows):.3g} overall).\n")
+    rho = spearman(torch.tensor([r["proxy"] for r in low], dtype=torch.float64),
+                   torch.tensor([r["true_sq_norm"] for r in low], dtype=torch.float64))
+    return (f"Note: {len(low)} near-certain tokens have ŵ_t ≤ {floor:g}; among them alone the Spearman correlation "
+            f"of ŵ_t with the true squared norm is {rho:.2f} (their largest true norm is "
+            f"{max(r['true_sq_norm'] for r in low):.3g}, against {max(r['true_sq_norm'] for r in rows):.3g} overall).\n")
