@@ -43,21 +43,24 @@ class TokenStats:
     energy: Tensor
 
 
-def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, ...]:
+def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float,
+                   scratch: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
     """rows [n, V] any float dtype -> (logp, entropy, sum_p2, energy, log_normaliser) float32 [n].
 
     With z the tempered logits, m = max z, e = exp(z - m), s = sum e:
     log pi(y) = z_y - m - log s,  H = log s - sum e (z - m) / s,  sum pi^2 = sum e^2 / s^2,
     energy = (r / s)^2 + q / s^2 with r = sum_{v != y} e, q = sum_{v != y} e^2, summed with e_y
-    zeroed (no cancellation for pi(y) -> 1).
+    zeroed (no cancellation for pi(y) -> 1). ``scratch``: two float32 buffers of at least
+    rows.shape reused across chunks (fresh 16 MiB buffers per chunk cost page faults).
     """
+    shifted, e = (None, None) if scratch is None else (buf[: rows.shape[0]] for buf in scratch)
     # max is exact in any dtype; subtracting a float32 max upcasts in the same pass (no separate copy)
     m = rows.amax(-1, keepdim=True).to(torch.float32)
-    shifted = rows - m
+    shifted = torch.sub(rows, m, out=shifted)
     if temperature != 1.0:
         shifted.div_(temperature)
         m = m / temperature
-    e = shifted.exp()
+    e = torch.exp(shifted, out=e)
     s = e.sum(-1)
     log_s = s.log()
     dot = torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).flatten()        # sum e (z - m), no temp
@@ -71,17 +74,24 @@ def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float) -> tuple[T
 
 
 def _chunk_backward(rows: Tensor, targets: Tensor, log_norm: Tensor, entropy: Tensor,
-                    grad_logp: Tensor, grad_entropy: Tensor, temperature: float) -> Tensor:
+                    grad_logp: Tensor, grad_entropy: Tensor, temperature: float,
+                    scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """d/dlogits of sum(g_logp * logp + g_H * H) for one chunk, float32 [n, V]:
     dlogp/dz = e_y - pi,  dH/dz = -pi (log pi + H),  dz/dlogits = 1 / temperature."""
-    log_pi = rows - (log_norm * temperature)[:, None]                      # upcasts to float32
+    log_pi, pi = (None, None) if scratch is None else (buf[: rows.shape[0]] for buf in scratch)
+    log_pi = torch.sub(rows, (log_norm * temperature)[:, None], out=log_pi)  # upcasts to float32
     if temperature != 1.0:
         log_pi.div_(temperature)
-    pi = log_pi.exp()
+    pi = torch.exp(log_pi, out=pi)
     grad = log_pi.add_(entropy[:, None]).mul_(pi).mul_(-grad_entropy[:, None])
     grad.addcmul_(pi, grad_logp[:, None], value=-1.0)
     grad[torch.arange(rows.shape[0], device=rows.device), targets] += grad_logp
     return grad.div_(temperature) if temperature != 1.0 else grad
+
+
+def _scratch(flat_logits: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """Two float32 [rows, V] buffers reused by every chunk of one call."""
+    return tuple(flat_logits.new_empty((rows, flat_logits.shape[1]), dtype=torch.float32) for _ in range(2))
 
 
 def _chunks(index: Tensor, chunk: int) -> list[tuple[slice, Tensor | slice]]:
@@ -107,8 +117,9 @@ class _TokenStatsFn(torch.autograd.Function):
     def forward(ctx, flat_logits: Tensor, index: Tensor, targets: Tensor, temperature: float, chunk: int):
         n = index.numel()
         outs = [flat_logits.new_zeros(n, dtype=torch.float32) for _ in range(5)]
+        scratch = _scratch(flat_logits, min(chunk, n))
         for rows, source in _chunks(index, chunk):
-            results = _chunk_forward(flat_logits[source], targets[rows], temperature)
+            results = _chunk_forward(flat_logits[source], targets[rows], temperature, scratch)
             for out, res in zip(outs, results):
                 out[rows] = res
         logp, entropy, sum_p2, energy, log_norm = outs
@@ -123,9 +134,10 @@ class _TokenStatsFn(torch.autograd.Function):
         grad_logp = torch.zeros_like(entropy) if grad_logp is None else grad_logp.float()
         grad_entropy = torch.zeros_like(entropy) if grad_entropy is None else grad_entropy.float()
         grad = torch.zeros_like(flat_logits)
+        scratch = _scratch(flat_logits, min(ctx.chunk, index.numel()))
         for rows, source in _chunks(index, ctx.chunk):
             grad[source] = _chunk_backward(flat_logits[source], targets[rows], log_norm[rows], entropy[rows],
-                                           grad_logp[rows], grad_entropy[rows], ctx.temperature).to(grad.dtype)
+                                           grad_logp[rows], grad_entropy[rows], ctx.temperature, scratch).to(grad.dtype)
         return grad, None, None, None, None
 
 
