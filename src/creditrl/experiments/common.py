@@ -5,7 +5,6 @@ section from those CSVs, so ``docs/results.md`` is always regenerated from data,
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import math
@@ -15,19 +14,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from creditrl._runtime import torch_threads  # noqa: F401
+
 Row = dict[str, object]
-
-
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """Run with ``n`` torch CPU threads, then restore. On a shared 2-core machine one thread was
-    ~100x faster per small matmul than two (OpenMP threads spin against other processes)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def write_csv(path: Path, rows: Sequence[Row]) -> Path:

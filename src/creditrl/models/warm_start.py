@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from creditrl._runtime import torch_threads
 from creditrl.tasks.base import Problem
 
 
@@ -161,13 +162,10 @@ def warm_start(model, tokenizer, task, cfg: WarmStartConfig = WarmStartConfig(),
     history: list[dict] = []
     start = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, desc=f"warm start {task.name}", disable=not progress, leave=False)
-    threads = torch.get_num_threads()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     try:
-        _train(model, tokenizer, task, cfg, rng, held_out, max_new_tokens, bar, history)
+        with torch_threads(cfg.num_threads):
+            _train(model, tokenizer, task, cfg, rng, held_out, max_new_tokens, bar, history)
     finally:
-        torch.set_num_threads(threads)
         bar.close()
     model.eval()
     last = history[-1] if history else {"step": 0, "accuracy": 0.0}

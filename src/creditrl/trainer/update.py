@@ -26,6 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from creditrl.config import Config, estimator_options
 from creditrl.trainer.rollout import RolloutBatch
+from creditrl.losses.diagnostics import masked_mean
 from creditrl.token_statistics import TokenStats, token_stats
 
 TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logp", "group")
@@ -136,10 +137,10 @@ def lr_lambda(cfg: Config):
 
 
 def masked_mean_std(x: Tensor, mask: Tensor) -> tuple[float, float]:
-    n = mask.sum().clamp(min=1)
-    mean = (x * mask).sum() / n
-    var = (((x - mean) * mask) ** 2).sum() / n
-    return float(mean), float(var.sqrt())
+    """Mean and (population) std of x over the tokens where mask, as floats for logging."""
+    keep = mask.bool()
+    mean = masked_mean(x, keep)
+    return float(mean), float(masked_mean((x - mean).square(), keep).sqrt())
 
 
 class Learner:
