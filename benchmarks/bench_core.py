@@ -187,7 +187,7 @@ def bench_token_stats(shape: tuple[int, int, int], mem_batch: int, device: str):
         small, small_tokens = logits[:mem_batch], tokens[:mem_batch]
         ours_mem = peak_extra_bytes(lambda: token_stats(small, small_tokens), device)
         naive_mem = peak_extra_bytes(lambda: naive_stats(small, small_tokens), device)
-        del logits
+        logits = None                                   # free it before the next dtype
         note = "" if mem_batch == num else f" [mem on B={mem_batch}]"
         row(str(dtype).replace("torch.", ""), f"{ours_s:.3f}", f"{lse_s:.3f}", f"{ours_s / lse_s:.2f}x",
             f"{ours_mem / 2**20:.0f}/{naive_mem / 2**20:.0f} (1/{naive_mem / max(ours_mem, 1):.0f}){note}")

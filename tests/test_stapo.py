@@ -1,6 +1,7 @@
 """STAPO S2T mask vs a loop with a hand-computed quantile, properties, and the loss renormalisation."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -142,11 +143,31 @@ def test_policy_loss_renormalises_over_kept_tokens():
 
 
 def test_order_statistics_numpy_and_torch_paths_agree():
-    """The CPU selection (np.partition) and the device path (torch.kthvalue) give the same values."""
-    from creditrl.losses.stapo import order_statistics
+    """The CPU selection (numpy) and the device path (torch.kthvalue) give the same values."""
+    from creditrl.losses.stapo import pooled_order_statistics
     x = torch.randn(1001, generator=torch.Generator().manual_seed(2)).round(decimals=1)   # with ties
-    ranks = (0, 437, 438, 1000)
-    expected = torch.sort(x).values[list(ranks)]
+    pool = torch.rand(1001, generator=torch.Generator().manual_seed(3)) > 0.2
+    x[~pool] = float("nan")                                      # off-pool garbage is never read
+    ranks = (0, 437, 438, int(pool.sum()) - 1)
+    expected = torch.sort(x[pool]).values[list(ranks)]
     for use_numpy in (True, False):
-        got = torch.stack(order_statistics(x, ranks, use_numpy=use_numpy))
+        got = torch.stack(pooled_order_statistics(x, pool, ranks, use_numpy=use_numpy))
         assert torch.equal(got, expected) and got.dtype == x.dtype
+
+
+@pytest.mark.parametrize("margin", [96, 2, 0])
+@pytest.mark.parametrize("seed", range(6))
+def test_bracket_select_is_exact_on_large_pools(seed, margin):
+    """Large pools take the sampled bracket (a tiny margin forces misses, hence the fallback);
+    every path is exact, with ties, skewed values and any ranks."""
+    from creditrl.losses.stapo import bracket_select
+    gen = np.random.default_rng(seed)
+    x = np.concatenate([gen.exponential(size=60_000), np.zeros(20_000), gen.random(10_000).round(2)])
+    x = x.astype(np.float32)[gen.permutation(90_000)]
+    pool = gen.random(90_000) < 0.7
+    x[~pool] = np.nan
+    pooled = np.sort(x[pool])
+    for q in (0.0, 0.2, 0.8, 0.9999, 1.0):
+        low = int(q * (pooled.size - 1))
+        ranks = (low, min(low + 1, pooled.size - 1))
+        assert bracket_select(x, pool, ranks, margin=margin) == [pooled[r] for r in ranks]

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from creditrl import TraceOptions, apply_trace, policy_loss
+from creditrl.losses.traces import TraceOperator
 
 
 def dense_trace_matrix(length, c, style, floor):
@@ -38,6 +39,42 @@ def assert_matches_dense(values, mask, lam, gamma, style, floor):
     assert got.dtype == torch.float32 and got.shape == values.shape
     scale = max(1.0, ref.abs().max().item())
     assert (got.double() - ref).abs().max().item() <= 1e-5 * scale
+
+
+def assert_transpose_matches_dense(grad, mask, c, style, floor):
+    """Mᵀ·grad (the backward pass of apply_trace) against the dense matrix, row by row."""
+    ref = torch.zeros(grad.shape, dtype=torch.float64)
+    for b in range(grad.shape[0]):
+        idx = torch.nonzero(mask[b]).flatten()
+        ref[b, idx] = dense_trace_matrix(len(idx), c, style, floor).T @ grad[b, idx].double()
+    x = torch.where(mask, grad, 0.0)
+    got = TraceOperator(mask, c, style, floor).transposed(x)
+    got = torch.where(mask, got, 0.0)
+    scale = max(1.0, ref.abs().max().item())
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * scale
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(1, 150), c=st.sampled_from([0.0, 0.3, 0.9, 0.99, 1.0]),
+       floor=st.sampled_from([0.0, 1e-3, 0.2, 1.0]), style=st.sampled_from(["recent", "both"]),
+       seed=st.integers(0, 2**16), keep=st.floats(0.0, 1.0), gaps=st.booleans())
+def test_transposed_trace_matches_dense_property(length, c, floor, style, seed, keep, gaps):
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.randn(3, length, generator=gen)
+    if gaps:
+        mask = torch.rand(3, length, generator=gen) < keep
+    else:                                           # prefixes: the flip path without compaction
+        mask = torch.arange(length)[None] < torch.randint(0, length + 1, (3, 1), generator=gen)
+    assert_transpose_matches_dense(grad, mask, c, style, floor)
+
+
+@pytest.mark.parametrize("style,floor", [("recent", 0.0), ("recent", 0.05), ("both", 0.0), ("both", 0.05)])
+def test_transposed_trace_matches_dense_long_rows(style, floor):
+    gen = torch.Generator().manual_seed(8)
+    grad = torch.randn(3, 700, generator=gen)
+    mask = torch.rand(3, 700, generator=gen) > 0.2
+    mask[2, 500:] = False
+    assert_transpose_matches_dense(grad, mask, 0.99, style, floor)
 
 
 @pytest.mark.parametrize("style,floor,lam", itertools.product(

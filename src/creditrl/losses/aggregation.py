@@ -35,15 +35,23 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None =
     return reduce_kept(kept_loss, keep.sum(dim=-1), mode, max_len=max_len)
 
 
+def agg_row_weights(row_tokens: Tensor, mode: str, length: int, *, max_len: int | None = None) -> Tensor:
+    """Weights w [B] with ``agg_loss`` = Σ_b w_b Σ_t ℓ_bt over kept tokens (row_tokens [B]: kept
+    tokens per row, float; ``length`` = T). Also the gradient's per-row scale."""
+    rows = row_tokens.shape[0]
+    if mode == "token-mean":
+        weight = 1.0 / row_tokens.sum().clamp(min=1)
+    elif mode == "seq-mean-token-sum-norm":
+        weight = row_tokens.new_full((), 1.0 / (max(rows, 1) * (max_len if max_len is not None else length)))
+    else:
+        weight = 1.0 / (row_tokens > 0).sum().clamp(min=1).to(row_tokens.dtype)
+        if mode == "seq-mean-token-mean":
+            return weight / row_tokens.clamp(min=1)
+    return weight.expand(rows)
+
+
 def reduce_kept(kept_loss: Tensor, row_tokens: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
     """The reduction of ``agg_loss`` for a loss [B,T] that is already 0 off the keep-mask, with
     ``row_tokens`` [B] the kept tokens per row (unchecked: callers that hold both use this)."""
-    if mode == "token-mean":
-        return kept_loss.sum() / row_tokens.sum().clamp(min=1)
-    if mode == "seq-mean-token-sum-norm":
-        num_rows = max(kept_loss.shape[0], 1)
-        return kept_loss.sum() / (num_rows * (max_len if max_len is not None else kept_loss.shape[1]))
-    seq_loss = kept_loss.sum(dim=-1)
-    if mode == "seq-mean-token-mean":
-        seq_loss = seq_loss / row_tokens.clamp(min=1)
-    return seq_loss.sum() / (row_tokens > 0).sum().clamp(min=1)
+    weights = agg_row_weights(row_tokens.to(kept_loss.dtype), mode, kept_loss.shape[1], max_len=max_len)
+    return (kept_loss.sum(dim=1) * weights).sum()

@@ -54,30 +54,66 @@ def token_advantages(advantages: Tensor, like: Tensor, like_name: str = "logp") 
 
 def pool_quantile(values: Tensor, in_pool: Tensor, q: float) -> Tensor | None:
     """Linear-interpolation quantile (as ``numpy.quantile``) of ``values`` where ``in_pool``;
-    None for an empty pool. Two O(n) selections on the compacted pool, no sort."""
-    pooled = torch.masked_select(values, in_pool)
-    count = pooled.numel()
+    None for an empty pool. Two exact order statistics, no sort."""
+    count = int(torch.count_nonzero(in_pool))
     if count == 0:
         return None
     pos = q * (count - 1)
     low = math.floor(pos)
     high = min(low + 1, count - 1)
-    v_low, v_high = order_statistics(pooled, (low, high))
+    v_low, v_high = pooled_order_statistics(values, in_pool, (low, high))
     return v_low + (pos - low) * (v_high - v_low)
 
 
-def order_statistics(x: Tensor, ranks: tuple[int, ...], *, use_numpy: bool | None = None) -> list[Tensor]:
-    """The ``ranks``-th smallest (0-based) entries of a 1-D tensor, as 0-d tensors.
+def pooled_order_statistics(values: Tensor, in_pool: Tensor, ranks: tuple[int, ...], *,
+                            use_numpy: bool | None = None) -> list[Tensor]:
+    """The ``ranks``-th smallest (0-based) of ``values[in_pool]``, as 0-d tensors.
 
-    On CPU this is numpy's introselect (``np.partition``), ~13x faster than ``torch.kthvalue``
-    there (measured at 10^5 entries); on other devices ``torch.kthvalue``. ``use_numpy``
-    forces a path (tests compare them)."""
+    On CPU: numpy, with a sampled bracket (``bracket_select``), ~8x faster than one
+    ``np.partition`` of the pool and ~10x faster than ``torch.kthvalue``; elsewhere
+    ``torch.kthvalue``. ``use_numpy`` forces a path (tests compare them)."""
     if use_numpy is None:
-        use_numpy = x.device.type == "cpu"
-    if use_numpy:
-        part = np.partition(x.detach().cpu().numpy(), ranks)
-        return [torch.tensor(part[k], device=x.device) for k in ranks]
-    return [x.kthvalue(k + 1).values for k in ranks]
+        use_numpy = values.device.type == "cpu"
+    if not use_numpy:
+        pooled = torch.masked_select(values, in_pool)
+        return [pooled.kthvalue(k + 1).values for k in ranks]
+    flat = values.detach().contiguous().view(-1).numpy()
+    pool = in_pool.contiguous().view(-1).numpy()
+    return [torch.tensor(v, device=values.device) for v in bracket_select(flat, pool, ranks)]
+
+
+def bracket_select(x: np.ndarray, pool: np.ndarray, ranks: tuple[int, ...], *, samples: int = 4096,
+                   margin: int = 96) -> list:
+    """Exact order statistics of ``x[pool]`` (1-D arrays) by Floyd–Rivest bracketing.
+
+    A seeded sample of ~``samples`` pool entries gives values [lower, upper] that should
+    enclose the wanted ranks (``margin`` ≈ 3.7 standard deviations of a sample rank); one
+    counting pass checks it: with b pool entries below ``lower`` and the band of pool entries
+    in [lower, upper], rank r is the (r − b)-th of the band whenever b ≤ min(ranks) and
+    max(ranks) < b + |band|. Only the band (~5% of the pool) is partitioned; when the check
+    fails, the whole pool is (never wrong, only slower). Finite pool values required.
+    """
+    count = int(np.count_nonzero(pool))
+    if count <= 4 * samples:
+        part = np.partition(np.compress(pool, x), ranks)
+        return [part[r] for r in ranks]
+    draws = min(x.size, math.ceil(samples * x.size / count))
+    index = np.random.default_rng(0).integers(0, x.size, draws)
+    sample = np.sort(x[index][pool[index]])
+    lo_rank, hi_rank = min(ranks), max(ranks)
+    lo_at = math.floor(lo_rank / count * sample.size) - margin
+    hi_at = math.ceil(hi_rank / count * sample.size) + margin
+    in_band, below = pool, 0
+    if lo_at > 0:
+        below = int(np.count_nonzero((x < sample[lo_at]) & pool))
+        in_band = in_band & (x >= sample[lo_at])
+    if hi_at < sample.size - 1:
+        in_band = in_band & (x <= sample[hi_at])
+    band = np.compress(in_band, x)
+    if not (below <= lo_rank and hi_rank < below + band.size):       # the bracket missed: rare
+        band, below = np.compress(pool, x), 0
+    part = np.partition(band, [r - below for r in ranks])
+    return [part[r - below] for r in ranks]
 
 
 def silence_keep_mask(logp: Tensor, entropy: Tensor, adv: Tensor, valid: Tensor,
@@ -86,17 +122,21 @@ def silence_keep_mask(logp: Tensor, entropy: Tensor, adv: Tensor, valid: Tensor,
     ``adv`` broadcastable to [B,T]. Returns a new bool tensor."""
     entropy = entropy.detach().float()
     check_finite_where("entropy", entropy, valid)
-    candidates = valid & (adv > 0) & (logp.detach() < math.log(opts.tau_p))
-    if not bool(candidates.any()):              # nothing can be silenced: skip the quantile
+    candidates = logp.detach() < math.log(opts.tau_p)
+    candidates &= valid
+    candidates &= adv > 0
+    if not bool(candidates.view(torch.uint8).amax()):   # nothing can be silenced: skip the quantile
         return valid.clone()
     in_pool = valid if opts.pool == "valid" else candidates
     threshold = pool_quantile(entropy, in_pool, 1.0 - opts.high_entropy_fraction)
-    return valid & ~(candidates & (entropy < threshold))
+    silenced = torch.lt(entropy, threshold)
+    silenced &= candidates
+    return silenced.logical_not_().logical_and_(valid)
 
 
 def check_finite_where(name: str, x: Tensor, valid: Tensor) -> None:
     """``check_finite`` of x on the ``valid`` entries only: one reduction when all is well."""
-    if not bool(torch.isfinite((x * valid.view(torch.uint8).to(x.dtype)).sum())):
+    if not bool(torch.isfinite(x.sum())):
         check_finite(name, torch.where(valid, x, 0.0))   # garbage off-mask or a real culprit
 
 

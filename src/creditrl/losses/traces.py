@@ -20,6 +20,15 @@ Every pass is a contiguous slice or a broadcast: no gathers, no T×T matrix. All
 ≤ 1 (cached per (c, dtype, device), subnormals flushed to 0), so nothing overflows for any
 T; the window subtraction loses at most eps·max|E| ≤ eps·max|x|/(1−c) in absolute terms.
 
+The transpose Mᵀg (the backward pass) flips each row, u = L−1−t: (Mᵀg)_j = Σ_{t≥j} M[t,j] g_t
+becomes the lower-triangular y'_v = Σ_{u≤v} W'(v,u) h_u with h = flip(g) and, for u < v,
+W'(v,u) = max(f, c^{v−u}[, c^{d_v}]), d_v = L−1−v (L the padded length; zeros pad each row):
+    recent: W' is ``recent``'s M again: Mᵀg = flip(trace(flip(g)))
+    both:   c^j of eq. 17 now depends on the output index only, a per-output floor:
+            d_v ≥ S: the recent formula;  d_v < S: W' = c^{min(v−u, d_v)}, so
+            y'_v = E_v − c^{d_v+1}·E_{2v−L} + c^{d_v}·P_{2v−L}  (2v ≥ L; else E_v)
+            (every other entry of E and P: a strided slice, no gather)
+
 Note: with ``style="both"`` the first token has weight c^0 = 1 in every row, also for λ = 0
 (that is eq. 17 as written), so only ``recent`` reduces to the identity at λ = 0.
 """
@@ -154,6 +163,98 @@ def _trace_rows(x: Tensor, c: float, style: str, floor: float) -> Tensor:
     return y
 
 
+def _transposed_trace_rows(h: Tensor, c: float, style: str, floor: float) -> Tensor:
+    """Flipped Mᵀ for flipped rows h [N,L] (zero-padded at the front): the formulas of the
+    module docstring; the caller flips back."""
+    if style == "recent":
+        return _trace_rows(h, c, "recent", floor)
+    rows, length = h.shape
+    span = _floor_window(c, floor, length) + 1                # S
+    y = _exp_scan(h, c)                                       # E; updated in place at the end
+    prefix = _exp_scan(h, 1.0)                                # P
+    late_start = max(length - span, (length + 1) // 2)        # d_v < S and 2v ≥ L
+    count = length - late_start
+    late = floor_part = None
+    if count > 0:
+        first = 2 * late_start - length                       # E, P at 2v − L, v = late_start…L−1
+        powers = _powers(c, count + 1, h).flip(0)             # c^{d_v+1} = [:-1], c^{d_v} = [1:]
+        late = prefix[:, first:length - 1:2] * powers[1:]
+        late.addcmul_(y[:, first:length - 1:2], powers[:-1], value=-1.0)
+    early_end = length - span                                 # d_v ≥ S: the recent formula
+    if floor > 0.0 and early_end > span:
+        floor_part = prefix[:, :early_end - span].mul_(floor)    # P is not read again
+        floor_part.add_(y[:, :early_end - span], alpha=-(c ** span))
+    if late is not None:
+        y[:, late_start:].add_(late)
+    if floor_part is not None:
+        y[:, span:early_end].add_(floor_part)
+    return y
+
+
+class TraceOperator:
+    """The trace matrix M of one batch's mask (c = γλ, eq. 17–18), applied in O(T) per row:
+    ``op(x)`` = M·x and ``op.transposed(g)`` = Mᵀ·g over each row's valid tokens.
+
+    No checks and no autograd: x [B,T] float must be exactly 0 off ``valid`` [B,T] bool;
+    outputs off ``valid`` are finite but unspecified. The compaction index is computed once
+    and shared by every application (the loss applies M and Mᵀ to several tensors).
+    """
+
+    def __init__(self, valid: Tensor, c: float, style: str, floor: float):
+        self.valid, self.c, self.style, self.floor = valid, float(c), style, floor
+        flags = valid.view(torch.uint8)                               # uint8 reductions are vectorised
+        self.prefix_rows = valid.shape[1] <= 1 or not bool(
+            torch.gt(flags[:, 1:], flags[:, :-1]).view(torch.uint8).amax())
+        self._index = None                                            # flat compaction index
+        self._index_transposed = False
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self._apply(x, transpose=False)
+
+    def transposed(self, g: Tensor) -> Tensor:
+        return self._apply(g, transpose=True)
+
+    def _compaction_index(self, transpose: bool) -> Tensor:
+        """Index [B,T] of each token's column in the compacted rows (flipped for Mᵀ): the valid
+        token with k valid tokens up to it goes to k − 1 (flipped: T − k). A masked token gets
+        its predecessor's column (its 0 adds nothing in ``scatter_add_``), clamped into range.
+        One int64 buffer, switched between the layouts in place (c ↔ T − 1 − c)."""
+        length = self.valid.shape[1]
+        if self._index is None:
+            self._index = torch.cumsum(self.valid, dim=1).sub_(1).clamp_(min=0)
+        if transpose != self._index_transposed:
+            self._index.neg_().add_(length - 1)
+            self._index_transposed = transpose
+        return self._index
+
+    def _apply(self, x: Tensor, transpose: bool) -> Tensor:
+        rows, length = x.shape
+        if x.numel() == 0:
+            return x
+        args = (self.c, self.style, self.floor)
+        if self.prefix_rows:                                          # right padding only: no compaction
+            return _transposed_trace_rows(x.flip(1), *args).flip(1) if transpose else _trace_rows(x, *args)
+        index = self._compaction_index(transpose)
+        compact = x.new_zeros(rows, length).scatter_add_(1, index, x)
+        out = (_transposed_trace_rows if transpose else _trace_rows)(compact, *args)
+        return out.gather(1, index)
+
+
+class _Trace(torch.autograd.Function):
+    """M·x with the transposed trace Mᵀ·grad as its backward (no graph through the scans)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, operator: TraceOperator) -> Tensor:
+        ctx.operator = operator
+        return operator(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        operator = ctx.operator
+        grad = torch.where(operator.valid, grad, 0.0)                 # masked outputs are constants
+        return operator.transposed(grad), None
+
+
 def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
                 style: str = "recent", floor: float = 0.0) -> Tensor:
     """Eligibility trace y_t = Σ_{j≤t} M[t,j] x_j over each response's valid tokens.
@@ -161,28 +262,14 @@ def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
     values: [B,T] float; mask: [B,T] bool/0-1 (valid tokens; the rest are skipped, not steps).
     M is GRPO-λ App. A.3 eq. 17 (``both``) / eq. 18 (``recent``) with c = γλ, ε = ``floor``.
     Returns [B,T] (0 at masked positions), float32 for half-precision input. O(T) memory,
-    O(T·16) time per response; linear in ``values`` so autograd gives Mᵀ·grad.
+    O(T·16) time per response; differentiable, the backward is the O(T) transposed trace Mᵀ·grad.
     """
     values = check_tensor("values", values, ndim=2, floating=True)
     valid = as_mask("mask", mask, values.shape)
     check_trace_args(lam, gamma, style, floor)
     dtype = torch.promote_types(values.dtype, torch.float32)
+    operator = TraceOperator(valid, gamma * lam, style, floor)
     if valid.numel() and bool(valid.view(torch.uint8).amin()):      # nothing masked: no masking passes
-        return _trace_rows(values.to(dtype), gamma * lam, style, floor)
+        return _Trace.apply(values.to(dtype), operator)
     x = torch.where(valid, values.to(dtype), 0.0)
-    return masked_trace(x, valid, gamma * lam, style, floor).masked_fill_(~valid, 0.0)
-
-
-def masked_trace(x: Tensor, valid: Tensor, c: float, style: str, floor: float) -> Tensor:
-    """``apply_trace`` without checks for x [B,T] float that is already 0 off ``valid`` [B,T]
-    bool, c = γλ. Entries off ``valid`` come back finite but unspecified (callers mask them)."""
-    rows, length = x.shape
-    if x.numel() == 0:
-        return x
-    flags = valid.view(torch.uint8)                                   # uint8 reductions are vectorised
-    if length <= 1 or not bool(torch.gt(flags[:, 1:], flags[:, :-1]).view(torch.uint8).amax()):
-        return _trace_rows(x, c, style, floor)                        # rows are prefixes: no compaction
-    pos = torch.cumsum(valid, dim=1) - 1                              # compacted position
-    dest = torch.where(valid, pos, length)                            # invalid → spare column
-    compact = x.new_zeros(rows, length + 1).scatter(1, dest, x)[:, :length]
-    return _trace_rows(compact, c, style, floor).gather(1, pos.clamp(min=0))
+    return _Trace.apply(x, operator).masked_fill(~valid, 0.0)
