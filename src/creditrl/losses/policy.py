@@ -215,7 +215,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
             log_rho = _zero_off_mask_(old_logp - rollout_logp, valid, valid_f)
             row_log_rho = log_rho.sum(dim=1) / row_tokens.clamp(min=1)
             ppl_gap = masked_mean(row_log_rho.abs(), row_tokens > 0)                 # OTB eq. 68
-            log_rho = _clamp_log_ratio_(log_rho)
+            _clamp_log_ratio_(log_rho)
             rho_m1 = torch.expm1(log_rho)                                # ρ − 1: k3 and the TIS weight
             mismatch_kl = _k3_sum(rho_m1, log_rho) / n_valid
             if rollout_correction in ("seq-tis", "seq-mis"):
@@ -295,12 +295,16 @@ def _weighted_sum(x: Tensor, weight: Tensor) -> Tensor:
     return torch.dot(x.sum(dim=1), weight.reshape(-1))
 
 
-def _clamp_log_ratio_(x: Tensor) -> Tensor:
-    """x clamped to ±20 in place; only a min/max check when nothing is out of range."""
+def _clamp_log_ratio_(x: Tensor) -> Tensor | None:
+    """Clamp x to ±20 in place; only a min/max check when nothing is out of range. Returns the
+    0/1 indicator of the entries the clamp left alone (for a zero gradient where it binds),
+    or None when it left all of them alone."""
     low, high = torch.aminmax(x)
-    if bool(low < -MAX_LOG_RATIO) or bool(high > MAX_LOG_RATIO):
-        x.clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return x
+    if not (bool(low < -MAX_LOG_RATIO) or bool(high > MAX_LOG_RATIO)):
+        return None
+    in_range = (x.abs() <= MAX_LOG_RATIO).view(torch.uint8).to(x.dtype)
+    x.clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return in_range
 
 
 def _add_kl_(coef: Tensor, log_ratio: Tensor, keep_f: Tensor, weights: Tensor, kl_coef: float,
@@ -321,11 +325,7 @@ def _add_kl_(coef: Tensor, log_ratio: Tensor, keep_f: Tensor, weights: Tensor, k
         if kl_coef > 0:
             coef.addcmul_(log_ratio, weights, value=-kl_coef)
         return total, kept_rows
-    low, high = torch.aminmax(log_ratio)
-    clamped = bool(low < -MAX_LOG_RATIO) or bool(high > MAX_LOG_RATIO)
-    in_range = (log_ratio.abs() <= MAX_LOG_RATIO).view(torch.uint8).to(log_ratio.dtype) if clamped else None
-    if clamped:
-        log_ratio.clamp_(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    in_range = _clamp_log_ratio_(log_ratio)
     expm1 = torch.expm1(log_ratio)
     total = expm1.sum() - log_ratio.sum()
     kept_rows = _row_dot(expm1, keep_f) - _row_dot(log_ratio, keep_f)

@@ -205,7 +205,7 @@ class TraceOperator:
         flags = valid.view(torch.uint8)                               # uint8 reductions are vectorised
         self.prefix_rows = valid.shape[1] <= 1 or not bool(
             torch.gt(flags[:, 1:], flags[:, :-1]).view(torch.uint8).amax())
-        self._index = None                                            # flat compaction index
+        self._index = None                                            # compaction index, on first use
         self._index_transposed = False
 
     def __call__(self, x: Tensor) -> Tensor:
