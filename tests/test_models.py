@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import creditrl.models as models
 from creditrl.models import (TinyModelConfig, WarmStartConfig, cache_root, char_tokenizer, load_policy,
-                             sample_responses, tiny_cache_path, tiny_model, warm_start, warm_start_info)
+                             tiny_cache_path, tiny_model, warm_start, warm_start_info)
 from creditrl.models.warm_start import response_mask, sft_batch
 from creditrl.tasks import get_task
 
@@ -93,53 +93,6 @@ def test_sft_batch_masks_prompt_and_tool_output():
     assert response_mask(get_task("addition"), "123") == [1, 1, 1]
 
 
-class ScriptedModel(torch.nn.Module):
-    """Stands in for a causal LM: ``generate`` appends scripted text per prompt."""
-
-    def __init__(self, tok, script):
-        super().__init__()
-        self.tok, self.script, self.calls = tok, script, []
-        self.device = torch.device("cpu")
-
-    def generate(self, input_ids, attention_mask, max_new_tokens, stopping_criteria, **kw):
-        texts = [self.tok.decode(r, skip_special_tokens=True) for r in input_ids]
-        self.calls.append(texts)
-        rows = []
-        for text in texts:
-            new = self.tok.encode(self.script[text], add_special_tokens=False)[:max_new_tokens]
-            rows.append(input_ids[len(rows)].tolist() + new)
-        width = max(map(len, rows))
-        return torch.tensor([r + [self.tok.pad_token_id] * (width - len(r)) for r in rows])
-
-
-def test_sample_responses_runs_the_tool_loop():
-    task = get_task("calculator", max_tool_calls=2)
-    tok = char_tokenizer(task.alphabet())
-    eos = tok.eos_token
-    script = {
-        "1+2=": "<calc>1+2</calc>",
-        "1+2=<calc>1+2</calc><out>3</out>": "<answer>3</answer>" + eos + "99",
-        "5*5=": "<answer>25</answer>" + eos,
-        "7-1=": "<calc>1/0</calc>",
-        "7-1=<calc>1/0</calc><out>error</out>": "<calc>7-1</calc>",
-        "7-1=<calc>1/0</calc><out>error</out><calc>7-1</calc><out>6</out>": "<calc>6</calc>",
-    }
-    model = ScriptedModel(tok, script)
-    out = sample_responses(model, tok, task, ["1+2=", "5*5=", "7-1="], max_new_tokens=50)
-    assert out == ["<calc>1+2</calc><out>3</out><answer>3</answer>", "<answer>25</answer>",
-                   "<calc>1/0</calc><out>error</out><calc>7-1</calc><out>6</out><calc>6</calc>"]
-    assert len(model.calls) == 3 and len(model.calls[1]) == 2   # finished rows leave the batch
-
-
-def test_stop_criterion_is_per_row():
-    from creditrl.models.warm_start import StopOnTokens
-
-    tok = char_tokenizer(ALPHABET + "</calc>")
-    crit = StopOnTokens(tok.encode("</calc>"))
-    ids = tok(["1<calc>2</calc>", "<calc>2</cal"], padding=True, return_tensors="pt")["input_ids"]
-    assert crit(ids, None).tolist() == [True, False]
-
-
 def test_warm_start_deterministic():
     task = get_task("addition")
     tok = char_tokenizer(task.alphabet())
@@ -211,7 +164,7 @@ def test_load_local_hf_dir(tmp_path):
     assert loaded_tok.encode("1+2") == tok.encode("1+2") and loaded_tok.padding_side == "left"
     with pytest.raises(FileNotFoundError, match=r"model: '.*nope' is not a local directory"):
         load_policy(str(tmp_path / "nope"), task=None)
-    with pytest.raises(ValueError, match=r"unknown built-in 'builtin:huge'; valid built-ins are \['builtin:tiny'\]"):
+    with pytest.raises(ValueError, match=r"unknown built-in 'builtin:huge'; valid built-ins are \['builtin:tiny', 'builtin:smollm2-135m'\]"):
         load_policy("builtin:huge", task=None)
 
 

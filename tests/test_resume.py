@@ -35,10 +35,12 @@ def train_cmd(*args):
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path_factory):
+@pytest.mark.parametrize("variant", [[], ["model.lora.enabled=true", "model.lora.r=4", "optim.lr=1e-3"]],
+                         ids=["full", "lora"])
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path_factory, variant):
     base = tmp_path_factory.getbasetemp()
     out = tmp_path_factory.mktemp("resume")
-    common = TINY_RUN + [f"model.cache_dir={base / 'tiny-cache'}", f"train.output_dir={out}"]
+    common = TINY_RUN + variant + [f"model.cache_dir={base / 'tiny-cache'}", f"train.output_dir={out}"]
     cfg = load_config(None, common)  # warm-start once here so both subprocesses load the cache
     load_policy(cfg.model.name, get_task(cfg.task.name, **cfg.task.options), model_cfg=cfg.model.tiny,
                 warm_start=cfg.model.warm_start, cache_dir=cfg.model.cache_dir, seed=cfg.train.seed, progress=False)
@@ -85,13 +87,32 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path_factory):
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    import torch
     for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, step, {"x": step}, keep_last=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000003.pt", "step_000004.pt"]
-    (tmp_path / "checkpoints" / "step_000005.pt.tmp").write_bytes(b"torn")  # a crash mid-write
-    assert load_latest(tmp_path)["x"] == 4 and load_latest(tmp_path)["step"] == 4
+        save_checkpoint(tmp_path, step, {"w": torch.full((2,), float(step), dtype=torch.bfloat16)}, {"x": step},
+                        keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000003", "step_000004"]
+    (tmp_path / "checkpoints" / ".tmp-step_000005-abc").mkdir()   # a crash mid-write
+    weights, state = load_latest(tmp_path)
+    assert state["x"] == 4 and state["step"] == 4
+    assert weights["w"].dtype == torch.bfloat16 and weights["w"].tolist() == [4.0, 4.0]   # the model's dtype
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         load_latest(tmp_path / "elsewhere")
+
+
+def test_trainable_state_round_trip_and_mismatch():
+    import torch
+    from creditrl.trainer.checkpoint import load_trainable_state, trainable_state
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].requires_grad_(False)
+    state = trainable_state(model)
+    assert set(state) == {"1.weight", "1.bias"}
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    other[0].requires_grad_(False)
+    load_trainable_state(other, state)
+    assert torch.equal(other[1].weight, model[1].weight)
+    with pytest.raises(ValueError, match="trainable parameters"):
+        load_trainable_state(other, {"1.weight": state["1.weight"]})
 
 
 def test_truncate_jsonl_drops_later_steps_and_torn_lines(tmp_path):

@@ -36,7 +36,8 @@ def test_registry():
         get_task("countdown", n_numbers=6)
     with pytest.raises(TypeError, match="digits: expected an int"):
         get_task("addition", digits="2")
-    assert task_options("addition") == {"digits": 2, "seed": 0, "test_size": 200}
+    assert task_options("addition") == {"digits": 2, "seed": 0, "test_size": 200, "format": "auto",
+                                        "chat_template": "auto", "system_prompt": None}
 
 
 @pytest.mark.parametrize("name, options", VARIANTS)

@@ -31,7 +31,7 @@ TINY_RUN = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.
             "train.threads=1"]
 METRIC_KEYS = ("step tokens_total reward_mean reward_std accuracy response_len entropy grad_norm variance_proxy "
                "adv_mean adv_std adv_abs_mean clip_frac_low clip_frac_high approx_kl ref_kl mismatch_kl ppl_gap "
-               "is_masked_frac spurious_ratio tokens_per_s time_rollout time_update lr").split()
+               "is_masked_frac spurious_ratio tokens_per_s time_rollout time_update lr clipped_frac").split()
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_pass_at_k_against_bruteforce(setup):
     task_any = get_task("addition", digits=1)
     task_any.reward = lambda problem, response: float(len(response) % 2 == 0)
     common = dict(top_p=1.0, max_new_tokens=3, max_tool_tokens=8, batch_size=512)
-    correct = sample_correctness(model, tok, task_any, problems, n=n, temperature=1.0,
+    correct, _ = sample_correctness(model, tok, task_any, problems, n=n, temperature=1.0,
                                  generator=torch.Generator().manual_seed(seed), **common)
     assert 0 < correct.float().mean() < 1
     result = evaluate(model, tok, task_any, problems, n=n, ks=[1, 2, 5], max_new_tokens=3, max_tool_tokens=8,
@@ -163,7 +163,7 @@ def test_short_run_writes_every_output(tmp_path_factory):
                                               zip(metrics, [0] + [m["tokens_total"] for m in metrics[:-1]]))
     assert [e["step"] for e in evals] == [0, 2, 4]
     assert {"greedy_acc", "pass@1", "pass@4", "avg@1", "avg@4", "tokens_total"} <= set(evals[0])
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000004.pt"]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000004"]
     assert (run / "plots" / "train.png").is_file() and (run / "plots" / "eval.png").is_file()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["tokens_total"] == metrics[-1]["tokens_total"]
@@ -291,7 +291,7 @@ def test_shared_prompt_stats_with_length_one_rows_and_tool_holes(setup, buckets)
     batch.attention_mask[:, p:] = (cols < lengths[:, None]).long()
     batch.response_mask[:, p:] = batch.attention_mask[:, p:].float()
     batch.response_mask[4, p + 1] = 0.0  # a tool-output token: attended, not trained on
-    from creditrl.trainer.rollout import position_ids_from_mask
+    from creditrl.sampling import position_ids_from_mask
     batch.position_ids = position_ids_from_mask(batch.attention_mask)
     assert_same_stats(stats_and_grads(model, batch, None), stats_and_grads(model, batch, batch.group))
 

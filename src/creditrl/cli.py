@@ -84,11 +84,11 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from creditrl.config import apply_overrides, config_from_dict, load_config
-    from creditrl.models import load_policy
-    from creditrl.tasks import get_task
     from creditrl.trainer import evaluate
-    from creditrl.trainer.loop import default_max_new_tokens, resolve_device
+    from creditrl.config import eval_settings
+    from creditrl.trainer.loop import build_task, default_max_new_tokens, load_configured_policy, resolve_device
 
+    weights = None
     if args.run:
         import yaml
         from pathlib import Path
@@ -97,25 +97,25 @@ def cmd_eval(args) -> int:
             raise FileNotFoundError(f"--run: {str(run)!r} has no config.yaml; expected a creditrl run directory")
         if not (run / "final").is_dir():
             raise FileNotFoundError(f"--run: {str(run / 'final')!r} not found; the run has not finished")
-        data = yaml.safe_load((run / "config.yaml").read_text())
-        data["model"]["name"] = str(run / "final")
-        cfg = apply_overrides(config_from_dict(data), args.overrides)
+        cfg = apply_overrides(config_from_dict(yaml.safe_load((run / "config.yaml").read_text())), args.overrides)
+        weights = str(run / "final")   # the task keeps the format of the run's model.name (a LoRA
+                                       # final/ is an adapter whose base has the same template)
     else:
         cfg = load_config(args.config, args.overrides)
-    task = get_task(cfg.task.name, **cfg.task.options)
-    device = resolve_device(cfg.train.device)
-    model, tokenizer = load_policy(cfg.model.name, task, model_cfg=cfg.model.tiny, warm_start=cfg.model.warm_start,
-                                   cache_dir=cfg.model.cache_dir, device=device, seed=cfg.train.seed,
-                                   progress=not args.no_progress)
+    task = build_task(cfg)
+    model, tokenizer = load_configured_policy(cfg, task, resolve_device(cfg.train.device), not args.no_progress,
+                                              name=weights)
+    limit, samples, ks = eval_settings(cfg)
     problems = task.test_set()
-    limit = args.problems or cfg.train.eval_problems
+    limit = args.problems or limit
     problems = problems[:limit] if limit else problems
     r = cfg.rollout
-    result = evaluate(model, tokenizer, task, problems, n=args.n or cfg.train.eval_samples,
-                      ks=args.k or cfg.train.pass_k, temperature=r.temperature, top_p=r.top_p,
-                      max_new_tokens=r.max_new_tokens or default_max_new_tokens(task, tokenizer),
-                      max_tool_tokens=r.max_tool_tokens, seed=cfg.train.seed)
-    text = json.dumps({"model": cfg.model.name, "task": cfg.task.name, **result}, indent=2)
+    result = evaluate(model, tokenizer, task, problems, n=args.n or samples,
+                      ks=args.k or [k for k in ks if k <= (args.n or samples)], temperature=r.temperature,
+                      top_p=r.top_p, max_new_tokens=r.max_new_tokens or default_max_new_tokens(task, tokenizer),
+                      max_tool_tokens=r.max_tool_tokens, seed=cfg.train.seed, stop_strings=tuple(r.stop))
+    text = json.dumps({"model": cfg.model.name if weights is None else weights, "task": cfg.task.name, **result},
+                      indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as fh:

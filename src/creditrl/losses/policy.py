@@ -50,14 +50,14 @@ from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
 from creditrl._validate import as_mask
-from creditrl.losses.aggregation import AGG_MODES, agg_row_weights
+from creditrl.losses.aggregation import AGG_MODES, agg_denominator, agg_row_weights
 from creditrl.losses.diagnostics import MAX_LOG_RATIO, masked_mean
 from creditrl.losses.stapo import StapoOptions, silence_keep_mask, token_advantages
 from creditrl.losses.traces import TraceOperator, TraceOptions
 
 ROLLOUT_CORRECTIONS = (None, "tis", "mis", "seq-tis", "seq-mis")
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
-               "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac")
+               "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
 RATIO_MIN, RATIO_MAX = math.exp(-MAX_LOG_RATIO), math.exp(MAX_LOG_RATIO)
 
 __all__ = ["policy_loss", "ratio_bounds", "StapoOptions", "TraceOptions", "ROLLOUT_CORRECTIONS", "METRIC_KEYS"]
@@ -176,7 +176,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     Python floats, 0.0 when not applicable: clip fractions over kept tokens; approx_kl (k3,
     KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3, KL(π_rollout‖π_old)),
     adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs rollout); is_masked_frac,
-    spurious_ratio, kept_frac as fractions of valid tokens.
+    spurious_ratio, kept_frac as fractions of valid tokens; agg_count, the aggregation's
+    denominator (``agg_denominator``: what gradient accumulation weights micro-batches by).
     """
     logp_in = check_tensor("logp", logp, ndim=2, floating=True)
     valid = as_mask("mask", mask, logp_in.shape)
@@ -279,7 +280,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         value = (value_rows * weights[:, 0]).sum()
 
         values = [clip_frac_low, clip_frac_high, approx_kl, ref_kl, mismatch_kl, ppl_gap, is_masked_frac,
-                  spurious_ratio, adv_abs_mean, keep_rows.sum() / n_valid, value]
+                  spurious_ratio, adv_abs_mean, keep_rows.sum() / n_valid, agg_denominator(keep_rows, agg), value]
         floats = torch.stack([v.to(torch.float64) for v in values]).tolist()   # one device→host copy
     metrics = dict(zip(METRIC_KEYS, floats[:-1]))
     if not all(math.isfinite(v) for v in floats):

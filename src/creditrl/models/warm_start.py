@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from creditrl._runtime import torch_threads
 from creditrl.tasks.base import Problem
@@ -81,61 +80,23 @@ def sft_batch(task, tokenizer, problems: list[Problem]) -> dict[str, torch.Tenso
     }
 
 
-class StopOnTokens(StoppingCriteria):
-    """Per-row stop once the sequence ends with ``stop_ids`` (vectorised; exact for a
-    character tokenizer, where a stop string always has the same token ids)."""
-
-    def __init__(self, stop_ids: list[int]):
-        self.stop = torch.tensor(stop_ids)
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        n = len(self.stop)
-        if input_ids.shape[1] < n:
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        return (input_ids[:, -n:] == self.stop.to(input_ids.device)).all(dim=1)
-
-
 @torch.no_grad()
-def sample_responses(model, tokenizer, task, prompts: list[str], *, max_new_tokens: int,
-                     temperature: float = 1.0) -> list[str]:
-    """Sampled responses with ``model.generate`` (left padding + attention mask), running
-    the tool loop for multi-turn tasks: stop at ``task.tool_stop``, append
-    ``task.tool_output``, resume, up to ``task.max_tool_calls`` times."""
-    responses = [""] * len(prompts)
-    active = list(range(len(prompts)))
-    sampling = dict(do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                    top_k=None, top_p=None)
-    stop = getattr(task, "tool_stop", None)
-    criteria = StoppingCriteriaList([StopOnTokens(tokenizer.encode(stop, add_special_tokens=False))] if stop else [])
-    for _ in range(getattr(task, "max_tool_calls", 0) + 1):
-        batch = tokenizer([prompts[i] + responses[i] for i in active], return_tensors="pt", padding=True,
-                          add_special_tokens=False).to(model.device)
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, stopping_criteria=criteria,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
-        new = out[:, batch["input_ids"].shape[1]:].tolist()
-        still = []
-        for i, ids in zip(active, new):
-            ended = tokenizer.eos_token_id in ids
-            ids = ids[: ids.index(tokenizer.eos_token_id)] if ended else ids
-            responses[i] += tokenizer.decode(ids, skip_special_tokens=True)
-            extra = None if ended or stop is None else task.tool_output(responses[i])
-            if extra is not None:
-                responses[i] += extra
-                still.append(i)
-        active = still
-        if not active:
-            break
-    return responses
-
-
 def sampled_accuracy(model, tokenizer, task, problems: list[Problem], *, max_new_tokens: int,
-                     temperature: float = 1.0) -> float:
+                     temperature: float = 1.0, seed: int = 0) -> float:
+    """Mean reward of one sampled response per problem, decoded by the trainer's own sampler
+    (``creditrl.sampling.generate``: same stopping and tool protocol as RL rollouts)."""
+    from creditrl.sampling import decode_responses, generate
+    from creditrl.tasks.chat import render_task_prompts
+
     was_training = model.training
     model.eval()
-    responses = sample_responses(model, tokenizer, task, [p.prompt for p in problems],
-                                 max_new_tokens=max_new_tokens, temperature=temperature)
+    out = generate(model, tokenizer, render_task_prompts(tokenizer, task, [p.prompt for p in problems]),
+                   temperature=temperature, max_new_tokens=max_new_tokens, task=task,
+                   max_tool_tokens=max_new_tokens, generator=torch.Generator().manual_seed(seed))
     model.train(was_training)
-    return sum(task.reward(p, r) for p, r in zip(problems, responses)) / len(problems)
+    p = out.prompt_len
+    responses = decode_responses(tokenizer, out.input_ids[:, p:], out.attention_mask[:, p:])
+    return sum(task.reward(q, r) for q, r in zip(problems, responses)) / len(problems)
 
 
 def held_out_problems(task, cfg: WarmStartConfig) -> list[Problem]:
@@ -194,7 +155,8 @@ def _train(model, tokenizer, task, cfg: WarmStartConfig, rng: random.Random, hel
             if not math.isfinite(loss_value):
                 raise RuntimeError(f"warm start diverged at step {step} (loss {loss_value}); lower lr={cfg.lr}")
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
-                accuracy = sampled_accuracy(model, tokenizer, task, held_out, max_new_tokens=max_new_tokens)
+                accuracy = sampled_accuracy(model, tokenizer, task, held_out, max_new_tokens=max_new_tokens,
+                                            seed=cfg.seed + step)
                 history.append({"step": step, "loss": loss_value, "accuracy": accuracy,
                                 "seconds": time.perf_counter() - start})
                 bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{accuracy:.2f}")

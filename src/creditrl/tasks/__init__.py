@@ -35,10 +35,16 @@ def _lookup(name: str):
     return TASKS[name]
 
 
-def get_task(name: str, **options) -> Task:
-    """Build the task ``name``; unknown options raise naming them and the valid ones."""
+def get_task(name: str, *, chat_model: bool = False, **options) -> Task:
+    """Build the task ``name``; unknown options raise naming them and the valid ones.
+
+    A built-in task's ``format="auto"`` (the default) becomes ``natural`` for a ``chat_model``
+    (one whose tokenizer has a chat template, ``creditrl.models.is_chat_model``) and
+    ``compact`` otherwise (``builtin:tiny`` and the models trained from it)."""
     cls = _lookup(name)
     valid = task_options(name)
+    if "format" in valid and options.get("format", "auto") == "auto":
+        options = {**options, "format": "natural" if chat_model else "compact"}
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise ValueError(f"task {name!r}: unknown option(s) {unknown}; valid options are {sorted(valid)}")

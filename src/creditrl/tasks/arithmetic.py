@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from creditrl._validate import check_int
-from creditrl.tasks.base import Problem, ProceduralTask
+from creditrl.tasks.base import Problem, ProceduralTask, last_integer
 
 DIGITS = "0123456789"
 
@@ -28,9 +28,11 @@ class Addition(ProceduralTask):
 
     name = "addition"
 
-    def __init__(self, digits: int = 2, *, seed: int = 0, test_size: int = 200):
+    def __init__(self, digits: int = 2, *, seed: int = 0, test_size: int = 200, format: str = "auto",
+                 chat_template="auto", system_prompt: str | None = None):
         _check_digits(digits, 9)
-        super().__init__(seed=seed, test_size=test_size, digits=digits)
+        super().__init__(seed=seed, test_size=test_size, format=format, chat_template=chat_template,
+                         system_prompt=system_prompt, digits=digits)
         self.digits = digits
 
     def space_size(self) -> int:
@@ -40,11 +42,17 @@ class Addition(ProceduralTask):
         a, b = rng.randrange(10 ** self.digits), rng.randrange(10 ** self.digits)
         return Problem(f"{a}+{b}=", str(a + b), {"a": a, "b": b})
 
-    def reward(self, problem: Problem, response: str) -> float:
+    def compact_reward(self, problem: Problem, response: str) -> float:
         return exact(response, problem.answer)
 
-    def sft_target(self, problem: Problem) -> str:
+    def compact_target(self, problem: Problem) -> str:
         return problem.answer
+
+    def natural_prompt(self, problem: Problem) -> str:
+        return f"What is {problem.meta['a']} + {problem.meta['b']}? Reply with just the number."
+
+    def natural_target(self, problem: Problem) -> str:
+        return f"{problem.meta['a']} + {problem.meta['b']} = {problem.answer}"
 
     def alphabet(self) -> str:
         return DIGITS + "+="
@@ -59,11 +67,13 @@ class Multiplication(ProceduralTask):
 
     name = "multiplication"
 
-    def __init__(self, digits: int = 2, scratchpad: bool = True, *, seed: int = 0, test_size: int = 200):
+    def __init__(self, digits: int = 2, scratchpad: bool = True, *, seed: int = 0, test_size: int = 200,
+                 format: str = "auto", chat_template="auto", system_prompt: str | None = None):
         _check_digits(digits, 4)
         if not isinstance(scratchpad, bool):
             raise TypeError(f"scratchpad: expected a bool, got {scratchpad!r}")
-        super().__init__(seed=seed, test_size=test_size, digits=digits, scratchpad=scratchpad)
+        super().__init__(seed=seed, test_size=test_size, format=format, chat_template=chat_template,
+                         system_prompt=system_prompt, digits=digits, scratchpad=scratchpad)
         self.digits, self.scratchpad = digits, scratchpad
 
     def space_size(self) -> int:
@@ -77,10 +87,29 @@ class Multiplication(ProceduralTask):
     def final_answer(self, response: str) -> str:
         return response.rsplit("=", 1)[-1] if self.scratchpad else response
 
-    def reward(self, problem: Problem, response: str) -> float:
-        return exact(self.final_answer(response), problem.answer) if isinstance(response, str) else 0.0
+    def compact_reward(self, problem: Problem, response: str) -> float:
+        return exact(self.final_answer(response), problem.answer)
 
-    def sft_target(self, problem: Problem) -> str:
+    def natural_prompt(self, problem: Problem) -> str:
+        a, b = problem.meta["a"], problem.meta["b"]
+        if self.scratchpad:
+            return (f"What is {a} * {b}? Work it out step by step, then write the final answer on the last "
+                    f"line as 'Answer: <number>'.")
+        return f"What is {a} * {b}? Reply with just the number."
+
+    def natural_reward(self, problem: Problem, response: str) -> float:
+        """With the scratchpad only the number after the last 'Answer:' counts."""
+        if self.scratchpad:
+            head, sep, tail = response.rpartition("Answer:")
+            return float(bool(sep) and last_integer(tail) == problem.answer)
+        return float(last_integer(response) == problem.answer)
+
+    def natural_target(self, problem: Problem) -> str:
+        if self.scratchpad:
+            return self.compact_target(problem).replace(",", "\n") + f"\nAnswer: {problem.answer}"
+        return f"{problem.meta['a']} * {problem.meta['b']} = {problem.answer}"
+
+    def compact_target(self, problem: Problem) -> str:
         if not self.scratchpad:
             return problem.answer
         a, b = problem.meta["a"], problem.meta["b"]

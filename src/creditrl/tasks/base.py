@@ -8,17 +8,34 @@ A task is a seeded procedural problem source with an exact reward check:
   ends a tool call, e.g. ``"</calc>"``) and ``tool_output(response_so_far)`` returning the
   text the environment appends (e.g. ``"<out>42</out>"``), whose tokens get mask 0.
 - ``sft_target(problem)`` is a correct response used to warm-start ``builtin:tiny``.
+- ``chat_template`` / ``system_prompt`` say how prompts are rendered (``tasks/chat.py``).
+
+A prompt is a string or a list of chat messages (TRL's conventions). Built-in tasks come in
+two formats: ``compact`` (``"16+40="``, exact match; what ``builtin:tiny`` is warm-started on)
+and ``natural`` (a chat message such as "What is 16 + 40? Reply with just the number.", whose
+checker extracts the answer from free text; for pretrained instruct models).
 """
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 
+FORMATS = ("auto", "compact", "natural")
+_INTEGER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
+
+
+def last_integer(text: str) -> str | None:
+    """The last integer written in ``text`` ("1,234" with valid thousands separators counts as 1234)."""
+    found = _INTEGER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: str | list[dict[str, str]]
     answer: str
     meta: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
@@ -47,23 +64,59 @@ class Task(Protocol):
 class ProceduralTask:
     """Shared machinery of the built-in generators: a seeded endless training stream that
     never repeats a held-out prompt, and a fixed, duplicate-free test set drawn from its own
-    seed. Subclasses set ``name`` and implement ``generate``, ``reward``, ``sft_target`` and
-    ``alphabet``; ``options`` holds the constructor arguments (they key the model cache)."""
+    seed. Subclasses set ``name`` and implement ``generate`` (a compact problem),
+    ``compact_reward``, ``compact_target``, ``natural_prompt``, ``natural_reward``,
+    ``natural_target`` and ``alphabet``; ``options`` holds the constructor arguments (they key
+    the model cache). ``format="auto"`` is resolved by ``get_task(..., model=...)``; left
+    unresolved it means ``compact``."""
 
     name: str = ""
     max_tool_calls: int = 0
     tool_stop: str | None = None
 
-    def __init__(self, *, seed: int = 0, test_size: int = 200, **options: Any):
+    def __init__(self, *, seed: int = 0, test_size: int = 200, format: str = "auto", chat_template="auto",
+                 system_prompt: str | None = None, **options: Any):
+        from creditrl.tasks.chat import check_chat_template
+
         if not isinstance(test_size, int) or test_size < 1:
             raise ValueError(f"test_size: expected a positive int, got {test_size!r}")
+        if format not in FORMATS:
+            raise ValueError(f"format: expected one of {list(FORMATS)}, got {format!r}")
+        check_chat_template(chat_template)
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(f"system_prompt: expected a string or null, got {system_prompt!r}")
         self.seed, self.test_size = seed, test_size
-        self.options = {"seed": seed, "test_size": test_size, **options}
+        self.format = "natural" if format == "natural" else "compact"
+        self.chat_template, self.system_prompt = chat_template, system_prompt
+        presentation = {k: v for k, v in (("format", self.format), ("chat_template", chat_template),
+                                          ("system_prompt", system_prompt))
+                        if v != {"format": "compact", "chat_template": "auto", "system_prompt": None}[k]}
+        self.options = {"seed": seed, "test_size": test_size, **options, **presentation}
         self._test: list[Problem] | None = None
         self._test_prompts: frozenset[str] = frozenset()
 
     def generate(self, rng: random.Random) -> Problem:
         raise NotImplementedError
+
+    def _present(self, problem: Problem) -> Problem:
+        """The problem in this task's format (``meta["compact"]`` keeps the compact prompt)."""
+        if self.format == "compact":
+            return problem
+        return Problem([{"role": "user", "content": self.natural_prompt(problem)}], problem.answer,
+                       {**problem.meta, "compact": problem.prompt})
+
+    def reward(self, problem: Problem, response: str) -> float:
+        if not isinstance(response, str):
+            return 0.0
+        natural = isinstance(problem.prompt, list)
+        return float((self.natural_reward if natural else self.compact_reward)(problem, response))
+
+    def sft_target(self, problem: Problem) -> str:
+        return (self.natural_target if isinstance(problem.prompt, list) else self.compact_target)(problem)
+
+    def natural_reward(self, problem: Problem, response: str) -> float:
+        """Default natural checker: the last integer of the response equals the answer exactly."""
+        return float(last_integer(response) == problem.answer)
 
     def space_size(self) -> int | None:
         """Number of distinct problems when small (the test set then takes at most half)."""
@@ -81,7 +134,7 @@ class ProceduralTask:
                 p = self.generate(rng)
                 misses = misses + 1 if p.prompt in problems else 0
                 problems.setdefault(p.prompt, p)
-            self._test = list(problems.values())
+            self._test = [self._present(p) for p in problems.values()]
             self._test_prompts = frozenset(problems)
         return list(self._test)
 
@@ -90,8 +143,8 @@ class ProceduralTask:
         for _ in range(100):  # held-out prompts are never trained on
             p = self.generate(rng)
             if p.prompt not in self._test_prompts:
-                return p
-        return p
+                return self._present(p)
+        return self._present(p)
 
     def tool_output(self, response_so_far: str) -> str | None:
         return None

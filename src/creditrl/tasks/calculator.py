@@ -34,12 +34,13 @@ class Calculator(ProceduralTask):
     tool_stop = CALL_CLOSE
 
     def __init__(self, max_tool_calls: int = 2, digits: int = 2, n_terms: int = 3, *,
-                 seed: int = 0, test_size: int = 200):
+                 seed: int = 0, test_size: int = 200, format: str = "auto", chat_template="auto",
+                 system_prompt: str | None = None):
         for arg, value, low, high in (("max_tool_calls", max_tool_calls, 1, 16), ("digits", digits, 1, 4),
                                       ("n_terms", n_terms, 2, 6)):
             check_int(arg, value, low, high)
-        super().__init__(seed=seed, test_size=test_size, max_tool_calls=max_tool_calls,
-                         digits=digits, n_terms=n_terms)
+        super().__init__(seed=seed, test_size=test_size, format=format, chat_template=chat_template,
+                         system_prompt=system_prompt, max_tool_calls=max_tool_calls, digits=digits, n_terms=n_terms)
         self.max_tool_calls, self.digits, self.n_terms = max_tool_calls, digits, n_terms
 
     def generate(self, rng: random.Random) -> Problem:
@@ -62,13 +63,22 @@ class Calculator(ProceduralTask):
         value = safe_eval(body[start + len(CALL_OPEN):]) if start >= 0 else None
         return OUT_OPEN + (TOOL_ERROR if value is None else format_number(value)) + OUT_CLOSE
 
-    def reward(self, problem: Problem, response: str) -> float:
-        if not isinstance(response, str):
-            return 0.0
+    def compact_reward(self, problem: Problem, response: str) -> float:
         answers = _ANSWER.findall(response)
         return float(bool(answers) and answers[-1].strip() == problem.answer)
 
-    def sft_target(self, problem: Problem) -> str:
+    natural_reward = compact_reward  # the tags are the protocol in both formats
+
+    def natural_prompt(self, problem: Problem) -> str:
+        return (f"Compute {problem.meta['expr']}. You have a calculator: write {CALL_OPEN}expression{CALL_CLOSE} "
+                f"(digits, + - * / and parentheses) and its result appears right after as "
+                f"{OUT_OPEN}value{OUT_CLOSE}; you may use it up to {self.max_tool_calls} times. "
+                f"Give the final answer as <answer>number</answer>.")
+
+    def natural_target(self, problem: Problem) -> str:
+        return self.compact_target(problem)
+
+    def compact_target(self, problem: Problem) -> str:
         out = self.tool_output(CALL_OPEN + problem.meta["expr"] + CALL_CLOSE)
         return f"{CALL_OPEN}{problem.meta['expr']}{CALL_CLOSE}{out}<answer>{problem.answer}</answer>"
 

@@ -48,11 +48,13 @@ class Countdown(ProceduralTask):
     name = "countdown"
 
     def __init__(self, n_numbers: int = 3, max_number: int = 10, max_target: int = 100, *,
-                 seed: int = 0, test_size: int = 200):
+                 seed: int = 0, test_size: int = 200, format: str = "auto", chat_template="auto",
+                 system_prompt: str | None = None):
         for arg, value, low, high in (("n_numbers", n_numbers, 3, 5), ("max_number", max_number, 2, 10_000),
                                       ("max_target", max_target, 2, 10 ** 9)):
             check_int(arg, value, low, high)
-        super().__init__(seed=seed, test_size=test_size, n_numbers=n_numbers,
+        super().__init__(seed=seed, test_size=test_size, format=format, chat_template=chat_template,
+                         system_prompt=system_prompt, n_numbers=n_numbers,
                          max_number=max_number, max_target=max_target)
         self.n_numbers, self.max_number, self.max_target = n_numbers, max_number, max_target
 
@@ -79,9 +81,7 @@ class Countdown(ProceduralTask):
         prompt = ",".join(map(str, numbers)) + f":{tree[0]}="
         return Problem(prompt, str(tree[0]), {"numbers": numbers, "target": tree[0], "solution": _render(tree)})
 
-    def reward(self, problem: Problem, response: str) -> float:
-        if not isinstance(response, str):
-            return 0.0
+    def compact_reward(self, problem: Problem, response: str) -> float:
         value = safe_eval(response)
         used = literals(response)
         if value is None or used is None or value != problem.meta["target"]:
@@ -91,8 +91,21 @@ class Countdown(ProceduralTask):
         allowed = Counter(problem.meta["numbers"])
         return float(not (Counter(int(x) for x in used) - allowed))
 
-    def sft_target(self, problem: Problem) -> str:
+    def compact_target(self, problem: Problem) -> str:
         return problem.meta["solution"]
+
+    def natural_prompt(self, problem: Problem) -> str:
+        numbers = ", ".join(map(str, problem.meta["numbers"]))
+        return (f"Using the numbers {numbers} (each at most once) with + - * / and parentheses, write an "
+                f"expression that equals {problem.meta['target']}. Reply with just the expression.")
+
+    def natural_reward(self, problem: Problem, response: str) -> float:
+        """The last non-empty line, without markdown/LaTeX wrapping and any '= target' tail."""
+        lines = [line for line in response.strip().splitlines() if line.strip()]
+        candidate = lines[-1].split("=")[0].strip(" `$*") if lines else ""
+        return self.compact_reward(problem, candidate)
+
+    natural_target = compact_target
 
     def alphabet(self) -> str:
         return "0123456789+-*/(),:="

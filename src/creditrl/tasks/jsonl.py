@@ -1,5 +1,10 @@
 """The user's own data: a local JSONL or Parquet file with prompt/answer columns.
 
+A ``prompt`` is a string (standard) or a list of ``{"role", "content"}`` messages
+(conversational), TRL's conventions; ``chat_template`` / ``system_prompt`` decide how it is
+rendered (``tasks/chat.py``). An ``answer`` is a string or a number. Bad rows are reported
+before training with the file name and up to 10 row numbers.
+
 Loaded with ``datasets`` (local files only), split into train/test deterministically by
 ``seed``. Checkers: ``exact`` (string equality up to surrounding whitespace), ``numeric``
 (the last number of the response within ``tolerance`` of the answer), ``math``
@@ -21,6 +26,7 @@ from typing import Any, Callable
 
 from creditrl._validate import check_range
 from creditrl.tasks.base import Problem
+from creditrl.tasks.chat import check_chat_template, check_prompt
 
 CHECKERS = ("exact", "numeric", "math")
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -85,6 +91,22 @@ def resolve_checker(checker: str, tolerance: float) -> Callable[[str, str, str],
     return fn
 
 
+def rows_to_problems(file_name: str, prompts: list, answers: list) -> list[Problem]:
+    """Problems from the prompt/answer columns; one error listing the bad rows (1-based)."""
+    problems, bad = [], []
+    for row, (prompt, answer) in enumerate(zip(prompts, answers), start=1):
+        try:
+            prompt = check_prompt(prompt, "prompt")
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+                raise ValueError(f"answer: expected a string or a number, got {str(answer)[:40]!r}")
+            problems.append(Problem(prompt, answer if isinstance(answer, str) else repr(answer)))
+        except ValueError as err:
+            bad.append(f"row {row}: {err}")
+    if bad:
+        raise ValueError(f"path: {file_name} has {len(bad)} invalid row(s); " + "; ".join(bad[:10]))
+    return problems
+
+
 class JsonlTask:
     """Prompt/answer pairs from a local file; ``sample`` draws from the train split."""
 
@@ -94,7 +116,8 @@ class JsonlTask:
 
     def __init__(self, path: str, checker: str = "exact", prompt_key: str = "prompt",
                  answer_key: str = "answer", test_fraction: float = 0.1, tolerance: float = 1e-6,
-                 *, seed: int = 0, test_size: int | None = None):
+                 *, seed: int = 0, test_size: int | None = None, chat_template="auto",
+                 system_prompt: str | None = None):
         import datasets
 
         file = Path(path).expanduser()
@@ -105,16 +128,21 @@ class JsonlTask:
             raise ValueError(f"path: expected a file ending in {sorted(FORMATS)}, got {file.name!r}")
         check_range("test_fraction", test_fraction, 0, 1, low_inclusive=False, high_inclusive=False)
         check_range("tolerance", tolerance, 0)
+        check_chat_template(chat_template)
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise ValueError(f"system_prompt: expected a string or null, got {system_prompt!r}")
         self._check = resolve_checker(checker, tolerance)
+        self.chat_template, self.system_prompt = chat_template, system_prompt
         self.options = {"path": str(file), "checker": checker, "prompt_key": prompt_key, "answer_key": answer_key,
-                        "test_fraction": test_fraction, "tolerance": tolerance, "seed": seed, "test_size": test_size}
+                        "test_fraction": test_fraction, "tolerance": tolerance, "seed": seed, "test_size": test_size,
+                        "chat_template": chat_template, "system_prompt": system_prompt}
         self._digest = hashlib.sha256(file.read_bytes()).hexdigest()
 
         data = datasets.load_dataset(fmt, data_files=str(file), split="train")
         for arg, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
             if key not in data.column_names:
                 raise ValueError(f"{arg}: column {key!r} not in {file.name}; columns are {data.column_names}")
-        problems = [Problem(str(p), str(a)) for p, a in zip(data[prompt_key], data[answer_key])]
+        problems = rows_to_problems(file.name, data[prompt_key], data[answer_key])
         if len(problems) < 2:
             raise ValueError(f"path: expected at least 2 rows to split into train/test, got {len(problems)}")
         order = list(range(len(problems)))
@@ -154,7 +182,9 @@ class JsonlTask:
         return problem.answer
 
     def alphabet(self) -> str:
-        return "".join(sorted({c for p in self._train + self._test for c in p.prompt + p.answer}))
+        texts = [m["content"] for p in self._train + self._test
+                 for m in (p.prompt if isinstance(p.prompt, list) else [{"content": p.prompt}])]
+        return "".join(sorted(set("".join(texts + [p.answer for p in self._train + self._test]))))
 
     def fingerprint(self) -> dict[str, Any]:
         return {"name": self.name, **self.options, "data_sha256": self._digest}

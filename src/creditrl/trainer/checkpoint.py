@@ -1,21 +1,28 @@
-"""Atomic checkpoints (temp file + rename) holding everything exact resume needs.
+"""Atomic, lean checkpoints holding everything exact resume needs.
 
-A checkpoint is one ``torch.save`` file ``checkpoints/step_000040.pt`` with the model,
-optimizer and scheduler states, the step and token counters, and every RNG the run draws
-from (torch global + the trainer's generator, python ``random``, numpy, the task stream).
-A crash mid-write leaves only a ``.tmp`` file, never a truncated checkpoint.
+A checkpoint is a directory ``checkpoints/step_000040/`` with
+- ``weights.safetensors``: the *trainable* parameters in the model's own dtype (all weights
+  for full fine-tuning, tied weights once; only the adapters for LoRA);
+- ``state.pt``: optimizer (unless ``train.save_optimizer=false``) and scheduler states, the
+  step and token counters, and every RNG the run draws from (torch global + the trainer's
+  generator, python ``random``, numpy, the task stream).
+It is written into a temporary directory and renamed into place, so a crash mid-write leaves
+only a ``.tmp-*`` directory, never a partial checkpoint.
 """
 from __future__ import annotations
 
 import os
 import random
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-PATTERN = re.compile(r"step_(\d+)\.pt$")
+PATTERN = re.compile(r"step_(\d+)$")
+WEIGHTS, STATE = "weights.safetensors", "state.pt"
 
 
 def rng_state(generator: torch.Generator, task_rng: random.Random) -> dict:
@@ -43,28 +50,56 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def trainable_state(model) -> dict:
+    """The trainable parameters by name (detached; tied weights appear once)."""
+    return {name: p.detach().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model, weights: dict) -> None:
+    """Load ``trainable_state`` output back; every trainable parameter must be present."""
+    expected = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:5], sorted(set(weights) - expected)[:5]
+        raise ValueError(f"checkpoint: its weights do not match the model's trainable parameters "
+                         f"(missing {missing}, unexpected {extra}); was it written with another model.* config?")
+    model.load_state_dict(weights, strict=False)
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     folder = Path(run_dir) / "checkpoints"
-    found = [(int(m.group(1)), p) for p in folder.glob("step_*.pt") if (m := PATTERN.search(p.name))]
+    found = [(int(m.group(1)), p) for p in folder.glob("step_*") if (m := PATTERN.search(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep_last: int) -> Path:
-    """Write ``state`` as ``checkpoints/step_{step}.pt`` atomically; keep the newest ``keep_last``."""
+def save_checkpoint(run_dir: str | Path, step: int, weights: dict, state: dict, keep_last: int) -> Path:
+    """Write ``checkpoints/step_{step}/`` atomically; keep the newest ``keep_last``."""
+    from safetensors.torch import save_file
+
     folder = Path(run_dir) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step_{step:06d}.pt"
-    atomic_save({**state, "step": step}, path)
+    path = folder / f"step_{step:06d}"
+    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".tmp-{path.name}-"))
+    os.chmod(tmp, 0o755)
+    try:
+        save_file({k: v.cpu() for k, v in weights.items()}, tmp / WEIGHTS)
+        atomic_save({**state, "step": step}, tmp / STATE)
+        if path.exists():   # an older run's checkpoint of the same step (resume after a crash)
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep_last]:
-        old.unlink(missing_ok=True)
+        shutil.rmtree(old, ignore_errors=True)
     return path
 
 
-def load_latest(run_dir: str | Path) -> dict:
-    """The newest complete checkpoint of ``run_dir``; a clear error when there is none."""
+def load_latest(run_dir: str | Path) -> tuple[dict, dict]:
+    """``(weights, state)`` of the newest complete checkpoint of ``run_dir``; a clear error when there is none."""
+    from safetensors.torch import load_file
+
     found = list_checkpoints(run_dir)
     if not found:
         raise FileNotFoundError(f"resume: no checkpoint in {str(Path(run_dir) / 'checkpoints')!r}; "
-                                f"expected files step_*.pt written by a creditrl train run")
-    return torch.load(found[-1], map_location="cpu", weights_only=False)
+                                f"expected step_* directories written by a creditrl train run")
+    return load_file(found[-1] / WEIGHTS), torch.load(found[-1] / STATE, map_location="cpu", weights_only=False)

@@ -80,6 +80,23 @@ class RunLogger:
             headline = "  ".join(f"{k}={record[k]:.3g}" for k in HEADLINE if record.get(k) is not None)
             self.progress.update(self.bar, completed=record["step"], headline=headline)
 
+    def log_completions(self, step: int, kind: str, samples: list[dict]) -> None:
+        """Append samples to ``completions.jsonl`` (with ``step`` and ``kind``: train/eval) and
+        show them as a Markdown table in TensorBoard's text tab."""
+        if not samples:
+            return
+        with open(self.run_dir / "completions.jsonl", "a") as fh:
+            for sample in samples:
+                fh.write(json.dumps({"step": step, "kind": kind, **sample}) + "\n")
+        if self.writer is not None:
+            def cell(text) -> str:
+                return str(text).replace("|", "\\|").replace("\n", "\\n")
+            rows = ["| prompt | completion | reward | advantage | length | stopped |", "|---|---|---|---|---|---|"]
+            rows += [f"| {cell(x['prompt'][-200:])} | {cell(x['completion'])} | {x['reward']:.3g} | "
+                     f"{'' if x['advantage'] is None else format(x['advantage'], '.3g')} | {x['length']} | "
+                     f"{x['stopped']} |" for x in samples]
+            self.writer.add_text(f"completions/{kind}", "\n".join(rows), step)
+
     def message(self, text: str) -> None:
         if self.progress is not None:
             self.progress.console.print(text)

@@ -4,7 +4,9 @@ Run directory (``train.output_dir/<run_name>``)::
 
     config.yaml      resolved config        metrics.jsonl   one record per step
     eval.jsonl       held-out evals          tensorboard/    event files (when installed)
-    checkpoints/     step_*.pt (atomic, last K)   final/     save_pretrained model + tokenizer
+    completions.jsonl  sample completions per step and eval (prompt as rendered, reward, ...)
+    checkpoints/     step_*/ (atomic, last K; none when save_every=0)
+    final/           save_pretrained model (LoRA: adapters) + tokenizer
     plots/*.png      summary.md / summary.json
 
 Determinism: every random draw comes from the task stream ``random.Random(seed)`` or the
@@ -13,6 +15,7 @@ trainer's ``torch.Generator`` (both checkpointed); evals use their own seeded ge
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -20,15 +23,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditrl.config import Config, config_from_dict, save_config
+from creditrl.config import Config, config_from_dict, eval_settings, save_config
 from creditrl.trainer import checkpoint as ckpt
-from creditrl.trainer.evaluation import evaluate
+from creditrl.trainer.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import plot_run, write_summary
 from creditrl.trainer.rollout import generate_rollouts
 from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
+DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
+CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,7 +56,13 @@ def set_determinism(cfg: Config) -> None:
 
 
 def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
-    """Longest sampled part of the task's reference responses (tool outputs excluded) + slack."""
+    """Built-in tasks: the longest sampled part of the task's reference responses (tool outputs
+    excluded) in the model's tokens + 4 (compact format) or x2 + 8 (natural format: chat
+    answers vary in wording); other tasks (jsonl): ``DEFAULT_MAX_NEW_TOKENS``."""
+    from creditrl.tasks.base import ProceduralTask
+
+    if not isinstance(task, ProceduralTask):
+        return DEFAULT_MAX_NEW_TOKENS
     rng = random.Random(0)
     longest = 0
     for _ in range(samples):
@@ -61,7 +72,27 @@ def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
         for start, end in reversed(spans):
             text = text[:start] + text[end:]
         longest = max(longest, len(tokenizer.encode(text, add_special_tokens=False)))
-    return longest + 4
+    return longest + 4 if task.format == "compact" else 2 * longest + 8
+
+
+def build_task(cfg: Config):
+    """The configured task, its ``format=auto`` resolved for the configured model."""
+    from creditrl.models import is_chat_model
+    from creditrl.tasks import get_task
+
+    return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
+
+
+def load_configured_policy(cfg: Config, task, device, progress: bool, name: str | None = None):
+    """``load_policy`` with every ``model.*`` setting (``name`` overrides ``model.name``)."""
+    from creditrl.models import LoraSettings, load_policy
+
+    m = cfg.model
+    lora = LoraSettings(**{k: v for k, v in dataclasses.asdict(m.lora).items() if k != "enabled"}) \
+        if m.lora.enabled else None
+    return load_policy(name or m.name, task, model_cfg=m.tiny, warm_start=m.warm_start, cache_dir=m.cache_dir,
+                       device=device, seed=cfg.train.seed, progress=progress, dtype=m.dtype,
+                       gradient_checkpointing=m.gradient_checkpointing, lora=lora)
 
 
 def run_name(cfg: Config) -> str:
@@ -73,17 +104,12 @@ class Trainer:
     continues an interrupted run from its newest checkpoint."""
 
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
-        from creditrl.models import load_policy
-        from creditrl.tasks import get_task
-
         self.cfg = cfg
         set_determinism(cfg)
         self.device = resolve_device(cfg.train.device)
-        self.task = get_task(cfg.task.name, **cfg.task.options)
+        self.task = build_task(cfg)
         show = cfg.logging.progress if progress is None else progress
-        self.model, self.tokenizer = load_policy(
-            cfg.model.name, self.task, model_cfg=cfg.model.tiny, warm_start=cfg.model.warm_start,
-            cache_dir=cfg.model.cache_dir, device=self.device, seed=cfg.train.seed, progress=show)
+        self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
         if cfg.rollout.max_new_tokens is None:
             cfg.rollout.max_new_tokens = default_max_new_tokens(self.task, self.tokenizer)
         ref = None
@@ -95,8 +121,10 @@ class Trainer:
         self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
         self.progress = show
+        self.eval_problems, self.eval_samples, self.pass_k = eval_settings(cfg)
         test = self.task.test_set()
-        self.test_problems = test[:cfg.train.eval_problems] if cfg.train.eval_problems else test
+        self.test_problems = test[:self.eval_problems] if self.eval_problems else test
+        self.clipped_streak = 0
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":
@@ -107,48 +135,70 @@ class Trainer:
         cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
         trainer = cls(cfg, run_dir, progress=progress)
         if ckpt.list_checkpoints(run_dir):
-            state = ckpt.load_latest(run_dir)
-            trainer.model.load_state_dict(state["model"])
-            trainer.learner.optimizer.load_state_dict(state["optimizer"])
+            weights, state = ckpt.load_latest(run_dir)
+            ckpt.load_trainable_state(trainer.model, weights)
+            if state.get("optimizer") is not None:
+                trainer.learner.optimizer.load_state_dict(state["optimizer"])
             trainer.learner.scheduler.load_state_dict(state["scheduler"])
             ckpt.set_rng_state(state["rng"], trainer.generator, trainer.task_rng)
             trainer.step, trainer.tokens_total, trainer.elapsed = state["step"], state["tokens_total"], state["elapsed"]
         # else: killed before the first checkpoint -> the freshly seeded trainer IS the state at step 0
-        for name in ("metrics", "eval"):
+        for name in ("metrics", "eval", "completions"):
             truncate_jsonl(run_dir / f"{name}.jsonl", trainer.step)
         return trainer
 
     def save(self) -> Path:
-        state = {"model": self.model.state_dict(), "optimizer": self.learner.optimizer.state_dict(),
-                 "scheduler": self.learner.scheduler.state_dict(),
+        optimizer = self.learner.optimizer.state_dict() if self.cfg.train.save_optimizer else None
+        state = {"optimizer": optimizer, "scheduler": self.learner.scheduler.state_dict(),
                  "rng": ckpt.rng_state(self.generator, self.task_rng),
                  "tokens_total": self.tokens_total, "elapsed": self.elapsed}
-        return ckpt.save_checkpoint(self.run_dir, self.step, state, self.cfg.train.keep_last)
+        return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
+                                    self.cfg.train.keep_last)
 
     def evaluate(self) -> dict:
         c, r = self.cfg, self.cfg.rollout
         start = time.perf_counter()
-        result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=c.train.eval_samples,
-                          ks=c.train.pass_k, temperature=r.temperature, top_p=r.top_p,
+        result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=self.eval_samples,
+                          ks=self.pass_k, temperature=r.temperature, top_p=r.top_p,
                           max_new_tokens=r.max_new_tokens, max_tool_tokens=r.max_tool_tokens,
-                          seed=c.train.seed + 1_000_003 * (self.step + 1))
+                          seed=c.train.seed + 1_000_003 * (self.step + 1), stop_strings=tuple(r.stop),
+                          keep_samples=c.logging.completions)
         return {"step": self.step, "tokens_total": self.tokens_total, **result,
                 "time_eval": time.perf_counter() - start}
 
-    def train_step(self) -> dict:
+    def train_step(self) -> tuple[dict, list[dict]]:
+        """One step; returns its metrics and its first ``logging.completions`` samples."""
         r = self.cfg.rollout
         t0 = time.perf_counter()
         problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
         batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
                                   temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                  generator=self.generator, max_tool_tokens=r.max_tool_tokens)
+                                  generator=self.generator, max_tool_tokens=r.max_tool_tokens,
+                                  stop_strings=tuple(r.stop))
         t1 = time.perf_counter()
         metrics = self.learner.update(batch, self.generator)
         t2 = time.perf_counter()
         self.step += 1
         self.tokens_total += batch.num_tokens
-        return {"step": self.step, "tokens_total": self.tokens_total, **metrics,
-                "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
+        metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics,
+                   "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
+        return metrics, completion_records(batch, self.cfg.logging.completions)
+
+    def clipped_warning(self, clipped_frac: float) -> str | None:
+        """One warning when more than half the responses hit ``rollout.max_new_tokens`` for
+        3 steps in a row (their rewards are likely 0: answers cut mid-way)."""
+        limit, steps = CLIPPED_WARNING
+        self.clipped_streak = self.clipped_streak + 1 if clipped_frac > limit else 0
+        if self.clipped_streak != steps:
+            return None
+        return (f"warning: {clipped_frac:.0%} of this step's responses hit rollout.max_new_tokens="
+                f"{self.cfg.rollout.max_new_tokens} without stopping ({steps} steps in a row with more than "
+                f"{limit:.0%}); answers are probably being cut: raise rollout.max_new_tokens")
+
+    def log_eval(self, logger: RunLogger) -> None:
+        result = self.evaluate()
+        logger.log_completions(self.step, "eval", result.pop("samples", []))
+        logger.log("eval", result)
 
     def run(self) -> Path:
         c = self.cfg
@@ -159,18 +209,23 @@ class Trainer:
         started = time.perf_counter() - self.elapsed
         try:
             if self.step == 0 and not read_jsonl(self.run_dir / "eval.jsonl"):
-                logger.log("eval", self.evaluate())
+                self.log_eval(logger)
             while self.step < c.train.steps:
-                logger.log("metrics", self.train_step())
+                metrics, samples = self.train_step()
+                logger.log_completions(self.step, "train", samples)
+                logger.log("metrics", metrics)
+                warning = self.clipped_warning(metrics["clipped_frac"])
+                if warning:
+                    logger.message(warning)
                 self.elapsed = time.perf_counter() - started
                 last = self.step == c.train.steps
                 if c.train.eval_every and self.step % c.train.eval_every == 0 and not last:
-                    logger.log("eval", self.evaluate())
-                if last or (c.train.save_every and self.step % c.train.save_every == 0):
+                    self.log_eval(logger)
+                if c.train.save_every and (last or self.step % c.train.save_every == 0):
                     self.save()
             evals = read_jsonl(self.run_dir / "eval.jsonl")
             if not evals or evals[-1]["step"] != self.step:
-                logger.log("eval", self.evaluate())
+                self.log_eval(logger)
         finally:
             logger.close()
         self.elapsed = time.perf_counter() - started
@@ -182,6 +237,7 @@ class Trainer:
         self.model.save_pretrained(final)
         self.tokenizer.save_pretrained(final)
         metrics, evals = read_jsonl(self.run_dir / "metrics.jsonl"), read_jsonl(self.run_dir / "eval.jsonl")
+        completions = [x for x in read_jsonl(self.run_dir / "completions.jsonl") if x.get("kind") == "train"]
         if self.cfg.logging.plots:
             plot_run(self.run_dir, metrics, evals)
         c = self.cfg
@@ -195,7 +251,7 @@ class Trainer:
                 extra["warm_start"] = (f"{info.get('steps')} SFT steps to sampled accuracy "
                                        f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
-                             extra=extra)
+                             extra=extra, completions=completions)
 
 
 def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | None = None) -> Path:

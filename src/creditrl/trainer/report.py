@@ -53,8 +53,9 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
 
 
 def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list[dict], wall_time: float,
-                  extra: dict | None = None) -> dict:
-    """summary.json + summary.md; returns the summary dict."""
+                  extra: dict | None = None, completions: list[dict] | None = None, shown: int = 3) -> dict:
+    """summary.json + summary.md (with ``shown`` train completions of the first and the last
+    step, when given); returns the summary dict."""
     start, end = (evals[0], evals[-1]) if evals else ({}, {})
     keys = [k for k in end if k in ("greedy_acc", "sampled_acc") or k.startswith(("pass@", "avg@"))]
     summary = {
@@ -81,5 +82,13 @@ def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list
             lines += ["", f"![{name}](plots/{name})"]
     for key, value in (extra or {}).items():
         lines.append(f"- {key}: {value}")
+    if completions:
+        steps = sorted({c["step"] for c in completions})
+        for step in dict.fromkeys((steps[0], steps[-1])):
+            lines += ["", f"### Sample completions, step {step}", ""]
+            for c in [c for c in completions if c["step"] == step][:shown]:
+                prompt = c["prompt"][-160:].replace("\n", "⏎")
+                lines.append(f"- reward {c['reward']:.2f}, {c['length']} tokens, "
+                             f"{'stopped' if c['stopped'] else 'CLIPPED'}: `…{prompt}` → `{c['completion']}`")
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
     return summary

@@ -3,7 +3,10 @@
     old  = token_stats(π_old)                   (no grad: logp, entropy, energy ŵ_t)
     A    = compute_advantages(estimator, R, mask, group, energy, ρ̄)
     for epoch in 1..μ, for each mini-batch:
-        loss = policy_loss(logp_θ, old.logp, A, mask, ...)   (clip-higher, KL, TIS/MIS, STAPO, GRPO-λ)
+        for each micro-batch:                  (gradient accumulation)
+            loss_i = policy_loss(logp_θ, old.logp, A, mask, ...)   (clip-higher, KL, TIS/MIS, STAPO, GRPO-λ)
+            backward(loss_i · count_i)         count_i = agg_denominator of the micro-batch
+        grad /= Σ count_i                       = the mini-batch's gradient, exactly
         AdamW step after grad-norm clipping
 
 Only the response columns are scored: prompts are left-padded to a common width P, so the
@@ -186,8 +189,18 @@ class Learner:
                                   t["response_mask"], prompt_len, temperature=self.cfg.rollout.temperature,
                                   chunk_size=self.cfg.train.chunk_size, group=t["group"])
 
+    def old_stats(self, t: dict, prompt_len: int, micro: int):
+        """No-grad TokenStats of every row, computed ``micro`` rows at a time (bounded memory)."""
+        size = t["input_ids"].shape[0]
+        with torch.no_grad():
+            parts = [self.stats(self.model, {k: v[rows] for k, v in t.items()}, prompt_len)
+                     for rows in torch.arange(size, device=self.device).split(micro)]
+        return TokenStats(**{f.name: torch.cat([getattr(x, f.name) for x in parts])
+                             for f in dataclasses.fields(TokenStats)})
+
     def update(self, batch: RolloutBatch, generator: torch.Generator) -> dict:
-        """One train step on ``batch``; returns the step's metrics (floats)."""
+        """One train step on ``batch``; returns the step's metrics (floats) and stores the
+        advantages [B,L] on ``batch.advantages``."""
         from creditrl import compute_advantages, policy_loss, variance_proxy
 
         cfg, p = self.cfg, batch.prompt_len
@@ -197,16 +210,22 @@ class Learner:
         rewards, group = batch.rewards.to(self.device), batch.group.to(self.device)
 
         size = batch.input_ids.shape[0]
-        mb = cfg.optim.minibatch_size or size
-        # On-policy single pass (μ = 1, one mini-batch): π_old is the current policy, so one
-        # forward with grad serves both the old stats (detached) and the loss.
-        fused = cfg.optim.epochs == 1 and mb >= size
+        mb = min(cfg.optim.minibatch_size or size, size)
+        micro = min(cfg.optim.micro_batch_size or mb, mb)
+        # On-policy single pass (μ = 1, one mini-batch, one micro-batch): π_old is the current
+        # policy, so one forward with grad serves both the old stats (detached) and the loss.
+        fused = cfg.optim.epochs == 1 and micro >= size
         self.model.train()
-        with torch.set_grad_enabled(fused):
+        if fused:
             first = self.stats(self.model, t, p)
+        else:
+            first = self.old_stats(t, p, micro)
         old_logp, entropy, energy = (x.detach().float() for x in (first.logp, first.entropy, first.energy))
         with torch.no_grad():
-            ref_logp = self.stats(self.ref_model, t, p).logp.float() if self.ref_model is not None else None
+            ref_logp = None
+            if self.ref_model is not None:
+                ref_logp = torch.cat([self.stats(self.ref_model, {k: v[rows] for k, v in t.items()}, p).logp.float()
+                                      for rows in torch.arange(size, device=self.device).split(micro)])
             is_weights = None
             if cfg.loss.rollout_correction is not None:
                 is_weights = torch.exp(old_logp - rollout_logp).clamp(max=cfg.loss.rollout_cap) * mask
@@ -215,22 +234,36 @@ class Learner:
                 energy=energy if self.needs_energy else None, is_weights=is_weights, **self.estimator_options)
             advantages = advantages.float()
 
+        params = [q for q in self.model.parameters() if q.requires_grad]
         sums: dict[str, float] = {}
         n_updates = 0
         for _ in range(cfg.optim.epochs):
             order = (torch.arange(size) if fused else torch.randperm(size, generator=generator)).to(self.device)
             for rows in order.split(mb):
-                new = first if fused else self.stats(self.model, {k: v[rows] for k, v in t.items()}, p)
-                loss, metrics = policy_loss(
-                    new.logp.float(), old_logp[rows], advantages[rows], mask[rows],
-                    ref_logp=None if ref_logp is None else ref_logp[rows], rollout_logp=rollout_logp[rows],
-                    entropy=new.entropy.float(), **self.loss_options)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.max_grad_norm)
+                parts = rows.split(micro)
+                weighted: dict[str, float] = {}
+                total = 0.0
+                for micro_rows in parts:
+                    new = first if fused else self.stats(self.model, {k: v[micro_rows] for k, v in t.items()}, p)
+                    loss, metrics = policy_loss(
+                        new.logp.float(), old_logp[micro_rows], advantages[micro_rows], mask[micro_rows],
+                        ref_logp=None if ref_logp is None else ref_logp[micro_rows],
+                        rollout_logp=rollout_logp[micro_rows], entropy=new.entropy.float(), **self.loss_options)
+                    count = metrics["agg_count"] if len(parts) > 1 else 1.0
+                    (loss * count if len(parts) > 1 else loss).backward()
+                    metrics["loss"] = float(loss.detach())
+                    for k, v in metrics.items():
+                        weighted[k] = weighted.get(k, 0.0) + float(v) * max(count, 1e-12)
+                    total += max(count, 1e-12)
+                if len(parts) > 1 and total > 0:
+                    for q in params:                  # Σ_i count_i ∇loss_i / Σ_i count_i
+                        if q.grad is not None:
+                            q.grad.div_(total)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
                 self.optimizer.step()
-                metrics = {k: float(v) for k, v in metrics.items()}
-                metrics.update(loss=float(loss.detach()), grad_norm=float(grad_norm))
+                metrics = {k: v / total for k, v in weighted.items()}
+                metrics.update(grad_norm=float(grad_norm))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_updates += 1
@@ -238,11 +271,14 @@ class Learner:
         self.scheduler.step()
 
         out = {k: v / n_updates for k, v in sums.items()}
+        out.pop("agg_count", None)
         adv_mean, adv_std = masked_mean_std(advantages, mask)
         lengths = mask.sum(-1)
+        batch.advantages = torch.nn.functional.pad(advantages.cpu(), (p, 0))
         out.update(
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
             accuracy=float(batch.correct.float().mean()), response_len=float(lengths.float().mean()),
+            clipped_frac=float(1.0 - batch.stopped.float().mean()),
             entropy=masked_mean_std(entropy, mask)[0], adv_mean=adv_mean, adv_std=adv_std,
             variance_proxy=float(variance_proxy(advantages, energy, mask)), lr=lr)
         return out

@@ -1,0 +1,245 @@
+"""The one sampler: batched decoding with a KV cache, G responses per prompt, behaviour
+log-probs, stop tokens and strings, tool turns. Training rollouts, evaluation and the
+``builtin:tiny`` warm start all decode through ``generate``.
+
+Each prompt is prefilled once and its KV cache expanded to its G rows; each step then feeds
+one token per live row (one forward through the cache; finished rows leave the batch and the
+cache, so they cost nothing). Rows whose response just ended with the task's ``tool_stop``
+(e.g. ``</calc>``) get the environment's output (``<out>42</out>``) queued as *forced*
+tokens, fed over the next steps with mask 0 and log-prob 0, so single- and multi-turn tasks
+share one batched loop with no per-row forward.
+
+A row ends (``stopped``) at any token of ``stop_token_ids`` (the tokenizer's EOS and every id
+of the model's ``generation_config.eos_token_id``) or once its text contains one of
+``stop_strings``; the token that ends it is the policy's action and is trained on. A row that
+reaches ``max_new_tokens`` sampled tokens first is *clipped* (``stopped`` False).
+
+Sampling runs on the model's device: only one uniform number per row comes from the (CPU,
+checkpointed) generator, and the token is drawn by inverse CDF, so runs are reproducible on
+any device and no [N,V] logits cross to the host.
+
+Layout: prompts are left-padded to a common length P, responses follow from column P and are
+right-padded, so every response starts at column P and ``position_ids`` = cumsum(attention_mask)
+- 1 matches what the cache saw during generation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Generation:
+    """N = prompts x group_size rows; L = prompt_len + response columns.
+
+    input_ids, attention_mask: [N,L] long; response_mask: [N,L] float, 1 on sampled tokens;
+    rollout_logp: [N,L] float32 behaviour log-prob of sampled tokens (0 elsewhere);
+    stopped: [N] bool, the row ended at a stop token/string (False: clipped at max_new_tokens)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+    rollout_logp: Tensor
+    stopped: Tensor
+    prompt_len: int
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """[B,L] positions counting only attended tokens, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """Ids that end a response: the tokenizer's EOS and every ``generation_config.eos_token_id``
+    (an int or a list; e.g. ``<|im_end|>`` for chat models whose tokenizer names another EOS)."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None)
+    for i in [extra] if isinstance(extra, int) else list(extra or []):
+        if int(i) not in ids:
+            ids.append(int(i))
+    if not ids:
+        raise ValueError("tokenizer: expected an eos_token_id or a generation_config.eos_token_id to end "
+                         "responses, got neither")
+    return ids
+
+
+def cut_at_stop(text: str, stop_strings) -> str:
+    """``text`` up to and including the earliest stop string (unchanged when none occurs)."""
+    ends = [i + len(s) for s in stop_strings if (i := text.find(s)) >= 0]
+    return text[:min(ends)] if ends else text
+
+
+def pad_prompts(prompt_ids: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
+    """Left-padded ``(input_ids, attention_mask)`` [N,P] of token-id prompts."""
+    width = max(len(e) for e in prompt_ids)
+    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in prompt_ids], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in prompt_ids], dtype=torch.long)
+    return ids, mask
+
+
+def sample_next(logits: Tensor, *, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Sample one token per row from softmax(logits / temperature) truncated to the top-p
+    nucleus; return ``(tokens [N], logp [N])`` on ``logits``' device under that (renormalised)
+    behaviour policy. ``temperature == 0`` is greedy (logp 0). The draw is an inverse CDF of
+    one uniform per row from ``generator`` (CPU): zero-probability tokens are never drawn."""
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1), logits.new_zeros(logits.shape[0])
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        # keep a token if the mass before it is < top_p (the top token always survives)
+        drop = (sorted_logp.exp().cumsum(-1) - sorted_logp.exp()) >= top_p
+        sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
+        logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp)
+        logp = torch.log_softmax(logp, dim=-1)
+    cdf = logp.exp().cumsum_(-1)
+    u = 1.0 - torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)   # (0, 1]
+    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1])[:, None]
+    token = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _tail_matches(generated: Tensor, length: Tensor, pattern: Tensor) -> Tensor:
+    """[N] bool: the last ``len(pattern)`` tokens of each row's generated prefix equal pattern."""
+    m = pattern.numel()
+    if generated.shape[1] < m:
+        return torch.zeros(generated.shape[0], dtype=torch.bool)
+    cols = (length[:, None] - m + torch.arange(m)).clamp(min=0)
+    return (generated.gather(1, cols) == pattern).all(-1) & (length >= m)
+
+
+def select_cache_rows(cache, rows: Tensor):
+    """The KV cache restricted/expanded to batch ``rows`` (indices may repeat): HF ``Cache``
+    objects in place, legacy tuple/tensor caches by indexing every tensor's first dim."""
+    if hasattr(cache, "batch_select_indices"):
+        cache.batch_select_indices(rows)
+        return cache
+    return torch.utils._pytree.tree_map(lambda x: x[rows] if isinstance(x, Tensor) else x, cache)
+
+
+def _text_stops(tokenizer, generated: Tensor, rows: Tensor, t: int, stop_strings, window: int) -> Tensor:
+    """[len(rows)] bool: the row's text ending at column t now contains a stop string. Only
+    the last ``window`` tokens are decoded (one batched call): an occurrence that ended
+    earlier was caught at its own step."""
+    if not len(rows):
+        return torch.zeros(0, dtype=torch.bool)
+    tails = tokenizer.batch_decode(generated[rows, max(0, t + 1 - window):t + 1].tolist(), skip_special_tokens=True)
+    return torch.tensor([any(s in text for s in stop_strings) for text in tails], dtype=torch.bool)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int = 1, temperature: float = 1.0,
+             top_p: float = 1.0, max_new_tokens: int = 16, generator: torch.Generator | None = None,
+             task=None, max_tool_tokens: int = 16, stop_strings: tuple[str, ...] | list[str] = ()) -> Generation:
+    """Decode ``group_size`` responses per prompt (rows i*G .. i*G+G-1 answer prompt i) from
+    token-id prompts (``tasks.chat.render_prompt``); see the module docstring."""
+    device = next(model.parameters()).device
+    prompt_tokens, prompt_attn = pad_prompts(prompt_ids, tokenizer.pad_token_id)
+    prompt_len = prompt_tokens.shape[1]
+    expand = torch.arange(len(prompt_ids)).repeat_interleave(group_size)
+    n = len(expand)
+    pad = tokenizer.pad_token_id
+    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long)
+    stop_strings = tuple(s for s in stop_strings if s)
+    window = max((len(s) for s in stop_strings), default=0) + 1   # every token writes >= 1 character
+    tool_calls = int(getattr(task, "max_tool_calls", 0) or 0)
+    tool_stop = (torch.tensor(tokenizer(task.tool_stop, add_special_tokens=False)["input_ids"], dtype=torch.long)
+                 if tool_calls and task.tool_stop else None)
+    max_steps = max_new_tokens + tool_calls * max_tool_tokens
+
+    tokens = torch.full((n, max_steps), pad, dtype=torch.long)
+    sampled = torch.zeros(n, max_steps)                      # 1 where the policy chose the token
+    logps = torch.zeros(n, max_steps)
+    fed = torch.zeros(n, dtype=torch.long)                   # response tokens fed = attended columns
+    n_sampled = torch.zeros(n, dtype=torch.long)
+    n_calls = torch.zeros(n, dtype=torch.long)
+    stopped = torch.zeros(n, dtype=torch.bool)
+    forced = torch.full((n, max_tool_tokens), pad, dtype=torch.long)  # queued tool-output tokens
+    forced_len = torch.zeros(n, dtype=torch.long)
+    forced_pos = torch.zeros(n, dtype=torch.long)
+
+    ids, attn = prompt_tokens[expand], prompt_attn[expand]
+    attn_dev, next_pos = attn.to(device), attn.sum(-1)
+    steps = 0
+    # inference mode inside only: what leaves it is built below from ordinary tensors, so the
+    # training forward can save it for backward
+    with torch.inference_mode():
+        out = model(input_ids=prompt_tokens.to(device), attention_mask=prompt_attn.to(device),
+                    position_ids=position_ids_from_mask(prompt_attn).to(device), use_cache=True, logits_to_keep=1)
+        cache = select_cache_rows(out.past_key_values, expand.to(device))
+        logits = out.logits[:, -1][expand.to(device)]
+        live = torch.arange(n)                                   # rows still decoding, in cache order
+        for t in range(max_steps):
+            token, logp = (x.cpu() for x in sample_next(logits, temperature=temperature, top_p=top_p,
+                                                         generator=generator))
+            pos = forced_pos[live]
+            is_forced = pos < forced_len[live]
+            token = torch.where(is_forced, forced[live, pos.clamp(max=max_tool_tokens - 1)], token)
+            chosen = ~is_forced
+            tokens[live, t] = token
+            sampled[live, t] = chosen.float()
+            logps[live, t] = torch.where(chosen, logp, torch.zeros_like(logp))
+            fed[live] += 1
+            forced_pos[live] = pos + is_forced.long()
+            n_sampled[live] += chosen.long()
+            steps = t + 1
+            ends = chosen & torch.isin(token, stop_ids)
+            if stop_strings:
+                ends |= chosen & _text_stops(tokenizer, tokens, live, t, stop_strings, window)
+            stopped[live] |= ends
+            ended = ends | (n_sampled[live] >= max_new_tokens)
+            keep = ~ended | (forced_pos[live] < forced_len[live])  # queued tool tokens still get fed
+            if tool_stop is not None:
+                candidates = torch.zeros(n, dtype=torch.bool).index_fill_(0, live[chosen & keep], True)
+                _queue_tool_outputs(tokenizer, task, tokens[:, :t + 1], candidates, tool_stop, n_calls, tool_calls,
+                                    forced, forced_len, forced_pos)
+                keep |= forced_pos[live] < forced_len[live]
+            if not bool(keep.all()):
+                if not bool(keep.any()):
+                    break
+                kept = torch.nonzero(keep).flatten()
+                live = live[kept]
+                cache = select_cache_rows(cache, kept.to(device))
+            # every column a live row has been fed is attended: only the prompt's left padding is masked
+            step_attn = torch.cat([attn_dev[live.to(device)],
+                                   torch.ones(len(live), t + 1, dtype=torch.long, device=device)], dim=1)
+            out = model(input_ids=tokens[live, t:t + 1].to(device), attention_mask=step_attn,
+                        position_ids=(next_pos[live] + t)[:, None].to(device), past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+
+    input_ids = torch.cat([ids, tokens[:, :steps]], dim=1)
+    attention_mask = torch.cat([attn, (torch.arange(steps) < fed[:, None]).long()], dim=1)
+    rollout_logp = torch.cat([torch.zeros(n, prompt_len), logps[:, :steps]], dim=1)
+    response_mask = torch.cat([torch.zeros(n, prompt_len), sampled[:, :steps]], dim=1)
+    return Generation(input_ids, attention_mask, response_mask, rollout_logp, stopped, prompt_len)
+
+
+def _queue_tool_outputs(tokenizer, task, generated: Tensor, candidates: Tensor,
+                        stop_ids: Tensor, n_calls: Tensor, max_calls: int, forced: Tensor,
+                        forced_len: Tensor, forced_pos: Tensor) -> None:
+    """Rows that just wrote ``task.tool_stop`` get the tool output queued (mask 0 tokens).
+    Only the rows that triggered a call are decoded: tool calls are events, not tokens."""
+    length = torch.full((generated.shape[0],), generated.shape[1], dtype=torch.long)
+    hit = candidates & _tail_matches(generated, length, stop_ids) & (n_calls < max_calls)
+    for b in torch.nonzero(hit).flatten().tolist():
+        text = tokenizer.decode(generated[b], skip_special_tokens=True)
+        output = task.tool_output(text)
+        n_calls[b] += 1
+        if not output:
+            continue
+        out_ids = tokenizer(output, add_special_tokens=False)["input_ids"][:forced.shape[1]]
+        forced[b, :len(out_ids)] = torch.tensor(out_ids, dtype=torch.long)
+        forced_len[b], forced_pos[b] = len(out_ids), 0
+
+
+def decode_responses(tokenizer, response_ids: Tensor, response_attn: Tensor, stop_strings=()) -> list[str]:
+    """Response texts without padding/EOS, cut right after a stop string (tool outputs
+    included: the reward sees them)."""
+    texts = tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(response_ids, response_attn)],
+                                   skip_special_tokens=True)
+    return [cut_at_stop(t, stop_strings) for t in texts] if stop_strings else texts

@@ -1,0 +1,74 @@
+"""Prompts as the model sees them: TRL's dataset conventions plus the tokenizer's chat template.
+
+A prompt is either *standard* (a string) or *conversational* (a list of ``{"role", "content"}``
+messages, TRL's convention). ``chat_template``:
+
+- ``"auto"`` (default): apply the tokenizer's chat template with ``add_generation_prompt``
+  when the prompt is conversational or a ``system_prompt`` is set; a plain string otherwise;
+- ``True``: always (a string prompt becomes one user message);
+- ``False``: never (a conversational prompt is then an error).
+
+A templated prompt is tokenized without extra special tokens (the template writes them),
+a plain one with the tokenizer's own (e.g. BOS), as TRL does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+CHAT_TEMPLATE_MODES = ("auto", True, False)
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_chat_template(value: Any) -> None:
+    if value not in CHAT_TEMPLATE_MODES or isinstance(value, (int, float)) and not isinstance(value, bool):
+        raise ValueError(f"chat_template: expected one of {list(CHAT_TEMPLATE_MODES)}, got {value!r}")
+
+
+def check_prompt(prompt: Any, where: str = "prompt") -> str | list[dict[str, str]]:
+    """``prompt`` if it is a non-empty string or a valid message list; else a ValueError naming ``where``."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where}: expected a string or a non-empty list of {{'role', 'content'}} messages, "
+                         f"got {type(prompt).__name__} {str(prompt)[:80]!r}")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or set(message) - {"role", "content"} or "role" not in message:
+            raise ValueError(f"{where}: message {i}: expected a mapping with keys 'role' and 'content', "
+                             f"got {str(message)[:80]!r}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"{where}: message {i}: expected role in {list(ROLES)}, got {message['role']!r}")
+        if not isinstance(message.get("content"), str):
+            raise ValueError(f"{where}: message {i}: expected string content, got "
+                             f"{type(message.get('content')).__name__}")
+    return prompt
+
+
+def uses_template(prompt, chat_template="auto", system_prompt: str | None = None) -> bool:
+    if chat_template == "auto":
+        return isinstance(prompt, list) or system_prompt is not None
+    return bool(chat_template)
+
+
+def render_prompt(tokenizer, prompt, *, chat_template="auto", system_prompt: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` as the policy sees it (see the module docstring)."""
+    prompt = check_prompt(prompt)
+    if not uses_template(prompt, chat_template, system_prompt):
+        if isinstance(prompt, list):
+            raise ValueError("chat_template: the prompt is a list of messages but chat_template is false; "
+                             "set task.options.chat_template=auto (or true)")
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        return list(tokenizer(prompt)["input_ids"]) or [start]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat_template: this prompt needs the tokenizer's chat template, but the tokenizer has "
+                         "none; use string prompts with task.options.chat_template=false")
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def render_task_prompts(tokenizer, task, prompts: list) -> list[list[int]]:
+    """``render_prompt`` for each prompt with the task's ``chat_template`` / ``system_prompt``."""
+    mode, system = getattr(task, "chat_template", "auto"), getattr(task, "system_prompt", None)
+    return [render_prompt(tokenizer, p, chat_template=mode, system_prompt=system) for p in prompts]
