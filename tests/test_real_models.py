@@ -230,7 +230,7 @@ def test_conversational_jsonl_trains_and_logs_completions(chat_model_dir, chat_j
 def test_clipped_warning_after_three_steps(chat_model_dir, chat_jsonl, tmp_path, capsys):
     cfg = load_config(None, [f"model.name={chat_model_dir}", "task.name=jsonl", f"task.options.path={chat_jsonl}",
                              "rollout.group_size=2", "rollout.prompts_per_step=1", "rollout.max_new_tokens=1",
-                             "rollout.temperature=0.01", "train.steps=3", "train.eval_problems=1",
+                             "rollout.temperature=0.05", "train.steps=3", "train.eval_problems=1",
                              "train.eval_samples=1", "logging.progress=false", "train.save_every=0",
                              f"train.output_dir={tmp_path}", "train.run_name=clip"])
     train(cfg)

@@ -1,5 +1,6 @@
 """Built-in tasks: generators, held-out sets, reward checkers (incl. adversarial output)."""
 import json
+import math
 import random
 import re
 import sys
@@ -239,10 +240,12 @@ def test_jsonl_parquet_and_keys(tmp_path):
 
 def test_jsonl_numeric_checker(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1,000.5"}, {"prompt": "b", "answer": "2"}])
-    task = get_task("jsonl", path=path, checker="numeric", tolerance=1e-6)
+    task = get_task("jsonl", path=path, checker="numeric", tolerance=1e-3)
     p = Problem("a", "1,000.5")
     assert task.reward(p, "so it is 1000.5004") == 1.0
     assert task.reward(p, "1000.6") == 0.0
+    exact = get_task("jsonl", path=path, checker="numeric")            # default: exact comparison
+    assert exact.reward(p, "1000.5004") == 0.0 and exact.reward(p, "1,000.50") == 1.0
     assert task.reward(p, "inf") == 0.0 and task.reward(p, "1e999") == 0.0
     for bad in ADVERSARIAL:
         assert task.reward(p, bad) == 0.0
@@ -259,12 +262,12 @@ def test_jsonl_user_checker(tmp_path, monkeypatch):
     task = get_task("jsonl", path=path, checker="my_reward:score")
     p = Problem("q7", "7")
     assert task.reward(p, "it is 7") == 0.5 and task.reward(p, "it is 8") == 0.0
-    assert task.reward(p, "nan") == 0.0
+    assert math.isnan(task.reward(p, "nan"))      # the rollout counts NaN as 0 and logs it
     with pytest.warns(UserWarning, match="raised RuntimeError"):
-        assert task.reward(p, "boom") == 0.0
+        assert math.isnan(task.reward(p, "boom"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert task.reward(p, "boom") == 0.0   # warned once only
+        assert math.isnan(task.reward(p, "boom"))   # warned once only
     sys.modules.pop("my_reward", None)
 
 

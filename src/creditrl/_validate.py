@@ -41,12 +41,17 @@ def bad_rows(bad: Tensor) -> list[int]:
     return torch.nonzero(rows).flatten()[:MAX_ROWS_REPORTED].tolist()
 
 
+class NonFiniteError(ValueError):
+    """A tensor holds NaN/inf where finite values are required (or a result overflowed). A
+    trainer can catch it to skip the step instead of stopping."""
+
+
 def check_finite(name: str, x: Tensor) -> None:
-    """Raise ValueError naming up to 10 rows that hold NaN or inf."""
+    """Raise NonFiniteError (a ValueError) naming up to 10 rows that hold NaN or inf."""
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         n = int(bad.reshape(bad.shape[0], -1).any(dim=1).sum()) if x.dim() > 0 else 1
-        raise ValueError(f"{name}: {n} row(s) contain NaN or inf, e.g. rows {bad_rows(bad)}")
+        raise NonFiniteError(f"{name}: {n} row(s) contain NaN or inf, e.g. rows {bad_rows(bad)}")
 
 
 def check_choice(name: str, value: object, choices: Iterable[object]) -> None:

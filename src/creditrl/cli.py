@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="YAML config file (merged over the defaults)")
     train.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR exactly "
                        "(its config.yaml and newest checkpoint; no other options allowed)")
+    train.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same "
+                       "train.run_name and start again (without it an existing run is refused)")
     train.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
 
     ev = sub.add_parser("eval", help="held-out greedy accuracy and pass@k / avg@k",
@@ -70,12 +72,13 @@ def cmd_train(args) -> int:
 
     start = time.perf_counter()
     if args.resume:
-        if args.config or args.overrides:
-            raise ValueError("--resume: a resumed run uses its saved config.yaml; drop --config and key=value")
+        if args.config or args.overrides or args.overwrite:
+            raise ValueError("--resume: a resumed run uses its saved config.yaml; drop --config, --overwrite and "
+                             "key=value")
         run_dir = resume(args.resume, progress=not args.no_progress)
     else:
         cfg = load_config(args.config, args.overrides)
-        run_dir = train(cfg, progress=False if args.no_progress else None)
+        run_dir = train(cfg, progress=False if args.no_progress else None, overwrite=args.overwrite)
     print((run_dir / "summary.md").read_text())
     print(f"run directory: {run_dir}  (total wall time incl. model load/warm start: "
           f"{(time.perf_counter() - start) / 60:.1f} min)")
@@ -83,21 +86,20 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from creditrl.config import apply_overrides, config_from_dict, load_config
+    from creditrl.config import apply_overrides, load_config, load_saved_config
     from creditrl.trainer import evaluate
     from creditrl.config import eval_settings
     from creditrl.trainer.loop import build_task, default_max_new_tokens, load_configured_policy, resolve_device
 
     weights = None
     if args.run:
-        import yaml
         from pathlib import Path
         run = Path(args.run)
         if not (run / "config.yaml").is_file():
             raise FileNotFoundError(f"--run: {str(run)!r} has no config.yaml; expected a creditrl run directory")
         if not (run / "final").is_dir():
             raise FileNotFoundError(f"--run: {str(run / 'final')!r} not found; the run has not finished")
-        cfg = apply_overrides(config_from_dict(yaml.safe_load((run / "config.yaml").read_text())), args.overrides)
+        cfg = apply_overrides(load_saved_config(run / "config.yaml"), args.overrides)
         weights = str(run / "final")   # the task keeps the format of the run's model.name (a LoRA
                                        # final/ is an adapter whose base has the same template)
     else:
@@ -162,10 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from creditrl.config import ConfigError
+    from creditrl.trainer.loop import TrainingStopped
     handlers = {"train": cmd_train, "eval": cmd_eval, "estimators": cmd_estimators}
     try:
         return handlers[args.command](args)
-    except (ConfigError, FileNotFoundError, ImportError, ValueError) as err:
+    except (ConfigError, ImportError, OSError, TrainingStopped, ValueError) as err:
         if os.environ.get("CREDITRL_DEBUG"):
             raise
         print(f"creditrl {args.command}: error: {err}", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class ConfigError(ValueError):
 
 
 ROLLOUT_MODES = tuple(m for m in ROLLOUT_CORRECTIONS if m is not None)
+TEMPERATURE_RANGE = (0.05, 10.0)
 
 
 def _with_enabled(options_cls: type, name: str, doc: str, **defaults: Any) -> type:
@@ -225,13 +227,18 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, float) and value.is_integer():
             return int(value)
     elif inner is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
+            return number
     elif inner is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -329,8 +336,25 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    with open(path, "w") as fh:
-        yaml.safe_dump(config_to_dict(cfg), fh, sort_keys=False)
+    from creditrl._io import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def load_saved_config(path: str | Path) -> Config:
+    """A run's ``config.yaml``, strictly: every section must be present (a truncated or empty
+    file is an error, never filled in with defaults)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError(f"{path}: unreadable saved config ({err}); it is not filled in with defaults") from None
+    expected = [f.name for f in dataclasses.fields(Config)]
+    missing = [k for k in expected if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise ConfigError(f"{path}: incomplete saved config (missing sections {missing}); it is not filled in with "
+                          f"defaults. Restore it or start a new run")
+    return config_from_dict(data)
 
 
 def config_from_dict(data: dict) -> Config:
@@ -424,6 +448,10 @@ def validate(cfg: Config) -> None:
                        ("loss.clip_low", loss.clip_low), ("loss.clip_high", loss.clip_high),
                        ("optim.min_lr_ratio", o.min_lr_ratio)]:
         positive(key, value, strict=False)
+    if not TEMPERATURE_RANGE[0] <= r.temperature <= TEMPERATURE_RANGE[1]:
+        raise ConfigError(f"rollout.temperature: expected a value in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}] "
+                          f"(sampling RL needs a real distribution: below it the policy is ~greedy and log-ratios "
+                          f"overflow), got {r.temperature!r}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {r.top_p!r}")
     if loss.clip_c is not None and loss.clip_c <= 1:
@@ -465,6 +493,16 @@ def _dry_run_estimator(cfg: Config, options: dict) -> None:
     try:
         compute_advantages(cfg.algorithm.estimator, rewards=(torch.arange(g) % 2).float(), mask=torch.ones(g, 2),
                            group=torch.zeros(g, dtype=torch.long), energy=torch.ones(g, 2), **options)
+        if g == 1:   # one response per group: does the estimator learn anything from it?
+            alone = compute_advantages(cfg.algorithm.estimator, rewards=torch.ones(1), mask=torch.ones(1, 2),
+                                       group=torch.zeros(1, dtype=torch.long), energy=torch.ones(1, 2), **options)
+            if not bool(alone.abs().sum() > 0):
+                raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator "
+                                  f"{cfg.algorithm.estimator!r} advantage 0 for every token (it compares responses "
+                                  f"within a group), so nothing would be learned; use rollout.group_size >= 2 or "
+                                  f"algorithm.estimator=reinforce")
     except (TypeError, ValueError) as err:
+        if isinstance(err, ConfigError):
+            raise
         raise ConfigError(f"algorithm (estimator={cfg.algorithm.estimator!r}, options={options}, "
                           f"rollout.group_size={g}): {err}") from None

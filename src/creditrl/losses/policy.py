@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
-from creditrl._validate import as_mask
+from creditrl._validate import NonFiniteError, as_mask
 from creditrl.losses.aggregation import AGG_MODES, agg_denominator, agg_row_weights
 from creditrl.losses.diagnostics import MAX_LOG_RATIO, masked_mean
 from creditrl.losses.stapo import StapoOptions, silence_keep_mask, token_advantages
@@ -155,7 +155,7 @@ def _explain_non_finite(inputs: dict[str, Tensor | None], valid: Tensor, metrics
     for name, x in inputs.items():
         if x is not None:
             check_finite(name, torch.where(valid, x.detach(), 0.0))
-    raise ValueError(f"policy_loss: non-finite result from finite inputs (values too large?): {metrics}")
+    raise NonFiniteError(f"policy_loss: non-finite result from finite inputs (values too large?): {metrics}")
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,

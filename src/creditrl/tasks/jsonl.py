@@ -7,20 +7,27 @@ before training with the file name and up to 10 row numbers.
 
 Loaded with ``datasets`` (local files only), split into train/test deterministically by
 ``seed``. Checkers: ``exact`` (string equality up to surrounding whitespace), ``numeric``
-(the last number of the response within ``tolerance`` of the answer), ``math``
-(math-verify parse + verify, for LaTeX/boxed answers) or ``"pkg.module:function"`` called as
-``fn(prompt, response, answer) -> float``. A checker never raises on model output: errors
-inside a user function count as reward 0 and are reported once as a warning.
+(the last number of the response equals the answer: exactly by default, within the absolute
+``tolerance`` when one is set; "1,234" counts as 1234 only with separators every 3 digits, so
+"1,2,3" is read as 3), ``math`` (math-verify parse + verify of the last ``MATH_TAIL_CHARS``
+characters, for LaTeX/boxed answers; quiet, 5 s timeout) or ``"pkg.module:function"`` called as
+``fn(prompt, response, answer) -> float``. A checker never raises on model output: errors inside
+a user function are reported once as a warning and give NaN, which the rollout counts as reward
+0 and logs as ``reward_invalid_frac``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import io
+import logging
 import math
 import random
 import re
 import threading
 import warnings
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,27 +37,30 @@ from creditrl.tasks.chat import check_chat_template, check_prompt
 
 CHECKERS = ("exact", "numeric", "math")
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+MATH_TAIL_CHARS = 2000   # math-verify reads this tail of a response: where the final answer is
 
 
 def check_exact(prompt: str, response: str, answer: str) -> float:
     return float(response.strip() == answer.strip())
 
 
-def _last_number(text: str) -> float | None:
-    found = _NUMBER.findall(text.replace(",", ""))
+def _last_number(text: str) -> Decimal | None:
+    """The last number written in ``text``, exactly (thousands separators in valid places only)."""
+    found = _NUMBER.findall(text)
     try:
-        return float(found[-1]) if found else None
-    except (ValueError, OverflowError):
+        value = Decimal(found[-1].replace(",", "")) if found else None
+    except InvalidOperation:
         return None
+    return value if value is not None and value.is_finite() else None
 
 
 def make_numeric(tolerance: float) -> Callable[[str, str, str], float]:
     def check_numeric(prompt: str, response: str, answer: str) -> float:
         got, want = _last_number(response), _last_number(answer)
-        if got is None or want is None or not math.isfinite(got):
+        if got is None or want is None:
             return 0.0
-        return float(math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance))
+        return float(got == want if tolerance == 0 else abs(got - want) <= Decimal(repr(tolerance)))
     return check_numeric
 
 
@@ -61,11 +71,16 @@ def check_math(prompt: str, response: str, answer: str) -> float:
     # math-verify's timeouts use SIGALRM, which only works on the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+    quiet = logging.getLogger("math_verify")
+    level, quiet.level = quiet.level, logging.CRITICAL   # it logs the whole response on a timeout
     try:
-        return float(verify(parse(gold, parsing_timeout=timeout), parse(response, parsing_timeout=timeout),
-                            timeout_seconds=timeout))
+        with contextlib.redirect_stderr(io.StringIO()):
+            return float(verify(parse(gold, parsing_timeout=timeout),
+                                parse(response[-MATH_TAIL_CHARS:], parsing_timeout=timeout), timeout_seconds=timeout))
     except Exception:  # noqa: BLE001 - malformed model output is reward 0, never a crash
         return 0.0
+    finally:
+        quiet.level = level
 
 
 def resolve_checker(checker: str, tolerance: float) -> Callable[[str, str, str], float]:
@@ -115,7 +130,7 @@ class JsonlTask:
     tool_stop = None
 
     def __init__(self, path: str, checker: str = "exact", prompt_key: str = "prompt",
-                 answer_key: str = "answer", test_fraction: float = 0.1, tolerance: float = 1e-6,
+                 answer_key: str = "answer", test_fraction: float = 0.1, tolerance: float = 0.0,
                  *, seed: int = 0, test_size: int | None = None, chat_template="auto",
                  system_prompt: str | None = None):
         import datasets
@@ -173,7 +188,7 @@ class JsonlTask:
             if not self._warned:
                 warnings.warn(f"checker {self.options['checker']!r} raised {err!r}; counting reward 0", stacklevel=2)
                 self._warned = True
-        return value if math.isfinite(value) else 0.0
+        return value   # NaN/inf (or a checker error) is counted as 0 and logged by the rollout
 
     def tool_output(self, response_so_far: str) -> str | None:
         return None

@@ -5,24 +5,58 @@ A checkpoint is a directory ``checkpoints/step_000040/`` with
   for full fine-tuning, tied weights once; only the adapters for LoRA);
 - ``state.pt``: optimizer (unless ``train.save_optimizer=false``) and scheduler states, the
   step and token counters, and every RNG the run draws from (torch global + the trainer's
-  generator, python ``random``, numpy, the task stream).
+  generator, python ``random``, numpy, the task stream);
+- ``manifest.json``: size and SHA-256 of both files, written last.
 It is written into a temporary directory and renamed into place, so a crash mid-write leaves
-only a ``.tmp-*`` directory, never a partial checkpoint.
+only a ``.tmp-*`` directory, never a partial checkpoint. ``load_latest`` verifies the manifest
+and falls back to the newest valid checkpoint with a warning (a file truncated or damaged
+later, e.g. by a full disk or a copy); only when none is valid does resume fail, saying why.
+A failed write (disk full, permissions) removes its temporary directory and names the path.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
 PATTERN = re.compile(r"step_(\d+)$")
-WEIGHTS, STATE = "weights.safetensors", "state.pt"
+WEIGHTS, STATE, MANIFEST = "weights.safetensors", "state.pt", "manifest.json"
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(path: Path) -> None:
+    """Raise ValueError saying what is wrong with checkpoint directory ``path``."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise ValueError("no manifest.json")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"unreadable manifest.json ({err})") from None
+    for name in (WEIGHTS, STATE):
+        entry, file = files.get(name), path / name
+        if entry is None or not file.is_file():
+            raise ValueError(f"{name} missing")
+        if file.stat().st_size != entry["size"]:
+            raise ValueError(f"{name} has {file.stat().st_size} bytes, the manifest says {entry['size']}")
+        if _digest(file) != entry["sha256"]:
+            raise ValueError(f"{name} does not match its SHA-256")
 
 
 def rng_state(generator: torch.Generator, task_rng: random.Random) -> dict:
@@ -43,11 +77,14 @@ def set_rng_state(state: dict, generator: torch.Generator, task_rng: random.Rand
 
 def atomic_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def trainable_state(model) -> dict:
@@ -84,9 +121,14 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict, state: dict, 
     try:
         save_file({k: v.cpu() for k, v in weights.items()}, tmp / WEIGHTS)
         atomic_save({**state, "step": step}, tmp / STATE)
+        files = {name: {"size": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)} for name in (WEIGHTS, STATE)}
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         if path.exists():   # an older run's checkpoint of the same step (resume after a crash)
             shutil.rmtree(path)
         os.rename(tmp, path)
+    except OSError as err:
+        raise OSError(f"checkpoint: could not write {str(path)!r}: {err.strerror or err} (nothing partial was "
+                      f"left behind)") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep_last]:
@@ -102,4 +144,16 @@ def load_latest(run_dir: str | Path) -> tuple[dict, dict]:
     if not found:
         raise FileNotFoundError(f"resume: no checkpoint in {str(Path(run_dir) / 'checkpoints')!r}; "
                                 f"expected step_* directories written by a creditrl train run")
-    return load_file(found[-1] / WEIGHTS), torch.load(found[-1] / STATE, map_location="cpu", weights_only=False)
+    problems = []
+    for path in reversed(found):
+        try:
+            verify(path)
+            loaded = load_file(path / WEIGHTS), torch.load(path / STATE, map_location="cpu", weights_only=False)
+        except Exception as err:  # noqa: BLE001 - any damage means: try the next older one
+            problems.append(f"{path.name}: {err}")
+            continue
+        if problems:
+            warnings.warn(f"resume: skipped damaged checkpoint(s) ({'; '.join(problems)}); resuming from "
+                          f"{path.name}", stacklevel=2)
+        return loaded
+    raise ValueError(f"resume: no valid checkpoint in {str(Path(run_dir) / 'checkpoints')!r}: {'; '.join(problems)}")

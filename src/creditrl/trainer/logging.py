@@ -9,6 +9,8 @@ import json
 import math
 from pathlib import Path
 
+from creditrl._io import atomic_write_text
+
 HEADLINE = ("reward_mean", "accuracy", "entropy", "response_len")
 
 
@@ -34,7 +36,7 @@ def truncate_jsonl(path: str | Path, last_step: int) -> None:
                 break
             if record.get("step", 0) <= last_step:
                 keep.append(line if line.endswith("\n") else line + "\n")
-    path.write_text("".join(keep))
+    atomic_write_text(path, "".join(keep))   # a crash here leaves the old file, never a cut one
 
 
 def _clean(value):

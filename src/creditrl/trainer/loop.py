@@ -23,17 +23,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditrl.config import Config, config_from_dict, eval_settings, save_config
+from creditrl.config import Config, eval_settings, load_saved_config, save_config
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.trainer.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import plot_run, write_summary
 from creditrl.trainer.rollout import generate_rollouts
+from creditrl.trainer.rundir import RunLock, prepare_new_run
 from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
 DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
 CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
+MAX_SKIPPED_STEPS = 3          # consecutive steps whose every update was non-finite: stop the run
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. repeated non-finite updates); the message names the likely cause."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -124,15 +130,14 @@ class Trainer:
         self.eval_problems, self.eval_samples, self.pass_k = eval_settings(cfg)
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
-        self.clipped_streak = 0
+        self.clipped_streak = self.skipped_streak = 0
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":
         run_dir = Path(run_dir)
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"resume: {str(run_dir)!r} has no config.yaml; expected a creditrl run directory")
-        import yaml
-        cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+        cfg = load_saved_config(run_dir / "config.yaml")
         trainer = cls(cfg, run_dir, progress=progress)
         if ckpt.list_checkpoints(run_dir):
             weights, state = ckpt.load_latest(run_dir)
@@ -195,6 +200,16 @@ class Trainer:
                 f"{self.cfg.rollout.max_new_tokens} without stopping ({steps} steps in a row with more than "
                 f"{limit:.0%}); answers are probably being cut: raise rollout.max_new_tokens")
 
+    def check_skipped(self, metrics: dict) -> None:
+        """Stop after ``MAX_SKIPPED_STEPS`` consecutive steps with a skipped (non-finite) update."""
+        self.skipped_streak = self.skipped_streak + 1 if metrics["skipped_updates"] > 0 else 0
+        if self.skipped_streak >= MAX_SKIPPED_STEPS:
+            raise TrainingStopped(
+                f"training stopped at step {self.step}: the loss or gradient was NaN/inf for {self.skipped_streak} steps "
+                f"in a row, so those updates were skipped (weights unchanged). Likely causes: optim.lr={self.cfg.optim.lr} "
+                f"too high for this model, rewards of extreme magnitude (this step's mean reward: "
+                f"{metrics.get('reward_mean')}), or a model that produces NaN logits (try model.dtype=float32)")
+
     def log_eval(self, logger: RunLogger) -> None:
         result = self.evaluate()
         logger.log_completions(self.step, "eval", result.pop("samples", []))
@@ -214,6 +229,7 @@ class Trainer:
                 metrics, samples = self.train_step()
                 logger.log_completions(self.step, "train", samples)
                 logger.log("metrics", metrics)
+                self.check_skipped(metrics)
                 warning = self.clipped_warning(metrics["clipped_frac"])
                 if warning:
                     logger.message(warning)
@@ -254,11 +270,17 @@ class Trainer:
                              extra=extra, completions=completions)
 
 
-def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | None = None) -> Path:
-    """Train with ``cfg``; returns the run directory."""
-    return Trainer(copy.deepcopy(cfg), Path(run_dir) if run_dir else None, progress=progress).run()
+def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | None = None,
+          overwrite: bool = False) -> Path:
+    """Train with ``cfg``; returns the run directory. An existing run directory is refused
+    (``resume`` continues it; ``overwrite`` clears it) before the model loads."""
+    run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
+    prepare_new_run(run_dir, overwrite=overwrite)
+    with RunLock(run_dir):
+        return Trainer(copy.deepcopy(cfg), run_dir, progress=progress).run()
 
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:
-    """Continue the interrupted run in ``run_dir`` from its newest checkpoint."""
-    return Trainer.resume(run_dir, progress=progress).run()
+    """Continue the interrupted run in ``run_dir`` from its newest valid checkpoint."""
+    with RunLock(Path(run_dir)):
+        return Trainer.resume(run_dir, progress=progress).run()

@@ -31,6 +31,7 @@ class RolloutBatch:
     group:          [B] long, index of the prompt each response answers
     stopped:        [B] bool, ended at a stop token/string (False: clipped at max_new_tokens)
     prompt_texts:   [len(problems)] the rendered prompts (chat template included)
+    reward_invalid: [B] bool, the task's reward was NaN/inf (counted as 0)
     advantages:     [B,L] float32, filled in by the learner's update (None before)
     """
 
@@ -47,6 +48,7 @@ class RolloutBatch:
     prompt_len: int
     stopped: Tensor
     prompt_texts: list[str]
+    reward_invalid: Tensor | None = None
     advantages: Tensor | None = None
 
     @property
@@ -78,10 +80,12 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     p = out.prompt_len
     texts = decode_responses(tokenizer, out.input_ids[:, p:], out.attention_mask[:, p:], stop_strings)
     flat = [q for q in problems for _ in range(group_size)]
-    rewards = torch.tensor([float(task.reward(q, r)) for q, r in zip(flat, texts)], dtype=torch.float32)
+    raw = torch.tensor([float(task.reward(q, r)) for q, r in zip(flat, texts)], dtype=torch.float64)
+    invalid = ~torch.isfinite(raw)                     # a checker's NaN/inf counts as 0 (and is logged)
+    rewards = torch.where(invalid, 0.0, raw).float()
     return RolloutBatch(
         input_ids=out.input_ids, attention_mask=out.attention_mask,
         position_ids=position_ids_from_mask(out.attention_mask), response_mask=out.response_mask,
         rollout_logp=out.rollout_logp, rewards=rewards, group=torch.arange(len(problems)).repeat_interleave(group_size),
         correct=rewards >= 1.0, response_texts=texts, problems=flat, prompt_len=p, stopped=out.stopped,
-        prompt_texts=tokenizer.batch_decode(prompt_ids))
+        prompt_texts=tokenizer.batch_decode(prompt_ids), reward_invalid=invalid)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from creditrl._validate import NonFiniteError
 from creditrl.config import Config, estimator_options
 from creditrl.trainer.rollout import RolloutBatch
 from creditrl.losses.diagnostics import masked_mean
@@ -236,7 +238,7 @@ class Learner:
 
         params = [q for q in self.model.parameters() if q.requires_grad]
         sums: dict[str, float] = {}
-        n_updates = 0
+        n_updates = skipped = 0
         for _ in range(cfg.optim.epochs):
             order = (torch.arange(size) if fused else torch.randperm(size, generator=generator)).to(self.device)
             for rows in order.split(mb):
@@ -244,31 +246,40 @@ class Learner:
                 parts = rows.split(micro)
                 weighted: dict[str, float] = {}
                 total = 0.0
-                for micro_rows in parts:
-                    new = first if fused else self.stats(self.model, {k: v[micro_rows] for k, v in t.items()}, p)
-                    loss, metrics = policy_loss(
-                        new.logp.float(), old_logp[micro_rows], advantages[micro_rows], mask[micro_rows],
-                        ref_logp=None if ref_logp is None else ref_logp[micro_rows],
-                        rollout_logp=rollout_logp[micro_rows], entropy=new.entropy.float(), **self.loss_options)
-                    count = metrics["agg_count"] if len(parts) > 1 else 1.0
-                    (loss * count if len(parts) > 1 else loss).backward()
-                    metrics["loss"] = float(loss.detach())
-                    for k, v in metrics.items():
-                        weighted[k] = weighted.get(k, 0.0) + float(v) * max(count, 1e-12)
-                    total += max(count, 1e-12)
+                try:
+                    for micro_rows in parts:
+                        new = first if fused else self.stats(self.model, {k: v[micro_rows] for k, v in t.items()}, p)
+                        loss, metrics = policy_loss(
+                            new.logp.float(), old_logp[micro_rows], advantages[micro_rows], mask[micro_rows],
+                            ref_logp=None if ref_logp is None else ref_logp[micro_rows],
+                            rollout_logp=rollout_logp[micro_rows], entropy=new.entropy.float(), **self.loss_options)
+                        count = metrics["agg_count"] if len(parts) > 1 else 1.0
+                        (loss * count if len(parts) > 1 else loss).backward()
+                        metrics["loss"] = float(loss.detach())
+                        for k, v in metrics.items():
+                            weighted[k] = weighted.get(k, 0.0) + float(v) * max(count, 1e-12)
+                        total += max(count, 1e-12)
+                except NonFiniteError:                # NaN/inf log-probs, advantages or loss: skip
+                    weighted, total = {"loss": math.nan}, 1.0
                 if len(parts) > 1 and total > 0:
                     for q in params:                  # Σ_i count_i ∇loss_i / Σ_i count_i
                         if q.grad is not None:
                             q.grad.div_(total)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-                self.optimizer.step()
+                if torch.isfinite(grad_norm) and all(math.isfinite(v) for v in weighted.values()):
+                    self.optimizer.step()
+                else:                                 # a non-finite loss/gradient never reaches the weights
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
                 metrics = {k: v / total for k, v in weighted.items()}
                 metrics.update(grad_norm=float(grad_norm))
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_updates += 1
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
+        with warnings.catch_warnings():        # a skipped update is not the misuse torch warns about
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
 
         out = {k: v / n_updates for k, v in sums.items()}
         out.pop("agg_count", None)
@@ -278,7 +289,8 @@ class Learner:
         out.update(
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
             accuracy=float(batch.correct.float().mean()), response_len=float(lengths.float().mean()),
-            clipped_frac=float(1.0 - batch.stopped.float().mean()),
+            clipped_frac=float(1.0 - batch.stopped.float().mean()), skipped_updates=skipped,
+            reward_invalid_frac=0.0 if batch.reward_invalid is None else float(batch.reward_invalid.float().mean()),
             entropy=masked_mean_std(entropy, mask)[0], adv_mean=adv_mean, adv_std=adv_std,
             variance_proxy=float(variance_proxy(advantages, energy, mask)), lr=lr)
         return out

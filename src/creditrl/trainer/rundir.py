@@ -1,0 +1,91 @@
+"""Run directories that cannot be corrupted by accident.
+
+- A new run refuses an existing, non-empty directory unless ``overwrite`` (then it is cleared);
+  continuing one is ``--resume``'s job.
+- The directory must be writable, checked before any model is loaded.
+- ``RunLock``: one writer at a time. ``.lock`` holds the owner's PID; a lock whose process is
+  gone (a killed run) is taken over, a live one is an error naming the PID.
+Every rewrite of a log or config goes through ``creditrl._io.atomic_write_text`` (temporary
+file + ``os.replace``; a failed write removes its temporary file and names the path).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+LOCK_FILE = ".lock"
+
+
+class RunDirError(ValueError):
+    """A run directory that cannot be used as asked; the message says what to do instead."""
+
+
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and prove a file can be written in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise RunDirError(f"train.output_dir: cannot write in {str(folder)!r} ({err.strerror or err}); "
+                          f"choose a writable train.output_dir") from None
+
+
+def prepare_new_run(run_dir: Path, *, overwrite: bool = False) -> None:
+    """Checks for a new run in ``run_dir`` (before the model loads): refuse or clear an existing one."""
+    if run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        if not overwrite:
+            raise RunDirError(f"train.run_name: the run directory {str(run_dir)!r} already exists; continue it with "
+                              f"`creditrl train --resume {run_dir}` or start it again with --overwrite "
+                              f"(which deletes it)")
+        with RunLock(run_dir):                 # never delete a directory a live run writes to
+            for entry in run_dir.iterdir():
+                if entry.name != LOCK_FILE:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    check_writable(run_dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """``with RunLock(run_dir):`` holds ``run_dir/.lock`` (the owner's PID) for the block."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = int(self.path.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    owner = 0
+                if owner and owner != os.getpid() and _alive(owner):
+                    raise RunDirError(f"run directory {str(self.path.parent)!r} is in use by another creditrl "
+                                      f"process (PID {owner}); wait for it or stop it first") from None
+                self.path.unlink(missing_ok=True)  # stale: its process is gone
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(str(os.getpid()))
+            self.held = True
+            return self
+        raise RunDirError(f"run directory {str(self.path.parent)!r}: could not take its lock {self.path.name}")
+
+    def __exit__(self, *exc) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
