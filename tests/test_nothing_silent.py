@@ -270,3 +270,157 @@ def test_cli_reports_a_stopped_run_without_a_traceback(tmp_path, monkeypatch, ca
     assert main(["train", "--no-progress", f"train.output_dir={tmp_path}"]) == 2
     assert "training stopped at step 3" in capsys.readouterr().err
     assert Path(tmp_path).exists()
+
+
+# ----------------------------------------------------------------------------- data
+
+def _jsonl(tmp_path, body: bytes, name="d.jsonl"):
+    path = tmp_path / name
+    path.write_bytes(body)
+    return str(path)
+
+
+GOOD = b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"", r"d.jsonl has no rows"),
+    (b"\n\n  \n", r"d.jsonl has no rows"),
+    (GOOD + b'{"prompt": "3+3=", "answer": 6\n', r"d.jsonl line 3: malformed JSON"),
+    (GOOD[:34] + b'{"prompt": "\xff", "answer": "1"}\n', r"d.jsonl line 2 is not valid UTF-8"),
+    (b'{"prompt": "' + b"x" * (1 << 20) + b'", "answer": "1"}\n' + GOOD, r"d.jsonl line 1 is longer than 1 MiB"),
+    (GOOD + b'[1, 2]\n"text"\n', r"line\(s\) 3, 4 are not JSON objects"),
+    (GOOD + b'{"prompt": "5+5=", "answer": null}\n', r"row 3: answer: expected a string or a number"),
+    (GOOD + b'{"prompt": "5+5=", "answer": {"a": 1}}\n', r"row 3: answer: expected a string or a number"),
+    (GOOD + b'{"answer": "1"}\n{"prompt": null, "answer": "1"}\n', r"2 invalid row\(s\); row 3: prompt: .*; row 4"),
+])
+def test_bad_data_gets_one_clear_error(tmp_path, body, message):
+    with pytest.raises(ValueError, match=message):
+        get_task("jsonl", path=_jsonl(tmp_path, body))
+
+
+def test_a_json_array_file_reads_like_json_lines(tmp_path):
+    task = get_task("jsonl", path=_jsonl(tmp_path, b'[{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2}]',
+                                         name="d.json"))
+    assert sorted(p.answer for p in task.train_set() + task.test_set()) == ["1", "2"]
+
+
+def test_prompts_longer_than_the_context_are_refused_or_truncated(tmp_path):
+    from creditrl.models.tiny import char_tokenizer
+    from creditrl.tasks.chat import check_prompt_lengths, render_task_prompts
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 40 + "+1=", "answer": "1"}] + \
+        [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(8)]
+    path = _jsonl(tmp_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+    tok = char_tokenizer("0123456789+=")
+    task = get_task("jsonl", path=path)
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) are longer than the 15 tokens .*context \(20\).*"
+                                         r"truncate_prompts=true"):
+        check_prompt_lengths(tok, task, context=20, max_new_tokens=5)
+    assert check_prompt_lengths(tok, task, context=64, max_new_tokens=5) == 0
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        check_prompt_lengths(tok, task, context=20, max_new_tokens=20)
+    cut = get_task("jsonl", path=path, truncate_prompts=True)
+    assert check_prompt_lengths(tok, cut, context=20, max_new_tokens=5) == 1
+    (ids,) = render_task_prompts(tok, cut, ["9" * 40 + "+1="])
+    assert len(ids) == 15 and tok.decode(ids).endswith("+1=")
+
+
+# ----------------------------------------------------------------------------- library inputs
+
+def _loss_inputs():
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(3, 5, generator=g)).requires_grad_()
+    return logp, logp.detach() - 0.01, torch.tensor([1.0, -1.0, 0.5]), torch.ones(3, 5)
+
+
+@pytest.mark.parametrize("max_len", [-3, 0])
+def test_policy_loss_rejects_a_bad_max_len(max_len):
+    from creditrl import policy_loss
+    logp, old, adv, mask = _loss_inputs()
+    with pytest.raises(ValueError, match=rf"max_len: expected a value in \[1, inf\], got {max_len}"):
+        policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum-norm", max_len=max_len)
+
+
+@pytest.mark.parametrize("estimator, options", [("grpo", {}), ("maxpo", {"k": 2, "normalize": "std"}),
+                                                ("maxk_bon", {"k": 2}), ("passk_chen", {"k": 2})])
+@pytest.mark.parametrize("eps, error", [(0.0, ValueError), (-0.577, ValueError), (float("nan"), ValueError),
+                                        ("1e-6", TypeError)])
+def test_estimators_reject_a_bad_eps(estimator, options, eps, error):
+    from creditrl import compute_advantages
+    with pytest.raises(error, match=r"eps: expected"):
+        compute_advantages(estimator, rewards=torch.ones(4), mask=torch.ones(4, 2), group=torch.zeros(4, dtype=torch.long),
+                           eps=eps, **options)
+
+
+@pytest.mark.parametrize("call", ["gamma", "lam", "temperature", "clip_low", "kl_coef"])
+def test_non_numeric_scalars_name_the_argument(call):
+    from creditrl import TraceOptions, compute_advantages, policy_loss, token_stats
+    logp, old, adv, mask = _loss_inputs()
+    with pytest.raises(TypeError, match=rf"{call}: expected a real number, got str"):
+        if call == "gamma":
+            compute_advantages("reinforce", rewards=torch.ones(2), mask=torch.ones(2, 2),
+                               group=torch.zeros(2, dtype=torch.long), gamma="0.9")
+        elif call == "lam":
+            TraceOptions(lam="0.9")
+        elif call == "temperature":
+            token_stats(torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), temperature="1")
+        else:
+            policy_loss(logp, old, adv, mask, **{call: "0.2"})
+
+
+@pytest.mark.parametrize("value", [2, 0.5, -1])
+def test_token_stats_follows_the_one_mask_rule(value):
+    from creditrl import token_stats
+    mask = torch.ones(2, 3)
+    mask[1, 1] = value
+    with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.*rows \[1\]"):
+        token_stats(torch.zeros(2, 3, 5), torch.zeros(2, 3, dtype=torch.long), mask)
+
+
+def test_minus_inf_logits_are_a_legal_masked_vocabulary():
+    from creditrl import token_stats
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 7, generator=g)
+    banned = torch.zeros(2, 4, 7, dtype=torch.bool)
+    banned[0, :, 5:] = True
+    banned[1, 2, 0] = True
+    tokens = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 1]])
+    masked = logits.masked_fill(banned, float("-inf")).requires_grad_()
+    stats = token_stats(masked, tokens)
+    for name in ("logp", "entropy", "sum_p2", "energy"):
+        assert torch.isfinite(getattr(stats, name)).all(), name
+    # reference: the same distribution written the obvious way (the banned entries get probability 0)
+    ref_logits = logits.masked_fill(banned, -1e4).double().requires_grad_()
+    logq = torch.log_softmax(ref_logits, -1)
+    q = logq.exp()
+    ref_entropy = -(q * logq).sum(-1)
+    ref_logp = logq.gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(stats.entropy.double(), ref_entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.logp.double(), ref_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.sum_p2.double(), q.square().sum(-1), atol=1e-5, rtol=1e-5)
+    (stats.logp.sum() + stats.entropy.sum()).backward()
+    (ref_logp.sum() + ref_entropy.sum()).backward()
+    assert torch.isfinite(masked.grad).all() and bool((masked.grad[banned] == 0).all())
+    torch.testing.assert_close(masked.grad.double(), ref_logits.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_plus_inf_logits_raise_naming_the_positions(bad):
+    from creditrl import token_stats
+    from creditrl._validate import NonFiniteError
+    logits = torch.zeros(2, 3, 5)
+    logits[1, 2, 3] = bad
+    with pytest.raises(NonFiniteError, match=r"logits: 1 valid position\(s\) have NaN or \+inf .*\[5\]"):
+        token_stats(logits, torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_apply_trace_refuses_non_finite_values_naming_rows(bad):
+    from creditrl import apply_trace
+    values = torch.zeros(3, 6)
+    values[2, 5] = bad
+    with pytest.raises(ValueError, match=r"values: 1 row\(s\) contain NaN or inf, e.g. rows \[2\]"):
+        apply_trace(values, torch.ones(3, 6), lam=0.9)
+    mask = torch.ones(3, 6)
+    mask[2, 5] = 0                                        # off-mask garbage is ignored
+    assert torch.isfinite(apply_trace(values, mask, lam=0.9)).all()

@@ -121,7 +121,7 @@ def test_errors():
         token_stats(logits, tokens[:, :6], mask)
     with pytest.raises(TypeError, match="tokens: expected an integer tensor"):
         token_stats(logits, tokens.float(), mask)
-    with pytest.raises(ValueError, match=r"mask: expected the shape of tokens \[3, 7\], got \[3, 6\]"):
+    with pytest.raises(ValueError, match=r"mask: expected shape \[3, 7\], got \[3, 6\]"):
         token_stats(logits, tokens, mask[:, :6])
     bad = tokens.clone()
     bad[1, mask[1].nonzero()[0]] = 50

@@ -5,6 +5,9 @@ user never has to read a stack trace to find the bad input.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 from typing import Iterable, Sequence
 
 import torch
@@ -62,7 +65,14 @@ def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
 
 def check_range(name: str, value: float, low: float | None = None, high: float | None = None, *,
                 low_inclusive: bool = True, high_inclusive: bool = True) -> None:
-    """Check ``low <(=) value <(=) high``; the message states the interval."""
+    """Check that ``value`` is a finite real number (bool excluded; a one-element tensor counts)
+    with ``low <(=) value <(=) high``; the message names the argument, the interval and the value."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
     ok = True
     if low is not None:
         ok &= value >= low if low_inclusive else value > low

@@ -21,13 +21,12 @@ float32 [B,T,V] copy.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from creditrl._validate import bad_rows, check_range, check_same_shape, check_tensor
+from creditrl._validate import NonFiniteError, as_mask, bad_rows, check_range, check_tensor
 
 # Default chunk: about 4M float32 elements (16 MiB) of scratch per temporary.
 DEFAULT_CHUNK_ELEMENTS = 1 << 22
@@ -45,7 +44,8 @@ class TokenStats:
 
 def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float,
                    scratch: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
-    """rows [n, V] any float dtype -> (logp, entropy, sum_p2, energy, log_normaliser) float32 [n].
+    """rows [n, V] any float dtype -> (logp, entropy, sum_p2, energy, log_normaliser) float32 [n]
+    and whether a row held -inf logits (a masked vocabulary: 0 log 0 counts as 0).
 
     With z the tempered logits, m = max z, e = exp(z - m), s = sum e:
     log pi(y) = z_y - m - log s,  H = log s - sum e (z - m) / s,  sum pi^2 = sum e^2 / s^2,
@@ -64,18 +64,23 @@ def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float,
     s = e.sum(-1)
     log_s = s.log()
     dot = torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).flatten()        # sum e (z - m), no temp
+    masked = torch.isnan(dot)            # a -inf logit: 0 * -inf; the rows are rare, fix only them
+    has_masked = bool(masked.any())
+    if has_masked:
+        fix = shifted[masked].clamp_(min=torch.finfo(torch.float32).min)   # 0 * log 0 = 0
+        dot[masked] = (e[masked] * fix).sum(-1)
     logp = shifted.gather(1, targets[:, None]).squeeze(1) - log_s
     entropy = log_s - dot / s
     e_y = e.gather(1, targets[:, None]).squeeze(1)
     e.scatter_(1, targets[:, None], 0.0)                                    # e is scratch from here on
     others = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).flatten() / (s * s)  # sum_{v != y} pi^2
     not_y = e.sum(-1) / s                                                   # 1 - pi(y)
-    return logp, entropy, others + (e_y / s).square(), not_y.square() + others, m.squeeze(1) + log_s
+    return logp, entropy, others + (e_y / s).square(), not_y.square() + others, m.squeeze(1) + log_s, has_masked
 
 
 def _chunk_backward(rows: Tensor, targets: Tensor, log_norm: Tensor, entropy: Tensor,
                     grad_logp: Tensor, grad_entropy: Tensor, temperature: float,
-                    scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                    scratch: tuple[Tensor, Tensor] | None = None, masked_vocab: bool = False) -> Tensor:
     """d/dlogits of sum(g_logp * logp + g_H * H) for one chunk, float32 [n, V]:
     dlogp/dz = e_y - pi,  dH/dz = -pi (log pi + H),  dz/dlogits = 1 / temperature."""
     log_pi, pi = (None, None) if scratch is None else (buf[: rows.shape[0]] for buf in scratch)
@@ -83,6 +88,8 @@ def _chunk_backward(rows: Tensor, targets: Tensor, log_norm: Tensor, entropy: Te
     if temperature != 1.0:
         log_pi.div_(temperature)
     pi = torch.exp(log_pi, out=pi)
+    if masked_vocab:                     # -inf logits: pi = 0 there, and so is its gradient
+        log_pi.clamp_(min=torch.finfo(torch.float32).min)
     grad = log_pi.add_(entropy[:, None]).mul_(pi).mul_(-grad_entropy[:, None])
     grad.addcmul_(pi, grad_logp[:, None], value=-1.0)
     grad[torch.arange(rows.shape[0], device=rows.device), targets] += grad_logp
@@ -118,13 +125,20 @@ class _TokenStatsFn(torch.autograd.Function):
         n = index.numel()
         outs = [flat_logits.new_zeros(n, dtype=torch.float32) for _ in range(5)]
         scratch = _scratch(flat_logits, min(chunk, n))
+        masked_vocab = False
         for rows, source in _chunks(index, chunk):
-            results = _chunk_forward(flat_logits[source], targets[rows], temperature, scratch)
+            *results, has_masked = _chunk_forward(flat_logits[source], targets[rows], temperature, scratch)
+            masked_vocab |= has_masked
             for out, res in zip(outs, results):
                 out[rows] = res
         logp, entropy, sum_p2, energy, log_norm = outs
+        bad = ~torch.isfinite(log_norm)                       # NaN / +inf logits (or a row all -inf)
+        if bool(bad.any()):
+            raise NonFiniteError(f"logits: {int(bad.sum())} valid position(s) have NaN or +inf logits (or all -inf), "
+                                 f"e.g. flat positions {index[bad][:10].tolist()}")
         ctx.save_for_backward(flat_logits, index, targets, log_norm, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.masked_vocab = masked_vocab
         ctx.mark_non_differentiable(sum_p2, energy)
         return logp, entropy, sum_p2, energy
 
@@ -137,7 +151,8 @@ class _TokenStatsFn(torch.autograd.Function):
         scratch = _scratch(flat_logits, min(ctx.chunk, index.numel()))
         for rows, source in _chunks(index, ctx.chunk):
             grad[source] = _chunk_backward(flat_logits[source], targets[rows], log_norm[rows], entropy[rows],
-                                           grad_logp[rows], grad_entropy[rows], ctx.temperature, scratch).to(grad.dtype)
+                                           grad_logp[rows], grad_entropy[rows], ctx.temperature, scratch,
+                                           ctx.masked_vocab).to(grad.dtype)
         return grad, None, None, None, None
 
 
@@ -156,11 +171,8 @@ def token_stats(logits: Tensor, tokens: Tensor, mask: Tensor | None = None, *, t
     if mask is None:
         mask = torch.ones(num, steps, dtype=torch.bool, device=logits.device)
     else:
-        check_same_shape("tokens", tokens, "mask", mask)
-        mask = mask != 0
-    if not math.isfinite(float(temperature)):
-        raise ValueError(f"temperature: expected a finite value > 0, got {temperature!r}")
-    check_range("temperature", float(temperature), 0.0, None, low_inclusive=False)
+        mask = as_mask("mask", mask, tokens.shape)     # the one mask rule: bool or 0/1
+    check_range("temperature", temperature, 0.0, None, low_inclusive=False)
     if chunk_size is None:
         chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // max(vocab, 1))
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

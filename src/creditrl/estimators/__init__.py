@@ -71,7 +71,7 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     _real("rewards", rewards)
     check_tensor("group", group, shape=[num], integer=True)
     _check_device(mask.device, rewards=rewards, group=group, energy=energy, is_weights=is_weights)
-    check_range("gamma", float(gamma), 0.0, 1.0)
+    check_range("gamma", gamma, 0.0, 1.0)
     token_level = rewards.dim() == 2
     if token_level:
         check_tensor("rewards", rewards, shape=[num, steps_t])

@@ -7,9 +7,11 @@ every estimator here gives it 0, except ``reinforce``. Group statistics run in f
 """
 from __future__ import annotations
 
+
 import torch
 from torch import Tensor
 
+from creditrl._validate import check_range
 from creditrl.estimators.registry import AdvantageBatch, register_estimator
 from creditrl.groups import GroupIndex
 
@@ -66,9 +68,10 @@ def dr_grpo(batch: AdvantageBatch) -> Tensor:
 def grpo(batch: AdvantageBatch, *, eps: float = 1e-6) -> Tensor:
     """GRPO (Shao et al. 2024): A = (R - mean_g R) / (std_g R + eps), std with N-1, [B].
 
-    All-equal rewards give 0 (0 / eps); singletons give 0.
+    All-equal rewards give 0 (0 / eps); singletons give 0. ``eps`` must be > 0.
     """
     r = batch.rewards.to(torch.float64)
+    check_range("eps", eps, 0.0, low_inclusive=False)
     return drop_singletons(centred(batch) / (group_std(r, batch.groups) + eps), batch.groups)
 
 

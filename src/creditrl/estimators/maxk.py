@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from creditrl._validate import check_choice, check_finite, check_int, check_tensor
+from creditrl._validate import check_choice, check_finite, check_int, check_range, check_tensor
 from creditrl.estimators.baselines import drop_singletons, group_std
 from creditrl.estimators.registry import AdvantageBatch, register_estimator
 from creditrl.groups import GroupIndex
@@ -207,6 +207,7 @@ def max_at_k(scores: Tensor, k: int) -> Tensor:
 
 def _finish(adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: float = 1e-6) -> Tensor:
     """Shared tail: optional division by the group reward std, singletons -> 0, float32."""
+    check_range("eps", eps, 0.0, low_inclusive=False)
     check_choice("normalize", normalize, ("none", "std"))
     if normalize == "std":
         adv = adv / (group_std(batch.rewards.to(torch.float64), batch.groups) + eps)
@@ -243,7 +244,8 @@ def maxk_bon(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     s = k / stats.sizes.to(torch.float64) * stats.mu
     s = torch.where(stats.sizes == 1, torch.zeros_like(s), s)  # mu is nan when K > N = 1
-    return _finish((s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch)
+    check_range("eps", eps, 0.0, low_inclusive=False)
+    return _finish((s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch, eps=eps)
 
 
 @register_estimator("passk_chen")
@@ -256,6 +258,7 @@ def passk_chen(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
 
     Rewards must be 0/1 per group; 1 <= K <= N. All-correct / all-wrong groups give 0. Singletons: 0.
     """
+    check_range("eps", eps, 0.0, low_inclusive=False)
     groups = batch.groups
     check_k_range("passk_chen", groups, _check_k("k", k), 1, 0)
     r = batch.rewards.to(torch.float64)
@@ -270,4 +273,4 @@ def passk_chen(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
     rho = 1.0 - fail_all
     sigma = (rho * (1.0 - rho)).clamp(min=0).sqrt()
     adv = torch.where(r > 0, 1.0 - rho, 1.0 - rho - binom_ratio(n - c - 1, k - 1, n - 1, k - 1))
-    return _finish(adv / (sigma + eps), batch)
+    return _finish(adv / (sigma + eps), batch, eps=eps)

@@ -48,7 +48,7 @@ import math
 import torch
 from torch import Tensor
 
-from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
+from creditrl._validate import check_choice, check_finite, check_int, check_range, check_same_shape, check_tensor
 from creditrl._validate import NonFiniteError, as_mask
 from creditrl.losses.aggregation import AGG_MODES, agg_denominator, agg_row_weights
 from creditrl.losses.diagnostics import MAX_LOG_RATIO, masked_mean
@@ -122,13 +122,15 @@ def _stapo_options(stapo: object) -> StapoOptions | None:
     raise TypeError(f"stapo: expected None, a bool or StapoOptions, got {type(stapo).__name__}")
 
 
-def _check_options(clip_low, clip_high, clip_c, agg, kl_coef, ref_logp, kl_estimator,
+def _check_options(clip_low, clip_high, clip_c, agg, max_len, kl_coef, ref_logp, kl_estimator,
                    rollout_logp, rollout_correction_mode, rollout_cap, trace) -> None:
     check_range("clip_low", clip_low, 0.0, 1.0, high_inclusive=False)
     check_range("clip_high", clip_high, 0.0)
     if clip_c is not None:
         check_range("clip_c", clip_c, 1.0, low_inclusive=False)
     check_choice("agg", agg, AGG_MODES)
+    if max_len is not None:
+        check_int("max_len", max_len, 1)
     check_range("kl_coef", kl_coef, 0.0)
     check_choice("kl_estimator", kl_estimator, ("k1", "k2", "k3"))
     if kl_coef > 0 and ref_logp is None:
@@ -182,7 +184,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     logp_in = check_tensor("logp", logp, ndim=2, floating=True)
     valid = as_mask("mask", mask, logp_in.shape)
     clip_high = clip_low if clip_high is None else clip_high
-    _check_options(clip_low, clip_high, clip_c, agg, kl_coef, ref_logp, kl_estimator,
+    _check_options(clip_low, clip_high, clip_c, agg, max_len, kl_coef, ref_logp, kl_estimator,
                    rollout_logp, rollout_correction, rollout_cap, trace)
     stapo_opts = _stapo_options(stapo)
     if stapo_opts is not None and entropy is None:

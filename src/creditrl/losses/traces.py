@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from creditrl._validate import check_choice, check_range, check_tensor
+from creditrl._validate import check_choice, check_finite, check_range, check_tensor
 from creditrl._validate import as_mask
 
 TRACE_STYLES = ("recent", "both")
@@ -261,15 +261,20 @@ def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
 
     values: [B,T] float; mask: [B,T] bool/0-1 (valid tokens; the rest are skipped, not steps).
     M is GRPO-λ App. A.3 eq. 17 (``both``) / eq. 18 (``recent``) with c = γλ, ε = ``floor``.
+    Non-finite valid values raise naming their rows (off-mask garbage is ignored).
     Returns [B,T] (0 at masked positions), float32 for half-precision input. O(T) memory,
     O(T·16) time per response; differentiable, the backward is the O(T) transposed trace Mᵀ·grad.
     """
     values = check_tensor("values", values, ndim=2, floating=True)
     valid = as_mask("mask", mask, values.shape)
     check_trace_args(lam, gamma, style, floor)
+    full = valid.numel() and bool(valid.view(torch.uint8).amin())   # nothing masked: no masking passes
+    probe = values.detach() if full else torch.where(valid, values.detach(), 0.0)
+    if not bool(torch.isfinite(probe.sum())):     # one inf would spread to every earlier output: refuse it
+        check_finite("values", probe)
     dtype = torch.promote_types(values.dtype, torch.float32)
     operator = TraceOperator(valid, gamma * lam, style, floor)
-    if valid.numel() and bool(valid.view(torch.uint8).amin()):      # nothing masked: no masking passes
+    if full:
         return _Trace.apply(values.to(dtype), operator)
     x = torch.where(valid, values.to(dtype), 0.0)
     return _Trace.apply(x, operator).masked_fill(~valid, 0.0)

@@ -69,6 +69,34 @@ def render_prompt(tokenizer, prompt, *, chat_template="auto", system_prompt: str
 
 
 def render_task_prompts(tokenizer, task, prompts: list) -> list[list[int]]:
-    """``render_prompt`` for each prompt with the task's ``chat_template`` / ``system_prompt``."""
+    """``render_prompt`` for each prompt with the task's ``chat_template`` / ``system_prompt``;
+    with ``task.max_prompt_tokens`` set, longer prompts keep their last tokens (the question's
+    end and the generation prompt)."""
     mode, system = getattr(task, "chat_template", "auto"), getattr(task, "system_prompt", None)
-    return [render_prompt(tokenizer, p, chat_template=mode, system_prompt=system) for p in prompts]
+    limit = getattr(task, "max_prompt_tokens", None)
+    ids = [render_prompt(tokenizer, p, chat_template=mode, system_prompt=system) for p in prompts]
+    return [x[-limit:] for x in ids] if limit else ids
+
+
+def check_prompt_lengths(tokenizer, task, context: int | None, max_new_tokens: int) -> int:
+    """Before training: every prompt of a task with finite data (``train_set``) must leave room
+    for ``max_new_tokens`` in the model's ``context``. Too long is an error naming the rows,
+    unless ``task.truncate_prompts``: then ``task.max_prompt_tokens`` is set and the number of
+    prompts that will be truncated is returned."""
+    if context is None or not hasattr(task, "train_set"):
+        return 0
+    budget = context - max_new_tokens
+    if budget < 1:
+        raise ValueError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
+                         f"context of {context} tokens")
+    problems = task.train_set() + task.test_set()
+    lengths = [len(x) for x in render_task_prompts(tokenizer, task, [p.prompt for p in problems])]
+    long = [i for i, n in enumerate(lengths) if n > budget]
+    if long and not getattr(task, "truncate_prompts", False):
+        raise ValueError(f"task: {len(long)} prompt(s) are longer than the {budget} tokens the model's context "
+                         f"({context}) leaves after rollout.max_new_tokens={max_new_tokens} (longest: "
+                         f"{max(lengths)} tokens; e.g. {[str(problems[i].prompt)[:60] for i in long[:3]]}); shorten "
+                         f"them, lower rollout.max_new_tokens or set task.options.truncate_prompts=true")
+    if long:
+        task.max_prompt_tokens = budget
+    return len(long)

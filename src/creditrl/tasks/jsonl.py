@@ -5,7 +5,8 @@ A ``prompt`` is a string (standard) or a list of ``{"role", "content"}`` message
 rendered (``tasks/chat.py``). An ``answer`` is a string or a number. Bad rows are reported
 before training with the file name and up to 10 row numbers.
 
-Loaded with ``datasets`` (local files only), split into train/test deterministically by
+JSON lines are read row by row with one clear error per problem (file and line); Parquet via
+``datasets``. Rows are split into train/test deterministically by
 ``seed``. Checkers: ``exact`` (string equality up to surrounding whitespace), ``numeric``
 (the last number of the response equals the answer: exactly by default, within the absolute
 ``tolerance`` when one is set; "1,234" counts as 1234 only with separators every 3 digits, so
@@ -21,6 +22,7 @@ import contextlib
 import hashlib
 import importlib
 import io
+import json
 import logging
 import math
 import random
@@ -106,6 +108,71 @@ def resolve_checker(checker: str, tolerance: float) -> Callable[[str, str, str],
     return fn
 
 
+MAX_LINE_BYTES = 1 << 20   # one JSONL row (1 MiB): larger lines are refused, never read whole
+
+
+def read_json_rows(file: Path) -> dict[str, list]:
+    """Columns of a JSON-lines file (or a JSON array of objects), read with one clear error per
+    problem: empty file, a line over ``MAX_LINE_BYTES``, invalid UTF-8, malformed JSON or a
+    row that is not an object, each naming the file and the line."""
+    rows: list[dict] = []
+    with open(file, "rb") as fh:
+        head = fh.read(1 << 16).lstrip()
+        fh.seek(0)
+        if head.startswith(b"["):                     # a JSON array of objects
+            if file.stat().st_size > 64 * MAX_LINE_BYTES:
+                raise ValueError(f"path: {file.name} is a JSON array over {64 * MAX_LINE_BYTES >> 20} MiB; use JSON lines")
+            try:
+                data = json.loads(fh.read().decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as err:
+                raise ValueError(f"path: {file.name}: not a valid JSON array ({err})") from None
+            rows = data if isinstance(data, list) else []
+            lines = range(1, len(rows) + 1)
+        else:
+            lines = []
+            number = 0
+            while True:
+                raw = fh.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    break
+                number += 1
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    raise ValueError(f"path: {file.name} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB "
+                                     f"(the limit for one row)")
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"path: {file.name} line {number} is not valid UTF-8 ({err.reason} at byte "
+                                     f"{err.start})") from None
+                if not text.strip():
+                    continue
+                try:
+                    rows.append(json.loads(text))
+                except ValueError as err:
+                    raise ValueError(f"path: {file.name} line {number}: malformed JSON ({err})") from None
+                lines.append(number)
+    if not rows:
+        raise ValueError(f"path: {file.name} has no rows; expected one JSON object per line with prompt and answer")
+    bad = [str(n) for n, row in zip(lines, rows) if not isinstance(row, dict)]
+    if bad:
+        raise ValueError(f"path: {file.name}: line(s) {', '.join(bad[:10])} are not JSON objects")
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return {k: [row.get(k) for row in rows] for k in keys}
+
+
+def read_parquet(file: Path) -> dict[str, list]:
+    """Columns of a Parquet file (via ``datasets``), with a clear error when it cannot be read."""
+    import datasets
+
+    try:
+        data = datasets.load_dataset("parquet", data_files=str(file), split="train")
+    except Exception as err:  # noqa: BLE001 - a dependency's error type, reported with the file
+        raise ValueError(f"path: {file.name}: cannot read it as Parquet ({type(err).__name__}: {err})") from None
+    if len(data) == 0:
+        raise ValueError(f"path: {file.name} has no rows")
+    return {k: data[k] for k in data.column_names}
+
+
 def rows_to_problems(file_name: str, prompts: list, answers: list) -> list[Problem]:
     """Problems from the prompt/answer columns; one error listing the bad rows (1-based)."""
     problems, bad = [], []
@@ -132,9 +199,7 @@ class JsonlTask:
     def __init__(self, path: str, checker: str = "exact", prompt_key: str = "prompt",
                  answer_key: str = "answer", test_fraction: float = 0.1, tolerance: float = 0.0,
                  *, seed: int = 0, test_size: int | None = None, chat_template="auto",
-                 system_prompt: str | None = None):
-        import datasets
-
+                 system_prompt: str | None = None, truncate_prompts: bool = False):
         file = Path(path).expanduser()
         if not file.is_file():
             raise FileNotFoundError(f"path: no such file {str(file)!r} (expected a local .jsonl/.json/.parquet file)")
@@ -147,17 +212,22 @@ class JsonlTask:
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt: expected a string or null, got {system_prompt!r}")
         self._check = resolve_checker(checker, tolerance)
+        if not isinstance(truncate_prompts, bool):
+            raise ValueError(f"truncate_prompts: expected true or false, got {truncate_prompts!r}")
         self.chat_template, self.system_prompt = chat_template, system_prompt
+        self.truncate_prompts = truncate_prompts
+        self.max_prompt_tokens: int | None = None   # set by the trainer when prompts must be truncated
         self.options = {"path": str(file), "checker": checker, "prompt_key": prompt_key, "answer_key": answer_key,
                         "test_fraction": test_fraction, "tolerance": tolerance, "seed": seed, "test_size": test_size,
-                        "chat_template": chat_template, "system_prompt": system_prompt}
+                        "chat_template": chat_template, "system_prompt": system_prompt,
+                        "truncate_prompts": truncate_prompts}
         self._digest = hashlib.sha256(file.read_bytes()).hexdigest()
 
-        data = datasets.load_dataset(fmt, data_files=str(file), split="train")
+        columns = read_parquet(file) if fmt == "parquet" else read_json_rows(file)
         for arg, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
-            if key not in data.column_names:
-                raise ValueError(f"{arg}: column {key!r} not in {file.name}; columns are {data.column_names}")
-        problems = rows_to_problems(file.name, data[prompt_key], data[answer_key])
+            if key not in columns:
+                raise ValueError(f"{arg}: column {key!r} not in {file.name}; columns are {list(columns)}")
+        problems = rows_to_problems(file.name, columns[prompt_key], columns[answer_key])
         if len(problems) < 2:
             raise ValueError(f"path: expected at least 2 rows to split into train/test, got {len(problems)}")
         order = list(range(len(problems)))

@@ -25,6 +25,7 @@ import torch
 
 from creditrl.config import Config, eval_settings, load_saved_config, save_config
 from creditrl.trainer import checkpoint as ckpt
+from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.trainer.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import plot_run, write_summary
@@ -118,6 +119,9 @@ class Trainer:
         self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
         if cfg.rollout.max_new_tokens is None:
             cfg.rollout.max_new_tokens = default_max_new_tokens(self.task, self.tokenizer)
+        self.truncated_prompts = check_prompt_lengths(
+            self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
+            cfg.rollout.max_new_tokens)
         ref = None
         if cfg.loss.kl_coef > 0:  # frozen copy of the starting policy
             ref = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -222,6 +226,9 @@ class Trainer:
         logger = RunLogger(self.run_dir, tensorboard=c.logging.tensorboard, progress=self.progress,
                            total_steps=c.train.steps, start_step=self.step)
         started = time.perf_counter() - self.elapsed
+        if self.truncated_prompts:
+            logger.message(f"note: {self.truncated_prompts} prompt(s) are longer than the model's context allows and "
+                           f"keep only their last {self.task.max_prompt_tokens} tokens (task.options.truncate_prompts)")
         try:
             if self.step == 0 and not read_jsonl(self.run_dir / "eval.jsonl"):
                 self.log_eval(logger)
@@ -259,6 +266,8 @@ class Trainer:
         c = self.cfg
         title = f"creditrl run: {c.task.name} / {c.model.name} / {c.algorithm.estimator}"
         extra = {"run_dir": str(self.run_dir)}
+        if self.truncated_prompts:
+            extra["truncated_prompts"] = self.truncated_prompts
         if c.model.name.startswith("builtin:"):
             from creditrl.models import tiny_cache_path, warm_start_info
             info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
