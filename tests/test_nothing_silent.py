@@ -424,3 +424,52 @@ def test_apply_trace_refuses_non_finite_values_naming_rows(bad):
     mask = torch.ones(3, 6)
     mask[2, 5] = 0                                        # off-mask garbage is ignored
     assert torch.isfinite(apply_trace(values, mask, lam=0.9)).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 0)])
+def test_empty_batches_give_defined_results(shape):
+    import creditrl
+    from creditrl import apply_trace, compute_advantages, list_estimators, policy_loss, token_stats
+    from creditrl.losses import spurious_token_mask
+    b, t = shape
+    mask, group = torch.ones(b, t), torch.zeros(b, dtype=torch.long)
+    for name in list_estimators():
+        options = {"k": 2} if name in ("maxpo", "pkpo", "passk_chen", "maxk_bon") else {}
+        adv = compute_advantages(name, rewards=torch.ones(b), mask=mask, group=group, energy=torch.ones(b, t),
+                                 **options)
+        assert adv.shape == shape and adv.dtype == torch.float32
+    for options in ({}, {"stapo": True, "entropy": torch.ones(b, t)}, {"trace": creditrl.TraceOptions(lam=0.9)},
+                    {"agg": "seq-mean-token-mean"}):
+        logp = torch.zeros(b, t, requires_grad=True)
+        loss, metrics = policy_loss(logp, torch.zeros(b, t), torch.zeros(b), mask, **options)
+        loss.backward()
+        assert float(loss.detach()) == 0.0 and logp.grad.shape == shape and set(metrics.values()) == {0.0}
+    assert apply_trace(torch.zeros(b, t), mask, lam=0.9).shape == shape
+    assert spurious_token_mask(torch.zeros(b, t), torch.ones(b, t), torch.ones(b), mask).shape == shape
+    assert token_stats(torch.zeros(b, t, 4), torch.zeros(b, t, dtype=torch.long), mask).logp.shape == shape
+    with pytest.raises(ValueError, match="advantages"):            # still validated when empty
+        policy_loss(torch.zeros(b, t), torch.zeros(b, t), torch.zeros(b + 1), mask)
+
+
+@pytest.mark.parametrize("logp_dtype, other_dtype", [(torch.float32, torch.float64), (torch.float64, torch.float32),
+                                                     (torch.bfloat16, torch.float64)])
+def test_mixed_float_dtypes_are_computed_in_the_wider_precision(logp_dtype, other_dtype):
+    import creditrl
+    from creditrl import policy_loss
+    g = torch.Generator().manual_seed(0)
+    base = -torch.rand(3, 6, generator=g, dtype=torch.float64)
+    options = dict(rollout_logp=base - 0.02, rollout_correction="tis", ref_logp=base + 0.01, kl_coef=0.1,
+                   trace=creditrl.TraceOptions(lam=0.9))
+    logp = base.to(logp_dtype).requires_grad_()
+    loss, _ = policy_loss(logp, (base - 0.05).to(other_dtype), torch.tensor([1.0, -0.5, 2.0], dtype=other_dtype),
+                          torch.ones(3, 6), **{k: v.to(other_dtype) if isinstance(v, torch.Tensor) else v
+                                                for k, v in options.items()})
+    loss.backward()
+    ref_logp = base.to(logp_dtype).double().requires_grad_()     # the same inputs, all float64
+    ref, _ = policy_loss(ref_logp, base - 0.05, torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64),
+                         torch.ones(3, 6), **options)
+    ref.backward()
+    assert logp.grad.dtype == logp_dtype
+    torch.testing.assert_close(loss.detach().double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    grad_tol = 1e-2 if logp_dtype == torch.bfloat16 else 1e-5          # the gradient is rounded to logp's dtype
+    torch.testing.assert_close(logp.grad.double(), ref_logp.grad, rtol=grad_tol, atol=grad_tol)

@@ -124,6 +124,7 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     ``otb``, ``otb_isolated``); is_weights: [B,T] truncated IS weights rho_bar_t.
     Estimator options (``k``, ``eps``, ``normalize``) are passed as keywords.
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
+    An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
     """
     spec = get_estimator(name)
     gamma = options.pop("gamma", 1.0)
@@ -133,6 +134,8 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
                          "(creditrl.token_stats(...).energy), got None")
     batch = build_batch(rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
                         gamma=gamma)
+    if batch.mask.numel() == 0:                  # B = 0 or T = 0: no token has an advantage
+        return torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)
     out = spec.fn(batch, **options)
     if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(batch.mask.shape[:1]), tuple(batch.mask.shape)}:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__

@@ -24,7 +24,8 @@ Interpretations where the paper is ambiguous:
     are detached there, so they pass no gradient through later tokens either.
 Log-ratios are clamped to ±20 before exp (as verl does) so ratios and grads stay finite; the
 gradient is zero where a clamp binds, as autograd through ``clamp`` would give.
-All arithmetic is float32 (or float64 if given); bf16 inputs are upcast.
+All arithmetic is float32, or the widest float dtype among the inputs (mixed float32/float64
+inputs are computed in float64); bf16 inputs are upcast. The gradient has ``logp``'s dtype.
 
 How it is computed. Everything is evaluated without autograd, in closed form, and the scalar
 comes back with its exact gradient w.r.t. ``logp`` attached (one autograd node whose backward
@@ -144,12 +145,21 @@ def _check_options(clip_low, clip_high, clip_c, agg, max_len, kl_coef, ref_logp,
         raise TypeError(f"trace: expected None or TraceOptions, got {type(trace).__name__}")
 
 
-def _as_float(name: str, x: object, like: Tensor) -> Tensor:
-    """Shape-checked [B,T] input in float32 (float64 stays). NaN is checked lazily: see
-    ``_explain_non_finite``."""
+def _as_float(name: str, x: object, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """Shape-checked [B,T] input in ``dtype`` (the widest of the inputs, at least float32). NaN
+    is checked lazily: see ``_explain_non_finite``."""
     x = check_tensor(name, x, floating=True)
     check_same_shape("logp", like, name, x)
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return x.to(dtype)
+
+
+def _common_dtype(*tensors) -> torch.dtype:
+    """Mixed float dtypes are computed in the widest one (never below float32)."""
+    dtype = torch.float32
+    for x in tensors:
+        if isinstance(x, Tensor) and x.is_floating_point():
+            dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
 
 
 def _explain_non_finite(inputs: dict[str, Tensor | None], valid: Tensor, metrics: dict) -> None:
@@ -174,7 +184,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     log-probs of the policy that produced the ratios' denominator, the frozen reference and
     the sampler; advantages: [B] or [B,T]; mask: [B,T] valid response tokens;
     entropy: [B,T] current-policy entropy (required with ``stapo``).
-    Returns (scalar loss, metrics); the loss's gradient reaches ``logp`` only. Metrics are
+    Returns (scalar loss, metrics); the loss's gradient reaches ``logp`` only (an empty batch,
+    B = 0 or T = 0, gives loss 0 with zero gradients and every metric 0.0). Metrics are
     Python floats, 0.0 when not applicable: clip fractions over kept tokens; approx_kl (k3,
     KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3, KL(π_rollout‖π_old)),
     adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs rollout); is_masked_frac,
@@ -192,8 +203,13 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     inputs = {"logp": logp_in, "old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp,
               "entropy": entropy if stapo_opts is not None else None}
     with torch.no_grad():
+        dtype = _common_dtype(*inputs.values(), advantages)
         logp, old_logp, rollout_logp, ref_logp, entropy = [
-            None if x is None else _as_float(name, x.detach(), logp_in) for name, x in inputs.items()]
+            None if x is None else _as_float(name, x.detach(), logp_in, dtype) for name, x in inputs.items()]
+    if logp_in.numel() == 0:      # B = 0 or T = 0: loss 0, still attached (zero gradients), metrics 0
+        token_advantages(advantages, logp)                               # validated all the same
+        return logp_in.sum() * 0.0, dict.fromkeys(METRIC_KEYS, 0.0)
+    with torch.no_grad():
         # On CPU every fresh [B,T] buffer costs page faults (glibc returns large blocks to the
         # OS), so the passes below work in place wherever a value is not needed again.
         valid_f = valid.view(torch.uint8).to(logp.dtype)

@@ -157,4 +157,6 @@ def spurious_token_mask(logp: Tensor, entropy: Tensor, advantages: Tensor, mask:
     valid = as_mask("mask", mask, logp.shape)
     adv = token_advantages(advantages, logp)
     opts = StapoOptions(tau_p, high_entropy_fraction, pool)
+    if valid.numel() == 0:                       # B = 0 or T = 0: an empty keep-mask
+        return valid.clone()
     return silence_keep_mask(logp, entropy, adv, valid, opts)

@@ -268,7 +268,9 @@ def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
     values = check_tensor("values", values, ndim=2, floating=True)
     valid = as_mask("mask", mask, values.shape)
     check_trace_args(lam, gamma, style, floor)
-    full = valid.numel() and bool(valid.view(torch.uint8).amin())   # nothing masked: no masking passes
+    if values.numel() == 0:                                           # B = 0 or T = 0: nothing to trace
+        return values.to(torch.promote_types(values.dtype, torch.float32)) * 0.0
+    full = bool(valid.view(torch.uint8).amin())                       # nothing masked: no masking passes
     probe = values.detach() if full else torch.where(valid, values.detach(), 0.0)
     if not bool(torch.isfinite(probe.sum())):     # one inf would spread to every earlier output: refuse it
         check_finite("values", probe)
