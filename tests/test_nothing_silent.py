@@ -410,7 +410,7 @@ def test_nan_or_plus_inf_logits_raise_naming_the_positions(bad):
     from creditrl._validate import NonFiniteError
     logits = torch.zeros(2, 3, 5)
     logits[1, 2, 3] = bad
-    with pytest.raises(NonFiniteError, match=r"logits: 1 valid position\(s\) have NaN or \+inf .*\[5\]"):
+    with pytest.raises(NonFiniteError, match=r"logits: 1 valid position\(s\) have NaN or \+inf .*rows \[1\]"):
         token_stats(logits, torch.zeros(2, 3, dtype=torch.long))
 
 

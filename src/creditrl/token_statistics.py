@@ -121,7 +121,8 @@ class _TokenStatsFn(torch.autograd.Function):
     """Flat valid-token statistics with a chunked, recomputing backward."""
 
     @staticmethod
-    def forward(ctx, flat_logits: Tensor, index: Tensor, targets: Tensor, temperature: float, chunk: int):
+    def forward(ctx, flat_logits: Tensor, index: Tensor, targets: Tensor, temperature: float, chunk: int,
+                steps: int):
         n = index.numel()
         outs = [flat_logits.new_zeros(n, dtype=torch.float32) for _ in range(5)]
         scratch = _scratch(flat_logits, min(chunk, n))
@@ -134,8 +135,9 @@ class _TokenStatsFn(torch.autograd.Function):
         logp, entropy, sum_p2, energy, log_norm = outs
         bad = ~torch.isfinite(log_norm)                       # NaN / +inf logits (or a row all -inf)
         if bool(bad.any()):
+            rows = sorted({int(p) // max(steps, 1) for p in index[bad][:1000].tolist()})
             raise NonFiniteError(f"logits: {int(bad.sum())} valid position(s) have NaN or +inf logits (or all -inf), "
-                                 f"e.g. flat positions {index[bad][:10].tolist()}")
+                                 f"e.g. rows {rows[:10]}")
         ctx.save_for_backward(flat_logits, index, targets, log_norm, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.masked_vocab = masked_vocab
@@ -153,7 +155,7 @@ class _TokenStatsFn(torch.autograd.Function):
             grad[source] = _chunk_backward(flat_logits[source], targets[rows], log_norm[rows], entropy[rows],
                                            grad_logp[rows], grad_entropy[rows], ctx.temperature, scratch,
                                            ctx.masked_vocab).to(grad.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def token_stats(logits: Tensor, tokens: Tensor, mask: Tensor | None = None, *, temperature: float = 1.0,
@@ -162,6 +164,8 @@ def token_stats(logits: Tensor, tokens: Tensor, mask: Tensor | None = None, *, t
 
     logits: [B,T,V] any float dtype, aligned so logits[b,t] produced tokens[b,t]; tokens: [B,T]
     int; mask: [B,T] bool/0-1 (default: all valid; tokens at masked positions are ignored).
+    -inf logits are legal (a masked vocabulary: 0 log 0 = 0, finite gradients); NaN or +inf
+    logits at a valid position raise NonFiniteError naming the rows.
     chunk_size: tokens per chunk (default ~4M elements / V). Accurate to ~1e-6 relative of a
     float64 reference for float32 logits; bf16/fp16 logits are upcast chunk by chunk.
     """
@@ -185,7 +189,7 @@ def token_stats(logits: Tensor, tokens: Tensor, mask: Tensor | None = None, *, t
     index = torch.nonzero(mask.flatten()).flatten()
     targets = tokens.flatten()[index].long()
     logp, entropy, sum_p2, energy = _TokenStatsFn.apply(logits.reshape(num * steps, vocab), index, targets,
-                                                float(temperature), chunk_size)
+                                                        float(temperature), chunk_size, steps)
 
     def scatter(x: Tensor) -> Tensor:
         return x.new_zeros(num * steps).index_put((index,), x).reshape(num, steps)
