@@ -473,3 +473,27 @@ def test_mixed_float_dtypes_are_computed_in_the_wider_precision(logp_dtype, othe
     torch.testing.assert_close(loss.detach().double(), ref.detach(), rtol=1e-5, atol=1e-6)
     grad_tol = 1e-2 if logp_dtype == torch.bfloat16 else 1e-5          # the gradient is rounded to logp's dtype
     torch.testing.assert_close(logp.grad.double(), ref_logp.grad, rtol=grad_tol, atol=grad_tol)
+
+
+def test_estimator_options_are_declared_once_and_agree_everywhere():
+    from creditrl import compute_advantages, register_estimator
+    from creditrl.estimators.registry import _REGISTRY, get_estimator
+
+    @register_estimator("scaled_test_only")
+    def scaled(batch, scale=2.0, *, shift):            # positional-or-keyword and keyword-only options
+        return (batch.rewards - shift) * scale
+
+    try:
+        assert get_estimator("scaled_test_only").options == {"gamma": 1.0, "scale": 2.0,
+                                                             "shift": __import__("inspect").Parameter.empty}
+        common = dict(rewards=torch.ones(2), mask=torch.ones(2, 3), group=torch.arange(2))
+        assert compute_advantages("scaled_test_only", scale=3.0, shift=0.5, **common)[0, 0] == 1.5
+        with pytest.raises(ValueError, match=r"missing required option\(s\) \['shift'\]"):
+            compute_advantages("scaled_test_only", **common)
+        with pytest.raises(ValueError, match=r"unknown option\(s\) \['k'\]; valid options are \['gamma', 'scale', 'shift'\]"):
+            compute_advantages("scaled_test_only", shift=0.0, k=2, **common)
+        with pytest.raises(ConfigError, match=r"algorithm.k: estimator 'scaled_test_only' takes no option 'k'; "
+                                              r"its options are \['gamma', 'scale', 'shift'\]"):
+            load_config(None, ["algorithm.estimator=scaled_test_only", "algorithm.k=2"])
+    finally:
+        _REGISTRY.pop("scaled_test_only", None)

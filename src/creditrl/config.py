@@ -380,28 +380,26 @@ def flat_items(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------------------- combinations
 
 def estimator_options(cfg: Config) -> dict:
-    """The algorithm options set (non-None), checked against the estimator's signature."""
+    """The algorithm options set (non-None), checked against what the estimator declares
+    (``EstimatorSpec.options``, the same declaration ``compute_advantages`` checks)."""
     import creditrl.estimators  # noqa: F401  (registers the built-in estimators)
     from creditrl.estimators.registry import get_estimator
 
     spec = get_estimator(cfg.algorithm.estimator)
-    params = inspect.signature(spec.fn).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepted = ["gamma"] + [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
-                            or (p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and n != "batch")]
+    declared = spec.options
     options = {}
     for f in dataclasses.fields(cfg.algorithm):
         value = getattr(cfg.algorithm, f.name)
         if f.name == "estimator":
             continue
         if value is None:
-            if f.name in params and params[f.name].default is inspect.Parameter.empty:
+            if declared is not None and declared.get(f.name, None) is inspect.Parameter.empty:
                 raise ConfigError(f"algorithm.{f.name}: estimator {spec.name!r} requires it, e.g. "
                                   f"algorithm.{f.name}=4")
             continue
-        if not takes_any and f.name not in accepted:
+        if declared is not None and f.name not in declared:
             raise ConfigError(f"algorithm.{f.name}: estimator {spec.name!r} takes no option "
-                              f"{f.name!r}; its options are {accepted or 'none'}")
+                              f"{f.name!r}; its options are {sorted(declared)}")
         options[f.name] = value
     return options
 

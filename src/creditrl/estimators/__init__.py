@@ -100,15 +100,14 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
 
 
 def _check_options(spec: EstimatorSpec, options: dict) -> None:
-    params = inspect.signature(spec.fn).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    declared = spec.options
+    if declared is None:
         return
-    named = [p for p in params if p.kind is p.KEYWORD_ONLY]
-    valid = sorted(["gamma"] + [p.name for p in named])
-    unknown = sorted(set(options) - set(valid))
+    valid = sorted(declared)
+    unknown = sorted(set(options) - set(declared))
     if unknown:
         raise ValueError(f"{spec.name}: unknown option(s) {unknown}; valid options are {valid}")
-    missing = [p.name for p in named if p.default is p.empty and p.name not in options]
+    missing = [k for k, default in declared.items() if default is inspect.Parameter.empty and k not in options]
     if missing:
         raise ValueError(f"{spec.name}: missing required option(s) {missing}; valid options are {valid}")
 

@@ -8,6 +8,8 @@ so estimators contain only their formula. Third parties add one with ``@register
 """
 from __future__ import annotations
 
+import inspect
+
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -48,6 +50,17 @@ class EstimatorSpec:
     fn: Callable[..., Tensor]
     needs_energy: bool = False
     doc: str = ""
+
+    @property
+    def options(self) -> dict[str, object] | None:
+        """The options this estimator takes, declared once by ``fn``'s parameters after the
+        batch: name -> default (``inspect.Parameter.empty`` = required), plus ``gamma`` (the
+        returns-to-go discount every estimator accepts). None when ``fn`` takes ``**options``."""
+        params = list(inspect.signature(self.fn).parameters.values())[1:]
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            return None
+        named = {p.name: p.default for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        return {"gamma": 1.0, **named}
 
 
 _REGISTRY: dict[str, EstimatorSpec] = {}
