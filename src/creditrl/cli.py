@@ -86,9 +86,8 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from creditrl.config import apply_overrides, load_config, load_saved_config
+    from creditrl.config import apply_overrides, eval_settings, load_config, load_saved_config
     from creditrl.trainer import evaluate
-    from creditrl.config import eval_settings
     from creditrl.trainer.loop import build_task, default_max_new_tokens, load_configured_policy, resolve_device
 
     weights = None

@@ -206,10 +206,10 @@ def max_at_k(scores: Tensor, k: int) -> Tensor:
 
 
 def _finish(adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: float = 1e-6) -> Tensor:
-    """Shared tail: optional division by the group reward std, singletons -> 0, float32."""
-    check_range("eps", eps, 0.0, low_inclusive=False)
+    """Shared tail: optional division by the group reward std (+ ``eps`` > 0), singletons -> 0, float32."""
     check_choice("normalize", normalize, ("none", "std"))
     if normalize == "std":
+        check_range("eps", eps, 0.0, low_inclusive=False)
         adv = adv / (group_std(batch.rewards.to(torch.float64), batch.groups) + eps)
     return drop_singletons(adv, batch.groups).to(torch.float32)
 
@@ -245,7 +245,7 @@ def maxk_bon(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
     s = k / stats.sizes.to(torch.float64) * stats.mu
     s = torch.where(stats.sizes == 1, torch.zeros_like(s), s)  # mu is nan when K > N = 1
     check_range("eps", eps, 0.0, low_inclusive=False)
-    return _finish((s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch, eps=eps)
+    return _finish((s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch)
 
 
 @register_estimator("passk_chen")
@@ -273,4 +273,4 @@ def passk_chen(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
     rho = 1.0 - fail_all
     sigma = (rho * (1.0 - rho)).clamp(min=0).sqrt()
     adv = torch.where(r > 0, 1.0 - rho, 1.0 - rho - binom_ratio(n - c - 1, k - 1, n - 1, k - 1))
-    return _finish(adv / (sigma + eps), batch, eps=eps)
+    return _finish(adv / (sigma + eps), batch)

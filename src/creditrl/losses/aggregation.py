@@ -52,12 +52,10 @@ def agg_row_weights(row_tokens: Tensor, mode: str, length: int, *, max_len: int 
     """Weights w [B] with ``agg_loss`` = Σ_b w_b Σ_t ℓ_bt over kept tokens (row_tokens [B]: kept
     tokens per row, float; ``length`` = T). Also the gradient's per-row scale."""
     rows = row_tokens.shape[0]
-    if mode == "token-mean":
-        weight = 1.0 / row_tokens.sum().clamp(min=1)
-    elif mode == "seq-mean-token-sum-norm":
+    if mode == "seq-mean-token-sum-norm":
         weight = row_tokens.new_full((), 1.0 / (max(rows, 1) * (max_len if max_len is not None else length)))
     else:
-        weight = 1.0 / (row_tokens > 0).sum().clamp(min=1).to(row_tokens.dtype)
+        weight = 1.0 / agg_denominator(row_tokens, mode).clamp(min=1)
         if mode == "seq-mean-token-mean":
             return weight / row_tokens.clamp(min=1)
     return weight.expand(rows)

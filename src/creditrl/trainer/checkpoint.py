@@ -21,12 +21,13 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from creditrl._io import atomic_directory
 
 PATTERN = re.compile(r"step_(\d+)$")
 WEIGHTS, STATE, MANIFEST = "weights.safetensors", "state.pt", "manifest.json"
@@ -116,21 +117,16 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict, state: dict, 
     folder = Path(run_dir) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=folder, prefix=f".tmp-{path.name}-"))
-    os.chmod(tmp, 0o755)
-    try:
-        save_file({k: v.cpu() for k, v in weights.items()}, tmp / WEIGHTS)
-        atomic_save({**state, "step": step}, tmp / STATE)
-        files = {name: {"size": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)} for name in (WEIGHTS, STATE)}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-        if path.exists():   # an older run's checkpoint of the same step (resume after a crash)
-            shutil.rmtree(path)
-        os.rename(tmp, path)
+    try:   # replace: an older run's checkpoint of the same step (resume after a crash)
+        with atomic_directory(path, replace=True) as tmp:
+            save_file({k: v.cpu() for k, v in weights.items()}, tmp / WEIGHTS)
+            atomic_save({**state, "step": step}, tmp / STATE)
+            files = {name: {"size": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)}
+                     for name in (WEIGHTS, STATE)}
+            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
     except OSError as err:
         raise OSError(f"checkpoint: could not write {str(path)!r}: {err.strerror or err} (nothing partial was "
                       f"left behind)") from err
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return path

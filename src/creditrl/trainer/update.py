@@ -191,12 +191,13 @@ class Learner:
                                   t["response_mask"], prompt_len, temperature=self.cfg.rollout.temperature,
                                   chunk_size=self.cfg.train.chunk_size, group=t["group"])
 
-    def old_stats(self, t: dict, prompt_len: int, micro: int):
-        """No-grad TokenStats of every row, computed ``micro`` rows at a time (bounded memory)."""
+    def no_grad_stats(self, model, t: dict, prompt_len: int) -> TokenStats:
+        """TokenStats of every row without grad, ``optim.micro_batch_size`` rows at a time
+        (bounded memory; the whole batch in one forward when it is unset)."""
         size = t["input_ids"].shape[0]
         with torch.no_grad():
-            parts = [self.stats(self.model, {k: v[rows] for k, v in t.items()}, prompt_len)
-                     for rows in torch.arange(size, device=self.device).split(micro)]
+            parts = [self.stats(model, {k: v[rows] for k, v in t.items()}, prompt_len)
+                     for rows in torch.arange(size, device=self.device).split(self.cfg.optim.micro_batch_size or size)]
         return TokenStats(**{f.name: torch.cat([getattr(x, f.name) for x in parts])
                              for f in dataclasses.fields(TokenStats)})
 
@@ -218,16 +219,10 @@ class Learner:
         # policy, so one forward with grad serves both the old stats (detached) and the loss.
         fused = cfg.optim.epochs == 1 and micro >= size
         self.model.train()
-        if fused:
-            first = self.stats(self.model, t, p)
-        else:
-            first = self.old_stats(t, p, micro)
+        first = self.stats(self.model, t, p) if fused else self.no_grad_stats(self.model, t, p)
         old_logp, entropy, energy = (x.detach().float() for x in (first.logp, first.entropy, first.energy))
+        ref_logp = None if self.ref_model is None else self.no_grad_stats(self.ref_model, t, p).logp.float()
         with torch.no_grad():
-            ref_logp = None
-            if self.ref_model is not None:
-                ref_logp = torch.cat([self.stats(self.ref_model, {k: v[rows] for k, v in t.items()}, p).logp.float()
-                                      for rows in torch.arange(size, device=self.device).split(micro)])
             is_weights = None
             if cfg.loss.rollout_correction is not None:
                 is_weights = torch.exp(old_logp - rollout_logp).clamp(max=cfg.loss.rollout_cap) * mask
