@@ -162,9 +162,19 @@ def test_maxk_bandit_fast_preset(fast_root, tmp_path):
 
 # ---------------------------------------------------------------- CLI and shared helpers
 def test_experiment_cli_errors(tmp_path, capsys):
-    assert experiments.main(["maxk-bandit", "--out", str(tmp_path), "--set", "nope=1"]) == 2
+    assert experiments.main(["maxk-bandit", "--out", str(tmp_path), "nope=1"]) == 2
     err = capsys.readouterr().err
-    assert "unknown field 'nope'" in err and "group_size" in err
+    assert "nope: unknown key" in err and "group_size" in err
+    # the trainer's typed merge: types, finiteness and tuple items are checked and named
+    for bad, message in [("k=1.5", "k: expected int"), ("k_sweep=[2,x]", "k_sweep[1]: expected int"),
+                         ("variance_batches=.inf", "expected int"), ("seed", "expected key=value")]:
+        assert experiments.main(["maxk-bandit", "--out", str(tmp_path), bad]) == 2
+        assert message in capsys.readouterr().err
+    assert experiments.main(["grad-variance", "--out", str(tmp_path), "temperature=nan"]) == 2
+    assert "temperature: expected a finite number" in capsys.readouterr().err
+    # 'all' checks every experiment's config before the first one runs
+    assert experiments.main(["all", "--out", str(tmp_path), "group_sizes=[4]"]) == 2
+    assert "group_sizes: unknown key" in capsys.readouterr().err and not any(tmp_path.iterdir())
     with pytest.raises(SystemExit):
         experiments.main(["no-such-experiment"])
     with pytest.raises(ValueError, match="valid names"):
@@ -172,8 +182,9 @@ def test_experiment_cli_errors(tmp_path, capsys):
 
 
 def test_experiment_cli_runs_with_overrides(tmp_path):
-    rc = experiments.main(["maxk-bandit", "--out", str(tmp_path), "--set", "seeds=2", "--set", "bias_batches=5,50",
-                           "--set", "variance_batches=10", "--set", "actions_sweep=4", "--set", "k_sweep=2,3"])
+    (tmp_path / "small.yaml").write_text("seeds: 2\nvariance_batches: 10\nactions_sweep: [4]\n")
+    rc = experiments.main(["maxk-bandit", "--out", str(tmp_path), "--config", str(tmp_path / "small.yaml"),
+                           "bias_batches=[5, 50]", "k_sweep=[2,3]"])
     assert rc == 0
     rows = common.read_csv(tmp_path / "bias.csv")
     assert sorted({r["batches"] for r in rows}) == [5, 50]

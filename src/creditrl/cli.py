@@ -158,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in LAZY_COMMANDS:  # they parse their own options (and --help)
         return run_lazy(argv[0], argv[1:])
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # key=value may come before or after options (argparse ends a subcommand's positionals at the first option)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+            parser.parse_args(argv)  # exits with argparse's own message
+        args.overrides = [*args.overrides, *extra]
     if args.command is None:
         parser.print_help()
         return 2

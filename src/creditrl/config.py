@@ -211,7 +211,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             value = [value]
         (item,) = typing.get_args(inner)[:1] or (Any,)
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+        items = [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
     if origin is dict or inner is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
@@ -309,9 +310,12 @@ def resolve_config_path(path: str | Path) -> Path:
     raise ConfigError(f"config file: no such file {str(path)!r}; packaged configs are {packaged_configs()}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file at ``path`` (or a packaged config's name) <- dotted ``overrides``; validated."""
-    cfg = Config()
+def merge_layers(cfg: Any, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """``cfg`` (any config dataclass) <- YAML file at ``path`` <- dotted ``key=value`` overrides.
+
+    The one override mechanism of ``creditrl train``, ``eval``, ``compare`` and ``experiment``: the
+    same typed merge (unknown keys named with the valid ones, types and finiteness checked) for the
+    trainer's ``Config`` and for each experiment's config dataclass."""
     if path is not None:
         path = resolve_config_path(path)
         with open(path) as fh:
@@ -320,13 +324,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             except yaml.YAMLError as err:
                 raise ConfigError(f"config file {str(path)!r}: invalid YAML: {err}") from None
         cfg = _merge(cfg, data or {})
-    return apply_overrides(cfg, overrides)
+    for text in overrides:
+        cfg = _merge(cfg, parse_override(text))
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file at ``path`` (or a packaged config's name) <- dotted ``overrides``; validated."""
+    return apply_overrides(merge_layers(Config(), path), overrides)
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """A validated copy of ``cfg`` with dotted ``key=value`` overrides applied."""
-    for text in overrides:
-        cfg = _merge(cfg, parse_override(text))
+    cfg = merge_layers(cfg, None, overrides)
     validate(cfg)
     return cfg
 

@@ -1,24 +1,29 @@
 """``creditrl experiment``: each paper's central claim reproduced in miniature.
 
-    creditrl experiment NAME [--preset fast|full] [--out DIR] [--seed S] [--set field=value ...]
-    creditrl experiment all [--preset ...]          # every experiment, then the report
+    creditrl experiment NAME [--preset fast|full] [--config FILE] [--out DIR] [key=value ...]
+    creditrl experiment all [--preset ...] [seed=S]  # every experiment, then the report
     creditrl experiment report [--runs DIR] [--docs DIR]
 
 Each experiment module exposes ``PRESETS`` (name -> frozen config dataclass), ``run(cfg, out_dir)
 -> summary dict`` (writes CSVs, one PNG named after the experiment and summary.json) and
 ``report(out_dir, figure_path) -> str`` (its Markdown section, built from those CSVs). ``report``
 assembles ``docs/results.md`` and copies the PNGs to ``docs/figures/``.
+
+Overrides use the trainer's one mechanism (``creditrl.config.merge_layers``): a YAML file merged over
+the preset, then dotted ``key=value`` items parsed as YAML (``group_sizes=[4,8]``, ``seed=3``), with
+unknown keys named and types checked exactly as for ``creditrl train``.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import shutil
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
+
+from creditrl.config import merge_layers
 
 EXPERIMENTS = {
     "maxk-bandit": "creditrl.experiments.maxk_bandit",
@@ -46,44 +51,20 @@ def experiment_module(name: str) -> ModuleType:
     return importlib.import_module(EXPERIMENTS[name])
 
 
-def _coerce(field: dataclasses.Field, default: object, text: str) -> object:
-    """Parse ``text`` to the type of the field's default (tuples as comma lists)."""
-    if isinstance(default, bool):
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"{field.name}: expected true or false, got {text!r}")
-        return text.lower() in ("true", "1")
-    if isinstance(default, tuple):
-        kind = type(default[0]) if default else str
-        return tuple(kind(v) for v in text.split(",") if v)
-    if isinstance(default, (int, float)):
-        return type(default)(text)
-    return text
-
-
-def apply_overrides(cfg, overrides: list[str]):
-    """``cfg`` with ``field=value`` overrides applied; unknown fields are named with the valid list."""
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    changes = {}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set: expected field=value, got {item!r}")
-        if key not in fields:
-            raise ValueError(f"--set: unknown field {key!r} of {type(cfg).__name__}; valid fields are {sorted(fields)}")
-        changes[key] = _coerce(fields[key], getattr(cfg, key), text)
-    return dataclasses.replace(cfg, **changes)
-
-
-def run_experiment(name: str, preset: str = "fast", out: Path | None = None, seed: int | None = None,
-                   overrides: list[str] | None = None) -> tuple[Path, dict]:
-    """Run one experiment preset; returns (output dir, summary)."""
+def experiment_config(name: str, preset: str = "fast", config_file: str | Path | None = None,
+                      overrides: list[str] | tuple[str, ...] = ()):
+    """The preset's config dataclass <- ``config_file`` (YAML) <- dotted ``key=value`` overrides."""
     module = experiment_module(name)
     if preset not in module.PRESETS:
         raise ValueError(f"--preset: unknown preset {preset!r} for {name}; valid presets are {sorted(module.PRESETS)}")
-    cfg = module.PRESETS[preset]
-    if seed is not None:
-        cfg = dataclasses.replace(cfg, seed=seed)
-    cfg = apply_overrides(cfg, overrides or [])
+    return merge_layers(module.PRESETS[preset], config_file, overrides)
+
+
+def run_experiment(name: str, preset: str = "fast", out: Path | None = None, config_file: str | Path | None = None,
+                   overrides: list[str] | tuple[str, ...] = ()) -> tuple[Path, dict]:
+    """Run one experiment preset; returns (output dir, summary)."""
+    module = experiment_module(name)
+    cfg = experiment_config(name, preset, config_file, overrides)
     out_dir = Path(out) if out is not None else DEFAULT_RUNS / preset / name
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -132,9 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fast: < 1 min each (used by the tests); full: the published figures (default: fast)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"output dir (default: {DEFAULT_RUNS}/<preset>/<name>; for 'all': the parent dir)")
-    parser.add_argument("--seed", type=int, default=None, help="override the preset's seed")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override one field of the preset's config (repeatable; tuples as comma lists)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="override fields of the preset's config, as in creditrl train (e.g. seed=3 "
+                        "group_sizes=[4,8]); with 'all' only keys every experiment has (seed, threads)")
+    parser.add_argument("--config", metavar="FILE", help="YAML merged over the preset before the overrides")
     parser.add_argument("--runs", type=Path, default=None,
                         help=f"report: directory holding the experiments' outputs (default: {DEFAULT_RUNS}/full)")
     parser.add_argument("--docs", type=Path, default=Path("docs"), help="report: where results.md and figures/ go")
@@ -142,18 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after options
     try:
         if args.name == "report":
             print(f"[creditrl] wrote {write_report(args.runs or DEFAULT_RUNS / 'full', args.docs)}")
             return 0
-        if args.name == "all" and args.overrides:
-            raise ValueError("--set: applies to one experiment's config; name one experiment instead of 'all'")
         names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+        for name in names:  # every config is checked before the first long experiment starts
+            experiment_config(name, args.preset, args.config, args.overrides)
         root = args.out if args.out is not None else DEFAULT_RUNS / args.preset
         for name in names:
             out = root / name if args.name == "all" else args.out
-            run_experiment(name, args.preset, out, args.seed, args.overrides)
+            run_experiment(name, args.preset, out, args.config, args.overrides)
         if args.name == "all":  # only the full preset may overwrite the published docs/results.md
             print(f"[creditrl] wrote {write_report(root, args.docs if args.preset == 'full' else root)}")
     except ValueError as err:

@@ -280,7 +280,7 @@ def spec_from_args(args) -> CompareSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after options
     try:
         if args.report_only:
             runs = find_runs(args.out)
