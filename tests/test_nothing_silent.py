@@ -342,6 +342,7 @@ def test_policy_loss_rejects_a_bad_max_len(max_len):
 
 
 @pytest.mark.parametrize("estimator, options", [("grpo", {}), ("maxpo", {"k": 2, "normalize": "std"}),
+                                                ("maxpo", {"k": 2}), ("pkpo", {"k": 2}),
                                                 ("maxk_bon", {"k": 2}), ("passk_chen", {"k": 2})])
 @pytest.mark.parametrize("eps, error", [(0.0, ValueError), (-0.577, ValueError), (float("nan"), ValueError),
                                         ("1e-6", TypeError)])
@@ -350,6 +351,17 @@ def test_estimators_reject_a_bad_eps(estimator, options, eps, error):
     with pytest.raises(error, match=r"eps: expected"):
         compute_advantages(estimator, rewards=torch.ones(4), mask=torch.ones(4, 2), group=torch.zeros(4, dtype=torch.long),
                            eps=eps, **options)
+
+
+@pytest.mark.parametrize("n, c, k, error, message", [
+    (4, "x", 2, TypeError, "c: expected an int"), (4, 2, None, TypeError, "k: expected an int"),
+    (4, 2, True, TypeError, "k: expected an int"), (float("nan"), 2, 2, ValueError, "n: expected whole numbers"),
+    (float("inf"), 2, 2, ValueError, "n: expected whole numbers"), (4, 1.5, 2, ValueError, "c: expected whole"),
+    (4, 5, 2, ValueError, "c: expected 0 <= c <= n"), (4, 2, 0, ValueError, "k: expected 1 <= k <= n")])
+def test_pass_at_k_checks_its_counts(n, c, k, error, message):
+    from creditrl import pass_at_k
+    with pytest.raises(error, match=message):
+        pass_at_k(n, c, k)
 
 
 @pytest.mark.parametrize("call", ["gamma", "lam", "temperature", "clip_low", "kl_coef"])

@@ -178,7 +178,15 @@ def pass_at_k(n, c, k) -> Tensor:
 
     n, c, k: ints or broadcastable tensors with 0 <= c <= n and 1 <= k <= n. Returns float64.
     """
-    n, c, k = (torch.as_tensor(v, dtype=torch.float64) for v in (n, c, k))
+    values = {}
+    for name, v in (("n", n), ("c", c), ("k", k)):
+        if isinstance(v, bool) or not (torch.is_tensor(v) or isinstance(v, (int, float, list, tuple))):
+            raise TypeError(f"{name}: expected an int or a tensor of counts, got {v!r}")
+        t = torch.as_tensor(v, dtype=torch.float64)
+        if not bool((torch.isfinite(t) & (t == t.round())).all()):
+            raise ValueError(f"{name}: expected whole numbers (counts), got {t.tolist()}")
+        values[name] = t
+    n, c, k = values["n"], values["c"], values["k"]
     if bool(((c < 0) | (c > n)).any()):
         raise ValueError(f"c: expected 0 <= c <= n, got c={c.tolist()} n={n.tolist()}")
     if bool(((k < 1) | (k > n)).any()):
@@ -208,8 +216,8 @@ def max_at_k(scores: Tensor, k: int) -> Tensor:
 def _finish(adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: float = 1e-6) -> Tensor:
     """Shared tail: optional division by the group reward std (+ ``eps`` > 0), singletons -> 0, float32."""
     check_choice("normalize", normalize, ("none", "std"))
+    check_range("eps", eps, 0.0, low_inclusive=False)  # checked even when unused: a typo never passes silently
     if normalize == "std":
-        check_range("eps", eps, 0.0, low_inclusive=False)
         adv = adv / (group_std(batch.rewards.to(torch.float64), batch.groups) + eps)
     return drop_singletons(adv, batch.groups).to(torch.float32)
 
