@@ -22,27 +22,11 @@ import sys
 import time
 
 import torch
+from timing import interleaved
 
 from creditrl import StapoOptions, TraceOptions, apply_trace, policy_loss
 
 LAM, GAMMA, FLOOR = 0.99, 1.0, 1e-3
-
-
-def interleaved(fns: dict, repeats: int, *, settle: int = 0) -> dict:
-    """Median seconds per callable, calling them in turn for ``repeats`` rounds (after a warm-up).
-    ``settle`` untimed calls precede each timed one, so a callable is not charged for the
-    allocator state (freed and trimmed memory) that the previous one left behind."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            for _ in range(settle):
-                fn()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def dense_matrix(length: int, style: str) -> torch.Tensor:

@@ -215,10 +215,69 @@ def test_step_index_compacts_valid_tokens():
     assert torch.equal(steps.expand(steps.compact(x)), x * mask)
     assert steps.live().tolist() == [[True] * 3, [True, False, False], [False] * 3]
     prefix = StepIndex.from_mask(torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool))
-    assert prefix.pos is None                                   # right-padded fast path
+    assert prefix.pos is None                                   # right-padded: its own compacted view (L = T)
     y = torch.arange(10.0).reshape(2, 5)
-    assert prefix.compact(y).tolist() == [[0, 1], [5, 0]]
+    assert prefix.compact(y).tolist() == [[0, 1, 0, 0, 0], [5, 0, 0, 0, 0]]
     assert prefix.expand(prefix.compact(y)).tolist() == [[0, 1, 0, 0, 0], [5, 0, 0, 0, 0]]
+    # rewards on masked tokens move to the nearest preceding valid step (the first if none precedes)
+    r = torch.tensor([[1.0, 2, 4, 8, 16], [1, 2, 4, 8, 16], [1, 2, 4, 8, 16]])
+    assert steps.compact_rewards(r, r.sum(1)).tolist() == [[3, 12, 16], [31, 0, 0], [0, 0, 0]]
+    assert prefix.compact_rewards(r[:2], r[:2].sum(1)).tolist() == [[1, 30, 0, 0, 0], [31, 0, 0, 0, 0]]
+
+
+def moved_returns_loop(rewards, mask, gamma):
+    """Reference for the masked-token rule: move each reward to the nearest preceding valid token
+    (the first valid one if none precedes), then discounted returns over valid tokens."""
+    out = torch.zeros_like(rewards, dtype=torch.float64)
+    for b in range(rewards.shape[0]):
+        cols = [t for t in range(rewards.shape[1]) if mask[b, t]]
+        if not cols:
+            continue
+        moved = {c: 0.0 for c in cols}
+        for t in range(rewards.shape[1]):
+            before = [c for c in cols if c <= t]
+            moved[before[-1] if before else cols[0]] += float(rewards[b, t])
+        acc = 0.0
+        for c in reversed(cols):
+            acc = moved[c] + gamma * acc
+            out[b, c] = acc
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), gamma=st.sampled_from([1.0, 0.9, 0.0]), padded=st.booleans())
+def test_rewards_on_masked_tokens_count_at_the_preceding_valid_token(seed, gamma, padded):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(6, 8, generator=g) * (torch.rand(6, 8, generator=g) < 0.5)
+    if padded:
+        mask = torch.arange(8)[None, :] < torch.randint(0, 9, (6, 1), generator=g)
+    else:
+        mask = torch.rand(6, 8, generator=g) < 0.6
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    got = compute_advantages("reinforce", rewards=rewards, mask=mask, group=group, gamma=gamma).double()
+    assert torch.allclose(got, moved_returns_loop(rewards, mask, gamma), atol=1e-5)
+    # sequence-level estimators use each row's whole total, masked tokens included (as verl)
+    seq = compute_advantages("dr_grpo", rewards=rewards, mask=mask, group=group)
+    want = rewards.sum(1) - rewards.sum(1).view(2, 3).mean(1).repeat_interleave(3)
+    assert torch.allclose(seq, want[:, None] * mask, atol=1e-5)
+
+
+def test_score_on_a_masked_last_token_counts_as_in_verl():
+    """The minimal case: the score sits on a masked (tool) token after the response."""
+    mask = torch.ones(4, 5)
+    mask[:, 4] = 0
+    rewards = torch.zeros(4, 5)
+    rewards[:, 4] = torch.tensor([1.0, 0, 1, 0])
+    grpo = compute_advantages("grpo", rewards=rewards, mask=mask, group=torch.zeros(4, dtype=torch.long))
+    assert torch.allclose(grpo[:, :4], torch.tensor([0.866, -0.866, 0.866, -0.866])[:, None], atol=1e-3)
+    assert (grpo[:, 4] == 0).all()
+    # token-level: the score counts at t = 3 and so in every earlier return
+    energy = torch.rand(4, 5, generator=torch.Generator().manual_seed(0))
+    otb = compute_advantages("otb", rewards=rewards, mask=mask, group=torch.zeros(4, dtype=torch.long),
+                             energy=energy)
+    seq = compute_advantages("otb", rewards=rewards.sum(1), mask=mask, group=torch.zeros(4, dtype=torch.long),
+                             energy=energy)
+    assert torch.allclose(otb, seq, atol=1e-6) and otb[:, :4].abs().min() > 0.1
 
 
 @pytest.mark.parametrize("name", ["otb", "otb_isolated"])
@@ -336,8 +395,8 @@ def test_error_messages():
     with pytest.raises(ValueError, match=r"gamma: expected a value in \[0, 1\], got 1.5"):
         compute_advantages("reinforce", **batch, gamma=1.5)
     token = make_batch(0, token_rewards=True)
-    token["rewards"][~token["mask"]] = 1.0
-    with pytest.raises(ValueError, match="rewards: token rewards must be 0 where mask == 0"):
-        compute_advantages("reinforce", **token)
+    token["rewards"][3, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"rewards: 1 row\(s\) contain NaN or inf, e.g. rows \[3\]"):
+        compute_advantages("grpo", **token)
     with pytest.raises(ValueError, match="is_weights: expected values >= 0"):
         compute_advantages("otb", **batch, is_weights=-torch.ones_like(batch["energy"]))

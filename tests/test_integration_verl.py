@@ -69,7 +69,10 @@ def test_registered_estimator_matches_direct_call(name):
     expected = creditrl.compute_advantages(name, rewards=batch["token_level_rewards"], mask=batch["response_mask"],
                                            group=group_of(batch["index"]), energy=batch["stats"].energy, **options)
     torch.testing.assert_close(advantages, expected)
-    # returns: reward-to-go, computed independently with a loop
+    if name not in ("reinforce", "otb", "otb_isolated"):  # sequence-level: verl's convention, returns = advantages
+        assert returns is advantages
+        return
+    # token-level: returns are the reward-to-go, computed independently with a loop
     mask, rewards = batch["response_mask"], batch["token_level_rewards"]
     loop = torch.zeros_like(rewards)
     for b in range(rewards.shape[0]):
@@ -257,3 +260,27 @@ def test_reload_is_idempotent_and_foreign_names_are_refused():
     finally:
         del core_algos.ADV_ESTIMATOR_REGISTRY["creditrl_rloo"]
         module.register_estimators()
+
+
+@pytest.mark.parametrize("layout", ["masked-last-token", "multi-turn"])
+def test_scores_on_masked_tokens_follow_verl(layout):
+    """verl puts the score at the last attention-mask position, which may be a masked (tool)
+    token: sequence-level estimators count it in the row total as verl does; token-level returns
+    count it at the nearest preceding valid token."""
+    mask = torch.ones(4, 5)
+    if layout == "masked-last-token":
+        mask[:, 4] = 0
+    else:                                   # turn 1, tool output, turn 2, tool output holding the score
+        mask[:, 2] = 0
+        mask[:, 4] = 0
+    rewards = torch.zeros(4, 5)
+    rewards[:, 4] = torch.tensor([1.0, 0, 1, 0])
+    index = np.array(["a"] * 4, dtype=object)
+    ours, _ = core_algos.get_adv_estimator_fn("creditrl_grpo")(
+        token_level_rewards=rewards, response_mask=mask, index=index, config=None)
+    theirs, _ = core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index)
+    torch.testing.assert_close(ours, theirs.float())
+    assert torch.allclose(ours[:, 0], torch.tensor([0.866, -0.866, 0.866, -0.866]), atol=1e-3)
+    _, returns = core_algos.get_adv_estimator_fn("creditrl_reinforce")(
+        token_level_rewards=rewards, response_mask=mask, index=index, config=None)
+    assert torch.equal(returns, rewards[:, 4:5] * mask)   # the score reaches every valid token

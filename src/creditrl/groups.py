@@ -2,6 +2,8 @@
 
 A batch of B responses carries integer group ids [B] (any values, any order, any sizes).
 ``GroupIndex`` maps them once to dense ids 0..G-1 so every reduction is one scatter-add.
+The usual layout — G groups of N rows each, stored one group after another — is detected once
+and reduced through a [G, N, ...] view instead (no scatter, no gather copy).
 """
 from __future__ import annotations
 
@@ -18,11 +20,17 @@ class GroupIndex:
     dense: Tensor  # [B] int64
     sizes: Tensor  # [G] int64
     ids: Tensor    # [G] original id of each dense group
+    block: int | None = None  # N when rows are G contiguous blocks of N (in dense-id order)
 
     @classmethod
     def from_ids(cls, group: Tensor) -> "GroupIndex":
         ids, dense, sizes = torch.unique(group, return_inverse=True, return_counts=True)
-        return cls(dense=dense, sizes=sizes, ids=ids)
+        block = None
+        if sizes.numel() and bool((sizes == sizes[0]).all()):
+            n = int(sizes[0])
+            if torch.equal(dense, torch.arange(dense.numel(), device=dense.device) // n):
+                block = n
+        return cls(dense=dense, sizes=sizes, ids=ids, block=block)
 
     @property
     def num_groups(self) -> int:
@@ -30,12 +38,22 @@ class GroupIndex:
 
     def sum(self, x: Tensor) -> Tensor:
         """Per-group sum of ``x`` [B, ...] -> [G, ...]."""
+        if self.block is not None:
+            return x.reshape(self.num_groups, self.block, *x.shape[1:]).sum(1)
         out = x.new_zeros((self.num_groups,) + tuple(x.shape[1:]))
         return out.index_add_(0, self.dense, x)
 
     def gather(self, per_group: Tensor) -> Tensor:
         """Broadcast a per-group value [G, ...] back to members [B, ...]."""
         return per_group.index_select(0, self.dense)
+
+    def subtract(self, x: Tensor, per_group: Tensor) -> Tensor:
+        """``x - gather(per_group)`` for x [B, ...], per_group [G, ...], without the gathered copy."""
+        if self.block is not None:
+            grouped = x.reshape(self.num_groups, self.block, *x.shape[1:])
+            out = grouped - per_group.unsqueeze(1)
+            return out.reshape(-1, *out.shape[2:])
+        return x - self.gather(per_group)
 
     def member_sizes(self) -> Tensor:
         """Size of each member's group, [B] int64."""

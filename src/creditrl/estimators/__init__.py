@@ -12,15 +12,15 @@ import math
 import torch
 from torch import Tensor
 
-from creditrl._validate import as_mask, bad_rows, check_finite, check_range, check_tensor
+from creditrl._validate import bad_rows, check_finite, check_range, check_tensor, mask_as_float
 from creditrl.estimators.registry import (AdvantageBatch, EstimatorSpec, get_estimator, list_estimators,
                                           register_estimator)
-from creditrl.estimators.steps import StepIndex, returns_to_go
+from creditrl.estimators.steps import returns_to_go
 from creditrl.groups import GroupIndex
 from creditrl.estimators import baselines, maxk, otb  # noqa: F401,E402  (register the built-ins)
 
 __all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch",
-           "build_batch", "returns_to_go"]
+           "build_batch", "prepare", "estimate", "returns_to_go"]
 
 # Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
 ENERGY_TOLERANCE = 8.0
@@ -32,23 +32,41 @@ def _real(name: str, x: Tensor) -> Tensor:
     return x
 
 
-def _token_tensor(name: str, x: object, mask: Tensor, *, non_negative: bool = False) -> Tensor:
+def _token_tensor(name: str, x: object, valid: Tensor, *, non_negative: bool = False) -> Tensor:
     """A [B,T] float input (energy, is_weights): float32, 0 on masked tokens, finite on valid ones.
 
     With ``non_negative``, values below -ENERGY_TOLERANCE * eps(dtype) raise (they are not
     rounding) and the rest are clamped at 0. One min/max pass checks the common good case.
     """
-    check_tensor(name, x, shape=list(mask.shape), floating=True)
+    check_tensor(name, x, shape=list(valid.shape), floating=True)
     tolerance = ENERGY_TOLERANCE * torch.finfo(x.dtype).eps
-    x = torch.where(mask, x.to(torch.float32), torch.zeros((), device=x.device))
+    x = x.to(torch.float32) * valid
     if x.numel() == 0:
         return x
     low, high = (float(v) for v in torch.aminmax(x))
     if not (math.isfinite(low) and math.isfinite(high)):
-        check_finite(name, x)
+        check_finite(name, torch.where(valid.bool(), x, 0.0))  # NaN * 0 is NaN: only valid tokens count
+        low, high = (float(v) for v in torch.aminmax(torch.nan_to_num(x, 0.0, 0.0, 0.0)))
+        x = torch.nan_to_num(x, 0.0, 0.0, 0.0)
     if non_negative and low < -tolerance:
         raise ValueError(f"{name}: expected values >= 0, got {low:.3g} in rows {bad_rows(x < -tolerance)}")
     return x.clamp(min=0) if non_negative and low < 0 else x
+
+
+def _row_totals(rewards: Tensor) -> Tensor:
+    """[B,T] token rewards -> [B] float32 row sums; every value must be finite.
+
+    A non-finite value makes its row's sum non-finite, so the common case costs one sum; a
+    float32 overflow of finite values is summed again in float64."""
+    totals = rewards.sum(1)
+    if not bool(torch.isfinite(totals).all()):
+        check_finite("rewards", rewards)
+        totals = rewards.to(torch.float64).sum(1)
+        if not bool(torch.isfinite(totals.float()).all()):
+            raise ValueError("rewards: row sums exceed the float32 range in rows "
+                             f"{bad_rows(~torch.isfinite(totals.float()))}")
+        totals = totals.float()
+    return totals
 
 
 def _check_device(device: torch.device, **tensors: Tensor | None) -> None:
@@ -61,42 +79,37 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
                 is_weights: Tensor | None = None, gamma: float = 1.0) -> AdvantageBatch:
     """Validate raw inputs and build the ``AdvantageBatch`` every estimator consumes.
 
-    rewards [B] (outcome) or [B,T] (per token; must be 0 on masked tokens); mask [B,T];
-    group [B] int ids; energy, is_weights [B,T] floats (is_weights multiply energies by
-    rho_bar^2, OTB App. D eq. 58-60). Returns-to-go use ``gamma`` over valid tokens.
+    rewards [B] (outcome) or [B,T] (per token; a reward on a masked token counts at the row's
+    nearest preceding valid token, and in the row total R); mask [B,T]; group [B] int ids;
+    energy, is_weights [B,T] floats (is_weights multiply energies by rho_bar^2, OTB App. D
+    eq. 58-60). Returns-to-go (computed only if an estimator reads them) use ``gamma`` over
+    valid tokens. Every check is one cheap pass over its input.
     """
-    mask = as_mask("mask", mask)
-    num, steps_t = mask.shape
+    valid, lengths = mask_as_float("mask", mask)
+    num, steps_t = valid.shape
     check_tensor("rewards", rewards, ndim=(1, 2))
     _real("rewards", rewards)
     check_tensor("group", group, shape=[num], integer=True)
-    _check_device(mask.device, rewards=rewards, group=group, energy=energy, is_weights=is_weights)
+    _check_device(valid.device, rewards=rewards, group=group, energy=energy, is_weights=is_weights)
     check_range("gamma", gamma, 0.0, 1.0)
-    token_level = rewards.dim() == 2
-    if token_level:
+    token_rewards = None
+    if rewards.dim() == 2:
         check_tensor("rewards", rewards, shape=[num, steps_t])
-        check_finite("rewards", torch.where(mask, rewards.to(torch.float32), 0.0))
-        stray = (~mask) & (rewards != 0)
-        if bool(stray.any()):
-            raise ValueError("rewards: token rewards must be 0 where mask == 0, got non-zero values "
-                             f"on masked tokens in rows {bad_rows(stray)}")
-        steps = StepIndex.from_mask(mask)
-        returns = returns_to_go(rewards, steps, float(gamma))
-        seq_rewards = rewards.to(torch.float64).sum(1).float()
+        token_rewards = rewards.to(torch.float32)
+        seq_rewards = _row_totals(token_rewards)
     else:
         check_tensor("rewards", rewards, shape=[num])
         seq_rewards = rewards.to(torch.float32)
         check_finite("rewards", seq_rewards)
-        returns = torch.where(mask, seq_rewards[:, None], 0.0)
 
     if energy is not None:
-        energy = _token_tensor("energy", energy, mask, non_negative=True)
+        energy = _token_tensor("energy", energy, valid, non_negative=True)
         if is_weights is not None:
-            energy = energy * _token_tensor("is_weights", is_weights, mask, non_negative=True).square()
+            energy = energy * _token_tensor("is_weights", is_weights, valid, non_negative=True).square()
     elif is_weights is not None:
-        _token_tensor("is_weights", is_weights, mask, non_negative=True)  # validated; unused without energy
-    return AdvantageBatch(rewards=seq_rewards, returns=returns, mask=mask,
-                          groups=GroupIndex.from_ids(group), energy=energy, token_level=token_level)
+        _token_tensor("is_weights", is_weights, valid, non_negative=True)  # validated; unused without energy
+    return AdvantageBatch(rewards=seq_rewards, valid=valid, lengths=lengths, groups=GroupIndex.from_ids(group),
+                          energy=energy, token_rewards=token_rewards, gamma=float(gamma))
 
 
 def _check_options(spec: EstimatorSpec, options: dict) -> None:
@@ -118,29 +131,42 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     """Advantages [B,T] float32 from the estimator ``name`` (see ``list_estimators()``).
 
     rewards: [B] outcome reward, or [B,T] token rewards (returns-to-go with option ``gamma``,
-    default 1; sequence-level estimators use R = sum_t r_t). mask: [B,T] bool/0-1. group: [B]
-    int ids (any order, any sizes). energy: [B,T] w_t from ``token_stats`` (needed by ``ogb``,
-    ``otb``, ``otb_isolated``); is_weights: [B,T] truncated IS weights rho_bar_t.
-    Estimator options (``k``, ``eps``, ``normalize``) are passed as keywords.
+    default 1). Sequence-level estimators use each row's total R = sum_t r_t; for token-level
+    returns a reward on a masked token counts at the row's nearest preceding valid token.
+    mask: [B,T] bool/0-1. group: [B] int ids (any order, any sizes). energy: [B,T] w_t from
+    ``token_stats`` (needed by ``ogb``, ``otb``, ``otb_isolated``); is_weights: [B,T] truncated
+    IS weights rho_bar_t. Estimator options (``k``, ``eps``, ``normalize``) are keywords.
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
     """
-    spec = get_estimator(name)
-    gamma = options.pop("gamma", 1.0)
-    _check_options(spec, options)
-    if spec.needs_energy and energy is None:
+    return estimate(name, prepare(name, rewards=rewards, mask=mask, group=group, energy=energy,
+                                  is_weights=is_weights, gamma=options.pop("gamma", 1.0)), **options)
+
+
+def prepare(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor | None = None,
+            is_weights: Tensor | None = None, gamma: float = 1.0) -> AdvantageBatch:
+    """``build_batch`` after checking that estimator ``name`` gets the energies it needs."""
+    if get_estimator(name).needs_energy and energy is None:
         raise ValueError(f"energy: estimator {name!r} needs per-token energies [B,T] "
                          "(creditrl.token_stats(...).energy), got None")
-    batch = build_batch(rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
-                        gamma=gamma)
-    if batch.mask.numel() == 0:                  # B = 0 or T = 0: no token has an advantage
-        return torch.zeros(batch.mask.shape, dtype=torch.float32, device=batch.mask.device)
+    return build_batch(rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
+                       gamma=gamma)
+
+
+def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
+    """Run estimator ``name`` on a built batch and apply the output contract (``compute_advantages``)."""
+    spec = get_estimator(name)
+    _check_options(spec, options)
+    if batch.valid.numel() == 0:                  # B = 0 or T = 0: no token has an advantage
+        return torch.zeros(batch.valid.shape, dtype=torch.float32, device=batch.valid.device)
     out = spec.fn(batch, **options)
-    if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(batch.mask.shape[:1]), tuple(batch.mask.shape)}:
+    if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(batch.valid.shape[:1]), tuple(batch.valid.shape)}:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "
-                         f"{list(batch.mask.shape)}")
-    out = out.to(device=batch.mask.device, dtype=torch.float32)
-    if out.dim() == 1:
-        out = out[:, None]
-    return torch.where(batch.mask, out, torch.zeros((), device=out.device)).contiguous()
+                         f"{list(batch.valid.shape)}")
+    out = out.to(device=batch.valid.device, dtype=torch.float32)
+    if not bool(torch.isfinite(out.sum(-1)).all()) and not bool(torch.isfinite(out).all()):
+        raise ValueError(f"estimator {name!r} returned non-finite advantages in rows "
+                         f"{bad_rows(~torch.isfinite(out.reshape(out.shape[0], -1)))}")
+    # finite values times the 0/1 mask: exactly 0 on masked tokens, one pass
+    return (out[:, None] if out.dim() == 1 else out) * batch.valid

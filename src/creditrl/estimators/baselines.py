@@ -89,7 +89,7 @@ def opo(batch: AdvantageBatch) -> Tensor:
     A group of empty responses (sum L = 0) uses the plain mean.
     """
     r = batch.rewards.to(torch.float64)
-    lengths = batch.mask.sum(1).to(torch.float64)
+    lengths = batch.lengths.to(torch.float64)
     return drop_singletons(r - weighted_baseline(r, lengths, batch.groups), batch.groups)
 
 
@@ -102,5 +102,5 @@ def ogb(batch: AdvantageBatch) -> Tensor:
     Groups whose energies sum to 0 use the plain mean of R.
     """
     r = batch.rewards.to(torch.float64)
-    total_energy = batch.energy.to(torch.float64).sum(1)
+    total_energy = batch.energy.sum(1).to(torch.float64)
     return drop_singletons(r - weighted_baseline(r, total_energy, batch.groups), batch.groups)

@@ -9,44 +9,36 @@ tokens drops out of the baseline at later steps. Where the live energies sum to 
 mean of the live members' returns is used. A step with a single live member (and so every
 step of a singleton group) gets advantage 0.
 
-Rows are reordered so each group is contiguous, valid tokens are compacted to the left
-([B,T] -> [B,L]), and per-group sums are segment reductions: O(B·T) time and memory, no
-loop over steps or groups.
+Valid tokens are compacted to the left ([B,T] -> [B,L]; right-padded batches are their own
+compacted view) and per-group sums are one reduction each (a [G,N,L] view when groups are
+contiguous blocks, else a scatter-add): O(B·T) time and memory, no loop over steps or groups.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from creditrl.estimators.baselines import weighted_mean_or_plain
 from creditrl.estimators.registry import AdvantageBatch, register_estimator
-from creditrl.estimators.steps import StepIndex
 
 
 def token_baseline_advantage(batch: AdvantageBatch, *, cumulative: bool) -> Tensor:
     """G_t - B_t for every valid token, [B, T] float32 (see module docstring)."""
-    sizes = batch.groups.sizes
-    order = torch.sort(batch.groups.dense, stable=True).indices      # group-contiguous rows
-
-    def group_sum(x: Tensor) -> Tensor:                              # [B, L] -> [G, L]
-        return torch.segment_reduce(x, "sum", lengths=sizes, axis=0)
-
-    steps = StepIndex.from_mask(batch.mask.index_select(0, order))
-    live = steps.live()
-    weights = steps.compact(batch.energy.index_select(0, order))
+    steps, groups = batch.steps, batch.groups
+    valid = steps.valid                                              # [B, L] 1/0
+    weights = steps.compact(batch.energy)                            # 0 past each length
     if cumulative:
-        weights = weights.cumsum(1).mul_(live)                       # members drop out past their end
-    if batch.token_level:
-        returns = steps.compact(batch.returns.index_select(0, order))   # 0 past each length
-        plain_sum = group_sum(returns)
+        weights = weights.cumsum(1).mul_(valid)                      # members drop out past their end
+    returns = steps.compact(batch.returns) if batch.token_level else batch.rewards[:, None]  # [B, L] or [B, 1]
+    weighted, weight_sum = groups.sum(weights * returns), groups.sum(weights)   # [G, L]
+    count = groups.sum(valid)                                        # live members per step
+    if bool(((weight_sum <= 0) | (count <= 1)).any()):
+        # the plain mean where the energies sum to 0, and at steps with one live member, whose
+        # baseline is then exactly its own return (advantage exactly 0: no baseline information)
+        plain = groups.sum(valid * returns) / count.clamp(min=1)
+        baseline = torch.where((weight_sum > 0) & (count > 1), weighted / weight_sum.clamp(min=1e-30), plain)
     else:
-        returns = batch.rewards.index_select(0, order)[:, None]
-        plain_sum = group_sum(live * returns)
-    count = group_sum(live.to(returns.dtype))
-    baseline = weighted_mean_or_plain(group_sum(weights * returns), group_sum(weights), plain_sum, count)
-    keep = live & (count > 1).repeat_interleave(sizes, dim=0)
-    adv = steps.expand(torch.sub(returns, baseline.repeat_interleave(sizes, dim=0)).mul_(keep))
-    return torch.empty_like(adv).index_copy_(0, order, adv)
+        baseline = weighted / weight_sum
+    return steps.expand(groups.subtract(returns, baseline).mul_(valid))
 
 
 @register_estimator("otb", needs_energy=True)

@@ -11,33 +11,58 @@ from __future__ import annotations
 import inspect
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Protocol
 
 from torch import Tensor
 
+from creditrl.estimators.steps import StepIndex, returns_to_go
 from creditrl.groups import GroupIndex
 
 
 @dataclass(frozen=True)
 class AdvantageBatch:
-    """Validated estimator inputs, all float32 on the input device.
+    """Validated estimator inputs on the input device. Derived views are computed on first use,
+    so a sequence-level estimator never pays for returns-to-go or the compacted step view.
 
-    rewards:  [B]    sequence reward R (Σ_t r_t for token-level rewards)
-    returns:  [B,T]  returns-to-go G_t over valid tokens (R on every valid token for outcome
-                     rewards), 0 where mask == 0
-    mask:     [B,T]  bool, True where the token is trained on
-    groups:   GroupIndex of the group ids
-    energy:   [B,T]  ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60), 0 where
-                     mask == 0; None when not given
-    token_level: whether rewards were given per token
+    rewards:       [B]    float32 sequence reward R (Σ_t r_t over every token for token rewards)
+    valid:         [B,T]  float32 1/0, the mask
+    lengths:       [B]    int64 valid tokens per response
+    groups:        GroupIndex of the group ids
+    energy:        [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
+                          0 where mask == 0; None when not given
+    token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards
+    gamma:         discount of the returns-to-go
+    Derived: ``mask`` [B,T] bool; ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
+    G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
+    a masked token counts at the row's nearest preceding valid token.
     """
 
     rewards: Tensor
-    returns: Tensor
-    mask: Tensor
+    valid: Tensor
+    lengths: Tensor
     groups: GroupIndex
     energy: Tensor | None
-    token_level: bool
+    token_rewards: Tensor | None
+    gamma: float = 1.0
+
+    @property
+    def token_level(self) -> bool:
+        return self.token_rewards is not None
+
+    @cached_property
+    def mask(self) -> Tensor:
+        return self.valid.bool()
+
+    @cached_property
+    def steps(self) -> StepIndex:
+        return StepIndex.from_mask(self.mask, self.valid, self.lengths)
+
+    @cached_property
+    def returns(self) -> Tensor:
+        if self.token_rewards is None:
+            return self.rewards[:, None] * self.valid
+        return returns_to_go(self.token_rewards, self.steps, self.gamma, self.rewards)
 
 
 class Estimator(Protocol):

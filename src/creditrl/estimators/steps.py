@@ -4,7 +4,7 @@ Multi-turn responses interleave generated tokens with masked tool output; OTB (O
 §4, "baselines only over valid tokens") and returns-to-go are defined over the generated
 tokens alone. ``StepIndex`` compacts each row's valid tokens to the left ([B,T] -> [B,L],
 L = longest response) with one cumsum, and scatters results back; O(B·T), no loops.
-Right-padded masks (valid tokens already first) take a fast path with no scatter/gather.
+Right-padded masks (valid tokens already first) are their own compacted view (L = T).
 """
 from __future__ import annotations
 
@@ -20,46 +20,80 @@ _MIN_BLOCK_DISCOUNT = 1e-150
 
 @dataclass(frozen=True)
 class StepIndex:
-    """pos[b,t]: compacted column of token t (L for masked tokens); lengths[b]: valid tokens."""
+    """The compacted [B, L] view of a batch's valid tokens.
 
-    pos: Tensor | None  # [B, T] int64; None on the prefix fast path
-    lengths: Tensor     # [B] int64
-    num_steps: int      # L = max(lengths)
+    pos[b,t]:  compacted column of token t (L for masked tokens); None for right-padded masks,
+               whose valid tokens are already first: then the view is the batch itself (L = T,
+               no copy, no scatter/gather).
+    valid:     [B, L] float32 1/0: step t exists for response b (t < its length).
+    lengths:   [B] int64 valid tokens per response.
+    """
+
+    pos: Tensor | None
+    valid: Tensor
+    lengths: Tensor
+    num_steps: int      # L
     num_tokens: int     # T
 
     @classmethod
-    def from_mask(cls, mask: Tensor) -> "StepIndex":
+    def from_mask(cls, mask: Tensor, valid: Tensor | None = None, lengths: Tensor | None = None) -> "StepIndex":
+        """``mask`` [B,T] bool; ``valid`` (its float32 copy) and ``lengths`` when already at hand."""
         mask = mask.bool()
-        lengths = mask.sum(1)
-        num_steps = int(lengths.max()) if mask.numel() else 0
-        steps = torch.arange(mask.shape[1], device=mask.device)
-        if torch.equal(mask, steps[None, :] < lengths[:, None]):
-            return cls(pos=None, lengths=lengths, num_steps=num_steps, num_tokens=mask.shape[1])  # already compact (right padding)
+        num, steps_t = mask.shape
+        valid = mask.to(torch.float32) if valid is None else valid
+        lengths = valid.sum(1).long() if lengths is None else lengths
+        if mask.numel() == 0:
+            return cls(pos=None, valid=valid, lengths=lengths, num_steps=steps_t, num_tokens=steps_t)
+        # right-padded <=> each row's last valid index + 1 equals its length (two cheap passes)
+        steps = torch.arange(steps_t, dtype=torch.float32, device=mask.device)
+        last = valid.mul(steps).amax(1)
+        if bool(((last + 1 == lengths) | (lengths == 0)).all()):
+            return cls(pos=None, valid=valid, lengths=lengths, num_steps=steps_t, num_tokens=steps_t)
+        num_steps = int(lengths.max())
         pos = torch.where(mask, mask.cumsum(1) - 1, torch.full_like(lengths[:, None], num_steps))
-        return cls(pos=pos, lengths=lengths, num_steps=num_steps, num_tokens=mask.shape[1])
+        live = torch.arange(num_steps, device=mask.device)[None, :] < lengths[:, None]
+        return cls(pos=pos, valid=live.to(torch.float32), lengths=lengths, num_steps=num_steps, num_tokens=steps_t)
 
     def live(self) -> Tensor:
         """[B, L] bool: step t exists for response b (t < its length)."""
-        steps = torch.arange(self.num_steps, device=self.lengths.device)
-        return steps[None, :] < self.lengths[:, None]
+        return self.valid.bool()
 
     def compact(self, x: Tensor) -> Tensor:
         """[B, T] -> [B, L]: valid tokens moved left in order, 0 past each row's length."""
         if self.pos is None:
-            return torch.where(self.live(), x[:, : self.num_steps], torch.zeros((), dtype=x.dtype, device=x.device))
+            return x * self.valid.to(x.dtype)
         out = x.new_zeros(x.shape[0], self.num_steps + 1)
         return out.scatter_(1, self.pos, x)[:, : self.num_steps]
+
+    def compact_rewards(self, rewards: Tensor, totals: Tensor) -> Tensor:
+        """[B, T] token rewards -> [B, L], each reward moved to its row's nearest preceding valid
+        step (the first valid step if none precedes it), so a row's valid steps hold its whole
+        total ``totals`` [B]. A reward on a masked token (a tool-output token of a multi-turn
+        rollout, a padding position where a framework put the score) is credited to the last
+        generated token before it; returns-to-go over valid steps then count it from there back."""
+        if self.pos is None:  # masked tokens are the tail: their sum goes to the last valid step
+            moved = rewards * self.valid
+            rest = totals - moved.sum(1)
+            last = (self.lengths - 1).clamp(min=0)[:, None]
+            return moved.scatter_add_(1, last, (rest * (self.lengths > 0))[:, None])
+        cum = (self.pos < self.num_steps).cumsum(1) - 1          # index of the preceding valid step
+        target = cum.clamp(min=0)
+        out = rewards.new_zeros(rewards.shape[0], self.num_steps + 1)
+        return out.scatter_add_(1, target, rewards)[:, : self.num_steps] * self.valid
 
     def expand(self, xc: Tensor) -> Tensor:
         """[B, L] -> [B, T]: inverse of ``compact``; 0 at masked tokens (``xc`` is 0 past lengths)."""
         if self.pos is None:
-            return torch.nn.functional.pad(xc, (0, self.num_tokens - self.num_steps))
+            return xc
         padded = torch.cat([xc, xc.new_zeros(xc.shape[0], 1)], dim=1)
         return padded.gather(1, self.pos)
 
 
 def discounted_suffix_sum(x: Tensor, gamma: float) -> Tensor:
-    """G_t = sum_{k>=t} gamma^{k-t} x_k along the last dim, float64, O(T), no overflow.
+    """G_t = sum_{k>=t} gamma^{k-t} x_k along the last dim, O(T), no overflow.
+
+    gamma = 1: a reversed cumulative sum in ``x``'s dtype (as verl's returns; exact for the sparse
+    outcome rewards of RL post-training). gamma < 1: float64, blocked as follows.
 
     The scaling trick G_t = gamma^{-t} sum_{k>=t} gamma^k x_k overflows for long T, so the
     sequence is cut into blocks of length D with gamma^D >= 1e-150: inside a block the trick is
@@ -67,10 +101,10 @@ def discounted_suffix_sum(x: Tensor, gamma: float) -> Tensor:
     gamma^{D-o}. Terms two or more blocks away are dropped; they are below 1e-150 relative,
     far beneath float32 resolution of the result.
     """
-    x = x.to(torch.float64)
     n = x.shape[-1]
     if gamma == 1.0 or n == 0:
         return x.flip(-1).cumsum(-1).flip(-1)
+    x = x.to(torch.float64)
     if gamma == 0.0:
         return x.clone()
     block = n if gamma ** n >= _MIN_BLOCK_DISCOUNT else max(1, int(math.log(_MIN_BLOCK_DISCOUNT) / math.log(gamma)))
@@ -84,9 +118,13 @@ def discounted_suffix_sum(x: Tensor, gamma: float) -> Tensor:
     return local.reshape(*x.shape[:-1], num_blocks * block)[..., :n]
 
 
-def returns_to_go(rewards: Tensor, steps: StepIndex, gamma: float = 1.0) -> Tensor:
+def returns_to_go(rewards: Tensor, steps: StepIndex, gamma: float = 1.0, totals: Tensor | None = None) -> Tensor:
     """Returns-to-go over valid tokens: G_t = sum_{k>=t} gamma^{k-t} r_k, k over valid steps.
 
-    rewards: [B, T] token rewards (masked tokens ignored). Returns float32 [B, T], 0 where masked.
+    rewards: [B, T] token rewards; a reward on a masked token counts at the nearest preceding
+    valid step (``StepIndex.compact_rewards``). totals: [B] row sums of ``rewards`` when at hand.
+    Returns float32 [B, T], 0 where masked.
     """
-    return steps.expand(discounted_suffix_sum(steps.compact(rewards.to(torch.float64)), gamma)).float()
+    rewards = rewards.to(torch.float32)
+    totals = rewards.sum(1) if totals is None else totals
+    return steps.expand(discounted_suffix_sum(steps.compact_rewards(rewards, totals), gamma).float())

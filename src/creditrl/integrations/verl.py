@@ -40,9 +40,8 @@ from torch import Tensor
 from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
 
-from creditrl.estimators import compute_advantages, list_estimators, returns_to_go
+from creditrl.estimators import estimate, list_estimators, prepare
 from creditrl.estimators.registry import get_estimator
-from creditrl.estimators.steps import StepIndex
 from creditrl.integrations import energy_from_logp
 from creditrl.losses import StapoOptions, TraceOptions, policy_loss
 
@@ -84,16 +83,19 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                 f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; set "
                 "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
                 "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
-        mask = response_mask.bool()
-        rewards = torch.where(mask, token_level_rewards.float(), 0.0)
         options = estimator_options(config)
+        gamma = options.pop("gamma", 1.0)
         with torch.no_grad():
-            advantages = compute_advantages(
-                name, rewards=rewards, mask=mask,
-                group=group_ids(index, mask.shape[0], mask.device), energy=energy,
-                is_weights=rollout_is_weights if energy is not None else None, **options)
-            returns = returns_to_go(rewards, StepIndex.from_mask(mask), float(options.get("gamma", 1.0)))
-        return advantages, returns
+            # the rewards as verl gives them: a score on a masked token counts in the row total
+            # (sequence-level) or at the nearest preceding valid token (token-level returns)
+            batch = prepare(name, rewards=token_level_rewards, mask=response_mask,
+                            group=group_ids(index, response_mask.shape[0], response_mask.device), energy=energy,
+                            is_weights=rollout_is_weights if energy is not None else None, gamma=gamma)
+            advantages = estimate(name, batch, **options)
+        # returns-to-go where the estimator computed them; else, as verl's own outcome
+        # estimators do, the advantages (critic-free: verl reads returns only for a critic)
+        returns = batch.__dict__.get("returns")
+        return advantages, advantages if returns is None else returns
 
     estimator.__name__ = estimator.__qualname__ = f"compute_{PREFIX}{name}_advantage"
     estimator.__doc__ = f"creditrl estimator {name!r} ({get_estimator(name).doc}) in verl's calling convention."
