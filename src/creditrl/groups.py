@@ -43,6 +43,14 @@ class GroupIndex:
         out = x.new_zeros((self.num_groups,) + tuple(x.shape[1:]))
         return out.index_add_(0, self.dense, x)
 
+    def weighted_sums(self, weights: Tensor, x: Tensor) -> Tensor:
+        """out[g, j] = sum_{i in g} weights[i, j] * x[i] for weights [B, K], x [B, L] -> [G, K, L]:
+        K weighted group sums in one pass over ``x`` (a batched matmul when groups are blocks)."""
+        if self.block is not None:
+            return torch.bmm(weights.reshape(self.num_groups, self.block, -1).transpose(1, 2).to(x.dtype),
+                             x.unflatten(0, (self.num_groups, self.block)))
+        return torch.stack([self.sum(weights[:, j: j + 1].to(x.dtype) * x) for j in range(weights.shape[1])], 1)
+
     def gather(self, per_group: Tensor) -> Tensor:
         """Broadcast a per-group value [G, ...] back to members [B, ...]."""
         return per_group.index_select(0, self.dense)

@@ -165,6 +165,8 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "
                          f"{list(batch.valid.shape)}")
     out = out.to(device=batch.valid.device, dtype=torch.float32)
+    if out.dim() == 2 and spec.masked_output:
+        return out
     if not bool(torch.isfinite(out.sum(-1)).all()) and not bool(torch.isfinite(out).all()):
         raise ValueError(f"estimator {name!r} returned non-finite advantages in rows "
                          f"{bad_rows(~torch.isfinite(out.reshape(out.shape[0], -1)))}")

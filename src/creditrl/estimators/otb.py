@@ -25,29 +25,32 @@ def token_baseline_advantage(batch: AdvantageBatch, *, cumulative: bool) -> Tens
     """G_t - B_t for every valid token, [B, T] float32 (see module docstring)."""
     steps, groups = batch.steps, batch.groups
     valid = steps.valid                                              # [B, L] 1/0
-    weights = steps.compact(batch.energy)                            # 0 past each length
+    weights = steps.compact(batch.energy, masked=True)               # 0 past each length
     if cumulative:
         weights = weights.cumsum(1).mul_(valid)                      # members drop out past their end
-    returns = steps.compact(batch.returns) if batch.token_level else batch.rewards[:, None]  # [B, L] or [B, 1]
-    weighted, weight_sum = groups.sum(weights * returns), groups.sum(weights)   # [G, L]
-    count = groups.sum(valid)                                        # live members per step
-    if bool(((weight_sum <= 0) | (count <= 1)).any()):
-        # the plain mean where the energies sum to 0, and at steps with one live member, whose
-        # baseline is then exactly its own return (advantage exactly 0: no baseline information)
-        plain = groups.sum(valid * returns) / count.clamp(min=1)
-        baseline = torch.where((weight_sum > 0) & (count > 1), weighted / weight_sum.clamp(min=1e-30), plain)
+    if batch.constant_returns:                                       # G_t = R: sums in one pass each
+        returns = batch.rewards[:, None]                             # [B, 1]
+        by_reward = torch.stack([batch.rewards, torch.ones_like(batch.rewards)], 1)  # [B, 2]: R, 1
+        weighted, weight_sum = groups.weighted_sums(by_reward, weights).unbind(1)    # Σ W R, Σ W
+        plain, count = groups.weighted_sums(by_reward, valid).unbind(1)              # Σ R, live members
     else:
-        baseline = weighted / weight_sum
+        returns = steps.compact(batch.returns, masked=True)          # [B, L], 0 past each length
+        weighted, weight_sum = groups.sum(weights * returns), groups.sum(weights)
+        plain, count = groups.sum(valid * returns), groups.sum(valid)
+    # the plain mean where the energies sum to 0, and at steps with one live member, whose
+    # baseline is then exactly its own return (advantage exactly 0: no baseline information)
+    energetic = (weight_sum > 0) & (count > 1)
+    baseline = torch.where(energetic, weighted / torch.where(energetic, weight_sum, 1.0), plain / count.clamp(min=1))
     return steps.expand(groups.subtract(returns, baseline).mul_(valid))
 
 
-@register_estimator("otb", needs_energy=True)
+@register_estimator("otb", needs_energy=True, masked_output=True)
 def otb(batch: AdvantageBatch) -> Tensor:
     """OTB (eq. 8/42): baseline weighted by the cumulative energy W_t = sum_{j<=t} w_j, [B,T]."""
     return token_baseline_advantage(batch, cumulative=True)
 
 
-@register_estimator("otb_isolated", needs_energy=True)
+@register_estimator("otb_isolated", needs_energy=True, masked_output=True)
 def otb_isolated(batch: AdvantageBatch) -> Tensor:
     """OTB with isolated energies (eq. 52): baseline weighted by w_t alone, [B,T]."""
     return token_baseline_advantage(batch, cumulative=False)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Protocol
 
+import torch
 from torch import Tensor
 
 from creditrl.estimators.steps import StepIndex, returns_to_go
@@ -59,8 +60,20 @@ class AdvantageBatch:
         return StepIndex.from_mask(self.mask, self.valid, self.lengths)
 
     @cached_property
-    def returns(self) -> Tensor:
+    def constant_returns(self) -> bool:
+        """True when every valid token's return-to-go is its row's R: [B] rewards, or token
+        rewards that sit only on each row's last valid token with gamma = 1 (the usual outcome
+        reward as verl passes it). Estimators then skip the returns-to-go (one nonzero count)."""
         if self.token_rewards is None:
+            return True
+        if self.gamma != 1.0:
+            return False
+        at_last = self.token_rewards.gather(1, self.steps.last_token[:, None])
+        return int(torch.count_nonzero(self.token_rewards)) == int(torch.count_nonzero(at_last))
+
+    @cached_property
+    def returns(self) -> Tensor:
+        if self.constant_returns:
             return self.rewards[:, None] * self.valid
         return returns_to_go(self.token_rewards, self.steps, self.gamma, self.rewards)
 
@@ -75,6 +88,7 @@ class EstimatorSpec:
     fn: Callable[..., Tensor]
     needs_energy: bool = False
     doc: str = ""
+    masked_output: bool = False  # a [B,T] result is already finite and exactly 0 where mask == 0
 
     @property
     def options(self) -> dict[str, object] | None:
@@ -91,10 +105,13 @@ class EstimatorSpec:
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
 
-def register_estimator(name: str, *, needs_energy: bool = False, overwrite: bool = False):
+def register_estimator(name: str, *, needs_energy: bool = False, overwrite: bool = False,
+                       masked_output: bool = False):
     """Decorator: register ``fn(batch: AdvantageBatch, **options) -> [B] | [B,T]`` under ``name``.
 
     ``needs_energy`` makes ``compute_advantages`` require the ``energy`` argument.
+    ``masked_output`` promises that a [B,T] result is finite and exactly 0 where mask == 0, so
+    ``compute_advantages`` skips its checking pass (the built-in token-level estimators; tested).
     Re-registering a name raises unless ``overwrite=True`` (or it is the same function).
     """
 
@@ -105,7 +122,7 @@ def register_estimator(name: str, *, needs_energy: bool = False, overwrite: bool
                 getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
             raise ValueError(f"estimator {name!r} is already registered to {old.fn!r}; pass overwrite=True")
         doc = (fn.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "")
+        _REGISTRY[name] = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output)
         return fn
 
     return decorator

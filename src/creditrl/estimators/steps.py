@@ -22,16 +22,23 @@ _MIN_BLOCK_DISCOUNT = 1e-150
 class StepIndex:
     """The compacted [B, L] view of a batch's valid tokens.
 
-    pos[b,t]:  compacted column of token t (L for masked tokens); None for right-padded masks,
-               whose valid tokens are already first: then the view is the batch itself (L = T,
-               no copy, no scatter/gather).
-    valid:     [B, L] float32 1/0: step t exists for response b (t < its length).
-    lengths:   [B] int64 valid tokens per response.
+    pos[b,t]:    compacted column of token t (L for masked tokens); None for right-padded masks,
+                 whose valid tokens are already first: then the view is the batch itself (L = T,
+                 no copy, no scatter/gather).
+    valid:       [B, L] float32 1/0: step t exists for response b (t < its length).
+    token_valid: [B, T] float32 1/0, the mask.
+    lengths:     [B] int64 valid tokens per response.
+    last_token:  [B] int64 column of each response's last valid token (0 for empty responses).
+
+    Large [B, T] allocations dominate the cost on a CPU (fresh pages), so every method here
+    allocates at most one [B, T] or [B, L] result and works in place otherwise.
     """
 
     pos: Tensor | None
     valid: Tensor
+    token_valid: Tensor
     lengths: Tensor
+    last_token: Tensor
     num_steps: int      # L
     num_tokens: int     # T
 
@@ -42,26 +49,26 @@ class StepIndex:
         num, steps_t = mask.shape
         valid = mask.to(torch.float32) if valid is None else valid
         lengths = valid.sum(1).long() if lengths is None else lengths
-        if mask.numel() == 0:
-            return cls(pos=None, valid=valid, lengths=lengths, num_steps=steps_t, num_tokens=steps_t)
-        # right-padded <=> each row's last valid index + 1 equals its length (two cheap passes)
-        steps = torch.arange(steps_t, dtype=torch.float32, device=mask.device)
-        last = valid.mul(steps).amax(1)
-        if bool(((last + 1 == lengths) | (lengths == 0)).all()):
-            return cls(pos=None, valid=valid, lengths=lengths, num_steps=steps_t, num_tokens=steps_t)
+        # right-padded <=> the mask never rises along t (one comparison of shifted views)
+        if mask.numel() == 0 or not bool((mask[:, 1:] > mask[:, :-1]).any()):
+            return cls(pos=None, valid=valid, token_valid=valid, lengths=lengths,
+                       last_token=(lengths - 1).clamp(min=0), num_steps=steps_t, num_tokens=steps_t)
         num_steps = int(lengths.max())
-        pos = torch.where(mask, mask.cumsum(1) - 1, torch.full_like(lengths[:, None], num_steps))
+        pos = mask.cumsum(1).sub_(1).masked_fill_(~mask, num_steps)
+        last = (steps_t - 1 - mask.flip(1).to(torch.uint8).argmax(1)) * (lengths > 0)
         live = torch.arange(num_steps, device=mask.device)[None, :] < lengths[:, None]
-        return cls(pos=pos, valid=live.to(torch.float32), lengths=lengths, num_steps=num_steps, num_tokens=steps_t)
+        return cls(pos=pos, valid=live.to(torch.float32), token_valid=valid, lengths=lengths, last_token=last,
+                   num_steps=num_steps, num_tokens=steps_t)
 
     def live(self) -> Tensor:
         """[B, L] bool: step t exists for response b (t < its length)."""
         return self.valid.bool()
 
-    def compact(self, x: Tensor) -> Tensor:
-        """[B, T] -> [B, L]: valid tokens moved left in order, 0 past each row's length."""
+    def compact(self, x: Tensor, *, masked: bool = False) -> Tensor:
+        """[B, T] -> [B, L]: valid tokens moved left in order, 0 past each row's length.
+        ``masked=True`` promises ``x`` is already 0 on masked tokens (right padding: no copy)."""
         if self.pos is None:
-            return x * self.valid.to(x.dtype)
+            return x if masked else x * self.valid.to(x.dtype)
         out = x.new_zeros(x.shape[0], self.num_steps + 1)
         return out.scatter_(1, self.pos, x)[:, : self.num_steps]
 
@@ -74,19 +81,16 @@ class StepIndex:
         if self.pos is None:  # masked tokens are the tail: their sum goes to the last valid step
             moved = rewards * self.valid
             rest = totals - moved.sum(1)
-            last = (self.lengths - 1).clamp(min=0)[:, None]
-            return moved.scatter_add_(1, last, (rest * (self.lengths > 0))[:, None])
-        cum = (self.pos < self.num_steps).cumsum(1) - 1          # index of the preceding valid step
-        target = cum.clamp(min=0)
+            return moved.scatter_add_(1, self.last_token[:, None], (rest * (self.lengths > 0))[:, None])
+        target = (self.pos < self.num_steps).cumsum(1).sub_(1).clamp_(min=0)   # preceding valid step
         out = rewards.new_zeros(rewards.shape[0], self.num_steps + 1)
-        return out.scatter_add_(1, target, rewards)[:, : self.num_steps] * self.valid
+        return out.scatter_add_(1, target, rewards)[:, : self.num_steps].mul_(self.valid)
 
     def expand(self, xc: Tensor) -> Tensor:
         """[B, L] -> [B, T]: inverse of ``compact``; 0 at masked tokens (``xc`` is 0 past lengths)."""
         if self.pos is None:
             return xc
-        padded = torch.cat([xc, xc.new_zeros(xc.shape[0], 1)], dim=1)
-        return padded.gather(1, self.pos)
+        return torch.nn.functional.pad(xc, (0, 1)).gather(1, self.pos)
 
 
 def discounted_suffix_sum(x: Tensor, gamma: float) -> Tensor:

@@ -92,10 +92,9 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                             group=group_ids(index, response_mask.shape[0], response_mask.device), energy=energy,
                             is_weights=rollout_is_weights if energy is not None else None, gamma=gamma)
             advantages = estimate(name, batch, **options)
-        # returns-to-go where the estimator computed them; else, as verl's own outcome
-        # estimators do, the advantages (critic-free: verl reads returns only for a critic)
-        returns = batch.__dict__.get("returns")
-        return advantages, advantages if returns is None else returns
+        # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
+        # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)
+        return advantages, batch.returns if get_estimator(name).masked_output else advantages
 
     estimator.__name__ = estimator.__qualname__ = f"compute_{PREFIX}{name}_advantage"
     estimator.__doc__ = f"creditrl estimator {name!r} ({get_estimator(name).doc}) in verl's calling convention."
