@@ -20,17 +20,23 @@ class GroupIndex:
     dense: Tensor  # [B] int64
     sizes: Tensor  # [G] int64
     ids: Tensor    # [G] original id of each dense group
-    block: int | None = None  # N when rows are G contiguous blocks of N (in dense-id order)
+    block: int | None = None  # N when rows are G contiguous blocks of N (dense id = block index)
 
     @classmethod
     def from_ids(cls, group: Tensor) -> "GroupIndex":
+        """Dense ids for any layout; G contiguous blocks of N rows (the usual layout, whatever the
+        ids' values or order) are numbered by block, so reductions use a [G, N, ...] view."""
+        rows = group.numel()
+        if rows:
+            starts = torch.nonzero(group[1:] != group[:-1]).flatten() + 1
+            size = int(starts[0]) if starts.numel() else rows
+            if (rows % size == 0 and torch.equal(starts, torch.arange(size, rows, size, device=group.device))
+                    and torch.unique(group[::size]).numel() == rows // size):
+                dense = torch.arange(rows, device=group.device) // size
+                sizes = torch.full((rows // size,), size, dtype=torch.int64, device=group.device)
+                return cls(dense=dense, sizes=sizes, ids=group[::size], block=size)
         ids, dense, sizes = torch.unique(group, return_inverse=True, return_counts=True)
-        block = None
-        if sizes.numel() and bool((sizes == sizes[0]).all()):
-            n = int(sizes[0])
-            if torch.equal(dense, torch.arange(dense.numel(), device=dense.device) // n):
-                block = n
-        return cls(dense=dense, sizes=sizes, ids=ids, block=block)
+        return cls(dense=dense, sizes=sizes, ids=ids)
 
     @property
     def num_groups(self) -> int:

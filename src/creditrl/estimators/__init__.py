@@ -32,25 +32,28 @@ def _real(name: str, x: Tensor) -> Tensor:
     return x
 
 
-def _token_tensor(name: str, x: object, valid: Tensor, *, non_negative: bool = False) -> Tensor:
-    """A [B,T] float input (energy, is_weights): float32, 0 on masked tokens, finite on valid ones.
+def _token_tensor(name: str, x: object, valid: Tensor, *, masked: bool = True) -> Tensor:
+    """A [B,T] non-negative float input (energy, is_weights) as float32, finite and >= 0 on valid
+    tokens; 0 on masked tokens when ``masked`` (else whatever finite value >= 0 they held).
 
-    With ``non_negative``, values below -ENERGY_TOLERANCE * eps(dtype) raise (they are not
-    rounding) and the rest are clamped at 0. One min/max pass checks the common good case.
+    Values below -ENERGY_TOLERANCE * eps(dtype) on valid tokens raise (they are not rounding)
+    and the rest are clamped at 0. One min/max pass over the input checks the common good case
+    without allocating; only a failing or ``masked`` input is copied.
     """
     check_tensor(name, x, shape=list(valid.shape), floating=True)
     tolerance = ENERGY_TOLERANCE * torch.finfo(x.dtype).eps
-    x = x.to(torch.float32) * valid
+    x = x.to(torch.float32)
     if x.numel() == 0:
         return x
     low, high = (float(v) for v in torch.aminmax(x))
-    if not (math.isfinite(low) and math.isfinite(high)):
-        check_finite(name, torch.where(valid.bool(), x, 0.0))  # NaN * 0 is NaN: only valid tokens count
-        low, high = (float(v) for v in torch.aminmax(torch.nan_to_num(x, 0.0, 0.0, 0.0)))
-        x = torch.nan_to_num(x, 0.0, 0.0, 0.0)
-    if non_negative and low < -tolerance:
+    if math.isfinite(low) and math.isfinite(high) and low >= 0:
+        return x * valid if masked else x
+    x = torch.where(valid.bool(), x, 0.0)                        # only valid tokens are checked
+    check_finite(name, x)
+    low = float(x.min())
+    if low < -tolerance:
         raise ValueError(f"{name}: expected values >= 0, got {low:.3g} in rows {bad_rows(x < -tolerance)}")
-    return x.clamp(min=0) if non_negative and low < 0 else x
+    return x.clamp_(min=0)
 
 
 def _row_totals(rewards: Tensor) -> Tensor:
@@ -102,14 +105,14 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
         seq_rewards = rewards.to(torch.float32)
         check_finite("rewards", seq_rewards)
 
-    if energy is not None:
-        energy = _token_tensor("energy", energy, valid, non_negative=True)
+    if energy is not None:  # checked on valid tokens; masked ones are zeroed where an estimator reads them
+        energy = _token_tensor("energy", energy, valid, masked=False)
         if is_weights is not None:
-            energy = energy * _token_tensor("is_weights", is_weights, valid, non_negative=True).square()
+            energy = energy * _token_tensor("is_weights", is_weights, valid, masked=False).square()
     elif is_weights is not None:
-        _token_tensor("is_weights", is_weights, valid, non_negative=True)  # validated; unused without energy
+        _token_tensor("is_weights", is_weights, valid, masked=False)  # validated; unused without energy
     return AdvantageBatch(rewards=seq_rewards, valid=valid, lengths=lengths, groups=GroupIndex.from_ids(group),
-                          energy=energy, token_rewards=token_rewards, gamma=float(gamma))
+                          raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma))
 
 
 def _check_options(spec: EstimatorSpec, options: dict) -> None:

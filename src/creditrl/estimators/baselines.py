@@ -102,5 +102,6 @@ def ogb(batch: AdvantageBatch) -> Tensor:
     Groups whose energies sum to 0 use the plain mean of R.
     """
     r = batch.rewards.to(torch.float64)
-    total_energy = batch.energy.sum(1).to(torch.float64)
+    # sum over valid tokens as a batched dot product: no masked [B,T] copy
+    total_energy = torch.bmm(batch.raw_energy.unsqueeze(1), batch.valid.unsqueeze(2)).view(-1).to(torch.float64)
     return drop_singletons(r - weighted_baseline(r, total_energy, batch.groups), batch.groups)

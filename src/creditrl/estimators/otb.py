@@ -25,9 +25,11 @@ def token_baseline_advantage(batch: AdvantageBatch, *, cumulative: bool) -> Tens
     """G_t - B_t for every valid token, [B, T] float32 (see module docstring)."""
     steps, groups = batch.steps, batch.groups
     valid = steps.valid                                              # [B, L] 1/0
-    weights = steps.compact(batch.energy, masked=True)               # 0 past each length
-    if cumulative:
-        weights = weights.cumsum(1).mul_(valid)                      # members drop out past their end
+    if cumulative:  # masked energies never enter: right padding puts them after the last valid
+        # step, and compaction drops them; the product with valid ends each member at its length
+        weights = steps.compact(batch.raw_energy, masked=True).cumsum(1).mul_(valid)
+    else:
+        weights = steps.compact(batch.raw_energy)                    # 0 past each length
     if batch.constant_returns:                                       # G_t = R: sums in one pass each
         returns = batch.rewards[:, None]                             # [B, 1]
         by_reward = torch.stack([batch.rewards, torch.ones_like(batch.rewards)], 1)  # [B, 2]: R, 1

@@ -30,11 +30,13 @@ class AdvantageBatch:
     valid:         [B,T]  float32 1/0, the mask
     lengths:       [B]    int64 valid tokens per response
     groups:        GroupIndex of the group ids
-    energy:        [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
-                          0 where mask == 0; None when not given
+    raw_energy:    [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
+                          finite and >= 0, but not necessarily 0 on masked tokens (no copy of
+                          the caller's tensor); None when not given
     token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards
     gamma:         discount of the returns-to-go
-    Derived: ``mask`` [B,T] bool; ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
+    Derived: ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
+    ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
     G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
     a masked token counts at the row's nearest preceding valid token.
     """
@@ -43,7 +45,7 @@ class AdvantageBatch:
     valid: Tensor
     lengths: Tensor
     groups: GroupIndex
-    energy: Tensor | None
+    raw_energy: Tensor | None
     token_rewards: Tensor | None
     gamma: float = 1.0
 
@@ -54,6 +56,10 @@ class AdvantageBatch:
     @cached_property
     def mask(self) -> Tensor:
         return self.valid.bool()
+
+    @cached_property
+    def energy(self) -> Tensor | None:
+        return None if self.raw_energy is None else self.raw_energy * self.valid
 
     @cached_property
     def steps(self) -> StepIndex:
