@@ -400,3 +400,52 @@ def test_error_messages():
         compute_advantages("grpo", **token)
     with pytest.raises(ValueError, match="is_weights: expected values >= 0"):
         compute_advantages("otb", **batch, is_weights=-torch.ones_like(batch["energy"]))
+
+
+@pytest.mark.parametrize("values", [[1.2, 0.4], [0.5], [1e-30], [0.9999], [-1.0], [2.0], [float("nan")]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_float_masks_must_hold_only_zeros_and_ones(values, dtype):
+    """min/max in [0, 1] plus sum == count of nonzeros catches every value other than 0 and 1
+    (documented exception: values within float32 rounding of 1, e.g. 0.99999994, count as 1)."""
+    from creditrl._validate import mask_as_float
+    mask = torch.ones(3, 6, dtype=dtype)
+    mask[1, : len(values)] = torch.tensor(values, dtype=dtype)
+    if torch.equal(mask, mask.round().clamp(0, 1)):
+        pytest.skip(f"{values} rounds to 0/1 in {dtype}")
+    with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[1\]"):
+        mask_as_float("mask", mask)
+    # non-contiguous masks are checked alike
+    wide = torch.ones(3, 12, dtype=dtype)
+    wide[:, ::2] = mask
+    with pytest.raises(ValueError, match=r"in rows \[1\]"):
+        mask_as_float("mask", wide[:, ::2])
+    assert torch.equal(mask_as_float("mask", wide[:, 1::2]), torch.ones(3, 6))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=5), block=st.booleans(), seed=st.integers(0, 999))
+def test_group_index_any_layout_matches_loops(sizes, block, seed):
+    """Contiguous blocks (any id values and order) use a [G, N] view; other layouts a scatter;
+    both must give the loops' sums, means and differences."""
+    from creditrl.groups import GroupIndex
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(50, generator=g)[: len(sizes)] - 20
+    if block:
+        sizes = [sizes[0]] * len(sizes)
+        group = ids.repeat_interleave(sizes[0])
+    else:
+        group = torch.repeat_interleave(ids, torch.tensor(sizes))[torch.randperm(sum(sizes), generator=g)]
+    x = torch.randn(group.numel(), 3, generator=g, dtype=torch.float64)
+    idx = GroupIndex.from_ids(group)
+    assert (idx.block is not None) == (block and len(sizes) > 0) or not block
+    for b in range(group.numel()):
+        members = group == group[b]
+        torch.testing.assert_close(idx.gather(idx.sum(x))[b], x[members].sum(0))
+        torch.testing.assert_close(idx.mean(x)[b], x[members].mean(0))
+        torch.testing.assert_close(idx.subtract(x, idx.sum(x))[b], x[b] - x[members].sum(0))
+    weights = torch.randn(group.numel(), 2, generator=g, dtype=torch.float64)
+    sums = idx.weighted_sums(weights, x)                                           # [G, 2, 3]
+    for b in range(group.numel()):
+        members = group == group[b]
+        want = weights[members].T @ x[members]
+        torch.testing.assert_close(sums[idx.dense[b]], want)

@@ -88,7 +88,7 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     eq. 58-60). Returns-to-go (computed only if an estimator reads them) use ``gamma`` over
     valid tokens. Every check is one cheap pass over its input.
     """
-    valid, lengths = mask_as_float("mask", mask)
+    valid = mask_as_float("mask", mask)
     num, steps_t = valid.shape
     check_tensor("rewards", rewards, ndim=(1, 2))
     _real("rewards", rewards)
@@ -111,7 +111,7 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
             energy = energy * _token_tensor("is_weights", is_weights, valid, masked=False).square()
     elif is_weights is not None:
         _token_tensor("is_weights", is_weights, valid, masked=False)  # validated; unused without energy
-    return AdvantageBatch(rewards=seq_rewards, valid=valid, lengths=lengths, groups=GroupIndex.from_ids(group),
+    return AdvantageBatch(rewards=seq_rewards, valid=valid, groups=GroupIndex.from_ids(group),
                           raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma))
 
 

@@ -28,14 +28,13 @@ class AdvantageBatch:
 
     rewards:       [B]    float32 sequence reward R (Σ_t r_t over every token for token rewards)
     valid:         [B,T]  float32 1/0, the mask
-    lengths:       [B]    int64 valid tokens per response
     groups:        GroupIndex of the group ids
     raw_energy:    [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
                           finite and >= 0, but not necessarily 0 on masked tokens (no copy of
                           the caller's tensor); None when not given
     token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards
     gamma:         discount of the returns-to-go
-    Derived: ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
+    Derived: ``lengths`` [B] int64 valid tokens per response; ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
     G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
     a masked token counts at the row's nearest preceding valid token.
@@ -43,7 +42,6 @@ class AdvantageBatch:
 
     rewards: Tensor
     valid: Tensor
-    lengths: Tensor
     groups: GroupIndex
     raw_energy: Tensor | None
     token_rewards: Tensor | None
@@ -52,6 +50,10 @@ class AdvantageBatch:
     @property
     def token_level(self) -> bool:
         return self.token_rewards is not None
+
+    @cached_property
+    def lengths(self) -> Tensor:
+        return self.valid.sum(1).long()
 
     @cached_property
     def mask(self) -> Tensor:
