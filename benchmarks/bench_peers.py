@@ -32,7 +32,8 @@ from timing import interleaved
 ESTIMATORS = ("otb", "grpo", "dr_grpo", "rloo", "opo")
 
 
-def make_inputs(num_groups: int, size: int, length: int, holes: bool, seed: int = 0) -> dict:
+def make_inputs(num_groups: int, size: int, length: int, holes: bool, seed: int = 0,
+                mask_dtype: torch.dtype = torch.float32) -> dict:
     """verl-style inputs: token rewards, response mask, uids, old log-probs and sum pi^2."""
     gen = torch.Generator().manual_seed(seed)
     batch = num_groups * size
@@ -52,7 +53,7 @@ def make_inputs(num_groups: int, size: int, length: int, holes: bool, seed: int 
     old_log_probs = torch.log(vocab_p.clamp(min=1e-4))
     sum_pi_squared = vocab_p.square() + (1 - vocab_p).square() * torch.rand(batch, length, generator=gen)
     index = np.array([f"uid-{g}" for g in range(num_groups) for _ in range(size)], dtype=object)
-    return {"token_level_rewards": token_rewards, "response_mask": mask.float(), "index": index,
+    return {"token_level_rewards": token_rewards, "response_mask": mask.to(mask_dtype), "index": index,
             "old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "scores": scores,
             "group": torch.arange(num_groups).repeat_interleave(size)}
 
@@ -98,13 +99,13 @@ def plugin_call(name: str, inputs: dict):
     return lambda: fn(**kwargs, config=None)[0]
 
 
-def bench(lengths: list[int], num_groups: int, size: int, repeats: int) -> list[dict]:
+def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dtype: torch.dtype) -> list[dict]:
     print(f"{'case':<34}{'verl ms':>9}{'direct ms':>11}{'[B] ms':>9}{'plug-in ms':>12}"
           f"{'speed-up':>10}{'plug/direct':>13}{'max|diff|':>11}")
     rows = []
     for length in lengths:
         for holes in (False, True):
-            inputs = make_inputs(num_groups, size, length, holes)
+            inputs = make_inputs(num_groups, size, length, holes, mask_dtype=mask_dtype)
             valid = inputs["response_mask"].bool()
             for name in ESTIMATORS:
                 fns = {"verl": verl_call(name, holes, inputs), "direct": creditrl_call(name, inputs, False),
@@ -127,16 +128,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="B = 64 (4 x 16), T in {256}: a smoke run")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mask-dtype", default="float32", choices=["float32", "int64", "bool"],
+                        help="dtype of response_mask (verl's attention-mask slice is int64; float32 is "
+                        "what its vectorized tests use; bool what creditrl's trainer passes)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     import verl
 
+    mask_dtype = getattr(torch, args.mask_dtype)
     print(f"verl {verl.__version__}, torch {torch.__version__}, {args.threads} threads, "
-          f"{platform.processor() or platform.machine()}; median of {args.repeats} interleaved rounds")
+          f"{platform.processor() or platform.machine()}; median of {args.repeats} interleaved rounds; "
+          f"response_mask {args.mask_dtype}")
     if args.quick:
-        rows = bench([256], 4, 16, 3)
+        rows = bench([256], 4, 16, 3, mask_dtype)
     else:
-        rows = bench([4096, 16384], 64, 16, args.repeats)
+        rows = bench([4096, 16384], 64, 16, args.repeats, mask_dtype)
     worst = {name: min(r["speedup"] for r in rows if r["case"].startswith(name + " ")) for name in ESTIMATORS}
     print("slowest speed-up per estimator (verl / direct): " +
           ", ".join(f"{k} {v:.2f}x" for k, v in worst.items()))

@@ -111,28 +111,27 @@ def as_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tens
     return mask != 0
 
 
-def mask_as_float(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
-    """The one mask rule (bool, or numeric holding only 0/1) checked in a few cheap read passes.
+def check_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
+    """The one mask rule (bool, or numeric holding only 0/1) checked in a few cheap read passes,
+    without a copy; returns ``mask`` itself.
 
-    Returns the mask as float32 1/0 [B,T] (the input itself when it is float32). Integer masks:
-    one min/max pass. Float masks: min/max in [0, 1] and sum == number of nonzeros (inside
-    [0, 1] equality means every nonzero is 1; row sums are exact integers, totalled in
-    float64). A value within float32 rounding of 1
+    Bool masks: nothing to check. Integer masks: one min/max pass. Float masks: min/max in
+    [0, 1] and sum == number of nonzeros (inside [0, 1] equality means every nonzero is 1; row
+    sums are exact integers, totalled in float64). A value within float32 rounding of 1
     (0.99999994) is not told apart from 1 by these sums and counts as 1.
     """
     mask = check_tensor(name, mask, ndim=2) if shape is None else check_tensor(name, mask, shape=list(shape))
     if mask.is_complex():
         raise TypeError(f"{name}: expected a bool or 0/1 mask, got dtype {mask.dtype}")
-    valid = mask.to(torch.float32)
     if mask.dtype == torch.bool or mask.numel() == 0:
-        return valid
+        return mask
     low, high = (float(v) for v in torch.aminmax(mask))
     ok = low >= 0 and high <= 1
     if ok and mask.is_floating_point():
         # row sums of 0/1 values are exact integers (T < 2^24), their float64 total too
-        ok = float(valid.sum(1).double().sum()) == int(torch.count_nonzero(valid))
+        ok = float(mask.sum(1, dtype=torch.float32).double().sum()) == int(torch.count_nonzero(mask))
     if not ok:
         outside = (mask != 0) & (mask != 1)
         raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
                          f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
-    return valid
+    return mask

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from creditrl._validate import bad_rows, check_finite, check_range, check_tensor, mask_as_float
+from creditrl._validate import bad_rows, check_finite, check_mask, check_range, check_tensor
 from creditrl.estimators.registry import (AdvantageBatch, EstimatorSpec, get_estimator, list_estimators,
                                           register_estimator)
 from creditrl.estimators.steps import returns_to_go
@@ -32,23 +32,23 @@ def _real(name: str, x: Tensor) -> Tensor:
     return x
 
 
-def _token_tensor(name: str, x: object, valid: Tensor, *, masked: bool = True) -> Tensor:
+def _token_tensor(name: str, x: object, mask: Tensor) -> Tensor:
     """A [B,T] non-negative float input (energy, is_weights) as float32, finite and >= 0 on valid
-    tokens; 0 on masked tokens when ``masked`` (else whatever finite value >= 0 they held).
+    tokens (masked tokens keep whatever finite value >= 0 they held; estimators mask them).
 
     Values below -ENERGY_TOLERANCE * eps(dtype) on valid tokens raise (they are not rounding)
     and the rest are clamped at 0. One min/max pass over the input checks the common good case
-    without allocating; only a failing or ``masked`` input is copied.
+    without allocating; only a failing input is copied.
     """
-    check_tensor(name, x, shape=list(valid.shape), floating=True)
+    check_tensor(name, x, shape=list(mask.shape), floating=True)
     tolerance = ENERGY_TOLERANCE * torch.finfo(x.dtype).eps
     x = x.to(torch.float32)
     if x.numel() == 0:
         return x
     low, high = (float(v) for v in torch.aminmax(x))
     if math.isfinite(low) and math.isfinite(high) and low >= 0:
-        return x * valid if masked else x
-    x = torch.where(valid.bool(), x, 0.0)                        # only valid tokens are checked
+        return x
+    x = torch.where(mask.bool(), x, 0.0)                        # only valid tokens are checked
     check_finite(name, x)
     low = float(x.min())
     if low < -tolerance:
@@ -88,12 +88,12 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     eq. 58-60). Returns-to-go (computed only if an estimator reads them) use ``gamma`` over
     valid tokens. Every check is one cheap pass over its input.
     """
-    valid = mask_as_float("mask", mask)
-    num, steps_t = valid.shape
+    mask = check_mask("mask", mask)
+    num, steps_t = mask.shape
     check_tensor("rewards", rewards, ndim=(1, 2))
     _real("rewards", rewards)
     check_tensor("group", group, shape=[num], integer=True)
-    _check_device(valid.device, rewards=rewards, group=group, energy=energy, is_weights=is_weights)
+    _check_device(mask.device, rewards=rewards, group=group, energy=energy, is_weights=is_weights)
     check_range("gamma", gamma, 0.0, 1.0)
     token_rewards = None
     if rewards.dim() == 2:
@@ -106,12 +106,12 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
         check_finite("rewards", seq_rewards)
 
     if energy is not None:  # checked on valid tokens; masked ones are zeroed where an estimator reads them
-        energy = _token_tensor("energy", energy, valid, masked=False)
+        energy = _token_tensor("energy", energy, mask)
         if is_weights is not None:
-            energy = energy * _token_tensor("is_weights", is_weights, valid, masked=False).square()
+            energy = energy * _token_tensor("is_weights", is_weights, mask).square()
     elif is_weights is not None:
-        _token_tensor("is_weights", is_weights, valid, masked=False)  # validated; unused without energy
-    return AdvantageBatch(rewards=seq_rewards, valid=valid, groups=GroupIndex.from_ids(group),
+        _token_tensor("is_weights", is_weights, mask)  # validated; unused without energy
+    return AdvantageBatch(rewards=seq_rewards, given_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma))
 
 
@@ -160,18 +160,18 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
     """Run estimator ``name`` on a built batch and apply the output contract (``compute_advantages``)."""
     spec = get_estimator(name)
     _check_options(spec, options)
-    if batch.valid.numel() == 0:                  # B = 0 or T = 0: no token has an advantage
-        return torch.zeros(batch.valid.shape, dtype=torch.float32, device=batch.valid.device)
+    shape = batch.given_mask.shape
+    if batch.given_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
+        return torch.zeros(shape, dtype=torch.float32, device=batch.given_mask.device)
     out = spec.fn(batch, **options)
-    if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(batch.valid.shape[:1]), tuple(batch.valid.shape)}:
+    if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(shape[:1]), tuple(shape)}:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "
-                         f"{list(batch.valid.shape)}")
-    out = out.to(device=batch.valid.device, dtype=torch.float32)
+                         f"{list(shape)}")
+    out = out.to(device=batch.given_mask.device, dtype=torch.float32)
     if out.dim() == 2 and spec.masked_output:
         return out
     if not bool(torch.isfinite(out.sum(-1)).all()) and not bool(torch.isfinite(out).all()):
         raise ValueError(f"estimator {name!r} returned non-finite advantages in rows "
                          f"{bad_rows(~torch.isfinite(out.reshape(out.shape[0], -1)))}")
-    # finite values times the 0/1 mask: exactly 0 on masked tokens, one pass
-    return (out[:, None] if out.dim() == 1 else out) * batch.valid
+    return batch.broadcast(out) if out.dim() == 1 else out * batch.valid  # exactly 0 on masked tokens

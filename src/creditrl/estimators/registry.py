@@ -27,21 +27,22 @@ class AdvantageBatch:
     so a sequence-level estimator never pays for returns-to-go or the compacted step view.
 
     rewards:       [B]    float32 sequence reward R (Σ_t r_t over every token for token rewards)
-    valid:         [B,T]  float32 1/0, the mask
+    given_mask:    [B,T]  the mask as the caller gave it (bool, or checked 0/1 of any real dtype)
     groups:        GroupIndex of the group ids
     raw_energy:    [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
                           finite and >= 0, but not necessarily 0 on masked tokens (no copy of
                           the caller's tensor); None when not given
     token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards
     gamma:         discount of the returns-to-go
-    Derived: ``lengths`` [B] int64 valid tokens per response; ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
+    Derived: ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid tokens per response;
+    ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
     G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
     a masked token counts at the row's nearest preceding valid token.
     """
 
     rewards: Tensor
-    valid: Tensor
+    given_mask: Tensor
     groups: GroupIndex
     raw_energy: Tensor | None
     token_rewards: Tensor | None
@@ -52,12 +53,19 @@ class AdvantageBatch:
         return self.token_rewards is not None
 
     @cached_property
+    def valid(self) -> Tensor:
+        return self.given_mask.to(torch.float32)
+
+    @cached_property
     def lengths(self) -> Tensor:
-        return self.valid.sum(1).long()
+        mask = self.given_mask
+        if mask.dtype == torch.bool:
+            return mask.view(torch.uint8).sum(1, dtype=torch.int64)
+        return mask.sum(1).long()  # in the mask's own dtype: exact for 0/1 rows, no converted copy
 
     @cached_property
     def mask(self) -> Tensor:
-        return self.valid.bool()
+        return self.given_mask.bool()
 
     @cached_property
     def energy(self) -> Tensor | None:
@@ -66,6 +74,14 @@ class AdvantageBatch:
     @cached_property
     def steps(self) -> StepIndex:
         return StepIndex.from_mask(self.mask, self.valid, self.lengths)
+
+    def broadcast(self, per_row: Tensor) -> Tensor:
+        """[B] float32 -> [B,T] float32: the value on each row's valid tokens, exactly 0 elsewhere
+        (finite values times the mask as given: one pass, no converted copy of the mask)."""
+        mask = self.given_mask
+        if mask.is_floating_point() and mask.dtype != torch.float32:
+            mask = self.valid
+        return per_row[:, None] * mask
 
     @cached_property
     def constant_returns(self) -> bool:
@@ -82,7 +98,7 @@ class AdvantageBatch:
     @cached_property
     def returns(self) -> Tensor:
         if self.constant_returns:
-            return self.rewards[:, None] * self.valid
+            return self.broadcast(self.rewards)
         return returns_to_go(self.token_rewards, self.steps, self.gamma, self.rewards)
 
 
