@@ -35,6 +35,7 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 bench: setup
+	$(BIN)/python benchmarks/bench_peers.py
 	$(BIN)/python benchmarks/bench_core.py
 	$(BIN)/python benchmarks/bench_losses.py
 	$(BIN)/python benchmarks/bench_trainer.py

@@ -1,15 +1,14 @@
-"""Benchmark the core against straightforward references, side by side (issue 2, §3).
+"""Benchmark max@K and token statistics against the papers' methods, side by side.
 
     python benchmarks/bench_core.py            # the issue's sizes
     python benchmarks/bench_core.py --quick    # small smoke run
 
-1. ``otb`` on B = 1024 (64 groups x 16), T in {4096, 16384} vs a per-group/per-step loop
-   (numpy inside a step). The loop is timed on ``--loop-groups`` groups and scaled linearly
-   to 64 (it is linear in the number of groups); the output says so. ``--loop-groups 64``
-   times it fully.
-2. ``maxpo`` for N in {8, 64, 512, 4096}, K = N/4 vs the O(N^2) ReLU-matrix method of the
+(OTB and the other advantage estimators are timed against verl's own functions in
+``bench_peers.py``; their loop references live in the tests, for correctness only.)
+
+1. ``maxpo`` for N in {8, 64, 512, 4096}, K = N/4 vs the O(N^2) ReLU-matrix method of the
    MaxPO paper (App. E); results must agree to 1e-9.
-3. ``token_stats`` on logits [8, 2048, 32000] (fp32, bf16): time vs one ``torch.logsumexp``
+2. ``token_stats`` on logits [8, 2048, 32000] (fp32, bf16): time vs one ``torch.logsumexp``
    over the same logits, and peak extra memory vs the naive full-softmax path. Memory is
    counted per tensor allocation by a dispatch mode (CPU) or by the CUDA allocator.
 """
@@ -19,10 +18,9 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
-from creditrl import compute_advantages, maxk_quantities, token_stats
+from creditrl import maxk_quantities, token_stats
 from creditrl._memory import PeakMemory
 
 
@@ -46,65 +44,6 @@ def sync():
 
 def row(*cells, widths=(28, 14, 14, 10, 26)):
     print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths)))
-
-
-# ---------------------------------------------------------------------------------- OTB
-
-
-def otb_loop(returns: np.ndarray, energy: np.ndarray, mask: np.ndarray, group: np.ndarray,
-             groups: list[int]) -> np.ndarray:
-    """Reference OTB (eq. 8/42): loop over groups and valid steps, numpy over members."""
-    out = np.zeros_like(returns)
-    for gid in groups:
-        members = np.nonzero(group == gid)[0]
-        cols = [np.nonzero(mask[i])[0] for i in members]
-        lengths = np.array([len(c) for c in cols])
-        steps = lengths.max()
-        g = np.zeros((len(members), steps))
-        w = np.zeros((len(members), steps))
-        for m, c in enumerate(cols):
-            g[m, : len(c)] = returns[members[m], c]
-            w[m, : len(c)] = np.cumsum(energy[members[m], c])
-        for t in range(steps):
-            live = lengths > t
-            if live.sum() < 2:
-                continue
-            gs, ws = g[live, t], w[live, t]
-            base = (gs * ws).sum() / ws.sum() if ws.sum() > 0 else gs.mean()
-            for m in np.nonzero(live)[0]:
-                out[members[m], cols[m][t]] = g[m, t] - base
-    return out
-
-
-def bench_otb(num_groups: int, size: int, lengths: list[int], loop_groups: int, device: str):
-    print(f"\n== otb: B = {num_groups * size} ({num_groups} groups x {size}), target >= 20x ==")
-    print("   mask: right-padded responses of length U[T/2, T]; 'holes' also masks 5% tool-output tokens")
-    row("T / mask", "vectorized s", "loop s", "speedup", "max |diff| (checked groups)")
-    gen = torch.Generator().manual_seed(0)
-    for steps, holes in [(s, h) for s in lengths for h in (False, True)]:
-        num = num_groups * size
-        length = torch.randint(steps // 2, steps + 1, (num,), generator=gen)
-        mask = torch.arange(steps)[None, :] < length[:, None]
-        if holes:
-            mask &= torch.rand(num, steps, generator=gen) > 0.05
-        energy = torch.rand(num, steps, generator=gen) * mask
-        rewards = torch.randint(0, 2, (num,), generator=gen).float()
-        group = torch.arange(num_groups).repeat_interleave(size)[torch.randperm(num, generator=gen)]
-        args = [x.to(device) for x in (rewards, mask, group, energy)]
-        fast_s, fast = timed(lambda: compute_advantages("otb", rewards=args[0], mask=args[1], group=args[2],
-                                                        energy=args[3]), repeats=3)
-        subset = list(range(min(loop_groups, num_groups)))
-        returns = (rewards[:, None] * mask).double().numpy()
-        start = time.perf_counter()
-        ref = otb_loop(returns, energy.double().numpy(), mask.numpy(), group.numpy(), subset)
-        loop_s = (time.perf_counter() - start) * num_groups / len(subset)
-        rows = np.isin(group.numpy(), subset)
-        diff = float(np.abs(fast.cpu().double().numpy()[rows] - ref[rows]).max())
-        note = "" if len(subset) == num_groups else f" (loop: {len(subset)}/{num_groups} groups, x{num_groups / len(subset):g})"
-        row(f"{steps} / {'holes' if holes else 'right-padded'}", f"{fast_s:.4f}", f"{loop_s:.2f}", f"{loop_s / fast_s:.0f}x", f"{diff:.1e}{note}")
-
-
-# ---------------------------------------------------------------------------------- MaxPO
 
 
 def binom_ratio(n, k, n_den, k_den) -> torch.Tensor:
@@ -196,18 +135,15 @@ def bench_token_stats(shape: tuple[int, int, int], mem_batch: int, device: str):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small smoke run")
-    parser.add_argument("--loop-groups", type=int, default=8, help="groups the OTB loop reference is timed on")
     parser.add_argument("--mem-batch", type=int, default=2,
                         help="B used for the token_stats memory comparison (the naive path needs ~4x the logits)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     print(f"creditrl bench_core on {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     if args.quick:
-        bench_otb(8, 16, [256], loop_groups=8, device=args.device)
         bench_maxpo([8, 64, 512], args.device)
         bench_token_stats((2, 128, 4096), mem_batch=2, device=args.device)
     else:
-        bench_otb(64, 16, [4096, 16384], loop_groups=args.loop_groups, device=args.device)
         bench_maxpo([8, 64, 512, 4096], args.device)
         bench_token_stats((8, 2048, 32000), mem_batch=args.mem_batch, device=args.device)
 

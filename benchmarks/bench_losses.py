@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import resource
-import statistics
 import sys
-import time
 
 import torch
 from timing import interleaved

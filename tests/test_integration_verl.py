@@ -284,3 +284,15 @@ def test_scores_on_masked_tokens_follow_verl(layout):
     _, returns = core_algos.get_adv_estimator_fn("creditrl_reinforce")(
         token_level_rewards=rewards, response_mask=mask, index=index, config=None)
     assert torch.equal(returns, rewards[:, 4:5] * mask)   # the score reaches every valid token
+
+
+def test_bench_peers_quick_runs_and_agrees_with_verl():
+    """The benchmark against verl's own functions runs (smoke size) and every creditrl path
+    agrees with verl's result on valid tokens."""
+    import pathlib
+    import re
+    script = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_peers.py"
+    result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    largest = float(re.search(r"largest max\|diff\|: ([0-9.e+-]+)", result.stdout).group(1))
+    assert largest <= 1e-5, result.stdout
