@@ -15,6 +15,7 @@ x 8 = 16 completions per step, <= 32 new tokens, temperature 0.7; both stop at `
     python benchmarks/bench_trainer.py --quick        # 4 timed steps each, 1 repeat
     python benchmarks/bench_trainer.py --threads 1 2  # one table per thread count
     python benchmarks/bench_trainer.py --model builtin:smollm2-135m --threads 2 --steps 6
+    python benchmarks/bench_trainer.py --trl-overhead [--model ...]  # CreditGRPOTrainer vs GRPOTrainer
 
 Prints the median steps/s and completion tokens/s of interleaved repeats and the ratio
 creditrl / TRL (target >= 1.5x). Timings on a shared machine are noisy; run it on an idle
@@ -80,10 +81,15 @@ def bench_creditrl(steps: int, warmup: int, max_len: int) -> dict:
             "mean_len": tokens / steps / (prompts * group)}
 
 
-def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool) -> dict:
+def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool, estimator: str | None = None) -> dict:
+    """TRL's GRPOTrainer, or creditrl's CreditGRPOTrainer with ``estimator`` (same settings)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    if estimator is not None:
+        from creditrl.integrations.trl import CreditGRPOConfig as GRPOConfig  # noqa: F811
+        from creditrl.integrations.trl import CreditGRPOTrainer as GRPOTrainer  # noqa: F811
 
     task, tok, model = setup()
     s = SETTINGS[MODEL]
@@ -110,7 +116,8 @@ def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool) -> dic
                           epsilon=0.2, epsilon_high=0.28, num_iterations=1, temperature=s["temperature"], bf16=False,
                           use_cpu=True,
                           report_to=[], logging_steps=1, max_steps=steps + warmup, save_strategy="no",
-                          gradient_checkpointing=checkpointing, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+                          gradient_checkpointing=checkpointing, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                          **({} if estimator is None else {"advantage_estimator": estimator}))
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                               processing_class=tok, callbacks=[clock])
         trainer.train()
@@ -126,6 +133,12 @@ TRAINERS = (("creditrl", lambda steps, warmup, max_len: bench_creditrl(steps, wa
             ("TRL GRPOTrainer (grad ckpt off)", lambda *a: bench_trl(*a, checkpointing=False)))
 
 
+OVERHEAD = (("TRL GRPOTrainer", lambda *a: bench_trl(*a, checkpointing=False)),
+            ("CreditGRPOTrainer grpo", lambda *a: bench_trl(*a, checkpointing=False, estimator="grpo")),
+            ("CreditGRPOTrainer otb", lambda *a: bench_trl(*a, checkpointing=False, estimator="otb")))
+OVERHEAD_TARGETS = {"CreditGRPOTrainer grpo": 1.05, "CreditGRPOTrainer otb": 1.15}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 timed steps instead of 12, one repeat")
@@ -136,6 +149,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch CPU threads for both trainers; "
                         "several values give one table each (default 1, creditrl's default for builtin:tiny)")
     parser.add_argument("--repeats", type=int, help="interleaved runs per trainer; medians are reported (default 3)")
+    parser.add_argument("--trl-overhead", action="store_true", help="time CreditGRPOTrainer (grpo, otb) against "
+                        "plain GRPOTrainer with identical settings (gradient checkpointing off) instead")
     args = parser.parse_args()
     global MODEL
     MODEL = args.model
@@ -146,11 +161,12 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     warmup = 2
     # interleave trainers and thread counts so a load change on a shared machine hits all alike
-    runs = {(threads, name): [] for threads in args.threads for name, _ in TRAINERS}
+    trainers = OVERHEAD if args.trl_overhead else TRAINERS
+    runs = {(threads, name): [] for threads in args.threads for name, _ in trainers}
     for _ in range(repeats):
         for threads in args.threads:
             torch.set_num_threads(threads)
-            for name, bench in TRAINERS:
+            for name, bench in trainers:
                 runs[threads, name].append(bench(steps, warmup, args.max_len))
     s = SETTINGS[MODEL]
     print(f"trainer benchmark: {MODEL} ({sum(p.numel() for p in setup()[2].parameters()) / 1e6:.2f}M params), "
@@ -158,13 +174,19 @@ def main() -> None:
           f"tokens, temperature {s['temperature']}, {steps} timed steps, median of {repeats} interleaved runs")
     for threads in args.threads:
         med = {name: {k: statistics.median(r[k] for r in runs[threads, name]) for k in runs[threads, name][0]}
-               for name, _ in TRAINERS}  # per-metric medians
+               for name, _ in trainers}  # per-metric medians
         print(f"\ntorch threads {threads}")
         print(f"{'':<42}{'steps/s':>9}{'tokens/s':>10}{'mean len':>10}   steps/s of each run")
         for name, r in med.items():
             each = " ".join(f"{x['steps_per_s']:.2f}" for x in runs[threads, name])
             print(f"{name:<42}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}{r['mean_len']:>10.2f}"
                   f"   {each}")
+        if args.trl_overhead:
+            plain = med["TRL GRPOTrainer"]["steps_per_s"]
+            for name, target in OVERHEAD_TARGETS.items():
+                ratio = plain / med[name]["steps_per_s"]
+                print(f"time per step {name} / TRL GRPOTrainer: {ratio:.3f}x  (target <= {target}x)")
+            continue
         ours = med["creditrl"]
         for name, r in list(med.items())[1:]:
             target = 1.5 if MODEL == "builtin:tiny" else 2.0

@@ -248,7 +248,7 @@ def test_reload_is_idempotent_and_foreign_names_are_refused():
     second = core_algos.get_adv_estimator_fn("creditrl_otb")
     assert second is not first and second.__creditrl__ == "otb"
     importlib.reload(module)
-    assert sum(getattr(f, "creditrl_hook", False) for f in sys.meta_path) == 1
+    assert not any("creditrl" in type(f).__module__ for f in sys.meta_path)   # no import hooks
 
     def foreign(**kwargs):
         return None
@@ -296,3 +296,26 @@ def test_bench_peers_quick_runs_and_agrees_with_verl():
     assert result.returncode == 0, result.stderr[-2000:]
     largest = float(re.search(r"largest max\|diff\|: ([0-9.e+-]+)", result.stdout).group(1))
     assert largest <= 1e-5, result.stdout
+
+
+def test_trainer_hooks_install_from_verl_extension_points():
+    """The loss hook is installed when verl builds CreditPolicyLossConfig (in the driver and each
+    worker) or on import of creditrl.integrations.verl_hooks; rebinding is idempotent and reaches
+    aliases imported by name."""
+    import types
+
+    from verl.workers.utils import losses
+    original = getattr(losses.ppo_loss, "__creditrl__", losses.ppo_loss)
+    alias = types.ModuleType("verl._creditrl_test_alias")
+    alias.ppo_loss = losses.ppo_loss                      # as engine_workers' ``from ... import ppo_loss``
+    sys.modules[alias.__name__] = alias
+    try:
+        plugin.CreditPolicyLossConfig(stapo_tau_p=0.1)
+        assert losses.ppo_loss.__creditrl__ is original and alias.ppo_loss is losses.ppo_loss
+        wrapped = losses.ppo_loss
+        assert "verl.workers.utils.losses" in plugin.install_trainer_hooks()
+        assert losses.ppo_loss.__creditrl__ is original               # wraps the original, never a wrapper
+        importlib.import_module("creditrl.integrations.verl_hooks")
+        assert alias.ppo_loss is losses.ppo_loss and wrapped.__creditrl__ is original
+    finally:
+        del sys.modules[alias.__name__]

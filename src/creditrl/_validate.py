@@ -135,3 +135,15 @@ def check_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> T
         raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
                          f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
     return mask
+
+
+def token_advantages(advantages: Tensor, like: Tensor, like_name: str = "logp") -> Tensor:
+    """Broadcast advantages [B] or [B,T] to the [B,T] shape of ``like`` (validated)."""
+    advantages = check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
+    if advantages.dim() == 1:
+        if advantages.shape[0] != like.shape[0]:
+            raise ValueError(f"advantages: expected shape [{like.shape[0]}] or {list(like.shape)}, "
+                             f"got {list(advantages.shape)}")
+        return advantages[:, None].expand_as(like)
+    check_same_shape(like_name, like, "advantages", advantages)
+    return advantages

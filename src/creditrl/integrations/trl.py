@@ -129,6 +129,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         self.stapo = self.args.stapo_options()
         self.trace = self.args.trace_options()
         self.last_rollout: dict[str, Tensor] | None = None
+        self._reward_capture: list[Tensor] | None = None
         # Re-patch TRL's fused LM head so the same tiled pass also returns log sum pi^2.
         self._policy_module = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_lm_head(self._policy_module, temperature=self.temperature,
@@ -137,9 +138,21 @@ class CreditGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ rollout
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards [all processes' completions, reward funcs], also handed to the
+        ``_generate_and_score_completions`` call in progress (TRL's output carries no rewards)."""
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._rewards_per_func = rewards_per_func  # [all processes' completions, reward funcs]
+        if self._reward_capture is not None:
+            self._reward_capture.append(rewards_per_func)
         return rewards_per_func
+
+    @contextmanager
+    def _capturing_rewards(self):
+        """Scope of one generation: the rewards TRL computes inside it, then nothing is kept."""
+        self._reward_capture = captured = []
+        try:
+            yield captured
+        finally:
+            self._reward_capture = None
 
     @contextmanager
     def _capture_log_sum_p2(self):
@@ -175,7 +188,11 @@ class CreditGRPOTrainer(GRPOTrainer):
         return self.accelerator.gather(self.accelerator.pad_across_processes(x, dim=1, pad_index=0))
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        with self._capturing_rewards() as captured:
+            output = super()._generate_and_score_completions(inputs)
+        if len(captured) != 1:
+            raise RuntimeError(f"CreditGRPOTrainer: expected TRL to compute rewards once per generation, got "
+                               f"{len(captured)} calls of _calculate_rewards (unsupported TRL version?)")
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
@@ -186,7 +203,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
             energy = torch.where(mask, self._rollout_energy(output, batch_size), 0.0)
 
-        rewards_per_func = self._rewards_per_func
+        rewards_per_func = captured[0]
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)[None]).nansum(dim=1)
         group = torch.arange(rewards.numel(), device=rewards.device) // group_size
         all_mask = self._gather_rows(mask.int()).bool()

@@ -20,8 +20,9 @@ registrations and refuses names bound to somebody else's function.
   (``CreditPolicyLossConfig``: ``stapo_*`` and ``trace_*`` fields).
 - Trainer hooks (verl 0.9.1 limitations, see docs/verl.md): its ``compute_advantage`` forwards
   ``sum_pi_squared``/``old_log_probs``/``rollout_is_weights`` only to its own OTB, and its
-  ``ppo_loss`` never passes the entropy to a policy loss. ``install_trainer_hooks`` wraps both
-  (when their modules are imported) so creditrl's functions receive them.
+  ``ppo_loss`` never passes the entropy to a policy loss. ``install_trainer_hooks`` wraps both —
+  the one place verl functions are rebound — from verl's public extension points (no import
+  machinery is patched).
 """
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import importlib.abc
 import inspect
 import sys
 from typing import Any, Callable
@@ -132,10 +132,17 @@ def _prefixed_fields(cls: type, prefix: str) -> list[tuple]:
 
 # PolicyLossConfig plus STAPO (``stapo_*``) and GRPO-λ (``trace_*``) fields, defaults taken from
 # creditrl's StapoOptions / TraceOptions; ``trace_lam`` has no default and must be set.
+def _install_hooks_after_init(self) -> None:
+    parent = getattr(PolicyLossConfig, "__post_init__", None)
+    if parent is not None:
+        parent(self)
+    install_trainer_hooks()  # verl builds this config after its trainer / loss modules are loaded
+
+
 CreditPolicyLossConfig = dataclasses.make_dataclass(
     "CreditPolicyLossConfig",
     _prefixed_fields(StapoOptions, "stapo_") + _prefixed_fields(TraceOptions, "trace_"),
-    bases=(PolicyLossConfig,))
+    bases=(PolicyLossConfig,), namespace={"__post_init__": _install_hooks_after_init})
 CreditPolicyLossConfig.__module__ = __name__  # importable by hydra's _target_ and picklable for Ray
 CreditPolicyLossConfig.__doc__ = ("verl's PolicyLossConfig plus creditrl's STAPO (stapo_*) and GRPO-λ "
                                   "(trace_*) options; select it with actor.policy_loss._target_.")
@@ -290,7 +297,7 @@ def wrap_ppo_loss(original: Callable) -> Callable:
     return ppo_loss
 
 
-HOOKS = {  # module -> (attribute, wrapper factory)
+HOOKS = {  # module -> (attribute, wrapper factory); see install_trainer_hooks
     "verl.trainer.ppo.ray_trainer": ("compute_advantage", wrap_compute_advantage),
     "verl.workers.utils.losses": ("ppo_loss", wrap_ppo_loss),
 }
@@ -308,47 +315,27 @@ def _patch(module_name: str) -> None:
             setattr(module, attr, wrapped)
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader):
-        self.loader = loader
+def install_trainer_hooks() -> list[str]:
+    """The one place creditrl rebinds verl functions (tested on verl 0.9.1): ``HOOKS`` lists them.
 
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
+    verl 0.9.1 has no public hook for either: ``compute_advantage`` forwards the actor's energy
+    tensors only to its own OTB, and ``ppo_loss`` never passes the entropy to a policy loss. For
+    each hooked module already imported, the function is wrapped and every imported alias of it
+    in verl's modules is rebound. Idempotent. Returns the modules hooked.
 
-    def exec_module(self, module):
-        self.loader.exec_module(module)
-        _patch(module.__name__)
-
-    def __getattr__(self, name):  # get_source, get_code, ... of the real loader
-        return getattr(self.loader, name)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Wraps the hooked functions right after their module executes, before anyone imports them
-    by name (``from ...losses import ppo_loss`` in verl's workers), so no verl module is imported early."""
-
-    creditrl_hook = True
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in HOOKS:
-            return None
-        for finder in sys.meta_path:
-            if getattr(finder, "creditrl_hook", False) or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader)
-                return spec
-        return None
-
-
-def install_trainer_hooks() -> None:
-    """Install the two trainer hooks (idempotent): now for imported modules, else at their import."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "creditrl_hook", False)]
-    sys.meta_path.insert(0, _PatchOnImport())
+    It runs (no import machinery is patched) at three public extension points of verl:
+    - on plug-in import (``import verl``'s ``verl.plugins`` entry point), for modules already loaded;
+    - when verl builds ``CreditPolicyLossConfig`` (``actor.policy_loss._target_``), in the driver
+      and in each worker, after their trainer and loss modules are loaded;
+    - on import of ``creditrl.integrations.verl_hooks`` (``actor_rollout_ref.model.external_lib``),
+      for runs that use creditrl's estimators with verl's own losses.
+    """
+    hooked = []
     for module_name in HOOKS:
         if module_name in sys.modules:
             _patch(module_name)
+            hooked.append(module_name)
+    return hooked
 
 
 register_estimators()

@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_same_shape, check_tensor
-from creditrl._validate import as_mask
-from creditrl.losses.stapo import token_advantages
+from creditrl._validate import as_mask, token_advantages
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 MAX_LOG_RATIO = 20.0  # e^20 ≈ 5e8: beyond it exp overflows in grads (0·inf) while nothing is lost

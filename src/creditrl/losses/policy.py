@@ -50,10 +50,10 @@ import torch
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_int, check_range, check_same_shape, check_tensor
-from creditrl._validate import NonFiniteError, as_mask
+from creditrl._validate import NonFiniteError, as_mask, token_advantages
 from creditrl.losses.aggregation import AGG_MODES, agg_denominator, agg_row_weights
 from creditrl.losses.diagnostics import MAX_LOG_RATIO, masked_mean
-from creditrl.losses.stapo import StapoOptions, silence_keep_mask, token_advantages
+from creditrl.losses.stapo import StapoOptions, silence_keep_mask
 from creditrl.losses.traces import TraceOperator, TraceOptions
 
 ROLLOUT_CORRECTIONS = (None, "tis", "mis", "seq-tis", "seq-mis")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from creditrl._validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
-from creditrl._validate import as_mask
+from creditrl._validate import as_mask, token_advantages
 
 STAPO_POOLS = ("valid", "candidates")
 
@@ -38,18 +38,6 @@ def check_stapo_args(tau_p: float, high_entropy_fraction: float, pool: str) -> N
     check_range("tau_p", tau_p, 0.0, 1.0, low_inclusive=False, high_inclusive=False)
     check_range("high_entropy_fraction", high_entropy_fraction, 0.0, 1.0, low_inclusive=False)
     check_choice("pool", pool, STAPO_POOLS)
-
-
-def token_advantages(advantages: Tensor, like: Tensor, like_name: str = "logp") -> Tensor:
-    """Broadcast advantages [B] or [B,T] to the [B,T] shape of ``like`` (validated)."""
-    advantages = check_tensor("advantages", advantages, ndim=(1, 2), floating=True)
-    if advantages.dim() == 1:
-        if advantages.shape[0] != like.shape[0]:
-            raise ValueError(f"advantages: expected shape [{like.shape[0]}] or {list(like.shape)}, "
-                             f"got {list(advantages.shape)}")
-        return advantages[:, None].expand_as(like)
-    check_same_shape(like_name, like, "advantages", advantages)
-    return advantages
 
 
 def pool_quantile(values: Tensor, in_pool: Tensor, q: float) -> Tensor | None:
