@@ -20,7 +20,7 @@ def fake_run(root, name, seed, steps=12, scale=1.0):
     d = root / "runs" / f"{name}-s{seed}"
     d.mkdir(parents=True)
     metrics = [{"step": s, "tokens_total": 100 * s + seed, "reward_mean": scale * s / steps + 0.01 * seed,
-                "accuracy": 0.5 + 0.01 * seed, "entropy": 1.0 - 0.01 * s, "grad_norm": 2.0, "variance_proxy": 3.0 + seed,
+                "accuracy": 0.5 + 0.01 * seed, "entropy": 1.0 - 0.01 * s, "grad_norm": 2.0, "power_proxy": 3.0 + seed,
                 "spurious_ratio": 0.0, "response_len": 5.0} for s in range(1, steps + 1)]
     evals = [{"step": 0, "tokens_total": 0, "greedy_acc": 0.2, "sampled_acc": 0.1, "pass@1": 0.1, "pass@4": 0.3},
              {"step": steps, "tokens_total": 100 * steps, "greedy_acc": 0.4 + 0.1 * seed * scale, "sampled_acc": 0.3,
@@ -60,8 +60,8 @@ def test_report_aggregates_seeds(tmp_path):
     curves = [r for r in common.read_csv(tmp_path / "curves.csv") if r["run"] == "otb"]
     assert len(curves) == 12
     assert curves[0]["tokens_total"] == pytest.approx(101.0)  # mean of 100+seed over seeds 0..2
-    assert curves[0]["variance_proxy_mean"] == pytest.approx(4.0)
-    assert curves[0]["variance_proxy_std"] == pytest.approx(1.0)
+    assert curves[0]["power_proxy_mean"] == pytest.approx(4.0)
+    assert curves[0]["power_proxy_std"] == pytest.approx(1.0)
 
 
 def test_uneven_seeds_are_truncated(tmp_path):

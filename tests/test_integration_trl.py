@@ -111,7 +111,7 @@ def test_two_steps(case, model_dir, tmp_path, monkeypatch):
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert {"creditrl/kept_frac", "creditrl/advantage_abs_mean"} <= logged
     if case == "otb":
-        assert "creditrl/variance_proxy" in logged
+        assert "creditrl/power_proxy" in logged
     if case == "stapo":
         assert "creditrl/spurious_ratio" in logged
 

@@ -1,4 +1,4 @@
-"""agg_loss, policy_loss (clip, dual clip, KL, rollout correction, metrics, option grid), variance_proxy."""
+"""agg_loss, policy_loss (clip, dual clip, KL, rollout correction, metrics, option grid), the variance proxies."""
 import itertools
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import creditrl
-from creditrl import StapoOptions, TraceOptions, agg_loss, policy_loss, variance_proxy
+from creditrl import StapoOptions, TraceOptions, agg_loss, policy_loss, power_proxy, variance_proxy
 from creditrl.losses import METRIC_KEYS
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -277,25 +277,56 @@ def test_policy_loss_bad_input():
 
 # ---- variance proxy ---------------------------------------------------------------------------
 
-def test_variance_proxy_matches_loop():
-    gen = torch.Generator().manual_seed(13)
-    energy = torch.rand(4, 6, generator=gen)
-    adv = torch.randn(4, 6, generator=gen)
-    mask = torch.rand(4, 6, generator=gen) > 0.3
-    mask[3] = False
-    total = 0.0
-    for b in range(4):
-        idx = [t for t in range(6) if mask[b, t]]
-        w = sum(energy[b, t].item() for t in idx)
-        a = sum(adv[b, t].item() for t in idx) / len(idx) if idx else 0.0
-        total += w * a * a
-    assert variance_proxy(adv, energy, mask) == pytest.approx(total / 4, rel=1e-6)
-    seq_adv = torch.randn(4, generator=gen)
-    expected = (torch.where(mask, energy, 0).sum(1) * seq_adv ** 2).mean().item()
-    assert variance_proxy(seq_adv, energy, mask) == pytest.approx(expected, rel=1e-6)
-    assert variance_proxy(seq_adv, torch.where(mask, energy, 0).sum(1), mask) == pytest.approx(expected, rel=1e-6)
+def positionwise_policy(seed, rows=5, steps=6, vocab=4):
+    """A policy whose parameters are one logit vector per position, shared by all responses:
+    ∇θ log π(y_t) = e_{y_t} − π_t on block t, so the logit-gradient proxy ŵ_t = ‖e_{y_t} − π_t‖²
+    is exact and per-sample gradients can be brute-forced with autograd."""
+    gen = torch.Generator().manual_seed(seed)
+    theta = torch.randn(steps, vocab, generator=gen, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, vocab, (rows, steps), generator=gen)
+    mask = torch.rand(rows, steps, generator=gen) > 0.25
+    adv = torch.randn(rows, steps, generator=gen, dtype=torch.float64)
+    return theta, tokens, mask, adv
+
+
+def brute_force_sample_grads(theta, tokens, mask, adv):
+    """ĝ(τ_i) = Σ_t A_t ∇θ log π(y_t), one autograd call per response (OTB eq. 63)."""
+    grads = []
+    for i in range(tokens.shape[0]):
+        logp = torch.log_softmax(theta, dim=-1)[torch.arange(tokens.shape[1]), tokens[i]]
+        (g,) = torch.autograd.grad((adv[i] * logp * mask[i]).sum(), theta)
+        grads.append(g.reshape(-1))
+    return torch.stack(grads)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_variance_proxies_match_brute_force_per_sample_gradients(seed):
+    theta, tokens, mask, adv = positionwise_policy(seed)
+    grads = brute_force_sample_grads(theta, tokens, mask, adv)
+    n = grads.shape[0]
+    stats = variance_proxy(grads)
+    # eq. 65-67 against the unbiased variance of the mean, computed from deviations
+    mean = grads.mean(0)
+    assert stats["total_power"] == pytest.approx(float(grads.square().sum(1).mean()), rel=1e-12)
+    assert stats["signal"] == pytest.approx(float(mean.square().sum()), rel=1e-12)
+    assert stats["variance"] == pytest.approx(float((grads - mean).square().sum() / (n * (n - 1))), rel=1e-9)
+    # the logit-gradient proxy of eq. 63-65 is exact for this policy, token-level advantages included
+    stats_t = creditrl.token_stats(theta.detach().expand(n, -1, -1), tokens, mask)
+    assert power_proxy(adv, stats_t.energy, mask) == pytest.approx(stats["total_power"], rel=1e-6)
+    seq_adv = adv[:, 0]
+    seq_grads = brute_force_sample_grads(theta, tokens, mask, seq_adv[:, None].expand_as(adv))
+    assert power_proxy(seq_adv, stats_t.energy, mask) == pytest.approx(variance_proxy(seq_grads)["total_power"],
+                                                                        rel=1e-6)
+
+
+def test_variance_proxy_inputs():
+    with pytest.raises(ValueError, match="sample_grads: expected N >= 2"):
+        variance_proxy(torch.ones(1, 3))
+    with pytest.raises(ValueError, match="sample_grads: .*NaN"):
+        variance_proxy(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]))
     with pytest.raises(ValueError, match=r"energy: expected the shape of mask \[4, 5\], got \[4, 6\]"):
-        variance_proxy(seq_adv, energy, mask[:, :-1])
+        power_proxy(torch.ones(4), torch.ones(4, 6), torch.ones(4, 5, dtype=torch.bool))
+    assert power_proxy(torch.ones(0), torch.ones(0, 3), torch.ones(0, 3, dtype=torch.bool)) == 0.0
 
 
 def test_public_names_exported():

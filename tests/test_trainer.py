@@ -29,7 +29,7 @@ TINY_RUN = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.
             "model.warm_start.target_accuracy=0.3", "model.warm_start.lr=3e-3", "task.options.digits=1",
             "train.eval_problems=8", "train.eval_samples=4", "train.pass_k=[1,4]", "logging.progress=false",
             "train.threads=1"]
-METRIC_KEYS = ("step tokens_total reward_mean reward_std accuracy response_len entropy grad_norm variance_proxy "
+METRIC_KEYS = ("step tokens_total reward_mean reward_std accuracy response_len entropy grad_norm power_proxy "
                "adv_mean adv_std adv_abs_mean clip_frac_low clip_frac_high approx_kl ref_kl mismatch_kl ppl_gap "
                "is_masked_frac spurious_ratio tokens_per_s time_rollout time_update lr clipped_frac").split()
 

@@ -6,7 +6,7 @@ Public API (lazily imported so ``import creditrl`` stays cheap):
 - estimators:        ``compute_advantages``, ``list_estimators``, ``register_estimator``,
                      ``AdvantageBatch``, ``maxk_quantities``, ``pass_at_k``
 - losses:            ``policy_loss``, ``agg_loss``, ``spurious_token_mask``, ``apply_trace``,
-                     ``variance_proxy``, ``StapoOptions``, ``TraceOptions``
+                     ``variance_proxy``, ``power_proxy``, ``StapoOptions``, ``TraceOptions``
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ _EXPORTS = {
     "spurious_token_mask": "creditrl.losses",
     "apply_trace": "creditrl.losses",
     "variance_proxy": "creditrl.losses",
+    "power_proxy": "creditrl.losses",
     "StapoOptions": "creditrl.losses",
     "TraceOptions": "creditrl.losses",
 }

@@ -12,7 +12,7 @@
    ``creditrl.policy_loss`` with the clip, KL, STAPO keep-mask (renormalised), GRPO-λ trace and
    rollout-correction options; TRL's own loss code is not used.
 3. Logging: creditrl's loss metrics (``creditrl/spurious_ratio`` ...) and rollout metrics
-   (``creditrl/variance_proxy``, ``creditrl/energy_mean`` ...) go through TRL's ``_metrics``.
+   (``creditrl/power_proxy``, ``creditrl/energy_mean`` ...) go through TRL's ``_metrics``.
 
 TRL options that have no creditrl counterpart raise at construction (see ``UNSUPPORTED``).
 """
@@ -32,7 +32,7 @@ from creditrl.estimators import compute_advantages, list_estimators
 from creditrl.estimators.registry import get_estimator
 from creditrl.groups import GroupIndex
 from creditrl.integrations import energy_from_logp
-from creditrl.losses import ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions, policy_loss, variance_proxy
+from creditrl.losses import ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions, policy_loss, power_proxy
 
 # TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
 AGG_BY_LOSS_TYPE = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
@@ -225,7 +225,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         metrics = {"advantage_abs_mean": advantages[mask].abs().mean() if mask.any() else advantages.new_zeros(())}
         if energy is not None:
             metrics["energy_mean"] = energy[mask].mean() if mask.any() else energy.new_zeros(())
-            metrics["variance_proxy"] = variance_proxy(advantages, energy, mask)
+            metrics["power_proxy"] = power_proxy(advantages, energy, mask)
         self._log_creditrl(mode, {k: float(v) for k, v in metrics.items()})
         self.last_rollout = {"rewards": rewards, "group": group, "mask": mask, "energy": energy,
                              "advantages": advantages, "estimator_mask": all_mask}

@@ -1,4 +1,4 @@
-"""Divergence estimators and batch diagnostics: KL k1/k2/k3, log-PPL gap, variance proxy.
+"""Divergence estimators and batch diagnostics: KL k1/k2/k3, log-PPL gap, gradient-variance proxies.
 
 KL estimators (Schulman, "Approximating KL divergence"): for samples y ~ q and
 log_ratio = log p(y) − log q(y) estimating KL(q‖p),
@@ -37,30 +37,54 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def ppl_gap(logp: Tensor, other_logp: Tensor, mask: Tensor) -> Tensor:
     """OTB eq. 68: mean over responses (with a valid token) of |mean_t logp − mean_t other_logp|."""
-    per_row = masked_mean(logp - other_logp, mask, dim=1).abs()
-    return masked_mean(per_row, mask.any(dim=1))
+    return ppl_gap_of_rows(masked_mean(logp - other_logp, mask, dim=1), mask.any(dim=1))
 
 
-def variance_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:
-    """Gradient "total power" P_total = (1/N) Σ_i Ŵ(τ_i)·A(τ_i)² (OTB App. E, eq. 64–65).
+def ppl_gap_of_rows(row_mean_log_ratio: Tensor, has_tokens: Tensor) -> Tensor:
+    """OTB eq. 68 from each response's mean log-ratio [B] (``policy_loss`` has it at hand)."""
+    return masked_mean(row_mean_log_ratio.abs(), has_tokens)
 
-    advantages: [B] or [B,T] (A(τ) is the mean over the response's valid tokens);
-    energy: [B,T] per-token logit-gradient energy ŵ_t (summed over valid tokens into Ŵ(τ))
-    or [B] per-response Ŵ(τ); mask: [B,T] valid tokens. N = B. Returns a Python float.
+
+def power_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:
+    """P_total (OTB App. E eq. 65) with the logit-gradient proxy: (1/N) Σ_i Σ_t A_t² ŵ_t.
+
+    The proxy of ‖ĝ(τ)‖² = ‖Σ_t A_t ∇θ log π(y_t)‖² (eq. 63) keeps each token's own energy
+    ŵ_t = ‖e_{y_t} − π_t‖² (eq. 7) and drops cross-token terms, as Ŵ(τ) = Σ_t ŵ_t does; for a
+    sequence-level advantage it is A(τ)²·Ŵ(τ), eq. 64. Token-level advantages (OTB) enter
+    token by token, not as their mean. advantages: [B] or [B,T]; energy: [B,T]; mask: [B,T].
+    N = B. Returns a Python float (0.0 for an empty batch).
     """
     mask = check_tensor("mask", mask, ndim=2)
     valid = as_mask("mask", mask, mask.shape)
     adv = token_advantages(advantages, valid, "mask")
     check_finite("advantages", torch.where(valid, adv, 0.0))
-    energy = check_tensor("energy", energy, ndim=(1, 2), floating=True)
-    if energy.dim() == 2:
-        check_same_shape("mask", valid, "energy", energy)
-        total_energy = torch.where(valid, energy.double(), 0.0).sum(dim=1)
-    else:
-        check_tensor("energy", energy, shape=[valid.shape[0]])
-        total_energy = energy.double()
-    check_finite("energy", total_energy)
-    seq_adv = masked_mean(adv.double(), valid, dim=1)
-    if total_energy.numel() == 0:
+    energy = check_tensor("energy", energy, ndim=2, floating=True)
+    check_same_shape("mask", valid, "energy", energy)
+    check_finite("energy", torch.where(valid, energy, 0.0))
+    if valid.shape[0] == 0:
         return 0.0
-    return float((total_energy * seq_adv.square()).mean())
+    per_response = torch.where(valid, adv.double().square() * energy.double(), 0.0).sum(dim=1)   # ≈ ‖ĝ(τ_i)‖²
+    return float(per_response.mean())
+
+
+def variance_proxy(sample_grads: Tensor) -> dict[str, float]:
+    """OTB App. E eq. 65–67 from per-response gradient estimates ĝ(τ_i) = Σ_t A_t ∇θ log π(y_t),
+    [N, P] (exact per-sample gradients, e.g. from ``torch.func``):
+
+        P_total = (1/N) Σ_i ‖ĝ(τ_i)‖²        (eq. 65, total power)
+        S       = ‖(1/N) Σ_i ĝ(τ_i)‖²        (eq. 66, signal strength)
+        V̂[ḡ]    = (P_total − S) / (N − 1)    (eq. 67, variance of the batch mean)
+
+    V̂ equals the unbiased (1/(N(N−1))) Σ_i ‖ĝ_i − ḡ‖². Computed in float64. N >= 2.
+    Returns {"total_power", "signal", "variance"} as Python floats.
+    """
+    grads = check_tensor("sample_grads", sample_grads, ndim=2, floating=True)
+    if grads.shape[0] < 2:
+        raise ValueError(f"sample_grads: expected N >= 2 gradient estimates (eq. 67 divides by N - 1), "
+                         f"got N = {grads.shape[0]}")
+    check_finite("sample_grads", grads)
+    grads = grads.double()
+    total = grads.square().sum(dim=1).mean()
+    signal = grads.mean(dim=0).square().sum()
+    return {"total_power": float(total), "signal": float(signal),
+            "variance": float((total - signal) / (grads.shape[0] - 1))}

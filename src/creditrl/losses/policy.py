@@ -52,7 +52,7 @@ from torch import Tensor
 from creditrl._validate import check_choice, check_finite, check_int, check_range, check_same_shape, check_tensor
 from creditrl._validate import NonFiniteError, as_mask, token_advantages
 from creditrl.losses.aggregation import AGG_MODES, agg_denominator, agg_row_weights
-from creditrl.losses.diagnostics import MAX_LOG_RATIO, masked_mean
+from creditrl.losses.diagnostics import MAX_LOG_RATIO, ppl_gap_of_rows
 from creditrl.losses.stapo import StapoOptions, silence_keep_mask
 from creditrl.losses.traces import TraceOperator, TraceOptions
 
@@ -233,7 +233,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         if rollout_logp is not None:
             log_rho = _zero_off_mask_(old_logp - rollout_logp, valid, valid_f)
             row_log_rho = log_rho.sum(dim=1) / row_tokens.clamp(min=1)
-            ppl_gap = masked_mean(row_log_rho.abs(), row_tokens > 0)                 # OTB eq. 68
+            ppl_gap = ppl_gap_of_rows(row_log_rho, row_tokens > 0)                  # OTB eq. 68
             _clamp_log_ratio_(log_rho)
             rho_m1 = torch.expm1(log_rho)                                # ρ − 1: k3 and the TIS weight
             mismatch_kl = _k3_sum(rho_m1, log_rho) / n_valid

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
-                "variance_proxy", "approx_kl", "clip_frac_high")
+                "power_proxy", "approx_kl", "clip_frac_high")
 
 
 def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path]:

@@ -204,7 +204,7 @@ class Learner:
     def update(self, batch: RolloutBatch, generator: torch.Generator) -> dict:
         """One train step on ``batch``; returns the step's metrics (floats) and stores the
         advantages [B,L] on ``batch.advantages``."""
-        from creditrl import compute_advantages, policy_loss, variance_proxy
+        from creditrl import compute_advantages, policy_loss, power_proxy
 
         cfg, p = self.cfg, batch.prompt_len
         t = {k: getattr(batch, k).to(self.device) for k in TENSOR_FIELDS}  # "group" lets prompts be shared
@@ -287,5 +287,5 @@ class Learner:
             clipped_frac=float(1.0 - batch.stopped.float().mean()), skipped_updates=skipped,
             reward_invalid_frac=0.0 if batch.reward_invalid is None else float(batch.reward_invalid.float().mean()),
             entropy=masked_mean_std(entropy, mask)[0], adv_mean=adv_mean, adv_std=adv_std,
-            variance_proxy=float(variance_proxy(advantages, energy, mask)), lr=lr)
+            power_proxy=power_proxy(advantages, energy, mask), lr=lr)
         return out
