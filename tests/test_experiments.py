@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from creditrl import experiments
-from creditrl.experiments import common
+from creditrl import reporting
 from creditrl.experiments import maxk_bandit as mb
 
 
@@ -143,7 +143,7 @@ def test_maxk_bandit_fast_preset(fast_root, tmp_path):
         assert -0.65 < summary["slope"][name] < -0.35
     assert summary["last_decade_slope"]["EI+L1O"] > -0.25
     assert summary["final_error"]["EI+L1O"] > 5 * summary["final_error"]["EI+L2O"]
-    rows = common.read_csv(tmp_path / "a" / "variance_actions.csv") + common.read_csv(tmp_path / "a" / "variance_k.csv")
+    rows = reporting.read_csv(tmp_path / "a" / "variance_actions.csv") + reporting.read_csv(tmp_path / "a" / "variance_k.csv")
     assert all(math.isfinite(r["variance"]) and r["variance"] > 0 for r in rows)
     assert (tmp_path / "a" / "maxk_bandit.png").stat().st_size > 0
     section = mb.report(tmp_path / "a", "figures/maxk_bandit.png")
@@ -186,19 +186,19 @@ def test_experiment_cli_runs_with_overrides(tmp_path):
     rc = experiments.main(["maxk-bandit", "--out", str(tmp_path), "--config", str(tmp_path / "small.yaml"),
                            "bias_batches=[5, 50]", "k_sweep=[2,3]"])
     assert rc == 0
-    rows = common.read_csv(tmp_path / "bias.csv")
+    rows = reporting.read_csv(tmp_path / "bias.csv")
     assert sorted({r["batches"] for r in rows}) == [5, 50]
-    assert common.read_json(tmp_path / "summary.json")["config"]["seeds"] == 2
+    assert reporting.read_json(tmp_path / "summary.json")["config"]["seeds"] == 2
 
 
 def test_bootstrap_ci_and_slope():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(400, generator=gen, dtype=torch.float64) + 3.0
-    low, high = common.bootstrap_ci(lambda idx: x[idx].mean(-1), 400, generator=gen)
+    low, high = reporting.bootstrap_ci(lambda idx: x[idx].mean(-1), 400, generator=gen)
     assert low < x.mean() < high and high - low < 0.5
-    assert abs(common.loglog_slope([1, 10, 100], [1.0, 0.1 ** 0.5, 0.1])) - 0.5 < 1e-12
+    assert abs(reporting.loglog_slope([1, 10, 100], [1.0, 0.1 ** 0.5, 0.1])) - 0.5 < 1e-12
     rows = [{"a": 1, "b": 0.5, "c": "x"}]
-    assert common.markdown_table(rows).splitlines()[2] == "| 1 | 0.5 | x |"
+    assert reporting.markdown_table(rows).splitlines()[2] == "| 1 | 0.5 | x |"
 
 
 # ---------------------------------------------------------------- grad-variance / proxy-fidelity: exact gradients
@@ -327,7 +327,7 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
     from creditrl.experiments import grad_variance as gv
 
     (tmp_path / "a").symlink_to(fast_run(fast_root, "grad-variance"))
-    rows = common.read_csv(tmp_path / "a" / "variance.csv")
+    rows = reporting.read_csv(tmp_path / "a" / "variance.csv")
     assert {r["estimator"] for r in rows} == set(gv.PRESETS["fast"].estimators)
     for r in rows:
         assert math.isfinite(r["variance"]) and r["variance"] >= 0
@@ -347,10 +347,10 @@ def test_proxy_fidelity_fast_preset(fast_root):
     from creditrl.experiments import proxy_fidelity as pf
 
     tmp_path = fast_run(fast_root, "proxy-fidelity")
-    summary = common.read_json(tmp_path / "summary.json")
+    summary = reporting.read_json(tmp_path / "summary.json")
     assert summary["tokens"] > 0 and summary["responses"] == 12
     assert math.isfinite(summary["token_spearman"]) and -1 <= summary["token_spearman"] <= 1
-    tokens = common.read_csv(tmp_path / "tokens.csv")
+    tokens = reporting.read_csv(tmp_path / "tokens.csv")
     assert all(r["true_sq_norm"] >= 0 and 0 <= r["proxy"] <= 2 for r in tokens)  # ŵ = 1 − 2π + Σπ² ∈ [0, 2]
     assert "Spearman" in pf.report(tmp_path, "figures/proxy_fidelity.png")
 
@@ -364,10 +364,10 @@ def test_learning_curves_fast_preset(fast_root):
     out = fast_run(fast_root, "learning-curves")
     cfg = lc.PRESETS["fast"]
     for study in cfg.studies:
-        final = common.read_csv(out / study / "final.csv")
+        final = reporting.read_csv(out / study / "final.csv")
         assert {r["run"] for r in final} == set(lc.STUDIES[study]["runs"])
         assert all(r["steps"] == cfg.steps and math.isfinite(r["entropy"]) for r in final)
-    tokens = {r["run"]: r["tokens_total"] for r in common.read_csv(out / "otb-vs-grpo" / "final.csv")}
+    tokens = {r["run"]: r["tokens_total"] for r in reporting.read_csv(out / "otb-vs-grpo" / "final.csv")}
     assert tokens["grpo-n16"] > 2 * tokens["grpo-n4"]
     section = lc.report(out, "figures/learning_curves.png")
     assert "OTB at N=4" in section and "MaxPO improves held-out pass@4" in section

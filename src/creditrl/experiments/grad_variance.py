@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from creditrl.experiments import common
+from creditrl import reporting
+from creditrl._runtime import torch_threads
 
 MAXK_ESTIMATORS = ("maxpo", "pkpo")
 REFERENCE = "rloo"
@@ -42,7 +43,7 @@ class GradVarianceConfig:
     max_new_tokens: int = 40
     temperature: float = 1.0
     bootstrap: int = 2000
-    threads: int = 1                     # torch CPU threads (see common.torch_threads)
+    threads: int = 1                     # torch CPU threads (see creditrl._runtime.torch_threads)
     seed: int = 0
 
 
@@ -133,7 +134,7 @@ def within_block_variance(grads: Tensor) -> Tensor:
     return (g - g.mean(dim=1, keepdim=True)).pow(2).sum(dim=(1, 2)) / (g.shape[1] - 1)
 
 
-def measure(cfg: GradVarianceConfig, model, params, task, tokenizer) -> tuple[list[common.Row], list[common.Row]]:
+def measure(cfg: GradVarianceConfig, model, params, task, tokenizer) -> tuple[list[reporting.Row], list[reporting.Row]]:
     """Per-block variances and per-N mean gradients' squared norms; returns (block rows, signal rows)."""
     rng = random.Random(f"grad-variance-{cfg.seed}")
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -157,21 +158,21 @@ def measure(cfg: GradVarianceConfig, model, params, task, tokenizer) -> tuple[li
     return block_rows, signal_rows
 
 
-def summarize_blocks(block_rows: list[common.Row], signal_rows: list[common.Row], n_boot: int, seed: int,
-                     reference: str = REFERENCE) -> list[common.Row]:
+def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reporting.Row], n_boot: int, seed: int,
+                     reference: str = REFERENCE) -> list[reporting.Row]:
     """Per (N, estimator): mean variance with bootstrap CI, ratio to ``reference`` with paired CI."""
     rows = []
     signal = {(r["group_size"], r["estimator"]): r["mean_grad_sq"] for r in signal_rows}
     generator = torch.Generator().manual_seed(seed)
-    for N, members in common.group_rows(block_rows, "group_size").items():
-        by_est = common.group_rows(members, "estimator")
+    for N, members in reporting.group_rows(block_rows, "group_size").items():
+        by_est = reporting.group_rows(members, "estimator")
         names = list(by_est)
         V = torch.tensor([[r["variance"] for r in by_est[n]] for n in names], dtype=torch.float64)  # [E, nb]
         nb = V.shape[1]
         ref = names.index(reference) if reference in names else None
-        low, high = common.bootstrap_ci(lambda idx: V[:, idx].mean(-1).T, nb, n_boot=n_boot, generator=generator)
+        low, high = reporting.bootstrap_ci(lambda idx: V[:, idx].mean(-1).T, nb, n_boot=n_boot, generator=generator)
         if ref is not None:
-            r_low, r_high = common.bootstrap_ci(lambda idx: (V[:, idx].mean(-1) / V[ref, idx].mean(-1)).T, nb,
+            r_low, r_high = reporting.bootstrap_ci(lambda idx: (V[:, idx].mean(-1) / V[ref, idx].mean(-1)).T, nb,
                                                 n_boot=n_boot, generator=generator)
         mean = V.mean(-1)
         for e, name in enumerate(names):
@@ -191,24 +192,24 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
     if cfg.block < 2 or cfg.groups < cfg.block:
         raise ValueError(f"block: expected 2 <= block <= groups, got block={cfg.block}, groups={cfg.groups}")
     out_dir = Path(out_dir)
-    with torch.random.fork_rng(devices=[]), common.torch_threads(cfg.threads):
+    with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
         task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
         torch.manual_seed(cfg.seed)
         block_rows, signal_rows = measure(cfg, model, params, task, tokenizer)
-    common.write_csv(out_dir / "blocks.csv", block_rows)
-    common.write_csv(out_dir / "variance.csv", summarize_blocks(block_rows, signal_rows, cfg.bootstrap, cfg.seed))
+    reporting.write_csv(out_dir / "blocks.csv", block_rows)
+    reporting.write_csv(out_dir / "variance.csv", summarize_blocks(block_rows, signal_rows, cfg.bootstrap, cfg.seed))
     summary = {"config": asdict(cfg), "parameters": sum(p.numel() for p in params),
                "reward_mean": sum(r["reward_mean"] for r in block_rows) / len(block_rows)}
-    common.write_json(out_dir / "summary.json", summary)
+    reporting.write_json(out_dir / "summary.json", summary)
     plot(out_dir)
     return summary
 
 
 def plot(out_dir: Path) -> Path:
-    rows = common.read_csv(Path(out_dir) / "variance.csv")
-    by_n = common.group_rows(rows, "group_size")
-    fig, (ax_ratio, ax_abs) = common.figure(2, width=5.0)
-    names = list(common.group_rows(rows, "estimator"))
+    rows = reporting.read_csv(Path(out_dir) / "variance.csv")
+    by_n = reporting.group_rows(rows, "group_size")
+    fig, (ax_ratio, ax_abs) = reporting.figure(2, width=5.0)
+    names = list(reporting.group_rows(rows, "estimator"))
     width = 0.8 / len(by_n)
     for j, (N, members) in enumerate(by_n.items()):
         vals = {r["estimator"]: r for r in members}
@@ -221,7 +222,7 @@ def plot(out_dir: Path) -> Path:
     ax_ratio.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
     ax_ratio.set(yscale="log", ylabel=f"tr Cov / tr Cov({REFERENCE})", title="variance ratio to RLOO (95% CI)")
     ax_ratio.legend(fontsize=7)
-    for name, members in common.group_rows(rows, "estimator").items():
+    for name, members in reporting.group_rows(rows, "estimator").items():
         ax_abs.errorbar([r["group_size"] for r in members], [r["variance"] for r in members],
                         yerr=[[r["variance"] - r["variance_low"] for r in members],
                               [r["variance_high"] - r["variance"] for r in members]], marker="o", ms=3, capsize=2,
@@ -230,14 +231,14 @@ def plot(out_dir: Path) -> Path:
     ax_abs.set_xticks(list(by_n), [str(n) for n in by_n])
     ax_abs.minorticks_off()
     ax_abs.legend(fontsize=6, ncol=2)
-    return common.save_figure(fig, Path(out_dir) / "grad_variance.png")
+    return reporting.save_figure(fig, Path(out_dir) / "grad_variance.png")
 
 
 def _ratio(rows, N, name):
     return next((r for r in rows if r["group_size"] == N and r["estimator"] == name), None)
 
 
-def verdicts(rows: list[common.Row]) -> list[tuple[str, str, str]]:
+def verdicts(rows: list[reporting.Row]) -> list[tuple[str, str, str]]:
     Ns = sorted({r["group_size"] for r in rows})
     out = []
     rivals = [n for n in ("grpo", "rloo", "ogb") if _ratio(rows, Ns[0], n)]
@@ -268,7 +269,7 @@ def verdicts(rows: list[common.Row]) -> list[tuple[str, str, str]]:
     return out
 
 
-def consistency_check(rows: list[common.Row]) -> str:
+def consistency_check(rows: list[reporting.Row]) -> str:
     """dr_grpo's advantage is exactly (N−1)/N × RLOO's, so its variance ratio must be ((N−1)/N)²."""
     pairs = [(r["group_size"], r["ratio_to_rloo"]) for r in rows if r["estimator"] == "dr_grpo"]
     if not pairs:
@@ -279,8 +280,8 @@ def consistency_check(rows: list[common.Row]) -> str:
 
 def report(out_dir: Path, figure_path: str) -> str:
     out_dir = Path(out_dir)
-    rows = common.read_csv(out_dir / "variance.csv")
-    summary = common.read_json(out_dir / "summary.json")
+    rows = reporting.read_csv(out_dir / "variance.csv")
+    summary = reporting.read_json(out_dir / "summary.json")
     cfg = summary["config"]
     lines = ["## OTB: exact gradient variance of every estimator (OTB §5.3, §6.3)\n",
              f"Setting: `builtin:tiny` ({summary['parameters']:,} parameters) warm-started on `{cfg['task']}` "
@@ -297,9 +298,9 @@ def report(out_dir: Path, figure_path: str) -> str:
              for r in rows]
     for row in table:
         row["cell"] = row["ratio (CI)"]
-    lines.append(common.pivot_table(table, "estimator", "group_size", "cell"))
+    lines.append(reporting.pivot_table(table, "estimator", "group_size", "cell"))
     lines.append("\nAbsolute tr Cov(ĝ):\n")
-    lines.append(common.pivot_table(rows, "estimator", "group_size", "variance"))
+    lines.append(reporting.pivot_table(rows, "estimator", "group_size", "variance"))
     lines.append(consistency_check(rows))
-    lines += [common.verdict_line(*v) for v in verdicts(rows)]
+    lines += [reporting.verdict_line(*v) for v in verdicts(rows)]
     return "\n".join(lines)

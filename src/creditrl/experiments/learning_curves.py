@@ -14,7 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from creditrl.experiments import common
+from creditrl import reporting
+from creditrl._runtime import torch_threads
 
 TRACE = ["loss.trace.enabled=true", "loss.trace.lam=0.99"]
 STUDIES = {
@@ -50,7 +51,7 @@ class LearningCurvesConfig:
     eval_samples: int = 16               # n per test prompt: pass@k for k <= n
     pass_k: tuple[int, ...] = (1, 2, 4, 8, 16)
     warm_start_max_steps: int = 0        # 0: the trainer's default warm start (cached per task)
-    threads: int = 1                     # torch CPU threads per run (see common.torch_threads)
+    threads: int = 1                     # torch CPU threads per run (see creditrl._runtime.torch_threads)
 
 
 PRESETS = {
@@ -77,7 +78,7 @@ def shared_checkpoint(cfg: LearningCurvesConfig, study: str) -> Path:
 
     model = load_config(None, warm_start_overrides(cfg, study)).model
     task = get_task(study_task(study))
-    with common.torch_threads(cfg.threads):
+    with torch_threads(cfg.threads):
         load_policy("builtin:tiny", task, model_cfg=model.tiny, warm_start=model.warm_start, seed=cfg.seed,
                     progress=False)
     return tiny_cache_path(task, model.tiny, model.warm_start, cfg.seed)
@@ -121,12 +122,12 @@ def run(cfg: LearningCurvesConfig, out_dir: Path) -> dict:
         runs = compare.run_all(spec, out_dir / study, progress=False)
         compare.write_report(runs, out_dir / study, title=f"learning curves: {study}")
     summary = {"config": asdict(cfg), "studies": {s: summarize_study(out_dir / s, s) for s in cfg.studies}}
-    common.write_json(out_dir / "summary.json", summary)
+    reporting.write_json(out_dir / "summary.json", summary)
     plot(out_dir, cfg.studies)
     return summary
 
 
-def _stats(final: list[common.Row], run: str, key: str) -> tuple[float, float, int]:
+def _stats(final: list[reporting.Row], run: str, key: str) -> tuple[float, float, int]:
     vals = [float(r[key]) for r in final if r["run"] == run and isinstance(r.get(key), (int, float))
             and math.isfinite(float(r[key]))]
     if not vals:
@@ -138,10 +139,10 @@ def _stats(final: list[common.Row], run: str, key: str) -> tuple[float, float, i
 
 def summarize_study(study_dir: Path, study: str) -> dict:
     """Per run: mean/variance over seeds of the end-of-run and whole-run metrics the verdicts use."""
-    final = common.read_csv(study_dir / "final.csv")
-    curves = common.read_csv(study_dir / "curves.csv")
+    final = reporting.read_csv(study_dir / "final.csv")
+    curves = reporting.read_csv(study_dir / "curves.csv")
     out = {}
-    for run, rows in common.group_rows(final, "run").items():
+    for run, rows in reporting.group_rows(final, "run").items():
         entry = {k: _stats(final, run, k) for k in rows[0] if k.startswith(("pass@", "sampled_acc", "greedy_acc"))
                  or k in ("spurious_ratio", "entropy", "start_sampled_acc", "tokens_total")}
         run_curve = [c for c in curves if c["run"] == run]
@@ -157,15 +158,15 @@ def summarize_study(study_dir: Path, study: str) -> dict:
 
 def plot(out_dir: Path, studies: tuple[str, ...]) -> Path:
     """One panel per study: (a) acc vs tokens, (b) entropy, (c) acc vs step, (d) pass@k vs k."""
-    fig, axes = common.figure(len(studies), width=3.8)
+    fig, axes = reporting.figure(len(studies), width=3.8)
     panel = {"otb-vs-grpo": ("tokens_total", "accuracy_mean", "generated tokens", "training accuracy"),
              "stapo": ("step", "entropy_mean", "step", "entropy"),
              "grpo-lambda": ("step", "accuracy_mean", "step", "training accuracy")}
     for ax, study in zip(axes, studies):
         d = out_dir / study
         if study == "maxk":
-            final = common.read_csv(d / "final.csv")
-            for run in common.group_rows(final, "run"):
+            final = reporting.read_csv(d / "final.csv")
+            for run in reporting.group_rows(final, "run"):
                 ks = sorted(int(k[5:]) for k in final[0] if k.startswith("pass@"))
                 ax.plot(ks, [_stats(final, run, f"pass@{k}")[0] for k in ks], marker="o", ms=3, label=run)
             ax.set(xscale="log", xlabel="k", ylabel="held-out pass@k (end)", title="(d) maxk on countdown")
@@ -173,14 +174,14 @@ def plot(out_dir: Path, studies: tuple[str, ...]) -> Path:
             ax.minorticks_off()
         else:
             x, y, xl, yl = panel[study]
-            for run, rows in common.group_rows(common.read_csv(d / "curves.csv"), "run").items():
+            for run, rows in reporting.group_rows(reporting.read_csv(d / "curves.csv"), "run").items():
                 ax.plot([r[x] for r in rows], [r[y] for r in rows], label=run, lw=1.2)
                 std = y.replace("_mean", "_std")
                 ax.fill_between([r[x] for r in rows], [r[y] - r[std] for r in rows], [r[y] + r[std] for r in rows],
                                 alpha=0.15)
             ax.set(xlabel=xl, ylabel=yl, title=f"({'abc'[list(panel).index(study)]}) {study}")
         ax.legend(fontsize=6)
-    return common.save_figure(fig, out_dir / "learning_curves.png")
+    return reporting.save_figure(fig, out_dir / "learning_curves.png")
 
 
 def _diff(s: dict, a: str, b: str, key: str) -> tuple[float, float]:
@@ -270,7 +271,7 @@ def report(out_dir: Path, figure_path: str) -> str:
     from creditrl.trainer.compare import mean_std_table
 
     out_dir = Path(out_dir)
-    summary = common.read_json(out_dir / "summary.json")
+    summary = reporting.read_json(out_dir / "summary.json")
     cfg = summary["config"]
     lines = ["## Learning curves with the real trainer (OTB §6.3, STAPO §5.2/§5.5, GRPO-λ §4.2, MaxPO §5.2)\n",
              f"Setting: `builtin:tiny` warm-started once per task (all runs and seeds start from that checkpoint), "
@@ -280,10 +281,10 @@ def report(out_dir: Path, figure_path: str) -> str:
              "(hundreds of steps on billion-parameter models), so small differences are within seed noise.\n",
              f"![learning curves]({figure_path})\n"]
     for study in cfg["studies"]:
-        final = common.read_csv(out_dir / study / "final.csv")
+        final = reporting.read_csv(out_dir / study / "final.csv")
         cols = [c for c in ("start_sampled_acc", "sampled_acc", "greedy_acc", "pass@1", f"pass@{max(cfg['pass_k'])}",
                             "entropy", "spurious_ratio", "tokens_total") if c in final[0]]
         warm = STUDIES[study].get("warm_start")
         lines += [f"### {study}\n", f"Warm start: `{' '.join(warm)}`.\n" if warm else "", mean_std_table(final, cols)]
-    lines += [common.verdict_line(*v) for v in verdicts(summary)]
+    lines += [reporting.verdict_line(*v) for v in verdicts(summary)]
     return "\n".join(lines)

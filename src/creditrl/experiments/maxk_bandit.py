@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from creditrl.experiments import common
+from creditrl import reporting
+from creditrl._runtime import torch_threads
 
 ESTIMATORS = ("EI", "EI+L2O", "EI+L1O")
 
@@ -37,7 +38,7 @@ class BanditConfig:
     k_sweep: tuple[int, ...] = (1, 2, 4, 8, 12, 15)
     seed: int = 0
     chunk_elements: int = 4_000_000      # bound on S·M·n per vectorised draw (memory)
-    threads: int = 1                     # torch CPU threads (see common.torch_threads)
+    threads: int = 1                     # torch CPU threads (see creditrl._runtime.torch_threads)
 
 
 PRESETS = {
@@ -150,7 +151,7 @@ def total_variance(moments: dict[str, Tensor], batches: int) -> Tensor:
     return ((moments["sumsq"] - batches * mean.pow(2)) / (batches - 1)).sum(dim=-1)
 
 
-def bias_curve(cfg: BanditConfig, generator: torch.Generator) -> list[common.Row]:
+def bias_curve(cfg: BanditConfig, generator: torch.Generator) -> list[reporting.Row]:
     """‖(1/M) Σ_m g_m − ∇J‖ against M (eq. 110), mean ± SE over instances."""
     rewards, logits = sample_instances(cfg.seeds, cfg.num_actions, generator)
     truth = true_gradient(rewards, logits, cfg.k)
@@ -160,12 +161,12 @@ def bias_curve(cfg: BanditConfig, generator: torch.Generator) -> list[common.Row
     for name in ESTIMATORS:
         for c, M in enumerate(Ms):
             err = (acc[name]["prefix"][c] / M - truth).norm(dim=-1)
-            mean, se = common.mean_se(err)
+            mean, se = reporting.mean_se(err)
             rows.append({"estimator": name, "batches": M, "error": mean, "error_se": se})
     return rows
 
 
-def variance_sweep(cfg: BanditConfig, generator: torch.Generator, *, over: str) -> list[common.Row]:
+def variance_sweep(cfg: BanditConfig, generator: torch.Generator, *, over: str) -> list[reporting.Row]:
     """Total variance of one batch's estimate against n (``over='actions'``) or K (``over='k'``)."""
     values = cfg.actions_sweep if over == "actions" else cfg.k_sweep
     rows = []
@@ -178,7 +179,7 @@ def variance_sweep(cfg: BanditConfig, generator: torch.Generator, *, over: str) 
         var = {name: total_variance(acc[name], cfg.variance_batches) for name in ESTIMATORS}
         ei_mean = float(var["EI"].mean())
         for name in ESTIMATORS:
-            mean, se = common.mean_se(var[name])
+            mean, se = reporting.mean_se(var[name])
             rows.append({"estimator": name, "num_actions": n, "k": k, "variance": mean, "variance_se": se,
                          "ratio_to_ei": mean / ei_mean})
     return rows
@@ -199,13 +200,13 @@ def run(cfg: BanditConfig, out_dir: Path) -> dict:
     validate(cfg)
     out_dir = Path(out_dir)
     generator = torch.Generator().manual_seed(cfg.seed)
-    with common.torch_threads(cfg.threads):
+    with torch_threads(cfg.threads):
         bias = bias_curve(cfg, generator)
         var_n = variance_sweep(cfg, generator, over="actions")
         var_k = variance_sweep(cfg, generator, over="k")
-    common.write_csv(out_dir / "bias.csv", bias)
-    common.write_csv(out_dir / "variance_actions.csv", var_n)
-    common.write_csv(out_dir / "variance_k.csv", var_k)
+    reporting.write_csv(out_dir / "bias.csv", bias)
+    reporting.write_csv(out_dir / "variance_actions.csv", var_n)
+    reporting.write_csv(out_dir / "variance_k.csv", var_k)
     summary = summarize(out_dir, cfg)
     plot(out_dir)
     return summary
@@ -213,28 +214,28 @@ def run(cfg: BanditConfig, out_dir: Path) -> dict:
 
 def summarize(out_dir: Path, cfg: BanditConfig | None = None) -> dict:
     """Headline numbers from the CSVs: decay slopes, L1O plateau, variance ratios."""
-    bias = common.group_rows(common.read_csv(out_dir / "bias.csv"), "estimator")
-    var_n = common.group_rows(common.read_csv(out_dir / "variance_actions.csv"), "estimator")
-    var_k = common.group_rows(common.read_csv(out_dir / "variance_k.csv"), "estimator")
+    bias = reporting.group_rows(reporting.read_csv(out_dir / "bias.csv"), "estimator")
+    var_n = reporting.group_rows(reporting.read_csv(out_dir / "variance_actions.csv"), "estimator")
+    var_k = reporting.group_rows(reporting.read_csv(out_dir / "variance_k.csv"), "estimator")
     summary: dict = {"config": asdict(cfg) if cfg else None, "slope": {}, "last_decade_slope": {},
                      "final_error": {}}
     for name, rows in bias.items():
         Ms, errs = [r["batches"] for r in rows], [r["error"] for r in rows]
-        summary["slope"][name] = common.loglog_slope(Ms, errs)
+        summary["slope"][name] = reporting.loglog_slope(Ms, errs)
         tail = [i for i, M in enumerate(Ms) if M >= Ms[-1] / 10]
-        summary["last_decade_slope"][name] = common.loglog_slope([Ms[i] for i in tail], [errs[i] for i in tail])
+        summary["last_decade_slope"][name] = reporting.loglog_slope([Ms[i] for i in tail], [errs[i] for i in tail])
         summary["final_error"][name] = errs[-1]
     summary["l2o_ratio_vs_actions"] = {r["num_actions"]: r["ratio_to_ei"] for r in var_n["EI+L2O"]}
     summary["l2o_ratio_vs_k"] = {r["k"]: r["ratio_to_ei"] for r in var_k["EI+L2O"]}
     summary["l1o_ratio_vs_k"] = {r["k"]: r["ratio_to_ei"] for r in var_k["EI+L1O"]}
     if cfg is not None:
-        common.write_json(out_dir / "summary.json", summary)
+        reporting.write_json(out_dir / "summary.json", summary)
     return summary
 
 
 def plot(out_dir: Path) -> Path:
-    fig, (ax_bias, ax_n, ax_k) = common.figure(3)
-    bias = common.group_rows(common.read_csv(out_dir / "bias.csv"), "estimator")
+    fig, (ax_bias, ax_n, ax_k) = reporting.figure(3)
+    bias = reporting.group_rows(reporting.read_csv(out_dir / "bias.csv"), "estimator")
     for name, rows in bias.items():
         Ms = [r["batches"] for r in rows]
         ax_bias.errorbar(Ms, [r["error"] for r in rows], yerr=[r["error_se"] for r in rows], marker="o",
@@ -246,7 +247,7 @@ def plot(out_dir: Path) -> Path:
                 title="(a) error of the MC mean")
     for ax, file, key, label in ((ax_n, "variance_actions.csv", "num_actions", "number of actions n"),
                                  (ax_k, "variance_k.csv", "k", "K")):
-        for name, rows in common.group_rows(common.read_csv(out_dir / file), "estimator").items():
+        for name, rows in reporting.group_rows(reporting.read_csv(out_dir / file), "estimator").items():
             ax.errorbar([r[key] for r in rows], [r["variance"] for r in rows], yerr=[r["variance_se"] for r in rows],
                         marker="o", ms=3, label=name, capsize=2)
         ax.set(yscale="log", xlabel=label, ylabel="total variance tr Cov(ĝ)")
@@ -255,7 +256,7 @@ def plot(out_dir: Path) -> Path:
     ax_n.set_title("(b) variance vs n")
     ax_k.set_title("(c) variance vs K")
     ax_bias.legend(fontsize=7)
-    return common.save_figure(fig, out_dir / "maxk_bandit.png")
+    return reporting.save_figure(fig, out_dir / "maxk_bandit.png")
 
 
 def verdicts(summary: dict) -> list[tuple[str, str, str]]:
@@ -296,18 +297,18 @@ def verdicts(summary: dict) -> list[tuple[str, str, str]]:
 def report(out_dir: Path, figure_path: str) -> str:
     """The Markdown section of docs/results.md, built from the CSVs in ``out_dir``."""
     summary = summarize(Path(out_dir))
-    cfg = common.read_json(Path(out_dir) / "summary.json").get("config") or {}
+    cfg = reporting.read_json(Path(out_dir) / "summary.json").get("config") or {}
     lines = ["## MaxPO: bias and variance of max@K gradients on softmax bandits (MaxPO §5.1, App. G.1)\n",
              f"Setting: {cfg.get('seeds')} random instances (rewards, logits ~ N(0,1)), N = {cfg.get('group_size')} "
              f"actions per batch, K = {cfg.get('k')}, n = {cfg.get('num_actions')} actions for (a) and (c); "
              f"{cfg.get('variance_batches')} batches per variance estimate. The truth ∇J is exact (closed form of "
              "P(max = a) = F(a)^K − F(a−)^K through autograd). Mean ± standard error over instances.\n",
              f"![maxk bandit]({figure_path})\n"]
-    bias = common.read_csv(Path(out_dir) / "bias.csv")
-    lines.append(common.pivot_table(bias, "batches", "estimator", "error"))
+    bias = reporting.read_csv(Path(out_dir) / "bias.csv")
+    lines.append(reporting.pivot_table(bias, "batches", "estimator", "error"))
     lines.append("\nTotal variance (ratio to EI) against the number of actions n and against K:\n")
     for file, key in (("variance_actions.csv", "num_actions"), ("variance_k.csv", "k")):
-        lines.append(common.pivot_table(common.read_csv(Path(out_dir) / file), key, "estimator", "ratio_to_ei"))
+        lines.append(reporting.pivot_table(reporting.read_csv(Path(out_dir) / file), key, "estimator", "ratio_to_ei"))
         lines.append("")
-    lines += [common.verdict_line(*v) for v in verdicts(summary)]
+    lines += [reporting.verdict_line(*v) for v in verdicts(summary)]
     return "\n".join(lines)

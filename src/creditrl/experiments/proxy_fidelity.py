@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from creditrl.experiments import common
+from creditrl import reporting
+from creditrl._runtime import torch_threads
 from creditrl.experiments.grad_variance import load_checkpoint, response_tokens, sample_groups
 
 
@@ -31,7 +32,7 @@ class ProxyFidelityConfig:
     group_size: int = 8
     max_new_tokens: int = 40
     temperature: float = 1.0
-    threads: int = 1                     # torch CPU threads (see common.torch_threads)
+    threads: int = 1                     # torch CPU threads (see creditrl._runtime.torch_threads)
     seed: int = 0
 
 
@@ -81,7 +82,7 @@ def per_token_grad_sq_norms(model, params: list[Tensor], batch, row: int, temper
     return full, flat.sum(0).pow(2).sum()
 
 
-def measure(cfg: ProxyFidelityConfig, model, params, task, tokenizer) -> tuple[list[common.Row], list[common.Row]]:
+def measure(cfg: ProxyFidelityConfig, model, params, task, tokenizer) -> tuple[list[reporting.Row], list[reporting.Row]]:
     rng = random.Random(f"proxy-fidelity-{cfg.seed}")
     generator = torch.Generator().manual_seed(cfg.seed)
     batch = sample_groups(task, model, tokenizer, cfg.groups, cfg.group_size, cfg, rng, generator)
@@ -103,10 +104,10 @@ def measure(cfg: ProxyFidelityConfig, model, params, task, tokenizer) -> tuple[l
     return token_rows, response_rows
 
 
-def within_group_spearman(rows: list[common.Row], x: str, y: str) -> float:
+def within_group_spearman(rows: list[reporting.Row], x: str, y: str) -> float:
     """Mean over groups (with any spread) of the Spearman correlation of x and y inside the group."""
     values = []
-    for members in common.group_rows(rows, "group").values():
+    for members in reporting.group_rows(rows, "group").values():
         a = torch.tensor([m[x] for m in members], dtype=torch.float64)
         b = torch.tensor([m[y] for m in members], dtype=torch.float64)
         if len(members) > 2 and a.unique().numel() > 1 and b.unique().numel() > 1:
@@ -114,7 +115,7 @@ def within_group_spearman(rows: list[common.Row], x: str, y: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def correlations(token_rows: list[common.Row], response_rows: list[common.Row]) -> dict:
+def correlations(token_rows: list[reporting.Row], response_rows: list[reporting.Row]) -> dict:
     true = torch.tensor([r["true_sq_norm"] for r in token_rows], dtype=torch.float64)
     proxy = torch.tensor([r["proxy"] for r in token_rows], dtype=torch.float64)
     positive = (true > 0) & (proxy > 0)
@@ -131,35 +132,35 @@ def correlations(token_rows: list[common.Row], response_rows: list[common.Row]) 
 
 def run(cfg: ProxyFidelityConfig, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
-    with torch.random.fork_rng(devices=[]), common.torch_threads(cfg.threads):
+    with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
         task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
         torch.manual_seed(cfg.seed)
         token_rows, response_rows = measure(cfg, model, params, task, tokenizer)
-    common.write_csv(out_dir / "tokens.csv", token_rows)
-    common.write_csv(out_dir / "responses.csv", response_rows)
+    reporting.write_csv(out_dir / "tokens.csv", token_rows)
+    reporting.write_csv(out_dir / "responses.csv", response_rows)
     summary = {"config": asdict(cfg), **correlations(token_rows, response_rows)}
-    common.write_json(out_dir / "summary.json", summary)
+    reporting.write_json(out_dir / "summary.json", summary)
     plot(out_dir, summary)
     return summary
 
 
 def plot(out_dir: Path, summary: dict) -> Path:
-    tokens = common.read_csv(out_dir / "tokens.csv")
-    responses = common.read_csv(out_dir / "responses.csv")
-    fig, (ax_tok, ax_proxy, ax_len) = common.figure(3)
+    tokens = reporting.read_csv(out_dir / "tokens.csv")
+    responses = reporting.read_csv(out_dir / "responses.csv")
+    fig, (ax_tok, ax_proxy, ax_len) = reporting.figure(3)
     ax_tok.scatter([r["proxy"] for r in tokens], [r["true_sq_norm"] for r in tokens], s=4, alpha=0.4)
     ax_tok.set(xscale="log", yscale="log", xlabel="proxy ŵ_t (logit gradient)", ylabel="true ‖∇θ log π(y_t)‖²",
                title=f"per token: Pearson {summary['token_pearson']:.2f}, Spearman {summary['token_spearman']:.2f}")
     for ax, key, label, stat in ((ax_proxy, "proxy_energy", "Σ_t ŵ_t (OTB)", "group_spearman_energy_vs_proxy"),
                                  (ax_len, "length", "response length (OPO)", "group_spearman_energy_vs_length")):
-        for group, members in common.group_rows(responses, "group").items():
+        for group, members in reporting.group_rows(responses, "group").items():
             ax.scatter([m[key] for m in members], [m["true_energy"] for m in members], s=10, label=f"group {group}")
         ax.set(xlabel=label, ylabel="true W = Σ_t ‖∇θ log π(y_t)‖²", yscale="log",
                title=f"within-group Spearman {summary[stat]:.2f}")
     ax_tok.title.set_fontsize(8)
     ax_proxy.title.set_fontsize(8)
     ax_len.title.set_fontsize(8)
-    return common.save_figure(fig, out_dir / "proxy_fidelity.png")
+    return reporting.save_figure(fig, out_dir / "proxy_fidelity.png")
 
 
 def verdicts(s: dict) -> list[tuple[str, str, str]]:
@@ -179,14 +180,14 @@ def verdicts(s: dict) -> list[tuple[str, str, str]]:
 
 
 def report(out_dir: Path, figure_path: str) -> str:
-    s = common.read_json(Path(out_dir) / "summary.json")
+    s = reporting.read_json(Path(out_dir) / "summary.json")
     cfg = s["config"]
     lines = ["## OTB: fidelity of the logit-gradient proxy (OTB eq. 7, §6.4)\n",
              f"Setting: the `grad-variance` checkpoint (`{cfg['task']}`, digits={cfg['digits']}); {cfg['groups']} "
              f"groups × {cfg['group_size']} sampled responses, {s['tokens']} response tokens, each with the exact "
              "squared norm of its full-parameter gradient.\n", f"![proxy fidelity]({figure_path})\n",
-             common.markdown_table([{"quantity": k, "value": v} for k, v in s.items() if k != "config"]), ""]
-    lines += [common.verdict_line(*v) for v in verdicts(s)]
+             reporting.markdown_table([{"quantity": k, "value": v} for k, v in s.items() if k != "config"]), ""]
+    lines += [reporting.verdict_line(*v) for v in verdicts(s)]
     lines.append(floor_note(Path(out_dir)))
     return "\n".join(lines)
 
@@ -195,7 +196,7 @@ def floor_note(out_dir: Path, floor: float = 1e-6) -> str:
     """How the proxy does on near-certain tokens (ŵ_t ≤ ``floor``, π(y_t) ≈ 1): their count and the
     Spearman correlation of ŵ_t with the true norm among them alone. token_stats evaluates ŵ_t without
     the cancellation of 1 − 2π + Σπ² (which floors at ~1e-7 in float32), so they stay rankable."""
-    rows = common.read_csv(out_dir / "tokens.csv")
+    rows = reporting.read_csv(out_dir / "tokens.csv")
     low = [r for r in rows if r["proxy"] <= floor]
     if len(low) < 3:
         return ""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from creditrl.experiments import common
+from creditrl import reporting
 
 PANELS = (  # (metric, x axis) of the report figure
     ("reward_mean", "step"), ("reward_mean", "tokens_total"), ("accuracy", "step"), ("accuracy", "tokens_total"),
@@ -182,7 +182,7 @@ def final_rows(runs: dict[str, list[Path]], tail: float = 0.1) -> list[dict]:
 def mean_std_table(rows: list[dict], columns: list[str]) -> str:
     """Markdown table of ``mean ± std`` over seeds, one line per run."""
     table = []
-    for name, members in common.group_rows(rows, "run").items():
+    for name, members in reporting.group_rows(rows, "run").items():
         entry = {"run": name, "seeds": len(members)}
         for c in columns:
             vals = torch.tensor([float(m[c]) for m in members if isinstance(m.get(c), (int, float))], dtype=torch.float64)
@@ -193,13 +193,13 @@ def mean_std_table(rows: list[dict], columns: list[str]) -> str:
                 std = float(vals.std()) if vals.numel() > 1 else 0.0
                 entry[c] = f"{float(vals.mean()):.3g} ± {std:.2g}"
         table.append(entry)
-    return common.markdown_table(table, ["run", "seeds", *columns])
+    return reporting.markdown_table(table, ["run", "seeds", *columns])
 
 
 def plot_panels(runs: dict[str, list[Path]], panels, path: Path, window: int, ncols: int = 4) -> Path:
     """Mean over seeds (line) with a ±1 std band, one panel per (metric, x axis)."""
     nrows = math.ceil(len(panels) / ncols)
-    fig, axes = common.figure(min(ncols, len(panels)), nrows, width=3.6, height=2.8)
+    fig, axes = reporting.figure(min(ncols, len(panels)), nrows, width=3.6, height=2.8)
     for ax, (metric, x) in zip(axes, panels):
         for name, dirs in runs.items():
             xs, ys = seed_curves(dirs, metric, x)
@@ -215,7 +215,7 @@ def plot_panels(runs: dict[str, list[Path]], panels, path: Path, window: int, nc
     for ax in axes[len(panels):]:
         ax.axis("off")
     axes[0].legend(fontsize=7)
-    return common.save_figure(fig, path)
+    return reporting.save_figure(fig, path)
 
 
 def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None = None,
@@ -225,8 +225,8 @@ def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None =
     steps = max(len(read_jsonl(d / "metrics.jsonl")) for dirs in runs.values() for d in dirs)
     window = window if window is not None else max(1, steps // 20)
     final = final_rows(runs)
-    common.write_csv(out / "final.csv", final)
-    common.write_csv(out / "curves.csv", curves_rows(runs, FINAL_TRAIN, window))
+    reporting.write_csv(out / "final.csv", final)
+    reporting.write_csv(out / "curves.csv", curves_rows(runs, FINAL_TRAIN, window))
     plot_panels(runs, panels, out / "compare.png", window)
     eval_cols = [c for c in final[0] if c.startswith(("start_greedy", "greedy", "sampled", "pass@"))]
     lines = [f"# {title}\n", f"Runs: {', '.join(f'{k} ({len(v)} seeds)' for k, v in runs.items())}. "

@@ -1,4 +1,5 @@
-"""Shared helpers of the experiments: CSV in/out, figures, Markdown tables, bootstrap CIs.
+"""Report helpers shared by ``creditrl compare`` and the experiments: CSV/JSON in and out,
+figures, Markdown tables, bootstrap CIs (one lower module both import).
 
 Every experiment writes its numbers to CSV first and builds its figure and its Markdown
 section from those CSVs, so ``docs/results.md`` is always regenerated from data, never typed.
@@ -14,7 +15,6 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from creditrl._runtime import torch_threads  # noqa: F401
 
 Row = dict[str, object]
 
