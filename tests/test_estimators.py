@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from creditrl import compute_advantages, list_estimators, register_estimator
 from creditrl.estimators.steps import StepIndex, discounted_suffix_sum
 
-ALL = ("dr_grpo", "grpo", "maxk_bon", "maxpo", "ogb", "opo", "otb", "otb_isolated", "passk_chen", "pkpo",
+ALL = ("dr_grpo", "ei", "grpo", "maxk_bon", "maxpo", "ogb", "opo", "otb", "otb_isolated", "passk_chen", "pkpo",
        "reinforce", "rloo")
 CENTRED = ("dr_grpo", "grpo", "rloo", "opo", "ogb", "otb", "otb_isolated")
 
@@ -162,14 +162,14 @@ def test_degenerate_inputs_are_finite_and_documented():
     batch = make_batch(1)
     batch["mask"][:] = False                                 # every response empty
     for name in ALL:
-        opts = {"k": 1} if name in ("maxpo", "maxk_bon", "passk_chen") else {"k": 2} if name == "pkpo" else {}
+        opts = {"k": 1} if name in ("maxpo", "maxk_bon", "passk_chen") else {"k": 2} if name in ("pkpo", "ei") else {}
         if name == "passk_chen":
             batch = {**batch, "rewards": (batch["rewards"] > 0).float()}
         out = run(name, batch, **opts)
         assert torch.equal(out, torch.zeros_like(out))
     single = dict(rewards=torch.tensor([3.0]), mask=torch.ones(1, 4), group=torch.tensor([0]), energy=torch.rand(1, 4))
     for name in ALL:
-        opts = {"k": 1} if name in ("maxpo", "maxk_bon", "passk_chen") else {"k": 2} if name == "pkpo" else {}
+        opts = {"k": 1} if name in ("maxpo", "maxk_bon", "passk_chen") else {"k": 2} if name in ("pkpo", "ei") else {}
         batch = {**single, "rewards": torch.tensor([1.0])} if name == "passk_chen" else single
         want = 3.0 if name == "reinforce" else 0.0
         assert torch.equal(run(name, batch, **opts), torch.full((1, 4), want).double()), name
@@ -323,8 +323,8 @@ def test_invariances(seed, shift, scale):
     batch = sized_batch(seed)
     perm = torch.randperm(batch["group"].numel(), generator=torch.Generator().manual_seed(seed))
     relabel = {**{k: v[perm] for k, v in batch.items()}, "group": batch["group"][perm] * 13 - 4}
-    for name in CENTRED + ("maxpo", "pkpo", "maxk_bon"):
-        opts = {"k": 2} if name in ("maxpo", "pkpo", "maxk_bon") else {}
+    for name in CENTRED + ("maxpo", "pkpo", "ei", "maxk_bon"):
+        opts = {"k": 2} if name in ("maxpo", "pkpo", "ei", "maxk_bon") else {}
         base = run(name, batch, **opts)
         # batch order, permutation within groups and relabeling of ids
         assert torch.allclose(run(name, relabel, **opts), base[perm], atol=1e-5), name
@@ -332,7 +332,7 @@ def test_invariances(seed, shift, scale):
             assert torch.allclose(run(name, {**batch, "rewards": batch["rewards"] * scale}, **opts), base, atol=1e-3)
             continue
         shifted = run(name, {**batch, "rewards": batch["rewards"] + shift}, **opts)
-        if name != "pkpo":  # PKPO's EI is translation invariant too
+        if name not in ("pkpo", "ei"):  # EI is translation invariant too
             assert torch.allclose(shifted, base, atol=1e-4), name
         scaled = run(name, {**batch, "rewards": batch["rewards"] * scale}, **opts)
         assert torch.allclose(scaled, base * scale, atol=1e-4 * scale), name

@@ -19,7 +19,7 @@ import creditrl  # noqa: E402
 from creditrl.integrations import verl as plugin  # noqa: E402
 from creditrl.losses import StapoOptions, TraceOptions  # noqa: E402
 
-MAXK = {"maxpo", "pkpo", "passk_chen", "maxk_bon"}
+MAXK = {"maxpo", "ei", "pkpo", "passk_chen", "maxk_bon"}
 
 
 def verl_batch(seed=0, lengths=(5, 3, 6, 6, 2, 4, 1, 6, 6), uids=("a", "a", "a", "b", "b", "b", "c", "c", "c"),

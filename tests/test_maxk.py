@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from creditrl import compute_advantages, maxk_quantities, pass_at_k
 from creditrl.estimators.maxk import max_at_k
 
-MAXK = ("maxpo", "pkpo", "maxk_bon", "passk_chen")
+MAXK = ("maxpo", "ei", "pkpo", "maxk_bon", "passk_chen")
 
 
 # ---------------------------------------------------------------- brute-force references
@@ -165,6 +165,7 @@ def test_estimators_match_brute_force(seed):
     for k in range(1, n_min + 1):
         maxpo = advantages("maxpo", rewards, group, k=k) if k <= n_min - 1 else None
         pkpo = advantages("pkpo", rewards, group, k=k) if k >= 2 else None
+        ei = advantages("ei", rewards, group, k=k) if k >= 2 else None
         bon = advantages("maxk_bon", rewards, group, k=k)
         for idx in members(group):
             r = rewards[idx].tolist()
@@ -175,6 +176,7 @@ def test_estimators_match_brute_force(seed):
                 assert torch.allclose(maxpo[idx], torch.tensor(want).double(), atol=1e-6)
             if pkpo is not None:
                 assert torch.allclose(pkpo[idx], torch.tensor([k / n * e for e in ref["ei"]]).double(), atol=1e-6)
+                assert torch.allclose(ei[idx], torch.tensor(ref["ei"]).double(), atol=1e-6)   # raw EI (MaxPO §3.2)
             s = [k / n * m for m in ref["mu"]]
             mean = sum(s) / n
             std = math.sqrt(sum((x - mean) ** 2 for x in s) / (n - 1))

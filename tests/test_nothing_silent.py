@@ -446,7 +446,7 @@ def test_empty_batches_give_defined_results(shape):
     b, t = shape
     mask, group = torch.ones(b, t), torch.zeros(b, dtype=torch.long)
     for name in list_estimators():
-        options = {"k": 2} if name in ("maxpo", "pkpo", "passk_chen", "maxk_bon") else {}
+        options = {"k": 2} if name in ("maxpo", "ei", "pkpo", "passk_chen", "maxk_bon") else {}
         adv = compute_advantages(name, rewards=torch.ones(b), mask=mask, group=group, energy=torch.ones(b, t),
                                  **options)
         assert adv.shape == shape and adv.dtype == torch.float32

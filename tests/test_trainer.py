@@ -65,7 +65,7 @@ def one_step(setup, overrides):
 
 
 def estimator_overrides(name):
-    return {"maxpo": ["algorithm.k=2"], "pkpo": ["algorithm.k=2"], "maxk_bon": ["algorithm.k=2"],
+    return {"maxpo": ["algorithm.k=2"], "pkpo": ["algorithm.k=2"], "ei": ["algorithm.k=2"], "maxk_bon": ["algorithm.k=2"],
             "passk_chen": ["algorithm.k=2"]}.get(name, [])
 
 

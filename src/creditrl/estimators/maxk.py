@@ -233,6 +233,18 @@ def maxpo(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float 
     return _finish(_maxk_stats(batch.rewards, batch.groups, k).advantage, batch, normalize, eps)
 
 
+@register_estimator("ei")
+def ei(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float = 1e-6) -> Tensor:
+    """MaxPO's "EI-only" estimator (MaxPO §3.2, App. C): A_i = EI_i, raw, [B].
+
+    Unbiased for the max@K gradient at the same scale as ``maxpo`` (which subtracts the L2O
+    baseline, MaxPO eq. 6/11); ``pkpo`` is (K/N)·EI. Non-negative, not centred. 2 <= K <= N.
+    ``normalize="std"`` as in ``maxpo``. Singletons: 0.
+    """
+    check_k_range("ei", batch.groups, _check_k("k", k), 2, 0)
+    return _finish(_maxk_stats(batch.rewards, batch.groups, k).ei, batch, normalize, eps)
+
+
 @register_estimator("pkpo")
 def pkpo(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float = 1e-6) -> Tensor:
     """PKPO ``sloo_minus_one`` (Walder & Karkhanis 2025): (K/N) EI_i = max@K - max@(K-1), [B].
