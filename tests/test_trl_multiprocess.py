@@ -1,4 +1,8 @@
-"""CreditGRPOTrainer in two processes (``accelerate launch --num_processes 2 --cpu``, gloo).
+"""CreditGRPOTrainer in two processes on the CPU (gloo), launched with accelerate.
+
+accelerate 1.15's ``launch --cpu --num_processes 2`` starts a single process (its simple
+launcher); two CPU processes come from ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu
+--num_processes 2`` (torchrun underneath, gloo because of ACCELERATE_USE_CPU) — docs/trl.md.
 
 For ``otb`` and ``maxpo``: every generation batch's advantages, concatenated over the two
 processes, equal ``compute_advantages`` run once (single process) on the same gathered
@@ -37,9 +41,11 @@ def model_dir(tmp_path_factory):
 
 def launch(model_dir: Path, out: Path, estimator: str) -> list[dict]:
     accelerate = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [accelerate, "launch", "--num_processes", "2", "--cpu", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", str(SCRIPT), str(model_dir), str(out), estimator]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "ACCELERATE_USE_CPU": "true"}
+    port = str(29500 + os.getpid() % 1000)
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+           "no", "--dynamo_backend", "no", "--main_process_port", port, str(SCRIPT), str(model_dir), str(out),
+           estimator]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -1,4 +1,5 @@
-"""Run by tests/test_trl_multiprocess.py under ``accelerate launch --num_processes 2 --cpu``.
+"""Run by tests/test_trl_multiprocess.py in two CPU processes (accelerate, gloo). Each group of
+4 completions spans both processes (2 per process), so rewards, masks and energies must be gathered.
 
     python trl_two_process.py MODEL_DIR OUT_DIR ESTIMATOR
 
@@ -30,7 +31,7 @@ def main(model_dir: str, out_dir: str, estimator: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     dataset = Dataset.from_dict({"prompt": ["ab", "cd", "12", "ef", "34", "gh", "a1", "b2"] * 2})
     args = CreditGRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
+        output_dir=out_dir, per_device_train_batch_size=NUM_GENERATIONS // 2, num_generations=NUM_GENERATIONS,
         max_completion_length=8, max_steps=2, learning_rate=5e-2, logging_steps=1, report_to="none",
         use_cpu=True, bf16=False, save_strategy="no", seed=0, temperature=1.0, advantage_estimator=estimator,
         maxk_k=2 if estimator == "maxpo" else None, log_energy_metrics=True)
