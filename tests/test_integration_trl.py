@@ -52,15 +52,22 @@ def run_trainer(model_dir, tmp_path, monkeypatch, **options):
                                 processing_class=tokenizer)
     records = {"rollouts": [], "loss_inputs": []}
     generate, compute_loss = trainer._generate_and_score_completions, trainer._compute_loss
+    pending = []
 
     def recording_generate(inputs):
         output = generate(inputs)
-        records["rollouts"].append((dict(trainer.last_rollout), reference_energy(trainer, output)))
+        pending.append(reference_energy(trainer, output))
         return output
 
     def recording_loss(model, inputs):
-        records["loss_inputs"].append(inputs["advantages"].detach().clone())
-        return compute_loss(model, inputs)
+        loss = compute_loss(model, inputs)
+        # the advantages the loss used: computed at rollout time, or in this loss forward when
+        # the energy comes from it (then TRL's inputs hold a placeholder)
+        used = trainer.last_rollout["advantages"] if "creditrl_group" in inputs else inputs["advantages"]
+        records["loss_inputs"].append(used.detach().clone())
+        if pending:
+            records["rollouts"].append((dict(trainer.last_rollout), pending.pop(0)))
+        return loss
 
     monkeypatch.setattr(trainer, "_generate_and_score_completions", recording_generate)
     monkeypatch.setattr(trainer, "_compute_loss", recording_loss)
@@ -114,6 +121,22 @@ def test_two_steps(case, model_dir, tmp_path, monkeypatch):
         assert "creditrl/power_proxy" in logged
     if case == "stapo":
         assert "creditrl/spurious_ratio" in logged
+
+
+@pytest.mark.slow
+def test_energy_reuses_trls_old_logps_forward(model_dir, tmp_path, monkeypatch):
+    """When TRL runs its own old-log-prob forward (here: steps_per_generation=2 with one
+    gradient-accumulation step), the energy comes from that forward's fused log Σπ²: no extra
+    forward, and the same energy as token_stats on the plain logits."""
+    def no_extra_forward(self, output, batch_size):
+        raise AssertionError("CreditGRPOTrainer ran its own energy forward although TRL ran one")
+
+    monkeypatch.setattr(CreditGRPOTrainer, "_rollout_energy", no_extra_forward)
+    trainer, records, changed = run_trainer(model_dir, tmp_path, monkeypatch, advantage_estimator="otb",
+                                            steps_per_generation=2, gradient_accumulation_steps=1)
+    assert changed and records["rollouts"]
+    for rollout, ref_energy in records["rollouts"]:
+        torch.testing.assert_close(rollout["energy"], ref_energy, atol=1e-5, rtol=1e-5)
 
 
 def test_config_rejects_bad_options(tmp_path):

@@ -38,19 +38,19 @@ def main(model_dir: str, out_dir: str, estimator: str) -> None:
     trainer = CreditGRPOTrainer(model=model, reward_funcs=count_digits, args=args, train_dataset=dataset,
                                 processing_class=tokenizer)
     rollouts, local_metrics = [], []
-    generate, log = trainer._generate_and_score_completions, trainer._log_creditrl
+    compute_loss, log = trainer._compute_loss, trainer._log_creditrl
 
-    def recording_generate(inputs):
-        output = generate(inputs)
+    def recording_loss(model, inputs):  # one loss call per generation (steps_per_generation=1);
+        loss = compute_loss(model, inputs)  # last_rollout is complete after it (otb: set in the loss)
         rollouts.append({k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                          for k, v in trainer.last_rollout.items()})
-        return output
+        return loss
 
     def recording_log(mode, metrics):
         local_metrics.append((mode, dict(metrics)))
         return log(mode, metrics)
 
-    trainer._generate_and_score_completions = recording_generate
+    trainer._compute_loss = recording_loss
     trainer._log_creditrl = recording_log
     trainer.train()
     torch.save({"rank": state.process_index, "world": state.num_processes, "rollouts": rollouts,

@@ -5,9 +5,13 @@
 1. Rollout (``_generate_and_score_completions``): TRL's advantages are replaced by
    ``creditrl.compute_advantages(advantage_estimator, rewards, mask, group)`` [B,T], with TRL's
    prompt groups (``num_generations`` consecutive completions) and the weighted reward sum.
-   Estimators that need the energy w_t (otb, otb_isolated, ogb) get it from one no-grad forward
-   through TRL's fused LM head, which returns log pi(y_t), the entropy and log sum_v pi_v^2 in the
-   same tiled pass (no [B,T,V] logits at all): w_t = 1 - 2 pi(y_t) + sum pi^2 (OTB eq. 7).
+   Estimators that need the energy w_t (otb, otb_isolated, ogb) get it from TRL's fused LM head,
+   which returns log pi(y_t), the entropy and log sum_v pi_v^2 in one tiled pass (no [B,T,V]
+   logits at all): w_t = 1 - 2 pi(y_t) + sum pi^2 (OTB eq. 7). No forward is added where TRL
+   runs one: from its ``old_per_token_logps`` forward when it runs one; else, when the batch is
+   trained on in one loss forward per process with the weights that sampled it
+   (``steps_per_generation=1``, TRL's default), from that loss forward — the advantages are then
+   computed there (gathered over processes). Otherwise one extra fused no-grad forward.
 2. Loss (``_compute_loss``): one forward for log-probs and entropies (as TRL), then
    ``creditrl.policy_loss`` with the clip, KL, STAPO keep-mask (renormalised), GRPO-λ trace and
    rollout-correction options; TRL's own loss code is not used.
@@ -183,12 +187,30 @@ class CreditGRPOTrainer(GRPOTrainer):
                 **{k: output[k] for k in MULTIMODAL_KEYS if k in output})
         return energy_from_logp(logp, torch.cat(chunks, dim=0)[:, -steps:].exp())
 
+    @staticmethod
+    def _energy_from_old_logps(output: dict, chunks: list[Tensor]) -> Tensor | None:
+        """Energy from TRL's own ``old_per_token_logps`` forward (the first policy forward of a
+        generation, under the rollout policy), whose fused head also returned log Σπ²; None when
+        TRL ran no such forward (then ``_rollout_energy`` runs one)."""
+        old = output.get("old_per_token_logps")
+        if old is None:
+            return None
+        taken, rows = [], 0
+        for chunk in chunks:
+            if rows >= old.shape[0]:
+                break
+            taken.append(chunk)
+            rows += chunk.shape[0]
+        if rows != old.shape[0]:
+            return None
+        return energy_from_logp(old, torch.cat(taken, dim=0)[:, -old.shape[1]:].exp())
+
     def _gather_rows(self, x: Tensor) -> Tensor:
         """[B_local, T_local] of every process -> [B_all, T_max] (zero-padded on the right)."""
         return self.accelerator.gather(self.accelerator.pad_across_processes(x, dim=1, pad_index=0))
 
     def _generate_and_score_completions(self, inputs):
-        with self._capturing_rewards() as captured:
+        with self._capturing_rewards() as captured, self._capture_log_sum_p2() as sum_p2_chunks:
             output = super()._generate_and_score_completions(inputs)
         if len(captured) != 1:
             raise RuntimeError(f"CreditGRPOTrainer: expected TRL to compute rewards once per generation, got "
@@ -198,30 +220,50 @@ class CreditGRPOTrainer(GRPOTrainer):
         mask = output["completion_mask"] if "tool_mask" not in output else output["completion_mask"] * output["tool_mask"]
         mask = mask.bool()
         local_rows, steps = mask.shape
-        energy = None
-        if self.wants_energy:
-            batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
-            energy = torch.where(mask, self._rollout_energy(output, batch_size), 0.0)
 
-        rewards_per_func = captured[0]
+        rewards_per_func = captured[0]                   # [all processes' completions, reward funcs]
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)[None]).nansum(dim=1)
         group = torch.arange(rewards.numel(), device=rewards.device) // group_size
-        all_mask = self._gather_rows(mask.int()).bool()
-        unscorable = torch.isnan(rewards_per_func).all(dim=1)
-        if bool(unscorable.any()):  # every reward func returned None: group-mean reward, advantage 0
+        scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        if not bool(scorable.all()):  # every reward func returned None: group-mean reward, advantage 0
             groups = GroupIndex.from_ids(group)
-            scored = (~unscorable).float()
+            scored = scorable.float()
             mean = groups.gather(groups.sum(rewards * scored) / groups.sum(scored).clamp(min=1))
-            rewards = torch.where(unscorable, mean, rewards)
-            all_mask = all_mask & ~unscorable[:, None]
+            rewards = torch.where(scorable, rewards, mean)
+
+        energy = None
+        if self.wants_energy:
+            energy = self._energy_from_old_logps(output, sum_p2_chunks)
+            if energy is None and mode == "train" and self.args.steps_per_generation == 1:
+                # TRL trains on this batch with the weights that sampled it, in one loss forward per
+                # process: that forward's fused head gives the energy, so advantages wait for it
+                start = self.accelerator.process_index * local_rows
+                rows = slice(start, start + local_rows)
+                output.update(creditrl_rewards=rewards[rows], creditrl_group=group[rows],
+                              creditrl_scorable=scorable[rows].long(),
+                              advantages=torch.zeros(local_rows, steps, device=mask.device))
+                return output
+            if energy is None:  # no forward of TRL's to reuse: one fused no-grad pass
+                batch_size = (self.args.per_device_train_batch_size if mode == "train"
+                              else self.args.per_device_eval_batch_size)
+                energy = self._rollout_energy(output, batch_size)
+            energy = torch.where(mask, energy, 0.0)
+        output["advantages"] = self._advantages(mode, rewards, group, scorable, mask, energy)
+        return output
+
+    def _advantages(self, mode: str, rewards: Tensor, group: Tensor, scorable: Tensor, mask: Tensor,
+                    energy: Tensor | None) -> Tensor:
+        """creditrl's advantages of this process's rows [B_local, T]: rewards, group, scorable are
+        [B_all] for every process in process order; mask, energy are this process's [B_local, T]
+        (gathered here, zero-padded to the longest completion). Logs the rollout metrics."""
+        local_rows, steps = mask.shape
+        all_mask = self._gather_rows(mask.int()).bool() & scorable.bool()[:, None]
         all_energy = None if energy is None else self._gather_rows(energy)
         estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
         advantages = compute_advantages(self.estimator, rewards=rewards, mask=all_mask, group=group,
                                         energy=estimator_energy, **self.estimator_kwargs)
         start = self.accelerator.process_index * local_rows
         advantages = advantages[start:start + local_rows, :steps]
-        output["advantages"] = advantages
-
         metrics = {"advantage_abs_mean": advantages[mask].abs().mean() if mask.any() else advantages.new_zeros(())}
         if energy is not None:
             metrics["energy_mean"] = energy[mask].mean() if mask.any() else energy.new_zeros(())
@@ -229,7 +271,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         self._log_creditrl(mode, {k: float(v) for k, v in metrics.items()})
         self.last_rollout = {"rewards": rewards, "group": group, "mask": mask, "energy": energy,
                              "advantages": advantages, "estimator_mask": all_mask}
-        return output
+        return advantages
 
     # ------------------------------------------------------------------ loss
     def _compute_loss(self, model, inputs):
@@ -237,11 +279,22 @@ class CreditGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        logp, entropy, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in MULTIMODAL_KEYS})
+        deferred = "creditrl_group" in inputs       # advantages wait for this forward's energy
+        with self._capture_log_sum_p2() as sum_p2_chunks:
+            logp, entropy, aux_loss = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True,
+                compute_aux_loss=self.aux_loss_enabled, **{k: inputs.get(k) for k in MULTIMODAL_KEYS})
         old_logp = inputs.get("old_per_token_logps")
         advantages = inputs["advantages"]
+        if deferred:
+            with torch.no_grad():
+                steps = completion_ids.size(1)
+                log_sum_p2 = torch.cat(sum_p2_chunks, dim=0)[:, -steps:]
+                energy = torch.where(mask.bool(), energy_from_logp(logp, log_sum_p2.exp()), 0.0)
+                gather = self.accelerator.gather
+                advantages = self._advantages(
+                    "train", gather(inputs["creditrl_rewards"]), gather(inputs["creditrl_group"]),
+                    gather(inputs["creditrl_scorable"]), mask.bool(), energy)
         if "importance_sampling_ratio" in inputs:  # TRL's vLLM correction: w >= 0 factors out of the clip
             advantages = advantages * inputs["importance_sampling_ratio"]
         loss, metrics = policy_loss(
