@@ -258,15 +258,18 @@ def test_block_gradients_match_per_response_loop(tiny_rollouts):
             assert torch.allclose(got[e, g].double(), total.double(), atol=1e-5, rtol=1e-4), cfg.estimators[e]
 
 
-def test_maxpo_is_scaled_to_pkpo(tiny_rollouts):
+def test_maxk_rows_keep_their_definitions_scale(tiny_rollouts):
+    """MaxPO is compared with the paper's raw EI at scale 1; pkpo keeps PKPO's (K/N)·EI."""
     from creditrl import compute_advantages
     from creditrl.experiments import grad_variance as gv
 
     model, params, batch = tiny_rollouts
     mask = batch.response_mask[:, batch.prompt_len:] > 0
-    adv = gv.estimator_advantages(batch, torch.zeros(mask.shape), mask, ("maxpo",), 2)[0]
-    raw = compute_advantages("maxpo", rewards=batch.rewards, mask=mask, group=batch.group, k=2)
-    assert torch.allclose(adv, raw * 2 / 3)
+    maxpo, ei, pkpo = gv.estimator_advantages(batch, torch.zeros(mask.shape), mask, ("maxpo", "ei", "pkpo"), 2)
+    assert torch.allclose(maxpo, compute_advantages("maxpo", rewards=batch.rewards, mask=mask, group=batch.group, k=2))
+    sizes = torch.bincount(batch.group)[batch.group][:, None]
+    assert torch.allclose(pkpo, ei * 2 / sizes)
+    assert set(gv.MAXK_SCALING) == set(gv.MAXK_ESTIMATORS)
 
 
 @settings(max_examples=25, deadline=None)
