@@ -449,3 +449,13 @@ def test_group_index_any_layout_matches_loops(sizes, block, seed):
         members = group == group[b]
         want = weights[members].T @ x[members]
         torch.testing.assert_close(sums[idx.dense[b]], want)
+
+
+def test_negative_zero_in_a_float_mask_is_zero():
+    """-0.0 (e.g. from mask * negative) is 0: its int32 bit pattern is negative, so the fast
+    bit-pattern range check hands it to the float path, which accepts it."""
+    from creditrl._validate import check_mask
+    mask = torch.tensor([[1.0, -0.0, 1.0], [0.0, 1.0, -0.0]])
+    assert check_mask("mask", mask) is mask
+    out = compute_advantages("dr_grpo", rewards=torch.tensor([1.0, 0.0]), mask=mask, group=torch.zeros(2, dtype=torch.long))
+    assert out.tolist() == [[0.5, 0.0, 0.5], [0.0, -0.5, 0.0]]
