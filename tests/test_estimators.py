@@ -459,3 +459,20 @@ def test_negative_zero_in_a_float_mask_is_zero():
     assert check_mask("mask", mask) is mask
     out = compute_advantages("dr_grpo", rewards=torch.tensor([1.0, 0.0]), mask=mask, group=torch.zeros(2, dtype=torch.long))
     assert out.tolist() == [[0.5, 0.0, 0.5], [0.0, -0.5, 0.0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), steps=st.sampled_from([1, 2, 7, 300, 4097]), seed=st.integers(0, 10_000),
+       holes=st.booleans())
+def test_right_padding_detection_matches_shifted_comparison(rows, steps, seed, holes):
+    """The matmul test (sum of positions == L(L-1)/2) agrees with 'the mask never rises'."""
+    from creditrl.estimators.steps import _right_padded
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, steps + 1, (rows,), generator=g)
+    mask = torch.arange(steps)[None, :] < lengths[:, None]
+    if holes and steps > 1:
+        b, t = int(torch.randint(rows, (1,), generator=g)), int(torch.randint(steps, (1,), generator=g))
+        mask[b, t] = ~mask[b, t]
+    valid = mask.float()
+    expected = not bool((mask[:, 1:] & ~mask[:, :-1]).any())
+    assert _right_padded(valid, valid.sum(1).long()) == expected

@@ -73,7 +73,7 @@ class AdvantageBatch:
 
     @cached_property
     def steps(self) -> StepIndex:
-        return StepIndex.from_mask(self.mask, self.valid, self.lengths)
+        return StepIndex.from_mask(self.given_mask, self.valid, self.lengths)
 
     def broadcast(self, per_row: Tensor) -> Tensor:
         """[B] float32 -> [B,T] float32: the value on each row's valid tokens, exactly 0 elsewhere

@@ -44,15 +44,14 @@ class StepIndex:
 
     @classmethod
     def from_mask(cls, mask: Tensor, valid: Tensor | None = None, lengths: Tensor | None = None) -> "StepIndex":
-        """``mask`` [B,T] bool; ``valid`` (its float32 copy) and ``lengths`` when already at hand."""
-        mask = mask.bool()
+        """``mask`` [B,T] (bool or 0/1); ``valid`` (its float32 copy) and ``lengths`` when at hand."""
         num, steps_t = mask.shape
         valid = mask.to(torch.float32) if valid is None else valid
         lengths = valid.sum(1).long() if lengths is None else lengths
-        # right-padded <=> the mask never rises along t (one comparison of shifted views)
-        if mask.numel() == 0 or not bool((mask[:, 1:] > mask[:, :-1]).any()):
+        if mask.numel() == 0 or _right_padded(valid, lengths):
             return cls(pos=None, valid=valid, token_valid=valid, lengths=lengths,
                        last_token=(lengths - 1).clamp(min=0), num_steps=steps_t, num_tokens=steps_t)
+        mask = mask.bool()
         num_steps = int(lengths.max())
         pos = mask.cumsum(1).sub_(1).masked_fill_(~mask, num_steps)
         last = (steps_t - 1 - mask.flip(1).to(torch.uint8).argmax(1)) * (lengths > 0)
@@ -91,6 +90,23 @@ class StepIndex:
         if self.pos is None:
             return xc
         return torch.nn.functional.pad(xc, (0, 1)).gather(1, self.pos)
+
+
+def _right_padded(valid: Tensor, lengths: Tensor) -> bool:
+    """Whether every row's valid tokens are its first ``lengths`` ones, in one matmul pass.
+
+    The positions of L valid tokens sum to at least 0+1+...+(L-1), with equality only for the
+    prefix {0..L-1}. Positions are split as t = base·h + l so both float32 sums stay exact
+    integers (< 2^24) for T <= 65536; longer rows compare shifted views instead."""
+    steps_t = valid.shape[1]
+    if steps_t > 65536:
+        return not bool((valid[:, 1:] > valid[:, :-1]).any())
+    base = max(1, math.isqrt(steps_t - 1) + 1)
+    t = torch.arange(steps_t, device=valid.device)
+    parts = torch.stack([(t // base).to(valid.dtype), (t % base).to(valid.dtype)], dim=1)   # [T, 2]
+    high, low = (valid @ parts).double().unbind(1)
+    want = lengths.double() * (lengths.double() - 1) / 2
+    return bool((high * base + low == want).all())
 
 
 def discounted_suffix_sum(x: Tensor, gamma: float) -> Tensor:

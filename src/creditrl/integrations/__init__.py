@@ -8,6 +8,7 @@ Neither is imported by ``import creditrl``; each imports its framework.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -15,4 +16,5 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     """Per-token energy w_t = ||e_y - pi_t||^2 = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 (OTB eq. 7), float32,
     clamped >= 0 like ``creditrl.token_stats``; from frameworks that give log pi(y_t) and sum pi^2."""
     # one allocation, then in place: large [B,T] allocations dominate the cost on a CPU
-    return logp.detach().float().exp().mul_(-2.0).add_(1.0).add_(sum_p2.detach().float()).clamp_(min=0.0)
+    energy = logp.detach().float().exp()
+    return torch.add(sum_p2.detach().float(), energy, alpha=-2.0, out=energy).add_(1.0).clamp_(min=0.0)
