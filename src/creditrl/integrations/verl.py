@@ -92,9 +92,14 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                             group=group_ids(index, response_mask.shape[0], response_mask.device), energy=energy,
                             is_weights=rollout_is_weights if energy is not None else None, gamma=gamma)
             advantages = estimate(name, batch, **options)
-        # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
-        # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)
-        return advantages, batch.returns if get_estimator(name).masked_output else advantages
+            # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
+            # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)
+            if not get_estimator(name).masked_output:
+                return advantages, advantages
+            if energy is not None and batch.constant_returns and "returns" not in batch.__dict__:
+                # R on every valid token, written into this wrapper's own energy buffer, dead by now
+                return advantages, torch.mul(batch.rewards[:, None], batch.valid, out=energy)
+            return advantages, batch.returns
 
     estimator.__name__ = estimator.__qualname__ = f"compute_{PREFIX}{name}_advantage"
     estimator.__doc__ = f"creditrl estimator {name!r} ({get_estimator(name).doc}) in verl's calling convention."
