@@ -211,9 +211,9 @@ def test_step_index_compacts_valid_tokens():
     mask = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
     steps = StepIndex.from_mask(mask)
     x = torch.arange(15.0).reshape(3, 5)
-    assert steps.compact(x).tolist() == [[1, 2, 4], [5, 0, 0], [0, 0, 0]]
+    assert steps.compact(x).tolist() == [[1, 2, 4, 0], [5, 0, 0, 0], [0, 0, 0, 0]]   # + the dump column
     assert torch.equal(steps.expand(steps.compact(x)), x * mask)
-    assert steps.live().tolist() == [[True] * 3, [True, False, False], [False] * 3]
+    assert steps.live().tolist() == [[True] * 3 + [False], [True, False, False, False], [False] * 4]
     prefix = StepIndex.from_mask(torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool))
     assert prefix.pos is None                                   # right-padded: its own compacted view (L = T)
     y = torch.arange(10.0).reshape(2, 5)
@@ -221,7 +221,7 @@ def test_step_index_compacts_valid_tokens():
     assert prefix.expand(prefix.compact(y)).tolist() == [[0, 1, 0, 0, 0], [5, 0, 0, 0, 0]]
     # rewards on masked tokens move to the nearest preceding valid step (the first if none precedes)
     r = torch.tensor([[1.0, 2, 4, 8, 16], [1, 2, 4, 8, 16], [1, 2, 4, 8, 16]])
-    assert steps.compact_rewards(r, r.sum(1)).tolist() == [[3, 12, 16], [31, 0, 0], [0, 0, 0]]
+    assert steps.compact_rewards(r, r.sum(1)).tolist() == [[3, 12, 16, 0], [31, 0, 0, 0], [0, 0, 0, 0]]
     assert prefix.compact_rewards(r[:2], r[:2].sum(1)).tolist() == [[1, 30, 0, 0, 0], [31, 0, 0, 0, 0]]
 
 

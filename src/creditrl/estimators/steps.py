@@ -22,10 +22,12 @@ _MIN_BLOCK_DISCOUNT = 1e-150
 class StepIndex:
     """The compacted [B, L] view of a batch's valid tokens.
 
-    pos[b,t]:    compacted column of token t (L for masked tokens); None for right-padded masks,
-                 whose valid tokens are already first: then the view is the batch itself (L = T,
-                 no copy, no scatter/gather).
-    valid:       [B, L] float32 1/0: step t exists for response b (t < its length).
+    pos[b,t]:    compacted column of token t; masked tokens go to a last, always-zero "dump"
+                 column, so the compacted width is L = longest response + 1 and ``expand`` is a
+                 single gather. None for right-padded masks, whose valid tokens are already
+                 first: then the view is the batch itself (L = T, no copy, no scatter/gather).
+    valid:       [B, L] float32 1/0: step t exists for response b (t < its length; 0 in the
+                 dump column).
     token_valid: [B, T] float32 1/0, the mask.
     lengths:     [B] int64 valid tokens per response.
     last_token:  [B] int64 column of each response's last valid token (0 for empty responses).
@@ -52,9 +54,10 @@ class StepIndex:
             return cls(pos=None, valid=valid, token_valid=valid, lengths=lengths,
                        last_token=(lengths - 1).clamp(min=0), num_steps=steps_t, num_tokens=steps_t)
         mask = mask.bool()
-        num_steps = int(lengths.max())
-        pos = mask.cumsum(1).sub_(1).masked_fill_(~mask, num_steps)
+        dump = int(lengths.max())                                    # the dump column's index
+        pos = mask.cumsum(1).sub_(1).masked_fill_(~mask, dump)
         last = (steps_t - 1 - mask.flip(1).to(torch.uint8).argmax(1)) * (lengths > 0)
+        num_steps = dump + 1
         live = torch.arange(num_steps, device=mask.device)[None, :] < lengths[:, None]
         return cls(pos=pos, valid=live.to(torch.float32), token_valid=valid, lengths=lengths, last_token=last,
                    num_steps=num_steps, num_tokens=steps_t)
@@ -68,8 +71,9 @@ class StepIndex:
         ``masked=True`` promises ``x`` is already 0 on masked tokens (right padding: no copy)."""
         if self.pos is None:
             return x if masked else x * self.valid.to(x.dtype)
-        out = x.new_zeros(x.shape[0], self.num_steps + 1)
-        return out.scatter_(1, self.pos, x)[:, : self.num_steps]
+        out = x.new_zeros(x.shape[0], self.num_steps).scatter_(1, self.pos, x)
+        out[:, -1] = 0.0                                             # the dump column
+        return out
 
     def compact_rewards(self, rewards: Tensor, totals: Tensor) -> Tensor:
         """[B, T] token rewards -> [B, L], each reward moved to its row's nearest preceding valid
@@ -81,15 +85,16 @@ class StepIndex:
             moved = rewards * self.valid
             rest = totals - moved.sum(1)
             return moved.scatter_add_(1, self.last_token[:, None], (rest * (self.lengths > 0))[:, None])
-        target = (self.pos < self.num_steps).cumsum(1).sub_(1).clamp_(min=0)   # preceding valid step
-        out = rewards.new_zeros(rewards.shape[0], self.num_steps + 1)
-        return out.scatter_add_(1, target, rewards)[:, : self.num_steps].mul_(self.valid)
+        target = (self.pos < self.num_steps - 1).cumsum(1).sub_(1).clamp_(min=0)   # preceding valid step
+        out = rewards.new_zeros(rewards.shape[0], self.num_steps)
+        return out.scatter_add_(1, target, rewards).mul_(self.valid)
 
     def expand(self, xc: Tensor) -> Tensor:
-        """[B, L] -> [B, T]: inverse of ``compact``; 0 at masked tokens (``xc`` is 0 past lengths)."""
+        """[B, L] -> [B, T]: inverse of ``compact``; 0 at masked tokens (``xc`` is 0 past lengths,
+        dump column included, as every product with ``valid`` is)."""
         if self.pos is None:
             return xc
-        return torch.nn.functional.pad(xc, (0, 1)).gather(1, self.pos)
+        return xc.gather(1, self.pos)                                # masked tokens read the zero dump column
 
 
 def _right_padded(valid: Tensor, lengths: Tensor) -> bool:
