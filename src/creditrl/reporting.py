@@ -143,6 +143,14 @@ def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
     return float((lx * (ly - ly.mean())).sum() / (lx * lx).sum())
 
 
+OUTCOMES = ("reproduces", "partly", "does not reproduce", "inconclusive")
+
+
 def verdict_line(claim: str, outcome: str, why: str) -> str:
-    """One Markdown line: the claim, 'reproduces' / 'partly' / 'does not reproduce', and why."""
+    """One Markdown line: the claim, its outcome (one of ``OUTCOMES``), and why.
+
+    'inconclusive': the setting did not produce the condition the claim is about, or the
+    interval covers both outcomes — never counted as agreement or as contradiction."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome: expected one of {OUTCOMES}, got {outcome!r}")
     return f"**{claim}: {outcome}.** {why}\n"

@@ -238,10 +238,22 @@ def _ratio(rows, N, name):
     return next((r for r in rows if r["group_size"] == N and r["estimator"] == name), None)
 
 
+def _isolated_note(rows, Ns) -> str:
+    """Contrary evidence stated plainly: where the isolated energy (eq. 52) beats the cumulative one."""
+    if not _ratio(rows, Ns[0], "otb_isolated"):
+        return ""
+    better = [N for N in Ns if _ratio(rows, N, "otb_isolated")["variance"] < _ratio(rows, N, "otb")["variance"]]
+    if not better:
+        return " `otb_isolated` is not below `otb` at any N."
+    return (" Against the paper's App. C.7/F.5 argument for cumulative energy, `otb_isolated` has lower variance "
+            "than `otb` at N = " + ", ".join(str(N) for N in better) + ".")
+
+
 def verdicts(rows: list[reporting.Row]) -> list[tuple[str, str, str]]:
     Ns = sorted({r["group_size"] for r in rows})
     out = []
-    rivals = [n for n in ("grpo", "rloo", "ogb") if _ratio(rows, Ns[0], n)]
+    # like-for-like rivals: baselines that keep the reward's scale (grpo's σ-division changes it)
+    rivals = [n for n in ("dr_grpo", "rloo", "ogb") if _ratio(rows, Ns[0], n)]
     if _ratio(rows, Ns[0], "otb"):
         wins = [(N, n) for N in Ns for n in rivals if _ratio(rows, N, "otb")["variance"] < _ratio(rows, N, n)["variance"]]
         sig = [N for N in Ns if _ratio(rows, N, "otb")["ratio_high"] < 1.0]
@@ -254,7 +266,8 @@ def verdicts(rows: list[reporting.Row]) -> list[tuple[str, str, str]]:
         out.append(("OTB lowers the exact gradient variance versus " + "/".join(rivals).upper(), outcome,
                     f"{detail}. OTB below each rival in {len(wins)} of {total} (N, rival) pairs; CI entirely "
                     f"below RLOO at {len(sig)} of {len(Ns)} group sizes (rule: all pairs and all CIs for "
-                    "'reproduces', any pair for 'partly')."))
+                    "'reproduces', any pair for 'partly'; grpo is left out: its σ-division changes the scale)."
+                    + _isolated_note(rows, Ns)))
     if _ratio(rows, Ns[0], "maxpo") and _ratio(rows, Ns[0], "ei"):
         red = {N: 1 - _ratio(rows, N, "maxpo")["variance"] / _ratio(rows, N, "ei")["variance"] for N in Ns}
         outcome = "reproduces" if all(v > 0 for v in red.values()) else "partly" if any(v > 0 for v in red.values()) \

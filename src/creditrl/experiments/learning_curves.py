@@ -192,9 +192,24 @@ def _diff(s: dict, a: str, b: str, key: str) -> tuple[float, float]:
 
 
 def _outcome(diff: float, se: float) -> str:
+    """Fixed rule for one paired difference (claimed direction: > 0), ±2 SE ≈ a 95% interval:
+    reproduces if it lies above 0, does not reproduce if below, inconclusive if it covers 0
+    (a positive point estimate alone is not evidence)."""
     if not math.isfinite(diff):
+        return "inconclusive"
+    return "reproduces" if diff > 2 * se else "does not reproduce" if diff < -2 * se else "inconclusive"
+
+
+def _combined(outcomes: list[str]) -> str:
+    """All sub-claims reproduce: reproduces; some do and none contradicts: partly; any
+    contradicts and none reproduces: does not reproduce; otherwise inconclusive."""
+    if all(o == "reproduces" for o in outcomes):
+        return "reproduces"
+    if "reproduces" in outcomes:
+        return "partly"
+    if "does not reproduce" in outcomes:
         return "does not reproduce"
-    return "reproduces" if diff > 2 * se and diff > 0 else "partly" if diff > 0 else "does not reproduce"
+    return "inconclusive"
 
 
 def _noise_note(s: dict, outcome: str) -> str:
@@ -223,47 +238,51 @@ def verdicts(summary: dict) -> list[tuple[str, str, str]]:
                     f"End-of-run held-out sampled accuracy, OTB-N4 minus GRPO-N4: {d4:+.3f} ± {se4:.3f} (SE over seeds); "
                     f"minus GRPO-N16: {d16:+.3f} ± {se16:.3f}, with GRPO-N16 using "
                     f"{s['grpo-n16']['tokens_total'][0] / max(s['otb-n4']['tokens_total'][0], 1):.1f}× the tokens "
-                    "(rule: OTB-N4 − GRPO-N4 > 2 SE reproduces, > 0 partly)." + _noise_note(s, outcome)))
+                    "(rule: OTB-N4 − GRPO-N4 > 2 SE reproduces, < −2 SE does not, else inconclusive)."
+                    + _noise_note(s, outcome)))
     if "stapo" in studies:
         s = studies["stapo"]
         ratio = s["grpo+stapo"]["spurious_ratio"][0]
         drift_with, drift_without = s["grpo+stapo"].get("entropy_drift"), s["grpo"].get("entropy_drift")
-        fired = math.isfinite(ratio) and ratio > 0
+        tokens, _, seeds = s["grpo+stapo"]["tokens_total"]
+        fired = math.isfinite(ratio) and ratio * tokens * seeds >= 10     # pre-registered: >= 10 silenced
         small = fired and 1e-5 <= ratio <= 1e-3
         stable = fired and drift_with is not None and abs(drift_with) <= abs(drift_without)
-        outcome = "reproduces" if small and stable else "partly" if small or stable else "does not reproduce"
-        tokens, _, seeds = s["grpo+stapo"]["tokens_total"]
+        outcome = ("inconclusive" if not fired else "reproduces" if small and stable else
+                   "partly" if small or stable else "does not reproduce")
         why = "" if fired else (
-            f" STAPO silenced no token in {tokens * seeds:.0f} trained tokens over {seeds} seeds, so both runs are "
-            f"identical; at the paper's ~0.01% one would expect ~{1e-4 * tokens * seeds:.1f} tokens, so this "
-            "miniature is too small to test the claim (inconclusive rather than contradicted).")
+            f" STAPO silenced fewer than 10 of {tokens * seeds:.0f} trained tokens over {seeds} seeds (rule: "
+            f"inconclusive below 10); at the paper's ~0.01% one would expect ~{1e-4 * tokens * seeds:.1f} tokens, "
+            "so this miniature is too small to test the claim.")
         out.append(("STAPO silences ~0.01% of tokens and keeps entropy stable", outcome,
                     f"Spurious-token ratio with STAPO {100 * ratio:.4f}% of tokens; entropy change over the run "
                     f"{drift_with:+.3f} with STAPO vs {drift_without:+.3f} without (rule: ratio within 0.001–0.1% "
-                    "and |change| no larger than without, with STAPO active)." + why))
+                    "and |change| no larger than without, with STAPO active; inconclusive with < 10 tokens "
+                    "silenced)." + why))
     if "grpo-lambda" in studies:
         s = studies["grpo-lambda"]
         variants = [r for r in s if r != "grpo"]
         diffs = {v: _diff(s, v, "grpo", "sampled_acc") for v in variants}
         auc = {v: s[v]["train_acc_auc"] - s["grpo"]["train_acc_auc"] for v in variants}
-        outcomes = [_outcome(*diffs[v]) for v in variants]
-        outcome = ("reproduces" if all(o == "reproduces" for o in outcomes) else
-                   "partly" if any(d > 0 for d, _ in diffs.values()) else "does not reproduce")
+        outcome = _combined([_outcome(*diffs[v]) for v in variants])
         out.append(("GRPO-λ learns faster than GRPO", outcome,
                     "End held-out sampled accuracy minus GRPO: " + ", ".join(
                         f"{v} {d:+.3f} ± {se:.3f}" for v, (d, se) in diffs.items()) +
                     "; mean training accuracy over the run minus GRPO: " +
                     ", ".join(f"{v} {a:+.3f}" for v, a in auc.items()) +
-                    " (rule: every variant > 2 SE reproduces, any > 0 partly)." + _noise_note(s, outcome)))
+                    " (rule per variant: > 2 SE reproduces, < −2 SE does not, else inconclusive; all reproduce: "
+                    "reproduces, some: partly)." + _noise_note(s, outcome)))
     if "maxk" in studies:
         s = studies["maxk"]
         kmax = max(int(k[5:]) for k in s["maxpo"] if k.startswith("pass@"))
         dp, sep = _diff(s, "maxpo", "pkpo", f"pass@{kmax}")
         dg, seg = _diff(s, "maxpo", "grpo", f"pass@{kmax}")
-        outcome = _outcome(min(dp, dg), max(sep, seg))
+        outcome = _combined([_outcome(dp, sep), _outcome(dg, seg)])
         out.append((f"MaxPO improves held-out pass@{kmax} over PKPO and GRPO", outcome,
                     f"pass@{kmax} of MaxPO minus PKPO {dp:+.3f} ± {sep:.3f}, minus GRPO {dg:+.3f} ± {seg:.3f} "
-                    "(rule: both > 2 SE reproduces, both > 0 partly)." + _noise_note(s, outcome)))
+                    "(rule per comparison: > 2 SE reproduces, < −2 SE does not, else inconclusive; both "
+                    "reproduce: reproduces, one: partly). +1–5 points, the paper's effect size, needs more seeds "
+                    "than this budget." + _noise_note(s, outcome)))
     return out
 
 
