@@ -239,10 +239,11 @@ def test_block_gradients_match_per_response_loop(tiny_rollouts):
 
     model, params, batch = tiny_rollouts
     cfg = gv.GradVarianceConfig(estimators=("reinforce", "rloo", "otb", "maxpo"), k=2, temperature=1.0)
-    got = gv.block_gradients(model, params, batch, cfg)  # [E, G, P]
+    got, response_energy = gv.block_gradients(model, params, batch, cfg)  # [E, G, P], [B]
     with torch.no_grad():
         energy = gv.response_tokens(model, batch, slice(None), 1.0).energy
     mask = batch.response_mask[:, batch.prompt_len:] > 0
+    torch.testing.assert_close(response_energy, (energy.double() * mask).sum(1))
     adv = gv.estimator_advantages(batch, energy, mask, cfg.estimators, cfg.k)
     for e in range(len(cfg.estimators)):
         for g in range(2):
@@ -256,6 +257,17 @@ def test_block_gradients_match_per_response_loop(tiny_rollouts):
                 flat = torch.cat([(torch.zeros_like(p) if x is None else x).reshape(-1) for p, x in zip(params, grads)])
                 total = flat if total is None else total + flat
             assert torch.allclose(got[e, g].double(), total.double(), atol=1e-5, rtol=1e-4), cfg.estimators[e]
+
+
+def test_baseline_summary_is_the_pooled_energy_weighted_mean():
+    from creditrl.experiments import grad_variance as gv
+    r, w = [1.0, 0.0, 0.0, 1.0], [0.5, 3.0, 4.0, 0.5]
+    sums = {"RW": sum(a * b for a, b in zip(r, w)), "W": sum(w), "R": sum(r), "n": 4,
+            "W_correct": 1.0, "n_correct": 2}
+    out = gv.baseline_summary(sums)
+    assert out["b_star"] == pytest.approx(1.0 / 8.0)
+    assert out["reward_mean_pooled"] == pytest.approx(0.5)
+    assert out["energy_wrong_over_correct"] == pytest.approx(3.5 / 0.5)
 
 
 def test_maxk_rows_keep_their_definitions_scale(tiny_rollouts):
@@ -400,7 +412,7 @@ def test_dr_grpo_gradient_is_scaled_rloo(tiny_rollouts):
 
     model, params, batch = tiny_rollouts
     cfg = gv.GradVarianceConfig(estimators=("dr_grpo", "rloo"))
-    grads = gv.block_gradients(model, params, batch, cfg)
+    grads, _ = gv.block_gradients(model, params, batch, cfg)
     assert torch.allclose(grads[0], grads[1] * 2 / 3, atol=1e-7)
     assert gv.within_block_variance(grads)[0] == pytest.approx(float(gv.within_block_variance(grads)[1]) * 4 / 9,
                                                                 rel=1e-5)

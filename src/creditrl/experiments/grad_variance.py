@@ -108,11 +108,13 @@ def estimator_advantages(batch, energy: Tensor, mask: Tensor, names: tuple[str, 
     return torch.stack(out)
 
 
-def block_gradients(model, params, batch, cfg) -> Tensor:
-    """[E, G, P] exact per-group gradient estimates of every estimator for one rollout batch."""
+def block_gradients(model, params, batch, cfg) -> tuple[Tensor, Tensor]:
+    """([E, G, P] exact per-group gradient estimates of every estimator, [B] response energies
+    Ŵ = Σ_t ŵ_t) for one rollout batch."""
     with torch.no_grad():
         stats = response_tokens(model, batch, slice(None), cfg.temperature)
     mask = batch.response_mask[:, batch.prompt_len:] > 0
+    response_energy = torch.where(mask, stats.energy.double(), 0.0).sum(1)
     adv = estimator_advantages(batch, stats.energy.float(), mask, cfg.estimators, cfg.k)
     sizes = torch.bincount(batch.group)
     starts = torch.cumsum(sizes, 0) - sizes
@@ -125,7 +127,7 @@ def block_gradients(model, params, batch, cfg) -> Tensor:
         norm = mask[rows].sum().clamp(min=1)
         E = adv.shape[0]
         out.append(torch.stack([flat_grad(logp, params, adv[e, rows] / norm, retain=e < E - 1) for e in range(E)]))
-    return torch.stack(out, dim=1)
+    return torch.stack(out, dim=1), response_energy
 
 
 def within_block_variance(grads: Tensor) -> Tensor:
@@ -134,18 +136,27 @@ def within_block_variance(grads: Tensor) -> Tensor:
     return (g - g.mean(dim=1, keepdim=True)).pow(2).sum(dim=(1, 2)) / (g.shape[1] - 1)
 
 
-def measure(cfg: GradVarianceConfig, model, params, task, tokenizer) -> tuple[list[reporting.Row], list[reporting.Row]]:
-    """Per-block variances and per-N mean gradients' squared norms; returns (block rows, signal rows)."""
+def measure(cfg: GradVarianceConfig, model, params, task, tokenizer) -> tuple[list, list, dict]:
+    """Per-block variances and per-N mean gradients' squared norms; returns (block rows, signal
+    rows, ``baseline_summary``)."""
     rng = random.Random(f"grad-variance-{cfg.seed}")
     generator = torch.Generator().manual_seed(cfg.seed)
     block_rows, signal_rows = [], []
+    sums = {"RW": 0.0, "W": 0.0, "R": 0.0, "n": 0, "W_correct": 0.0, "n_correct": 0}
     start = time.perf_counter()
     for N in cfg.group_sizes:
         total = torch.zeros(len(cfg.estimators), sum(p.numel() for p in params), dtype=torch.float64)
         for b in range(cfg.groups // cfg.block):
             batch = sample_groups(task, model, tokenizer, cfg.block, N, cfg, rng, generator)
-            grads = block_gradients(model, params, batch, cfg)
+            grads, energy = block_gradients(model, params, batch, cfg)
             total += grads.double().sum(dim=1)
+            rewards, correct = batch.rewards.double(), batch.rewards > 0.5
+            sums["RW"] += float((rewards * energy).sum())
+            sums["W"] += float(energy.sum())
+            sums["R"] += float(rewards.sum())
+            sums["n"] += rewards.numel()
+            sums["W_correct"] += float(energy[correct].sum())
+            sums["n_correct"] += int(correct.sum())
             var = within_block_variance(grads)
             for e, name in enumerate(cfg.estimators):
                 block_rows.append({"group_size": N, "block": b, "estimator": name, "variance": float(var[e]),
@@ -155,7 +166,20 @@ def measure(cfg: GradVarianceConfig, model, params, task, tokenizer) -> tuple[li
         print(f"[grad-variance] N={N}: {draws} groups done at {time.perf_counter() - start:.0f}s", flush=True)
         for e, name in enumerate(cfg.estimators):
             signal_rows.append({"group_size": N, "estimator": name, "mean_grad_sq": float((total[e] / draws).pow(2).sum())})
-    return block_rows, signal_rows
+    return block_rows, signal_rows, baseline_summary(sums)
+
+
+def baseline_summary(sums: dict) -> dict:
+    """The variance-optimal sequence baseline b* = ΣRW/ΣW (OTB App. A.2, eq. 21, pooled over all
+    groups) against the mean reward, and the gradient energy of incorrect vs correct responses:
+    b* far below the mean reward means a mean-reward baseline (and the L2O baseline, built from
+    rewards alone) over-subtracts on the high-energy incorrect responses."""
+    wrong = sums["n"] - sums["n_correct"]
+    mean_w_correct = sums["W_correct"] / sums["n_correct"] if sums["n_correct"] else float("nan")
+    mean_w_wrong = (sums["W"] - sums["W_correct"]) / wrong if wrong else float("nan")
+    return {"b_star": sums["RW"] / sums["W"] if sums["W"] > 0 else float("nan"),
+            "reward_mean_pooled": sums["R"] / max(sums["n"], 1),
+            "energy_wrong_over_correct": mean_w_wrong / mean_w_correct if mean_w_correct else float("nan")}
 
 
 def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reporting.Row], n_boot: int, seed: int,
@@ -195,11 +219,11 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
     with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
         task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
         torch.manual_seed(cfg.seed)
-        block_rows, signal_rows = measure(cfg, model, params, task, tokenizer)
+        block_rows, signal_rows, baseline = measure(cfg, model, params, task, tokenizer)
     reporting.write_csv(out_dir / "blocks.csv", block_rows)
     reporting.write_csv(out_dir / "variance.csv", summarize_blocks(block_rows, signal_rows, cfg.bootstrap, cfg.seed))
     summary = {"config": asdict(cfg), "parameters": sum(p.numel() for p in params),
-               "reward_mean": sum(r["reward_mean"] for r in block_rows) / len(block_rows)}
+               "reward_mean": sum(r["reward_mean"] for r in block_rows) / len(block_rows), **baseline}
     reporting.write_json(out_dir / "summary.json", summary)
     plot(out_dir)
     return summary
@@ -316,5 +340,11 @@ def report(out_dir: Path, figure_path: str) -> str:
     lines.append("\nAbsolute tr Cov(ĝ):\n")
     lines.append(reporting.pivot_table(rows, "estimator", "group_size", "variance"))
     lines.append(consistency_check(rows))
+    if "b_star" in summary:
+        lines.append(f"Variance-optimal sequence baseline b* = ΣRW/ΣW = {summary['b_star']:.3f} against the mean "
+                     f"reward {summary['reward_mean_pooled']:.3f} (pooled over all groups); incorrect responses carry "
+                     f"{summary['energy_wrong_over_correct']:.1f}× the gradient energy Ŵ of correct ones. A baseline "
+                     "built from rewards alone (the group mean, RLOO, L2O) sits far above b* here, which is why "
+                     "energy-weighted baselines win and why L2O can lose to EI-only in this setting.\n")
     lines += [reporting.verdict_line(*v) for v in verdicts(rows)]
     return "\n".join(lines)
