@@ -104,11 +104,16 @@ def as_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tens
         return mask
     if mask.is_complex():
         raise TypeError(f"{name}: expected a bool or 0/1 mask, got dtype {mask.dtype}")
-    outside = (mask != 0) & (mask != 1)
-    if bool(outside.any()):
-        raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
-                         f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        _raise_not_0_1(name, mask)
     return mask != 0
+
+
+def _raise_not_0_1(name: str, mask: Tensor) -> None:
+    """The one error of the mask rule, naming the rows that break it."""
+    outside = (mask != 0) & (mask != 1)
+    raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
+                     f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
 
 
 ONE_FLOAT32_BITS = 0x3F800000  # the bit pattern of 1.0f
@@ -118,9 +123,7 @@ def _check_ones(name: str, mask: Tensor, nonzero: int) -> Tensor:
     """``mask`` (float, values known to lie in [0, 1]) holds only 0 and 1: its sum equals its
     number of nonzeros (row sums of 0/1 values are exact integers, totalled in float64)."""
     if float(mask.sum(1, dtype=torch.float32).double().sum()) != nonzero:
-        outside = (mask != 0) & (mask != 1)
-        raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
-                         f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
+        _raise_not_0_1(name, mask)
     return mask
 
 
@@ -147,14 +150,9 @@ def check_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> T
         if low >= 0 and high <= ONE_FLOAT32_BITS:
             return _check_ones(name, mask, int(torch.count_nonzero(bits)))
     low, high = (float(v) for v in torch.aminmax(mask))
-    ok = low >= 0 and high <= 1
-    if ok and mask.is_floating_point():
-        return _check_ones(name, mask, int(torch.count_nonzero(mask)))
-    if not ok:
-        outside = (mask != 0) & (mask != 1)
-        raise ValueError(f"{name}: expected a bool or 0/1 mask, got values outside {{0, 1}} "
-                         f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
-    return mask
+    if not (low >= 0 and high <= 1):
+        _raise_not_0_1(name, mask)
+    return _check_ones(name, mask, int(torch.count_nonzero(mask))) if mask.is_floating_point() else mask
 
 
 def token_advantages(advantages: Tensor, like: Tensor, like_name: str = "logp") -> Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from creditrl.estimators.baselines import weighted_mean_or_plain
 from creditrl.estimators.registry import AdvantageBatch, register_estimator
 
 
@@ -41,8 +42,7 @@ def token_baseline_advantage(batch: AdvantageBatch, *, cumulative: bool) -> Tens
         plain, count = groups.sum(valid * returns), groups.sum(valid)
     # the plain mean where the energies sum to 0, and at steps with one live member, whose
     # baseline is then exactly its own return (advantage exactly 0: no baseline information)
-    energetic = (weight_sum > 0) & (count > 1)
-    baseline = torch.where(energetic, weighted / torch.where(energetic, weight_sum, 1.0), plain / count.clamp(min=1))
+    baseline = weighted_mean_or_plain(weighted, torch.where(count > 1, weight_sum, 0.0), plain, count)
     return steps.expand(groups.subtract(returns, baseline).mul_(valid))
 
 

@@ -47,7 +47,7 @@ class StepIndex:
     @classmethod
     def from_mask(cls, mask: Tensor, valid: Tensor | None = None, lengths: Tensor | None = None) -> "StepIndex":
         """``mask`` [B,T] (bool or 0/1); ``valid`` (its float32 copy) and ``lengths`` when at hand."""
-        num, steps_t = mask.shape
+        steps_t = mask.shape[1]
         valid = mask.to(torch.float32) if valid is None else valid
         lengths = valid.sum(1).long() if lengths is None else lengths
         if mask.numel() == 0 or _right_padded(valid, lengths):

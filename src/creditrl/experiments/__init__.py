@@ -62,11 +62,10 @@ def experiment_config(name: str, preset: str = "fast", config_file: str | Path |
     return merge_layers(module.PRESETS[preset], config_file, overrides)
 
 
-def run_experiment(name: str, preset: str = "fast", out: Path | None = None, config_file: str | Path | None = None,
-                   overrides: list[str] | tuple[str, ...] = ()) -> tuple[Path, dict]:
-    """Run one experiment preset; returns (output dir, summary)."""
+def run_experiment(name: str, preset: str = "fast", out: Path | None = None, cfg=None) -> tuple[Path, dict]:
+    """Run one experiment with ``cfg`` (default: the preset's config); returns (output dir, summary)."""
     module = experiment_module(name)
-    cfg = experiment_config(name, preset, config_file, overrides)
+    cfg = experiment_config(name, preset) if cfg is None else cfg
     out_dir = Path(out) if out is not None else DEFAULT_RUNS / preset / name
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -132,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[creditrl] wrote {write_report(args.runs or DEFAULT_RUNS / 'full', args.docs)}")
             return 0
         names = list(EXPERIMENTS) if args.name == "all" else [args.name]
-        for name in names:  # every config is checked before the first long experiment starts
-            experiment_config(name, args.preset, args.config, args.overrides)
+        # every config is built and checked before the first long experiment starts
+        configs = {name: experiment_config(name, args.preset, args.config, args.overrides) for name in names}
         root = args.out if args.out is not None else DEFAULT_RUNS / args.preset
-        for name in names:
+        for name, cfg in configs.items():
             out = root / name if args.name == "all" else args.out
-            run_experiment(name, args.preset, out, args.config, args.overrides)
+            run_experiment(name, args.preset, out, cfg)
         if args.name == "all":  # only the full preset may overwrite the published docs/results.md
             print(f"[creditrl] wrote {write_report(root, args.docs if args.preset == 'full' else root)}")
     except ValueError as err:

@@ -135,8 +135,6 @@ def _prefixed_fields(cls: type, prefix: str) -> list[tuple]:
             for f in dataclasses.fields(cls)]
 
 
-# PolicyLossConfig plus STAPO (``stapo_*``) and GRPO-λ (``trace_*``) fields, defaults taken from
-# creditrl's StapoOptions / TraceOptions; ``trace_lam`` has no default and must be set.
 def _install_hooks_after_init(self) -> None:
     parent = getattr(PolicyLossConfig, "__post_init__", None)
     if parent is not None:
@@ -144,6 +142,8 @@ def _install_hooks_after_init(self) -> None:
     install_trainer_hooks()  # verl builds this config after its trainer / loss modules are loaded
 
 
+# PolicyLossConfig plus STAPO (``stapo_*``) and GRPO-λ (``trace_*``) fields, defaults taken from
+# creditrl's StapoOptions / TraceOptions; ``trace_lam`` has no default and must be set.
 CreditPolicyLossConfig = dataclasses.make_dataclass(
     "CreditPolicyLossConfig",
     _prefixed_fields(StapoOptions, "stapo_") + _prefixed_fields(TraceOptions, "trace_"),
