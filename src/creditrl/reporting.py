@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -145,12 +146,109 @@ def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
 
 OUTCOMES = ("reproduces", "partly", "does not reproduce", "inconclusive")
 
+# two-sided 95% Student-t quantiles t_{0.975, df}, df = 1..30 (beyond: the normal 1.96)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+POWER_FACTOR = 2.8  # z_{0.975} + z_{0.80}: an effect of 2.8 SE is detected with 80% power at α = 0.05
 
-def verdict_line(claim: str, outcome: str, why: str) -> str:
-    """One Markdown line: the claim, its outcome (one of ``OUTCOMES``), and why.
 
-    'inconclusive': the setting did not produce the condition the claim is about, or the
-    interval covers both outcomes — never counted as agreement or as contradiction."""
-    if outcome not in OUTCOMES:
-        raise ValueError(f"outcome: expected one of {OUTCOMES}, got {outcome!r}")
-    return f"**{claim}: {outcome}.** {why}\n"
+def t_quantile(df: int) -> float:
+    """t_{0.975, df} (two-sided 95%); inf for df < 1 (no interval from one sample)."""
+    return math.inf if df < 1 else _T975[df - 1] if df <= len(_T975) else 1.96
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A number with its 95% interval and the smallest effect the sample can detect."""
+    value: float
+    low: float
+    high: float
+    detectable: float            # POWER_FACTOR × SE: the effect found with 80% power at α = 0.05
+    n: int                       # independent units (seeds, blocks, instances)
+    unit: str = "seeds"
+
+    def __str__(self) -> str:
+        return f"{fmt(self.value)} [{fmt(self.low)}, {fmt(self.high)}]"
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], unit: str = "seeds") -> Estimate:
+    """Mean of the paired differences a_i − b_i with a t-interval (the units pair up: same seed,
+    same checkpoint); NaN pairs are dropped. With one pair the interval is infinite."""
+    if len(a) != len(b):
+        raise ValueError(f"a, b: expected paired samples of equal length, got {len(a)} and {len(b)}")
+    d = [x - y for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
+    if not d:
+        return Estimate(math.nan, math.nan, math.nan, math.nan, 0, unit)
+    mean = sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else math.inf
+    half = t_quantile(len(d) - 1) * se
+    return Estimate(mean, mean - half, mean + half, POWER_FACTOR * se, len(d), unit)
+
+
+def interval_outcome(est: Estimate, claimed: str = ">") -> str:
+    """The fixed rule for one effect whose claimed sign is ``claimed`` ('>' above 0, '<' below 0):
+    reproduces if the 95% interval lies on the claimed side of 0, does not reproduce if on the other,
+    inconclusive if it covers 0 (a point estimate on the right side alone is not evidence)."""
+    if claimed not in (">", "<"):
+        raise ValueError(f"claimed: expected '>' or '<', got {claimed!r}")
+    if not (math.isfinite(est.low) and math.isfinite(est.high)):
+        return "inconclusive"
+    low, high = (est.low, est.high) if claimed == ">" else (-est.high, -est.low)
+    return "reproduces" if low > 0 else "does not reproduce" if high < 0 else "inconclusive"
+
+
+def combined_outcome(outcomes: Sequence[str]) -> str:
+    """All sub-claims reproduce: reproduces; some do: partly; none does and one contradicts:
+    does not reproduce; otherwise inconclusive."""
+    if outcomes and all(o == "reproduces" for o in outcomes):
+        return "reproduces"
+    if "reproduces" in outcomes:
+        return "partly"
+    return "does not reproduce" if "does not reproduce" in outcomes else "inconclusive"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One pre-registered claim: its paper source, the paper's number, ours with its interval,
+    the rule fixed in code before the run, the outcome, and the sample's power."""
+    claim: str
+    source: str                  # paper and section, e.g. "OTB §5.3"
+    paper: str                   # the paper's own number or statement
+    ours: str                    # our number with its 95% interval
+    rule: str
+    outcome: str
+    power: str                   # smallest effect this sample size detects
+    note: str = ""               # what the reader must know (why inconclusive, contrary evidence)
+
+    def __post_init__(self):
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome: expected one of {OUTCOMES}, got {self.outcome!r}")
+
+    def markdown(self) -> str:
+        """The section's verdict paragraph: bold head, our number, rule, power, note."""
+        note = f" {self.note}" if self.note else ""
+        return (f"**{self.claim} ({self.source}): {self.outcome}.** Ours: {self.ours}; paper: {self.paper}. "
+                f"Rule: {self.rule}. Power: {self.power}.{note}\n")
+
+
+def summary_table(verdicts: Sequence[Verdict]) -> str:
+    """The results' head table: every claim with the paper's number, ours with CI, verdict."""
+    rows = [{"claim": f"{v.claim} ({v.source})", "paper": v.paper, "ours (95% CI)": v.ours,
+             "verdict": f"**{v.outcome}**"} for v in verdicts]
+    return markdown_table(rows)
+
+
+def environment(threads: int, seeds: Sequence[int]) -> dict:
+    """Machine, library versions, threads and seeds of a run (recorded next to its results)."""
+    import os
+    import platform
+
+    return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(), "system": platform.system(), "python": platform.python_version(),
+            "torch": torch.__version__, "threads": int(threads), "seeds": [int(s) for s in seeds]}
+
+
+def environment_line(env: dict) -> str:
+    return (f"Ran on {env['cpus']} CPUs ({env['processor']}, {env['system']}), Python {env['python']}, torch "
+            f"{env['torch']}, {env['threads']} torch thread(s), seeds {env['seeds']}.")

@@ -1,8 +1,10 @@
-"""``grad-variance``: the exact variance of each estimator's batch policy gradient (OTB §5.3, §6).
+"""``grad-variance``: the exact variance of each estimator's batch policy gradient against the
+response length (OTB §5.3, §6; MaxPO §3.2).
 
 The papers estimate gradient variance with proxies; here the policy is small enough to compute
-every group's exact gradient estimate and measure tr Cov directly. At a fixed warm-started
-``builtin:tiny`` checkpoint, for each group size N: draw groups (one prompt, N responses),
+every group's exact gradient estimate and measure tr Cov directly. At fixed warm-started
+``builtin:tiny`` checkpoints for 1-, 2- and 3-digit multiplication with a scratchpad (responses of
+~15 / ~34 / ~60 tokens: the horizon), at N = 8: draw groups (one prompt, N responses),
 compute for every estimator e the group's estimate
 
     g_e = Σ_i Σ_t A_e,t^(i) ∇θ log π(y_t^(i)) / Σ_i |y^(i)|      (token-mean, the trainer's default)
@@ -10,10 +12,19 @@ compute for every estimator e the group's estimate
 with the *same* responses for every estimator (a paired comparison), and estimate
 tr Cov(g_e) = E‖g_e − E g_e‖² without bias from blocks of ``block`` i.i.d. groups (the unbiased
 within-block sample variance; blocks are i.i.d., so a bootstrap over blocks gives the CIs).
-Ratios against ``rloo`` use the same bootstrap resamples for numerator and denominator.
+Ratios of two estimators use the same bootstrap resamples for numerator and denominator (paired).
+
+Rules (fixed before the full run), per length and pair: the paired ratio's 95% CI below 1 is a
+win, above 1 a loss, else a tie. OTB against ``dr_grpo``, ``rloo`` and ``ogb`` (like-for-like: their
+baselines keep the reward's scale; ``grpo``'s σ-division changes it): reproduces if it wins every
+pair, partly if it wins some, does not reproduce if it wins none and loses one, else inconclusive.
+The same for MaxPO against raw EI, and for OTB's cumulative energy against the isolated one.
+OTB's advantage grows with length: the ratio OTB/RLOO at the longest length divided by that at the
+shortest, with a bootstrap CI (independent samples), below 1 reproduces, above 1 does not.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -30,20 +41,21 @@ MAXK_ESTIMATORS = ("maxpo", "ei", "pkpo")
 MAXK_SCALING = {"maxpo": "EI − L2O baseline (MaxPO eq. 6/11), scale 1", "ei": "raw EI (MaxPO §3.2 EI-only), scale 1",
                 "pkpo": "(K/N)·EI (PKPO), variance (K/N)² × EI's"}
 REFERENCE = "rloo"
+OTB_RIVALS = ("dr_grpo", "rloo", "ogb")   # like-for-like: baselines on the reward's own scale
 
 
 @dataclass(frozen=True)
 class GradVarianceConfig:
-    task: str = "multiplication"         # long-ish responses: the scratchpad runs to ~30 tokens
-    digits: int = 2
-    warm_start_accuracy: float = 0.3     # the fixed checkpoint: builtin:tiny warm-started to this accuracy
-    group_sizes: tuple[int, ...] = (4, 8, 16)
-    estimators: tuple[str, ...] = ("reinforce", "grpo", "dr_grpo", "rloo", "opo", "ogb", "otb", "otb_isolated",
-                                   "maxpo", "ei", "pkpo")
-    k: int = 2                           # K of maxpo / ei / pkpo (needs K <= N-1 for every N)
-    groups: int = 48                     # groups (Monte-Carlo draws of the batch estimator) per N
+    task: str = "multiplication"         # the scratchpad makes the response length grow with the digits
+    digits: tuple[int, ...] = (1, 2, 3)  # the horizon sweep: ~15 / ~34 / ~60-token responses
+    warm_start_accuracy: tuple[float, ...] = (0.3, 0.3, 0.1)  # per digits; 3 digits: 0.3 is out of reach here
+    warm_start_max_steps: int = 800
+    group_size: int = 8
+    estimators: tuple[str, ...] = ("dr_grpo", "rloo", "ogb", "otb", "otb_isolated", "maxpo", "ei")
+    k: int = 4                           # K of maxpo / ei / pkpo (needs K <= N-1)
+    groups: int = 96                     # groups (Monte-Carlo draws of the batch estimator) per length
     block: int = 4                       # groups per unbiased within-block variance estimate
-    max_new_tokens: int = 40
+    max_new_tokens: int = 80
     temperature: float = 1.0
     bootstrap: int = 2000
     threads: int = 1                     # torch CPU threads (see creditrl._runtime.torch_threads)
@@ -51,21 +63,22 @@ class GradVarianceConfig:
 
 
 PRESETS = {
-    "fast": GradVarianceConfig(digits=1, group_sizes=(4, 8), groups=12, block=3, max_new_tokens=16,
-                               estimators=("reinforce", "grpo", "rloo", "otb", "maxpo", "ei", "pkpo"), bootstrap=500),
+    "fast": GradVarianceConfig(digits=(1,), warm_start_accuracy=(0.3,), group_size=4, k=2, groups=12, block=3,
+                               max_new_tokens=16, estimators=("dr_grpo", "rloo", "otb", "otb_isolated", "maxpo", "ei"),
+                               bootstrap=500),
     "full": GradVarianceConfig(),
 }
 
 
-def load_checkpoint(task_name: str, digits: int, accuracy: float, seed: int = 0):
+def load_checkpoint(task_name: str, digits: int, accuracy: float, seed: int = 0, max_steps: int = 2000):
     """(task, model, tokenizer, params): the warm-started ``builtin:tiny`` shared by the experiments
     (cached by ``load_policy``, so the warm start runs once per machine)."""
     from creditrl.models import WarmStartConfig, load_policy
     from creditrl.tasks import get_task
 
     task = get_task(task_name, digits=digits)
-    model, tokenizer = load_policy("builtin:tiny", task, warm_start=WarmStartConfig(target_accuracy=accuracy),
-                                   seed=seed, progress=False)
+    model, tokenizer = load_policy("builtin:tiny", task, seed=seed, progress=False,
+                                   warm_start=WarmStartConfig(target_accuracy=accuracy, max_steps=max_steps))
     model.eval()  # fixed checkpoint: no dropout, never updated
     params = [p for p in model.parameters() if p.requires_grad]
     return task, model, tokenizer, params
@@ -136,36 +149,35 @@ def within_block_variance(grads: Tensor) -> Tensor:
     return (g - g.mean(dim=1, keepdim=True)).pow(2).sum(dim=(1, 2)) / (g.shape[1] - 1)
 
 
-def measure(cfg: GradVarianceConfig, model, params, task, tokenizer) -> tuple[list, list, dict]:
-    """Per-block variances and per-N mean gradients' squared norms; returns (block rows, signal
-    rows, ``baseline_summary``)."""
-    rng = random.Random(f"grad-variance-{cfg.seed}")
+def measure(cfg: GradVarianceConfig, digits: int, model, params, task, tokenizer) -> tuple[list, list, dict]:
+    """Per-block variances and the mean gradient's squared norm at one length; returns (block rows,
+    signal rows, ``baseline_summary``)."""
+    rng = random.Random(f"grad-variance-{cfg.seed}-{digits}")
     generator = torch.Generator().manual_seed(cfg.seed)
     block_rows, signal_rows = [], []
     sums = {"RW": 0.0, "W": 0.0, "R": 0.0, "n": 0, "W_correct": 0.0, "n_correct": 0}
     start = time.perf_counter()
-    for N in cfg.group_sizes:
-        total = torch.zeros(len(cfg.estimators), sum(p.numel() for p in params), dtype=torch.float64)
-        for b in range(cfg.groups // cfg.block):
-            batch = sample_groups(task, model, tokenizer, cfg.block, N, cfg, rng, generator)
-            grads, energy = block_gradients(model, params, batch, cfg)
-            total += grads.double().sum(dim=1)
-            rewards, correct = batch.rewards.double(), batch.rewards > 0.5
-            sums["RW"] += float((rewards * energy).sum())
-            sums["W"] += float(energy.sum())
-            sums["R"] += float(rewards.sum())
-            sums["n"] += rewards.numel()
-            sums["W_correct"] += float(energy[correct].sum())
-            sums["n_correct"] += int(correct.sum())
-            var = within_block_variance(grads)
-            for e, name in enumerate(cfg.estimators):
-                block_rows.append({"group_size": N, "block": b, "estimator": name, "variance": float(var[e]),
-                                   "reward_mean": float(batch.rewards.mean()),
-                                   "tokens": int(batch.response_mask.sum())})
-        draws = (cfg.groups // cfg.block) * cfg.block
-        print(f"[grad-variance] N={N}: {draws} groups done at {time.perf_counter() - start:.0f}s", flush=True)
+    total = torch.zeros(len(cfg.estimators), sum(p.numel() for p in params), dtype=torch.float64)
+    for b in range(cfg.groups // cfg.block):
+        batch = sample_groups(task, model, tokenizer, cfg.block, cfg.group_size, cfg, rng, generator)
+        grads, energy = block_gradients(model, params, batch, cfg)
+        total += grads.double().sum(dim=1)
+        rewards, correct = batch.rewards.double(), batch.rewards > 0.5
+        sums["RW"] += float((rewards * energy).sum())
+        sums["W"] += float(energy.sum())
+        sums["R"] += float(rewards.sum())
+        sums["n"] += rewards.numel()
+        sums["W_correct"] += float(energy[correct].sum())
+        sums["n_correct"] += int(correct.sum())
+        var = within_block_variance(grads)
+        length = float(batch.response_mask[:, batch.prompt_len:].sum() / batch.response_mask.shape[0])
         for e, name in enumerate(cfg.estimators):
-            signal_rows.append({"group_size": N, "estimator": name, "mean_grad_sq": float((total[e] / draws).pow(2).sum())})
+            block_rows.append({"digits": digits, "block": b, "estimator": name, "variance": float(var[e]),
+                               "reward_mean": float(batch.rewards.mean()), "response_len": length})
+    draws = (cfg.groups // cfg.block) * cfg.block
+    print(f"[grad-variance] digits={digits}: {draws} groups done in {time.perf_counter() - start:.0f}s", flush=True)
+    for e, name in enumerate(cfg.estimators):
+        signal_rows.append({"digits": digits, "estimator": name, "mean_grad_sq": float((total[e] / draws).pow(2).sum())})
     return block_rows, signal_rows, baseline_summary(sums)
 
 
@@ -182,48 +194,75 @@ def baseline_summary(sums: dict) -> dict:
             "energy_wrong_over_correct": mean_w_wrong / mean_w_correct if mean_w_correct else float("nan")}
 
 
+def block_matrix(block_rows: list[reporting.Row], digits: int, names: list[str]) -> Tensor:
+    """[E, blocks] within-block variances of ``names`` at one length (float64)."""
+    by_est = reporting.group_rows([r for r in block_rows if r["digits"] == digits], "estimator")
+    return torch.tensor([[r["variance"] for r in by_est[n]] for n in names], dtype=torch.float64)
+
+
+def paired_ratio(block_rows: list[reporting.Row], digits: int, a: str, b: str, n_boot: int,
+                 seed: int = 0) -> reporting.Estimate:
+    """tr Cov(a) / tr Cov(b) at one length with a paired bootstrap CI over blocks."""
+    V = block_matrix(block_rows, digits, [a, b])
+    low, high = reporting.bootstrap_ci(lambda idx: V[0, idx].mean(-1) / V[1, idx].mean(-1), V.shape[1],
+                                       n_boot=n_boot, generator=torch.Generator().manual_seed(seed))
+    return reporting.Estimate(float(V[0].mean() / V[1].mean()), float(low), float(high), math.nan, V.shape[1],
+                              "blocks")
+
+
 def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reporting.Row], n_boot: int, seed: int,
                      reference: str = REFERENCE) -> list[reporting.Row]:
-    """Per (N, estimator): mean variance with bootstrap CI, ratio to ``reference`` with paired CI."""
+    """Per (length, estimator): mean variance with bootstrap CI, ratio to ``reference`` with paired CI."""
     rows = []
-    signal = {(r["group_size"], r["estimator"]): r["mean_grad_sq"] for r in signal_rows}
+    signal = {(r["digits"], r["estimator"]): r["mean_grad_sq"] for r in signal_rows}
     generator = torch.Generator().manual_seed(seed)
-    for N, members in reporting.group_rows(block_rows, "group_size").items():
-        by_est = reporting.group_rows(members, "estimator")
-        names = list(by_est)
-        V = torch.tensor([[r["variance"] for r in by_est[n]] for n in names], dtype=torch.float64)  # [E, nb]
+    for digits, members in reporting.group_rows(block_rows, "digits").items():
+        names = list(reporting.group_rows(members, "estimator"))
+        V = block_matrix(block_rows, digits, names)
         nb = V.shape[1]
         ref = names.index(reference) if reference in names else None
         low, high = reporting.bootstrap_ci(lambda idx: V[:, idx].mean(-1).T, nb, n_boot=n_boot, generator=generator)
         if ref is not None:
             r_low, r_high = reporting.bootstrap_ci(lambda idx: (V[:, idx].mean(-1) / V[ref, idx].mean(-1)).T, nb,
-                                                n_boot=n_boot, generator=generator)
+                                                   n_boot=n_boot, generator=generator)
         mean = V.mean(-1)
+        length = sum(r["response_len"] for r in members) / len(members)
         for e, name in enumerate(names):
-            row = {"group_size": N, "estimator": name, "blocks": nb, "variance": float(mean[e]),
-                   "variance_low": float(low[e]), "variance_high": float(high[e])}
+            row = {"digits": digits, "response_len": length, "estimator": name, "blocks": nb,
+                   "variance": float(mean[e]), "variance_low": float(low[e]), "variance_high": float(high[e])}
             if ref is not None:
                 row.update(ratio_to_rloo=float(mean[e] / mean[ref]), ratio_low=float(r_low[e]),
                            ratio_high=float(r_high[e]))
-            row["mean_grad_sq"] = signal.get((N, name), float("nan"))
+            row["mean_grad_sq"] = signal.get((digits, name), float("nan"))
             rows.append(row)
     return rows
 
 
 def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
-    if any(cfg.k > N - 1 for N in cfg.group_sizes) and set(cfg.estimators) & set(MAXK_ESTIMATORS):
-        raise ValueError(f"k: maxpo/pkpo need k <= N-1 for every N in group_sizes {list(cfg.group_sizes)}, got {cfg.k}")
+    if set(cfg.estimators) & set(MAXK_ESTIMATORS) and not 1 <= cfg.k <= cfg.group_size - 1:
+        raise ValueError(f"k: maxpo/ei/pkpo need 1 <= k <= group_size-1 (={cfg.group_size - 1}), got {cfg.k}")
     if cfg.block < 2 or cfg.groups < cfg.block:
         raise ValueError(f"block: expected 2 <= block <= groups, got block={cfg.block}, groups={cfg.groups}")
+    if len(cfg.warm_start_accuracy) != len(cfg.digits):
+        raise ValueError(f"warm_start_accuracy: expected one accuracy per digits entry ({len(cfg.digits)}), "
+                         f"got {len(cfg.warm_start_accuracy)}")
     out_dir = Path(out_dir)
-    with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
-        task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
-        torch.manual_seed(cfg.seed)
-        block_rows, signal_rows, baseline = measure(cfg, model, params, task, tokenizer)
+    block_rows, signal_rows, baselines, parameters = [], [], {}, 0
+    for digits, accuracy in zip(cfg.digits, cfg.warm_start_accuracy):
+        with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
+            task, model, tokenizer, params = load_checkpoint(cfg.task, digits, accuracy, cfg.seed,
+                                                             cfg.warm_start_max_steps)
+            torch.manual_seed(cfg.seed)
+            blocks, signal, baseline = measure(cfg, digits, model, params, task, tokenizer)
+        block_rows += blocks
+        signal_rows += signal
+        baselines[str(digits)] = baseline
+        parameters = sum(p.numel() for p in params)
     reporting.write_csv(out_dir / "blocks.csv", block_rows)
     reporting.write_csv(out_dir / "variance.csv", summarize_blocks(block_rows, signal_rows, cfg.bootstrap, cfg.seed))
-    summary = {"config": asdict(cfg), "parameters": sum(p.numel() for p in params),
-               "reward_mean": sum(r["reward_mean"] for r in block_rows) / len(block_rows), **baseline}
+    summary = {"config": asdict(cfg), "parameters": parameters, "baselines": baselines,
+               "reward_mean": {str(d): sum(r["reward_mean"] for r in block_rows if r["digits"] == d)
+                               / max(1, sum(r["digits"] == d for r in block_rows)) for d in cfg.digits}}
     reporting.write_json(out_dir / "summary.json", summary)
     plot(out_dir)
     return summary
@@ -231,88 +270,120 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
 
 def plot(out_dir: Path) -> Path:
     rows = reporting.read_csv(Path(out_dir) / "variance.csv")
-    by_n = reporting.group_rows(rows, "group_size")
     fig, (ax_ratio, ax_abs) = reporting.figure(2, width=5.0)
-    names = list(reporting.group_rows(rows, "estimator"))
-    width = 0.8 / len(by_n)
-    for j, (N, members) in enumerate(by_n.items()):
-        vals = {r["estimator"]: r for r in members}
-        xs = [i + (j - (len(by_n) - 1) / 2) * width for i in range(len(names))]
-        ratio = [vals[n]["ratio_to_rloo"] for n in names]
-        err = [[vals[n]["ratio_to_rloo"] - vals[n]["ratio_low"] for n in names],
-               [vals[n]["ratio_high"] - vals[n]["ratio_to_rloo"] for n in names]]
-        ax_ratio.bar(xs, ratio, width=width, yerr=err, capsize=2, label=f"N={N}")
-    ax_ratio.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax_ratio.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
-    ax_ratio.set(yscale="log", ylabel=f"tr Cov / tr Cov({REFERENCE})", title="variance ratio to RLOO (95% CI)")
-    ax_ratio.legend(fontsize=7)
     for name, members in reporting.group_rows(rows, "estimator").items():
-        ax_abs.errorbar([r["group_size"] for r in members], [r["variance"] for r in members],
+        xs = [r["response_len"] for r in members]
+        ax_ratio.errorbar(xs, [r["ratio_to_rloo"] for r in members],
+                          yerr=[[r["ratio_to_rloo"] - r["ratio_low"] for r in members],
+                                [r["ratio_high"] - r["ratio_to_rloo"] for r in members]], marker="o", ms=3,
+                          capsize=2, label=name)
+        ax_abs.errorbar(xs, [r["variance"] for r in members],
                         yerr=[[r["variance"] - r["variance_low"] for r in members],
                               [r["variance_high"] - r["variance"] for r in members]], marker="o", ms=3, capsize=2,
                         label=name)
-    ax_abs.set(xscale="log", yscale="log", xlabel="group size N", ylabel="tr Cov(ĝ)", title="exact gradient variance")
-    ax_abs.set_xticks(list(by_n), [str(n) for n in by_n])
-    ax_abs.minorticks_off()
-    ax_abs.legend(fontsize=6, ncol=2)
+    ax_ratio.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax_ratio.set(xscale="log", yscale="log", xlabel="mean response length (tokens)",
+                 ylabel=f"tr Cov / tr Cov({REFERENCE})", title="(a) variance ratio to RLOO (95% CI)")
+    ax_abs.set(xscale="log", yscale="log", xlabel="mean response length (tokens)", ylabel="tr Cov(ĝ)",
+               title="(b) exact gradient variance, N = 8")
+    ax_ratio.legend(fontsize=6, ncol=2)
     return reporting.save_figure(fig, Path(out_dir) / "grad_variance.png")
 
 
-def _ratio(rows, N, name):
-    return next((r for r in rows if r["group_size"] == N and r["estimator"] == name), None)
+def _tally(estimates: list[reporting.Estimate]) -> tuple[int, int]:
+    """(wins, losses): paired ratio CIs entirely below / above 1."""
+    return sum(e.high < 1 for e in estimates), sum(e.low > 1 for e in estimates)
 
 
-def _isolated_note(rows, Ns) -> str:
-    """Contrary evidence stated plainly: where the isolated energy (eq. 52) beats the cumulative one."""
-    if not _ratio(rows, Ns[0], "otb_isolated"):
-        return ""
-    better = [N for N in Ns if _ratio(rows, N, "otb_isolated")["variance"] < _ratio(rows, N, "otb")["variance"]]
-    if not better:
-        return " `otb_isolated` is not below `otb` at any N."
-    return (" Against the paper's App. C.7/F.5 argument for cumulative energy, `otb_isolated` has lower variance "
-            "than `otb` at N = " + ", ".join(str(N) for N in better) + ".")
+def _win_outcome(wins: int, losses: int, total: int) -> str:
+    if total and wins == total:
+        return "reproduces"
+    if wins:
+        return "partly"
+    return "does not reproduce" if losses else "inconclusive"
 
 
-def verdicts(rows: list[reporting.Row]) -> list[tuple[str, str, str]]:
-    Ns = sorted({r["group_size"] for r in rows})
+def verdicts(out_dir: Path) -> list[reporting.Verdict]:
+    out_dir = Path(out_dir)
+    summary = reporting.read_json(out_dir / "summary.json")
+    cfg = summary["config"]
+    blocks = reporting.read_csv(out_dir / "blocks.csv")
+    rows = reporting.read_csv(out_dir / "variance.csv")
+    lengths = {r["digits"]: r["response_len"] for r in rows}
+    digits = sorted(lengths)
+    names = {r["estimator"] for r in rows}
+    n_boot, nb = cfg["bootstrap"], rows[0]["blocks"]
+    power = f"{nb} blocks of {cfg['block']} groups per length (the CI widths below are the resolvable ratios)"
     out = []
-    # like-for-like rivals: baselines that keep the reward's scale (grpo's σ-division changes it)
-    rivals = [n for n in ("dr_grpo", "rloo", "ogb") if _ratio(rows, Ns[0], n)]
-    if _ratio(rows, Ns[0], "otb"):
-        wins = [(N, n) for N in Ns for n in rivals if _ratio(rows, N, "otb")["variance"] < _ratio(rows, N, n)["variance"]]
-        sig = [N for N in Ns if _ratio(rows, N, "otb")["ratio_high"] < 1.0]
-        total = len(Ns) * len(rivals)
-        outcome = ("reproduces" if len(wins) == total and len(sig) == len(Ns) else
-                   "partly" if wins else "does not reproduce")
-        detail = "; ".join(f"N={N}: OTB/RLOO = {_ratio(rows, N, 'otb')['ratio_to_rloo']:.3f} "
-                           f"[{_ratio(rows, N, 'otb')['ratio_low']:.3f}, {_ratio(rows, N, 'otb')['ratio_high']:.3f}]"
-                           for N in Ns)
-        out.append(("OTB lowers the exact gradient variance versus " + "/".join(rivals).upper(), outcome,
-                    f"{detail}. OTB below each rival in {len(wins)} of {total} (N, rival) pairs; CI entirely "
-                    f"below RLOO at {len(sig)} of {len(Ns)} group sizes (rule: all pairs and all CIs for "
-                    "'reproduces', any pair for 'partly'; grpo is left out: its σ-division changes the scale)."
-                    + _isolated_note(rows, Ns)))
-    if _ratio(rows, Ns[0], "maxpo") and _ratio(rows, Ns[0], "ei"):
-        red = {N: 1 - _ratio(rows, N, "maxpo")["variance"] / _ratio(rows, N, "ei")["variance"] for N in Ns}
-        outcome = "reproduces" if all(v > 0 for v in red.values()) else "partly" if any(v > 0 for v in red.values()) \
-            else "does not reproduce"
-        why = ("" if outcome == "reproduces" else
-               " Likely reason: with sparse 0/1 rewards EI is zero on every incorrect response, so EI's gradient "
-               "comes from the few correct ones only, while the L2O baseline gives every incorrect response a "
-               "non-zero advantage times a large score vector; on the dense-reward bandit above L2O does help.")
-        out.append(("MaxPO (EI+L2O) lowers the variance versus EI only (MaxPO §3.2)", outcome,
-                    "Variance reduction of MaxPO vs raw EI (both at scale 1): " + ", ".join(f"N={N}: {100 * v:.0f}%" for N, v in red.items())
-                    + " (the paper reports 77% on Llama-3.2-3B; rule: a reduction at every N)." + why))
+
+    def pairs(a: str, b: str) -> dict[int, reporting.Estimate]:
+        return {d: paired_ratio(blocks, d, a, b, n_boot) for d in digits}
+
+    rivals = [n for n in OTB_RIVALS if n in names]
+    if "otb" in names and rivals:
+        est = {(d, r): e for r in rivals for d, e in pairs("otb", r).items()}
+        wins, losses = _tally(list(est.values()))
+        out.append(reporting.Verdict(
+            "OTB lowers the exact gradient variance versus " + "/".join(rivals).upper(), "OTB §5.2–5.3",
+            "lower variance than OGB and the group-mean baselines",
+            "; ".join(f"{lengths[d]:.0f} tokens: OTB/" + ", OTB/".join(f"{r} {est[d, r]}" for r in rivals)
+                      for d in digits),
+            "per (length, rival) a paired CI below 1 is a win, above 1 a loss; all wins reproduces, some partly, "
+            "none with a loss does not, else inconclusive", _win_outcome(wins, losses, len(est)), power))
+        if "rloo" in names and len(digits) > 1:
+            short, long_ = digits[0], digits[-1]
+            V = {d: block_matrix(blocks, d, ["otb", "rloo"]) for d in (short, long_)}
+            gen = torch.Generator().manual_seed(1)
+            boot = []
+            for _ in range(n_boot):  # independent samples at the two lengths: resample each
+                i = torch.randint(0, V[short].shape[1], (V[short].shape[1],), generator=gen)
+                j = torch.randint(0, V[long_].shape[1], (V[long_].shape[1],), generator=gen)
+                boot.append(float((V[long_][0, j].mean() / V[long_][1, j].mean())
+                                  / (V[short][0, i].mean() / V[short][1, i].mean())))
+            value = float((V[long_][0].mean() / V[long_][1].mean()) / (V[short][0].mean() / V[short][1].mean()))
+            low, high = torch.tensor(boot, dtype=torch.float64).nanquantile(
+                torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+            grow = reporting.Estimate(value, low, high, math.nan, nb, "blocks")
+            out.append(reporting.Verdict(
+                "OTB's variance advantage grows with the response length", "OTB §5.3",
+                "the gain of token-level baselines grows with the horizon",
+                f"(OTB/RLOO at {lengths[long_]:.0f} tokens) / (OTB/RLOO at {lengths[short]:.0f} tokens) = {grow}",
+                "bootstrap CI (independent samples per length) below 1 reproduces, above 1 does not, else "
+                "inconclusive", "reproduces" if high < 1 else "does not reproduce" if low > 1 else "inconclusive",
+                power))
+    if {"otb", "otb_isolated"} <= names:
+        est = pairs("otb", "otb_isolated")
+        wins, losses = _tally(list(est.values()))
+        out.append(reporting.Verdict(
+            "Cumulative energy (OTB) beats isolated per-token energy", "OTB App. C.7, F.5",
+            "cumulative W_t argued over isolated w_t",
+            "; ".join(f"{lengths[d]:.0f} tokens: OTB/isolated {e}" for d, e in est.items()),
+            "per length a paired CI below 1 is a win, above 1 a loss; all wins reproduces, some partly, none with "
+            "a loss does not, else inconclusive", _win_outcome(wins, losses, len(est)), power))
+    if {"maxpo", "ei"} <= names:
+        est = pairs("maxpo", "ei")
+        wins, losses = _tally(list(est.values()))
+        stars = "; ".join(f"{lengths[int(d)]:.0f} tokens: b* {b['b_star']:.3f} vs mean reward "
+                          f"{b['reward_mean_pooled']:.3f}" for d, b in summary["baselines"].items())
+        out.append(reporting.Verdict(
+            "MaxPO (EI − L2O) lowers the exact gradient variance versus raw EI", "MaxPO §3.2, §5.2.3",
+            "77.4% lower (Adam proxy, Llama-3.2-3B)",
+            "; ".join(f"{lengths[d]:.0f} tokens: MaxPO/EI {e}" for d, e in est.items()),
+            "per length a paired CI below 1 is a win, above 1 a loss; all wins reproduces, some partly, none with "
+            "a loss does not, else inconclusive", _win_outcome(wins, losses, len(est)), power,
+            f"The variance-optimal baseline b* = ΣRW/ΣW against the mean reward — {stars}: a baseline built from "
+            "rewards alone (L2O) sits above b* when incorrect responses carry most of the gradient energy."))
     return out
 
 
-def consistency_check(rows: list[reporting.Row]) -> str:
+def consistency_check(rows: list[reporting.Row], group_size: int) -> str:
     """dr_grpo's advantage is exactly (N−1)/N × RLOO's, so its variance ratio must be ((N−1)/N)²."""
-    pairs = [(r["group_size"], r["ratio_to_rloo"]) for r in rows if r["estimator"] == "dr_grpo"]
+    pairs = [(r["digits"], r["ratio_to_rloo"]) for r in rows if r["estimator"] == "dr_grpo"]
     if not pairs:
         return ""
-    return ("Check: `dr_grpo` = (N−1)/N · `rloo` exactly, so its ratio must be ((N−1)/N)²: " + ", ".join(
-        f"N={N}: measured {ratio:.4f}, expected {((N - 1) / N) ** 2:.4f}" for N, ratio in pairs) + ".\n")
+    expected = ((group_size - 1) / group_size) ** 2
+    return ("Check: `dr_grpo` = (N−1)/N · `rloo` exactly, so its ratio must be ((N−1)/N)² = "
+            f"{expected:.4f}: measured " + ", ".join(f"{ratio:.4f} ({d} digits)" for d, ratio in pairs) + ".\n")
 
 
 def report(out_dir: Path, figure_path: str) -> str:
@@ -320,31 +391,25 @@ def report(out_dir: Path, figure_path: str) -> str:
     rows = reporting.read_csv(out_dir / "variance.csv")
     summary = reporting.read_json(out_dir / "summary.json")
     cfg = summary["config"]
-    lines = ["## OTB: exact gradient variance of every estimator (OTB §5.3, §6.3)\n",
-             f"Setting: `builtin:tiny` ({summary['parameters']:,} parameters) warm-started on `{cfg['task']}` "
-             f"(digits={cfg['digits']}, scratchpad responses up to {cfg['max_new_tokens']} tokens) to "
-             f"{cfg['warm_start_accuracy']:.0%} sampled accuracy and held fixed; {cfg['groups']} groups per N "
-             f"(mean reward {summary['reward_mean']:.2f}), blocks of {cfg['block']} groups, exact per-group gradients "
-             f"of all {summary['parameters']:,} parameters (token-mean normaliser), max@K rows with K={cfg['k']}, each at its definition's scale: "
-             + "; ".join(f"`{n}` = {t}" for n, t in MAXK_SCALING.items()) + ". "
-             "95% bootstrap CIs over blocks; ratios are paired (same responses for every estimator). "
-             "`grpo` divides by the group std, so its gradient has a different scale — its ratio mixes scale "
-             "and noise; maxpo, ei and pkpo estimate the max@K gradient, a different objective, so compare them with "
-             "each other rather than with RLOO.\n", f"![grad variance]({figure_path})\n",
-             "Variance ratio to RLOO (95% CI):\n"]
-    table = [{**r, "ratio (CI)": f"{r['ratio_to_rloo']:.3f} [{r['ratio_low']:.3f}, {r['ratio_high']:.3f}]"}
-             for r in rows]
-    for row in table:
-        row["cell"] = row["ratio (CI)"]
-    lines.append(reporting.pivot_table(table, "estimator", "group_size", "cell"))
+    lines = ["## Exact gradient variance against the response length (OTB §5.3, §6; MaxPO §3.2)\n",
+             f"Setting: `builtin:tiny` ({summary['parameters']:,} parameters) warm-started on `{cfg['task']}` with a "
+             f"scratchpad at digits {list(cfg['digits'])} to sampled accuracy {list(cfg['warm_start_accuracy'])} "
+             f"(warm start capped at {cfg['warm_start_max_steps']} steps) and held fixed; N = {cfg['group_size']}, "
+             f"{cfg['groups']} groups per length in blocks of {cfg['block']}, exact per-group gradients of all "
+             "parameters (token-mean normaliser), the same responses for every estimator (paired); max@K rows with "
+             f"K = {cfg['k']}, each at its definition's scale: "
+             + "; ".join(f"`{n}` = {t}" for n, t in MAXK_SCALING.items() if n in cfg["estimators"]) + ". "
+             "95% bootstrap CIs over blocks. MaxPO and EI estimate the max@K gradient, a different objective, so "
+             "compare them with each other rather than with RLOO.\n", f"![grad variance]({figure_path})\n",
+             "Variance ratio to RLOO (95% CI), by mean response length:\n"]
+    table = [{**r, "length": f"{r['response_len']:.0f} tokens ({r['digits']} digits)",
+              "cell": f"{r['ratio_to_rloo']:.3f} [{r['ratio_low']:.3f}, {r['ratio_high']:.3f}]"} for r in rows]
+    lines.append(reporting.pivot_table(table, "estimator", "length", "cell"))
     lines.append("\nAbsolute tr Cov(ĝ):\n")
-    lines.append(reporting.pivot_table(rows, "estimator", "group_size", "variance"))
-    lines.append(consistency_check(rows))
-    if "b_star" in summary:
-        lines.append(f"Variance-optimal sequence baseline b* = ΣRW/ΣW = {summary['b_star']:.3f} against the mean "
-                     f"reward {summary['reward_mean_pooled']:.3f} (pooled over all groups); incorrect responses carry "
-                     f"{summary['energy_wrong_over_correct']:.1f}× the gradient energy Ŵ of correct ones. A baseline "
-                     "built from rewards alone (the group mean, RLOO, L2O) sits far above b* here, which is why "
-                     "energy-weighted baselines win and why L2O can lose to EI-only in this setting.\n")
-    lines += [reporting.verdict_line(*v) for v in verdicts(rows)]
-    return "\n".join(lines)
+    lines.append(reporting.pivot_table(table, "estimator", "length", "variance"))
+    lines.append(consistency_check(rows, cfg["group_size"]))
+    for d, b in summary["baselines"].items():
+        lines.append(f"- {d} digits: b* = ΣRW/ΣW = {b['b_star']:.3f} against the mean reward "
+                     f"{b['reward_mean_pooled']:.3f}; incorrect responses carry {b['energy_wrong_over_correct']:.1f}× "
+                     "the gradient energy Ŵ of correct ones.")
+    return "\n".join(lines) + "\n"

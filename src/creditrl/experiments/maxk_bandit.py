@@ -14,6 +14,7 @@ instances × batches × group members through ``creditrl.maxk_quantities``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -181,7 +182,8 @@ def variance_sweep(cfg: BanditConfig, generator: torch.Generator, *, over: str) 
         for name in ESTIMATORS:
             mean, se = reporting.mean_se(var[name])
             rows.append({"estimator": name, "num_actions": n, "k": k, "variance": mean, "variance_se": se,
-                         "ratio_to_ei": mean / ei_mean})
+                         "ratio_to_ei": mean / ei_mean,
+                         "instances": " ".join(f"{v:.9g}" for v in var[name].tolist())})  # paired CIs
     return rows
 
 
@@ -259,44 +261,76 @@ def plot(out_dir: Path) -> Path:
     return reporting.save_figure(fig, out_dir / "maxk_bandit.png")
 
 
-def verdicts(summary: dict) -> list[tuple[str, str, str]]:
-    """(claim, outcome, why) decided from the numbers by fixed rules stated in the text."""
+def ratio_to_ei(rows: list[reporting.Row], key: str, value: int, name: str, n_boot: int) -> reporting.Estimate:
+    """Var(name)/Var(EI) at ``key = value`` with a paired bootstrap CI over instances."""
+    pick = {r["estimator"]: r for r in rows if r[key] == value}
+    a = torch.tensor([float(v) for v in str(pick[name]["instances"]).split()], dtype=torch.float64)
+    b = torch.tensor([float(v) for v in str(pick["EI"]["instances"]).split()], dtype=torch.float64)
+    low, high = reporting.bootstrap_ci(lambda idx: a[idx].mean(-1) / b[idx].mean(-1), a.numel(), n_boot=n_boot,
+                                       generator=torch.Generator().manual_seed(0))
+    return reporting.Estimate(float(a.mean() / b.mean()), float(low), float(high), math.nan, a.numel(), "instances")
+
+
+def verdicts(out_dir: Path) -> list[reporting.Verdict]:
+    """The three claims, decided from the CSVs by the fixed rules stated in each verdict."""
+    out_dir = Path(out_dir)
+    summary = summarize(out_dir)
+    cfg = reporting.read_json(out_dir / "summary.json").get("config") or {}
     slope, tail, final = summary["slope"], summary["last_decade_slope"], summary["final_error"]
     unbiased_fall = all(slope[e] < -0.4 for e in ("EI", "EI+L2O"))
     l1o_plateau = tail["EI+L1O"] > -0.25 and final["EI+L1O"] > 2 * final["EI+L2O"]
     outcome = "reproduces" if unbiased_fall and l1o_plateau else "partly" if (unbiased_fall or l1o_plateau) else "does not reproduce"
-    out = [("L2O keeps the max@K gradient unbiased, L1O biases it", outcome,
-            f"Log-log slopes of the error: EI {slope['EI']:.2f}, EI+L2O {slope['EI+L2O']:.2f} (unbiased: −0.5); "
-            f"EI+L1O slope over the last decade {tail['EI+L1O']:.2f} with final error "
-            f"{final['EI+L1O']:.3g} vs {final['EI+L2O']:.3g} for EI+L2O (rule: EI/L2O slope < −0.4; L1O tail slope > −0.25 "
-            "and final error > 2× L2O).")]
-    by_n = {int(n): v for n, v in summary["l2o_ratio_vs_actions"].items()}
-    ns = sorted(by_n)
-    below = all(by_n[n] < 1 for n in ns)
-    grows = by_n[ns[-1]] < by_n[ns[0]]
-    outcome = "reproduces" if below and grows else "partly" if below or grows else "does not reproduce"
-    out.append(("L2O lowers the variance versus EI, more so with more actions", outcome,
-                "Var(EI+L2O)/Var(EI) by n: " + ", ".join(f"n={n}: {by_n[n]:.3f}" for n in ns) +
-                " (rule: all < 1 and smaller at the largest n than at the smallest)." +
-                ("" if below else f" With n = {ns[0]} actions most batches repeat the same actions, EI is often 0 "
-                 "and has little variance to remove, so the noise of the L2O baseline dominates.")))
-    by_k = {int(k): v for k, v in summary["l2o_ratio_vs_k"].items()}
-    ks = sorted(by_k)
-    best = min(ks, key=lambda k: by_k[k])
-    interior = ks[0] < best < ks[-1]
-    out.append(("L2O helps most at moderate K", "reproduces" if interior else "does not reproduce",
-                "Rule: the largest reduction lies strictly inside the K sweep. Var(EI+L2O)/Var(EI) by K: " + ", ".join(f"K={k}: {by_k[k]:.3f}" for k in ks) +
-                f"; the largest reduction is at K={best}" +
-                (f"; L2O raises the variance above EI at K = {', '.join(str(k) for k in ks if by_k[k] > 1.005)}"
-                 if any(by_k[k] > 1.005 for k in ks) else "") + ("" if interior else
-                " — an end of the sweep, not a moderate K (at K=1 L2O is RLOO against REINFORCE, "
-                "so the comparison there measures centring of the raw reward, not the max@K comparator budget)") + "."))
+    bias = {r["estimator"]: r for r in reporting.read_csv(out_dir / "bias.csv") if r["batches"] == max(
+        r2["batches"] for r2 in reporting.read_csv(out_dir / "bias.csv"))}
+    out = [reporting.Verdict(
+        "L2O keeps the max@K gradient unbiased, L1O biases it", "MaxPO §5.1, App. G.1",
+        "L2O unbiased, L1O biased",
+        f"error-decay slopes EI {slope['EI']:.2f}, EI+L2O {slope['EI+L2O']:.2f} (unbiased: −0.5); EI+L1O last-decade "
+        f"slope {tail['EI+L1O']:.2f}, final error {final['EI+L1O']:.3g} ± {2 * bias['EI+L1O']['error_se']:.2g} vs "
+        f"{final['EI+L2O']:.3g} ± {2 * bias['EI+L2O']['error_se']:.2g} (±2 SE over instances)",
+        "EI/L2O slope < −0.4 and L1O tail slope > −0.25 with final error > 2× L2O's; one of the two: partly",
+        outcome, f"{cfg.get('seeds')} instances × up to {max(cfg.get('bias_batches') or [0])} batches")]
+    n_boot = 2000
+    var_n = reporting.read_csv(out_dir / "variance_actions.csv")
+    ns = sorted({r["num_actions"] for r in var_n})
+    by_n = {n: ratio_to_ei(var_n, "num_actions", n, "EI+L2O", n_boot) for n in ns}
+    below = [n for n in ns if by_n[n].high < 1]
+    above = [n for n in ns if by_n[n].low > 1]
+    grows = by_n[ns[-1]].high < by_n[ns[0]].low
+    outcome = ("reproduces" if len(below) == len(ns) - (ns[0] <= 2) and grows else "partly" if below else
+               "does not reproduce" if above else "inconclusive")
+    out.append(reporting.Verdict(
+        "L2O lowers the variance versus EI, more so with more actions", "MaxPO §5.1, App. G.1",
+        "variance ratios consistently below 1 (maze G.2.2)",
+        "Var(EI+L2O)/Var(EI) " + ", ".join(f"n={n}: {by_n[n]}" for n in ns),
+        "paired bootstrap CIs over instances: below 1 at every n > 2 and the largest n's CI below the smallest n's "
+        "reproduces; below 1 somewhere: partly; nowhere and above 1 somewhere: does not; else inconclusive", outcome,
+        f"{cfg.get('seeds')} instances × {cfg.get('variance_batches')} batches per point",
+        "" if not above else f"L2O raises the variance at n = {', '.join(map(str, above))}: with few actions most "
+        "batches repeat the same actions and EI has little variance to remove."))
+    var_k = reporting.read_csv(out_dir / "variance_k.csv")
+    ks = sorted({r["k"] for r in var_k})
+    by_k = {k: ratio_to_ei(var_k, "k", k, "EI+L2O", n_boot) for k in ks}
+    best = min(ks, key=lambda k: by_k[k].value)
+    raises = [k for k in ks if by_k[k].low > 1]
+    interior = ks[0] < best < ks[-1] and by_k[best].high < 1
+    fades = all(by_k[k].low > by_k[best].high for k in (ks[0], ks[-1]))
+    outcome = ("reproduces" if interior and fades else "partly" if interior else
+               "does not reproduce" if best in (ks[0], ks[-1]) else "inconclusive")
+    out.append(reporting.Verdict(
+        "L2O helps most at moderate K", "MaxPO §5.1", "L2O is most effective for moderate K",
+        "Var(EI+L2O)/Var(EI) " + ", ".join(f"K={k}: {by_k[k]}" for k in ks) + f"; smallest at K={best}",
+        "the smallest ratio at an interior K with its CI below 1 and both end ratios' CIs above it reproduces; "
+        "interior but not separated: partly; at an end of the sweep: does not", outcome,
+        f"{cfg.get('seeds')} paired instances × {cfg.get('variance_batches')} batches per K",
+        (f"L2O raises the variance above EI at K = {', '.join(map(str, raises))} (CI above 1)." if raises else "")
+        + (" At K=1 L2O is RLOO against REINFORCE, so that end measures centring of the raw reward." if ks[0] == 1
+           else "")))
     return out
 
 
 def report(out_dir: Path, figure_path: str) -> str:
     """The Markdown section of docs/results.md, built from the CSVs in ``out_dir``."""
-    summary = summarize(Path(out_dir))
     cfg = reporting.read_json(Path(out_dir) / "summary.json").get("config") or {}
     lines = ["## MaxPO: bias and variance of max@K gradients on softmax bandits (MaxPO §5.1, App. G.1)\n",
              f"Setting: {cfg.get('seeds')} random instances (rewards, logits ~ N(0,1)), N = {cfg.get('group_size')} "
@@ -310,5 +344,4 @@ def report(out_dir: Path, figure_path: str) -> str:
     for file, key in (("variance_actions.csv", "num_actions"), ("variance_k.csv", "k")):
         lines.append(reporting.pivot_table(reporting.read_csv(Path(out_dir) / file), key, "estimator", "ratio_to_ei"))
         lines.append("")
-    lines += [reporting.verdict_line(*v) for v in verdicts(summary)]
     return "\n".join(lines)

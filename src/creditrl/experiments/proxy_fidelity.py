@@ -11,6 +11,7 @@ with the length |y| (OPO's proxy).
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,10 +29,12 @@ class ProxyFidelityConfig:
     task: str = "multiplication"
     digits: int = 2
     warm_start_accuracy: float = 0.3     # same checkpoint as grad-variance (shared warm-start cache)
+    warm_start_max_steps: int = 800
     groups: int = 8
     group_size: int = 8
     max_new_tokens: int = 40
     temperature: float = 1.0
+    bootstrap: int = 1000
     threads: int = 1                     # torch CPU threads (see creditrl._runtime.torch_threads)
     seed: int = 0
 
@@ -133,7 +136,8 @@ def correlations(token_rows: list[reporting.Row], response_rows: list[reporting.
 def run(cfg: ProxyFidelityConfig, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
-        task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy)
+        task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy, cfg.seed,
+                                                         cfg.warm_start_max_steps)
         torch.manual_seed(cfg.seed)
         token_rows, response_rows = measure(cfg, model, params, task, tokenizer)
     reporting.write_csv(out_dir / "tokens.csv", token_rows)
@@ -163,20 +167,37 @@ def plot(out_dir: Path, summary: dict) -> Path:
     return reporting.save_figure(fig, out_dir / "proxy_fidelity.png")
 
 
-def verdicts(s: dict) -> list[tuple[str, str, str]]:
-    rho = s["token_spearman"]
-    outcome = "reproduces" if rho >= 0.5 else "partly" if rho >= 0.2 else "does not reproduce"
-    out = [("The logit-gradient proxy ŵ_t tracks the true per-token gradient norm", outcome,
-            f"Over {s['tokens']} tokens: Spearman {rho:.2f}, Pearson {s['token_pearson']:.2f} "
-            f"(log-log Pearson {s['token_pearson_log']:.2f}); rule: Spearman ≥ 0.5 reproduces, ≥ 0.2 partly.")]
-    a, b = s["group_spearman_energy_vs_proxy"], s["group_spearman_energy_vs_length"]
-    outcome = "reproduces" if a > b else "does not reproduce"
-    out.append(("Σ_t ŵ_t ranks responses' gradient energy better than the length (OTB §6.4 vs OPO)", outcome,
-                f"Mean within-group Spearman with the true W: Σŵ {a:.2f} vs length {b:.2f} "
-                f"(with ‖Σ_t ∇ log π‖² instead of W: Σŵ {s['group_spearman_seqnorm_vs_proxy']:.2f} vs length "
-                f"{s['group_spearman_seqnorm_vs_length']:.2f}). Scratchpad responses of one prompt have similar "
-                "lengths, which limits what the length can explain."))
-    return out
+def token_spearman_ci(out_dir: Path, n_boot: int) -> reporting.Estimate:
+    """Pooled token-level Spearman(ŵ_t, true norm) with a bootstrap CI over responses (the tokens
+    of one response are not independent, so responses are the resampled unit)."""
+    tokens = reporting.read_csv(out_dir / "tokens.csv")
+    by_resp = list(reporting.group_rows(tokens, "response").values())
+    true = [torch.tensor([t["true_sq_norm"] for t in r], dtype=torch.float64) for r in by_resp]
+    proxy = [torch.tensor([t["proxy"] for t in r], dtype=torch.float64) for r in by_resp]
+    gen = torch.Generator().manual_seed(0)
+    boots = []
+    for _ in range(n_boot):
+        idx = torch.randint(0, len(by_resp), (len(by_resp),), generator=gen).tolist()
+        boots.append(spearman(torch.cat([true[i] for i in idx]), torch.cat([proxy[i] for i in idx])))
+    low, high = torch.tensor(boots, dtype=torch.float64).nanquantile(torch.tensor([0.025, 0.975],
+                                                                                  dtype=torch.float64)).tolist()
+    return reporting.Estimate(spearman(torch.cat(true), torch.cat(proxy)), low, high, math.nan, len(by_resp),
+                              "responses")
+
+
+def verdicts(out_dir: Path) -> list[reporting.Verdict]:
+    out_dir = Path(out_dir)
+    s = reporting.read_json(out_dir / "summary.json")
+    rho = token_spearman_ci(out_dir, s["config"]["bootstrap"])
+    outcome = ("reproduces" if rho.low >= 0.5 else "does not reproduce" if rho.high < 0.2 else
+               "partly" if rho.low >= 0.2 else "inconclusive")
+    return [reporting.Verdict(
+        "The logit-gradient proxy ŵ_t tracks the true per-token gradient norm", "OTB §5.3, eq. 7",
+        "‖s_t‖² ∝ ‖δ_t‖² (argued, no correlation reported)",
+        f"Spearman over {s['tokens']} tokens {rho} (Pearson {s['token_pearson']:.2f}, log-log "
+        f"{s['token_pearson_log']:.2f})",
+        "bootstrap CI over responses: low end ≥ 0.5 reproduces, ≥ 0.2 partly, high end < 0.2 does not, else "
+        "inconclusive", outcome, f"{rho.n} responses")]
 
 
 def report(out_dir: Path, figure_path: str) -> str:
@@ -186,8 +207,10 @@ def report(out_dir: Path, figure_path: str) -> str:
              f"Setting: the `grad-variance` checkpoint (`{cfg['task']}`, digits={cfg['digits']}); {cfg['groups']} "
              f"groups × {cfg['group_size']} sampled responses, {s['tokens']} response tokens, each with the exact "
              "squared norm of its full-parameter gradient.\n", f"![proxy fidelity]({figure_path})\n",
-             reporting.markdown_table([{"quantity": k, "value": v} for k, v in s.items() if k != "config"]), ""]
-    lines += [reporting.verdict_line(*v) for v in verdicts(s)]
+             reporting.markdown_table([{"quantity": k, "value": v} for k, v in s.items() if k != "config"]), "",
+             "The within-group comparison of Σŵ with the length is descriptive only here: scratchpad responses of "
+             "one prompt have nearly the same length, so the energy-vs-length claim is tested on SmolLM2's chat "
+             "answers (`real-model`).\n"]
     lines.append(floor_note(Path(out_dir)))
     return "\n".join(lines)
 

@@ -88,3 +88,23 @@ def variance_proxy(sample_grads: Tensor) -> dict[str, float]:
     signal = grads.mean(dim=0).square().sum()
     return {"total_power": float(total), "signal": float(signal),
             "variance": float((total - signal) / (grads.shape[0] - 1))}
+
+
+def adam_moment_variance(optimizer: torch.optim.Optimizer) -> float:
+    """The MaxPO paper's gradient-variance proxy Σ_θ (v̂ − m̂²) from Adam's moments (MaxPO §5.2.3).
+
+    m̂ = m / (1 − β1^t) and v̂ = v / (1 − β2^t) are the bias-corrected running first and second
+    moments of each coordinate's gradient, so v̂ − m̂² estimates its variance over recent steps;
+    the sum runs over every parameter with Adam state. 0.0 before the first step."""
+    total = 0.0
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if "exp_avg" not in state:
+                continue
+            t = float(state["step"])
+            m_hat = state["exp_avg"].double() / (1.0 - beta1 ** t)
+            v_hat = state["exp_avg_sq"].double() / (1.0 - beta2 ** t)
+            total += float((v_hat - m_hat * m_hat).sum())
+    return total

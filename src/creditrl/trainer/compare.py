@@ -29,7 +29,8 @@ PANELS = (  # (metric, x axis) of the report figure
     ("reward_mean", "step"), ("reward_mean", "tokens_total"), ("accuracy", "step"), ("accuracy", "tokens_total"),
     ("entropy", "step"), ("grad_norm", "step"), ("power_proxy", "step"), ("greedy_acc", "tokens_total"),
 )
-FINAL_TRAIN = ("reward_mean", "accuracy", "entropy", "grad_norm", "power_proxy", "spurious_ratio", "response_len")
+FINAL_TRAIN = ("reward_mean", "accuracy", "entropy", "grad_norm", "power_proxy", "adam_variance", "spurious_ratio",
+               "response_len")
 EVAL_METRICS = ("greedy_acc",)
 RECIPE_FILE = "compare_recipe.json"  # base config + overrides a run was trained with (reuse check)  # held-out metrics whose curve is read from eval.jsonl
 

@@ -205,6 +205,7 @@ class Learner:
         """One train step on ``batch``; returns the step's metrics (floats) and stores the
         advantages [B,L] on ``batch.advantages``."""
         from creditrl import compute_advantages, policy_loss, power_proxy
+        from creditrl.losses.diagnostics import adam_moment_variance
 
         cfg, p = self.cfg, batch.prompt_len
         t = {k: getattr(batch, k).to(self.device) for k in TENSOR_FIELDS}  # "group" lets prompts be shared
@@ -287,5 +288,6 @@ class Learner:
             clipped_frac=float(1.0 - batch.stopped.float().mean()), skipped_updates=skipped,
             reward_invalid_frac=0.0 if batch.reward_invalid is None else float(batch.reward_invalid.float().mean()),
             entropy=masked_mean_std(entropy, mask)[0], adv_mean=adv_mean, adv_std=adv_std,
-            power_proxy=power_proxy(advantages, energy, mask), lr=lr)
+            power_proxy=power_proxy(advantages, energy, mask), adam_variance=adam_moment_variance(self.optimizer),
+            lr=lr)
         return out
