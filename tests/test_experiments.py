@@ -146,8 +146,9 @@ def test_maxk_bandit_fast_preset(fast_root, tmp_path):
     rows = reporting.read_csv(tmp_path / "a" / "variance_actions.csv") + reporting.read_csv(tmp_path / "a" / "variance_k.csv")
     assert all(math.isfinite(r["variance"]) and r["variance"] > 0 for r in rows)
     assert (tmp_path / "a" / "maxk_bandit.png").stat().st_size > 0
-    section = mb.report(tmp_path / "a", "figures/maxk_bandit.png")
-    assert "reproduces" in section and "figures/maxk_bandit.png" in section
+    assert "figures/maxk_bandit.png" in mb.report(tmp_path / "a", "figures/maxk_bandit.png")
+    first = mb.verdicts(tmp_path / "a")[0]
+    assert first.outcome == "reproduces" and "slope" in first.ours
     # reproducible with a seed; a different seed gives different numbers
     small = dict(bias_batches=(10, 100), variance_batches=20, actions_sweep=(4,), k_sweep=(2,))
     cfg = mb.BanditConfig(seeds=3, num_actions=8, group_size=4, k=2, **small)
@@ -173,8 +174,8 @@ def test_experiment_cli_errors(tmp_path, capsys):
     assert experiments.main(["grad-variance", "--out", str(tmp_path), "temperature=nan"]) == 2
     assert "temperature: expected a finite number" in capsys.readouterr().err
     # 'all' checks every experiment's config before the first one runs
-    assert experiments.main(["all", "--out", str(tmp_path), "group_sizes=[4]"]) == 2
-    assert "group_sizes: unknown key" in capsys.readouterr().err and not any(tmp_path.iterdir())
+    assert experiments.main(["all", "--out", str(tmp_path), "k_sweep=[2]"]) == 2
+    assert "k_sweep: unknown key" in capsys.readouterr().err and not any(tmp_path.iterdir())
     with pytest.raises(SystemExit):
         experiments.main(["no-such-experiment"])
     with pytest.raises(ValueError, match="valid names"):
@@ -350,9 +351,13 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
         if r["estimator"] == "rloo":
             assert r["ratio_to_rloo"] == 1.0
     assert any(r["variance"] > 0 for r in rows)  # the checkpoint gives non-degenerate groups
-    assert "OTB lowers" in gv.report(tmp_path / "a", "figures/grad_variance.png")
-    small = dataclasses.replace(gv.PRESETS["fast"], group_sizes=(4,), groups=4, block=2,
-                                estimators=("rloo", "otb"), bootstrap=50)
+    assert "dr_grpo" in gv.report(tmp_path / "a", "figures/grad_variance.png")
+    claims = {v.claim: v for v in gv.verdicts(tmp_path / "a")}
+    assert "OTB lowers the exact gradient variance versus DR_GRPO/RLOO" in claims
+    assert all(v.outcome in reporting.OUTCOMES and "[" in v.ours for v in claims.values())
+    with pytest.raises(ValueError, match="warm_start_accuracy: expected one accuracy per digits"):
+        gv.run(dataclasses.replace(gv.PRESETS["fast"], digits=(1, 2)), tmp_path / "x")
+    small = dataclasses.replace(gv.PRESETS["fast"], groups=4, block=2, estimators=("rloo", "otb"), bootstrap=50)
     gv.run(small, tmp_path / "b")
     gv.run(small, tmp_path / "c")
     assert (tmp_path / "b" / "blocks.csv").read_text() == (tmp_path / "c" / "blocks.csv").read_text()
@@ -367,43 +372,85 @@ def test_proxy_fidelity_fast_preset(fast_root):
     assert math.isfinite(summary["token_spearman"]) and -1 <= summary["token_spearman"] <= 1
     tokens = reporting.read_csv(tmp_path / "tokens.csv")
     assert all(r["true_sq_norm"] >= 0 and 0 <= r["proxy"] <= 2 for r in tokens)  # ŵ = 1 − 2π + Σπ² ∈ [0, 2]
-    assert "Spearman" in pf.report(tmp_path, "figures/proxy_fidelity.png")
+    assert "token_spearman" in pf.report(tmp_path, "figures/proxy_fidelity.png")
+    (verdict,) = pf.verdicts(tmp_path)
+    rho = pf.token_spearman_ci(tmp_path, 200)
+    assert rho.low <= rho.value <= rho.high and verdict.outcome in reporting.OUTCOMES
 
 
 @pytest.mark.slow
 def test_learning_curves_fast_preset(fast_root):
-    """Real trainer runs through ``creditrl compare``: every run and seed finished, metrics finite,
-    N=16 generates more tokens than N=4, the verdicts are computed from the numbers."""
+    """Real trainer runs through ``creditrl compare``: the LR pilot picks from the grid, every run
+    and seed finished with finite metrics (the Adam proxy included), verdicts come from the numbers."""
     from creditrl.experiments import learning_curves as lc
 
     out = fast_run(fast_root, "learning-curves")
     cfg = lc.PRESETS["fast"]
-    for study in cfg.studies:
-        final = reporting.read_csv(out / study / "final.csv")
-        assert {r["run"] for r in final} == set(lc.STUDIES[study]["runs"])
-        assert all(r["steps"] == cfg.steps and math.isfinite(r["entropy"]) for r in final)
-    tokens = {r["run"]: r["tokens_total"] for r in reporting.read_csv(out / "otb-vs-grpo" / "final.csv")}
-    assert tokens["grpo-n16"] > 2 * tokens["grpo-n4"]
-    section = lc.report(out, "figures/learning_curves.png")
-    assert "OTB at N=4" in section and "MaxPO improves held-out pass@4" in section
+    rows = reporting.read_csv(out / "seeds.csv")
+    assert {(r["study"], r["run"]) for r in rows} == {(s, r) for s in cfg.studies for r in lc.STUDIES[s]["runs"]}
+    assert all(math.isfinite(r["adam_variance_end"]) and r["adam_variance_end"] >= 0 for r in rows)
+    assert set(reporting.read_json(out / "summary.json")["chosen_lr"].values()) <= set(cfg.lr_grid)
+    claims = [v.claim for v in lc.verdicts(out)]
+    assert claims[0] == "GRPO-λ learns faster than GRPO" and "MaxPO improves held-out pass@4" in claims[-1]
+    assert all(v.outcome == "inconclusive" for v in lc.verdicts(out))  # one seed: no interval
     with pytest.raises(ValueError, match="valid studies"):
-        lc.study_spec(cfg, "nope")
+        lc.run(lc.LearningCurvesConfig(studies=("nope",)), out / "x")
+
+
+@pytest.mark.slow
+def test_otb_stability_and_stapo_census_fast_presets(fast_root):
+    from creditrl.experiments import otb_stability as ots
+    from creditrl.experiments import stapo_census as sc
+
+    out = fast_run(fast_root, "otb-stability")
+    rows = reporting.read_csv(out / "seeds.csv")
+    assert {r["run"] for r in rows} == set(ots.RUNS)
+    tokens = {r["run"]: r["tokens"] for r in rows}
+    assert tokens["grpo-n16"] > 2 * tokens["grpo-n4"]
+    assert [v.outcome for v in ots.verdicts(out)] == ["inconclusive", "inconclusive"]  # 1 seed, no collapse
+    out = fast_run(fast_root, "stapo-census")
+    batches = reporting.read_csv(out / "batches.csv")
+    assert sum(b["tokens"] for b in batches) >= sc.PRESETS["fast"].census_tokens
+    tokens = reporting.read_csv(out / "tokens.csv")
+    assert tokens and all(r["grad_norm"] >= 0 and 0 <= r["prob"] <= 1 for r in tokens)
+    assert len(sc.verdicts(out)) == 3
 
 
 @pytest.mark.slow
 def test_results_report_from_fast_runs(fast_root, tmp_path):
-    """docs/results.md is assembled from the CSVs; figures are copied; missing ones are listed."""
+    """docs/results.md is assembled from the CSVs: the summary table lists every verdict, figures
+    are copied, a second run's verdicts are listed beside, missing experiments are named."""
     for name in experiments.EXPERIMENTS:
         fast_run(fast_root, name)
-    path = experiments.write_report(fast_root, tmp_path / "docs")
+    path = experiments.write_report(fast_root, tmp_path / "docs", check=fast_root)
     text = path.read_text()
     for name in experiments.EXPERIMENTS:
         png = name.replace("-", "_") + ".png"
         assert f"figures/{png}" in text and (tmp_path / "docs" / "figures" / png).stat().st_size > 0
-    assert text.count("**") >= 2 * 7  # every claim has a bold verdict
+        assert (fast_root / name / "environment.json").exists()
+    verdicts = [v for vs in experiments.collect_verdicts(fast_root).values() for v in vs]
+    head = text.split("## Reproducibility")[0]
+    assert all(f"| {v.claim} ({v.source}) |" in head for v in verdicts)
+    assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same run checked against itself
+    assert text.count("Rule: ") == len(verdicts) and text.count("Power: ") == len(verdicts)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "## Not run" in experiments.write_report(empty, tmp_path / "docs2").read_text()
+
+
+def test_real_model_fast_preset(fast_root):
+    from creditrl.experiments import real_model as rm
+
+    out = fast_run(fast_root, "real-model")
+    pairs = reporting.read_csv(out / "pairs.csv")
+    by = reporting.group_rows(pairs, "estimator")
+    assert set(by) == {"rloo", "otb", "dr_grpo"}
+    for a, b in zip(by["dr_grpo"], by["rloo"]):  # derived exactly: ((N-1)/N)^2 x RLOO's per pair
+        assert a["variance"] == pytest.approx(b["variance"] * (3 / 4) ** 2, rel=1e-12)
+    assert all(r["variance"] >= 0 for r in pairs)
+    assert len(rm.verdicts(out)) == 2
+    with pytest.raises(ValueError, match="variance_groups: expected an even number"):
+        rm.run(rm.RealModelConfig(variance_groups=3), out / "x")
 
 
 def test_dr_grpo_gradient_is_scaled_rloo(tiny_rollouts):

@@ -184,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, cfg in configs.items():
             out = root / name if args.name == "all" else args.out
             run_experiment(name, args.preset, out, cfg)
-        if args.name == "all":  # only the full preset may overwrite the published docs/results.md
-            print(f"[creditrl] wrote {write_report(root, args.docs if args.preset == 'full' else root)}")
+        if args.name == "all":  # only the full preset in its default place may overwrite docs/results.md
+            docs = args.docs if args.preset == "full" and args.out is None else root
+            print(f"[creditrl] wrote {write_report(root, docs)}")
     except ValueError as err:
         print(f"creditrl experiment: error: {err}", file=sys.stderr)
         return 2

@@ -1,0 +1,121 @@
+"""The pre-registered evidence rules: intervals, outcomes, the collapse rule and the Adam-moment
+variance proxy, each against a straightforward computation written here."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from creditrl import reporting
+from creditrl.experiments import studies
+from creditrl.losses.diagnostics import adam_moment_variance
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(-5, 5), st.floats(-5, 5)), min_size=2, max_size=30))
+def test_paired_difference_is_the_t_interval_of_the_differences(pairs):
+    a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+    est = reporting.paired_difference(a, b)
+    d = [x - y for x, y in pairs]
+    n = len(d)
+    mean = sum(d) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    t = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}.get(n - 1, reporting.t_quantile(n - 1))
+    assert est.value == pytest.approx(mean, abs=1e-12)
+    assert est.high - est.value == pytest.approx(t * sd / math.sqrt(n), abs=1e-9)
+    assert est.detectable == pytest.approx(2.8 * sd / math.sqrt(n), abs=1e-9)
+    assert est.low <= est.value <= est.high and est.n == n
+
+
+def test_paired_difference_edge_cases():
+    one = reporting.paired_difference([1.0], [0.0])
+    assert one.value == 1.0 and one.low == -math.inf and one.high == math.inf
+    assert reporting.interval_outcome(one) == "inconclusive"  # one seed never decides
+    assert math.isnan(reporting.paired_difference([math.nan], [0.0]).value)
+    with pytest.raises(ValueError, match="a, b: expected paired samples of equal length"):
+        reporting.paired_difference([1.0, 2.0], [1.0])
+    assert reporting.t_quantile(100) == 1.96 and reporting.t_quantile(0) == math.inf
+
+
+def test_interval_and_combined_outcomes():
+    est = lambda low, high: reporting.Estimate((low + high) / 2, low, high, 0.0, 5)  # noqa: E731
+    assert reporting.interval_outcome(est(0.1, 0.3)) == "reproduces"
+    assert reporting.interval_outcome(est(-0.3, -0.1)) == "does not reproduce"
+    assert reporting.interval_outcome(est(-0.1, 0.3)) == "inconclusive"
+    assert reporting.interval_outcome(est(-0.3, -0.1), "<") == "reproduces"
+    with pytest.raises(ValueError, match="claimed: expected"):
+        reporting.interval_outcome(est(0, 1), ">=")
+    assert reporting.combined_outcome(["reproduces", "reproduces"]) == "reproduces"
+    assert reporting.combined_outcome(["reproduces", "inconclusive"]) == "partly"
+    assert reporting.combined_outcome(["inconclusive", "does not reproduce"]) == "does not reproduce"
+    assert reporting.combined_outcome(["inconclusive"]) == "inconclusive"
+    assert reporting.combined_outcome([]) == "inconclusive"
+
+
+def test_verdict_validates_its_outcome_and_renders_rule_and_power():
+    with pytest.raises(ValueError, match="outcome: expected one of"):
+        reporting.Verdict("c", "§1", "p", "o", "r", "agrees", "pw")
+    v = reporting.Verdict("claim", "X §1", "paper 1", "ours 2 [1, 3]", "the rule", "inconclusive", "5 seeds", "why")
+    text = v.markdown()
+    assert text.startswith("**claim (X §1): inconclusive.**") and "Rule: the rule." in text and "Power: 5 seeds." in text
+    table = reporting.summary_table([v])
+    assert "| claim (X §1) | paper 1 | ours 2 [1, 3] | **inconclusive** |" in table
+
+
+def evals(accs):
+    return [{"step": 10 * i, "sampled_acc": a} for i, a in enumerate(accs)]
+
+
+def metrics(norms):
+    return [{"step": i + 1, "grad_norm": n} for i, n in enumerate(norms)]
+
+
+@pytest.mark.parametrize("accs, collapsed", [
+    ([0.3, 0.35, 0.19, 0.19], True),     # 0.16 below the running max twice
+    ([0.3, 0.35, 0.19, 0.30, 0.19], False),  # never twice in a row
+    ([0.3, 0.2, 0.16], False),           # 0.14 below: under the threshold
+    ([0.4, 0.25, 0.25], True),           # exactly 0.15 below counts
+])
+def test_collapse_accuracy_rule(accs, collapsed):
+    assert studies.collapse(evals(accs), metrics([1.0] * 20))["collapsed"] is collapsed
+
+
+def test_collapse_gradient_surge_rule():
+    norms = [1.0] * 10 + [5.0, 10.5]
+    out = studies.collapse(evals([0.3, 0.3]), metrics(norms))
+    assert out["collapsed"] and out["step"] == 12 and "gradient norm" in out["reason"]
+    assert not studies.collapse(evals([0.3, 0.3]), metrics([1.0] * 10 + [9.9]))["collapsed"]
+    assert not studies.collapse(evals([0.3]), metrics([0.0] * 12 + [5.0]))["collapsed"]  # zero median: no rule
+
+
+def test_second_half_mean_and_pairing():
+    ms = [{"accuracy": a} for a in (0.0, 0.0, 1.0, 0.5)]
+    assert studies.second_half_mean(ms) == 0.75
+    rows = [{"run": "a", "seed": 0, "x": 1.0}, {"run": "a", "seed": 1, "x": 3.0},
+            {"run": "b", "seed": 1, "x": 1.0}, {"run": "b", "seed": 0, "x": 0.0}]
+    est = studies.paired(rows, "a", "b", "x")
+    assert est.value == 1.5 and est.n == 2
+
+
+def test_adam_moment_variance_matches_a_loop_over_the_moments():
+    """Σ(v̂ − m̂²) from torch's Adam state equals the bias-corrected moments recomputed by hand."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 4, generator=gen))
+    b = torch.nn.Parameter(torch.randn(4, generator=gen))
+    opt = torch.optim.AdamW([w, b], lr=1e-2, betas=(0.8, 0.95))
+    assert adam_moment_variance(opt) == 0.0
+    grads = [(torch.randn(3, 4, generator=gen), torch.randn(4, generator=gen)) for _ in range(5)]
+    m = [torch.zeros(3, 4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)]
+    v = [torch.zeros(3, 4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)]
+    for gw, gb in grads:
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()
+        for i, g in enumerate((gw.double(), gb.double())):
+            m[i] = 0.8 * m[i] + 0.2 * g
+            v[i] = 0.95 * v[i] + 0.05 * g * g
+    t = len(grads)
+    expected = sum(float((vi / (1 - 0.95 ** t) - (mi / (1 - 0.8 ** t)) ** 2).sum()) for mi, vi in zip(m, v))
+    assert adam_moment_variance(opt) == pytest.approx(expected, rel=1e-5)
