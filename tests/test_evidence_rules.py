@@ -119,3 +119,24 @@ def test_adam_moment_variance_matches_a_loop_over_the_moments():
     t = len(grads)
     expected = sum(float((vi / (1 - 0.95 ** t) - (mi / (1 - 0.8 ** t)) ** 2).sum()) for mi, vi in zip(m, v))
     assert adam_moment_variance(opt) == pytest.approx(expected, rel=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10)), min_size=2, max_size=20))
+def test_paired_ratio_resamples_pairs_together(pairs):
+    a = [p[0] for p in pairs]
+    est = reporting.paired_ratio(a, a, n_boot=200)  # a unit paired with itself: every resample gives 1
+    assert est.value == pytest.approx(1.0) and est.low == pytest.approx(1.0) and est.high == pytest.approx(1.0)
+    b = [p[1] for p in pairs]
+    est = reporting.paired_ratio(a, b, n_boot=200)
+    assert est.value == pytest.approx(sum(a) / sum(b), rel=1e-12)
+    # the percentile interval lies within the range of per-resample ratios, which is bounded by unit ratios
+    ratios = [x / y for x, y in pairs]
+    assert min(ratios) - 1e-12 <= est.low <= est.high <= max(ratios) + 1e-12
+
+
+def test_paired_ratio_degenerate_inputs():
+    assert math.isnan(reporting.paired_ratio([], []).value)
+    assert math.isnan(reporting.paired_ratio([1.0, 2.0], [0.0, 0.0]).value)
+    with pytest.raises(ValueError, match="a, b: expected paired samples of equal length"):
+        reporting.paired_ratio([1.0], [1.0, 2.0])

@@ -186,6 +186,23 @@ def paired_difference(a: Sequence[float], b: Sequence[float], unit: str = "seeds
     return Estimate(mean, mean - half, mean + half, POWER_FACTOR * se, len(d), unit)
 
 
+def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_boot: int = 2000,
+                 unit: str = "seeds", seed: int = 0) -> Estimate:
+    """mean(a) / mean(b) over paired units (same seed, block or instance) with a paired percentile
+    bootstrap CI: each resample draws units, keeping a_i with b_i. Resamples whose denominator is 0
+    are dropped (NaN ratio); an empty or zero-denominator sample gives NaN."""
+    a = torch.as_tensor(a, dtype=torch.float64).flatten()
+    b = torch.as_tensor(b, dtype=torch.float64).flatten()
+    if a.shape != b.shape:
+        raise ValueError(f"a, b: expected paired samples of equal length, got {a.numel()} and {b.numel()}")
+    if a.numel() == 0 or float(b.sum()) == 0.0:
+        return Estimate(math.nan, math.nan, math.nan, math.nan, a.numel(), unit)
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    low, high = bootstrap_ci(lambda idx: a[idx].sum(-1) / b[idx].sum(-1).where(b[idx].sum(-1) != 0, nan),
+                             a.numel(), n_boot=n_boot, generator=torch.Generator().manual_seed(seed))
+    return Estimate(float(a.sum() / b.sum()), float(low), float(high), math.nan, a.numel(), unit)
+
+
 def interval_outcome(est: Estimate, claimed: str = ">") -> str:
     """The fixed rule for one effect whose claimed sign is ``claimed`` ('>' above 0, '<' below 0):
     reproduces if the 95% interval lies on the claimed side of 0, does not reproduce if on the other,

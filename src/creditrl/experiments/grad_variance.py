@@ -203,14 +203,10 @@ def block_matrix(block_rows: list[reporting.Row], digits: int, names: list[str])
     return torch.tensor([[r["variance"] for r in by_est[n]] for n in names], dtype=torch.float64)
 
 
-def paired_ratio(block_rows: list[reporting.Row], digits: int, a: str, b: str, n_boot: int,
-                 seed: int = 0) -> reporting.Estimate:
+def paired_ratio(block_rows: list[reporting.Row], digits: int, a: str, b: str, n_boot: int) -> reporting.Estimate:
     """tr Cov(a) / tr Cov(b) at one length with a paired bootstrap CI over blocks."""
     V = block_matrix(block_rows, digits, [a, b])
-    low, high = reporting.bootstrap_ci(lambda idx: V[0, idx].mean(-1) / V[1, idx].mean(-1), V.shape[1],
-                                       n_boot=n_boot, generator=torch.Generator().manual_seed(seed))
-    return reporting.Estimate(float(V[0].mean() / V[1].mean()), float(low), float(high), math.nan, V.shape[1],
-                              "blocks")
+    return reporting.paired_ratio(V[0], V[1], n_boot=n_boot, unit="blocks")
 
 
 def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reporting.Row], n_boot: int, seed: int,

@@ -19,11 +19,8 @@ paired bootstrap CI over seeds: high end < 1 reproduces, low end > 1 does not.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
 
 from creditrl import reporting
 from creditrl.experiments import studies
@@ -136,17 +133,6 @@ def plot(out_dir: Path, names: tuple[str, ...]) -> Path:
     return reporting.save_figure(fig, out_dir / "learning_curves.png")
 
 
-def _variance_ratio(rows: list[reporting.Row], n_boot: int) -> reporting.Estimate:
-    a = studies.by_seed(rows, "maxpo", "adam_variance_end")
-    b = studies.by_seed(rows, "ei", "adam_variance_end")
-    seeds = sorted(set(a) & set(b))
-    x = torch.tensor([a[s] for s in seeds], dtype=torch.float64)
-    y = torch.tensor([b[s] for s in seeds], dtype=torch.float64)
-    low, high = reporting.bootstrap_ci(lambda idx: x[idx].sum(-1) / y[idx].sum(-1), len(seeds), n_boot=n_boot,
-                                       generator=torch.Generator().manual_seed(0))
-    return reporting.Estimate(float(x.sum() / y.sum()), float(low), float(high), math.nan, len(seeds))
-
-
 def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     out_dir = Path(out_dir)
     summary = reporting.read_json(out_dir / "summary.json")
@@ -167,7 +153,7 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
             f"{gain.n} seeds; detectable ≥ {reporting.fmt(gain.detectable)} accuracy"))
     mk = [r for r in rows if r["study"] == "maxk"]
     if mk:
-        ratio = _variance_ratio(mk, cfg["bootstrap"])
+        ratio = studies.paired_ratio(mk, "maxpo", "ei", "adam_variance_end", cfg["bootstrap"])
         var_outcome = ("reproduces" if ratio.high < 1 else "does not reproduce" if ratio.low > 1 else "inconclusive")
         out.append(reporting.Verdict(
             "MaxPO's L2O baseline lowers the gradient variance versus raw EI during training", "MaxPO §5.2.3",

@@ -14,7 +14,6 @@ instances × batches × group members through ``creditrl.maxk_quantities``.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -266,9 +265,7 @@ def ratio_to_ei(rows: list[reporting.Row], key: str, value: int, name: str, n_bo
     pick = {r["estimator"]: r for r in rows if r[key] == value}
     a = torch.tensor([float(v) for v in str(pick[name]["instances"]).split()], dtype=torch.float64)
     b = torch.tensor([float(v) for v in str(pick["EI"]["instances"]).split()], dtype=torch.float64)
-    low, high = reporting.bootstrap_ci(lambda idx: a[idx].mean(-1) / b[idx].mean(-1), a.numel(), n_boot=n_boot,
-                                       generator=torch.Generator().manual_seed(0))
-    return reporting.Estimate(float(a.mean() / b.mean()), float(low), float(high), math.nan, a.numel(), "instances")
+    return reporting.paired_ratio(a, b, n_boot=n_boot, unit="instances")
 
 
 def verdicts(out_dir: Path) -> list[reporting.Verdict]:

@@ -25,8 +25,6 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from creditrl import reporting
 from creditrl.experiments import studies
 
@@ -98,21 +96,6 @@ def plot(out_dir: Path, dirs: dict[str, list[Path]]) -> Path:
     return reporting.save_figure(fig, out_dir / "otb_stability.png")
 
 
-def _gain_ratio(rows: list[reporting.Row], n_boot: int) -> reporting.Estimate:
-    """Σ gain(OTB N=4) / Σ gain(GRPO N=16) over seeds with a paired bootstrap CI over seeds."""
-    otb = studies.by_seed(rows, "otb-n4", "gain")
-    grpo = studies.by_seed(rows, "grpo-n16", "gain")
-    seeds = sorted(set(otb) & set(grpo))
-    a = torch.tensor([otb[s] for s in seeds], dtype=torch.float64)
-    b = torch.tensor([grpo[s] for s in seeds], dtype=torch.float64)
-    value = float(a.sum() / b.sum()) if b.sum() != 0 else math.nan
-    gen = torch.Generator().manual_seed(0)
-    low, high = reporting.bootstrap_ci(lambda idx: a[idx].sum(-1) / b[idx].sum(-1).where(b[idx].sum(-1) != 0,
-                                       torch.tensor(math.nan, dtype=torch.float64)), len(seeds), n_boot=n_boot,
-                                       generator=gen)
-    return reporting.Estimate(value, float(low), float(high), math.nan, len(seeds))
-
-
 def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     out_dir = Path(out_dir)
     rows = reporting.read_csv(out_dir / "seeds.csv")
@@ -140,7 +123,7 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
         f"{n} seeds: a difference of collapse counts below {max(2, math.ceil(n / 2))} seeds cannot be told from "
         f"chance; end-accuracy difference detectable ≥ {reporting.fmt(acc.detectable)}",
         "" if outcome != "inconclusive" else "GRPO at N=4 did not collapse often enough in this regime.")]
-    ratio = _gain_ratio(rows, cfg["bootstrap"])
+    ratio = studies.paired_ratio(rows, "otb-n4", "grpo-n16", "gain", cfg["bootstrap"])
     tokens = sum(studies.by_seed(rows, "otb-n4", "tokens").values()) / max(
         sum(studies.by_seed(rows, "grpo-n16", "tokens").values()), 1)
     gains16 = list(studies.by_seed(rows, "grpo-n16", "gain").values())

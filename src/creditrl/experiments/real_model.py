@@ -198,13 +198,7 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
         rivals = [r for r in ("dr_grpo", "rloo", "ogb") if r in by_est]
         V = {name: torch.tensor([m["variance"] for m in members], dtype=torch.float64)
              for name, members in by_est.items()}
-        est = {}
-        for r in rivals:
-            low, high = reporting.bootstrap_ci(lambda idx: V["otb"][idx].mean(-1) / V[r][idx].mean(-1),
-                                               V["otb"].numel(), n_boot=cfg["bootstrap"],
-                                               generator=torch.Generator().manual_seed(0))
-            est[r] = reporting.Estimate(float(V["otb"].mean() / V[r].mean()), float(low), float(high), math.nan,
-                                        V["otb"].numel(), "pairs")
+        est = {r: reporting.paired_ratio(V["otb"], V[r], n_boot=cfg["bootstrap"], unit="pairs") for r in rivals}
         wins = sum(e.high < 1 for e in est.values())
         losses = sum(e.low > 1 for e in est.values())
         outcome = ("reproduces" if wins == len(est) else "partly" if wins else

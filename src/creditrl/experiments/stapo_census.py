@@ -163,14 +163,6 @@ def plot(out_dir: Path, dirs: dict[str, list[Path]]) -> Path:
     return reporting.save_figure(fig, out_dir / "stapo_census.png")
 
 
-def _ratio_estimate(batches: list[reporting.Row], n_boot: int) -> reporting.Estimate:
-    s = torch.tensor([b["silenced"] for b in batches], dtype=torch.float64)
-    n = torch.tensor([b["tokens"] for b in batches], dtype=torch.float64)
-    low, high = reporting.bootstrap_ci(lambda idx: s[idx].sum(-1) / n[idx].sum(-1), len(batches), n_boot=n_boot,
-                                       generator=torch.Generator().manual_seed(0))
-    return reporting.Estimate(float(s.sum() / n.sum()), float(low), float(high), math.nan, len(batches), "batches")
-
-
 def _norm_ratio(tokens: list[reporting.Row], n_boot: int) -> reporting.Estimate:
     """Mean gradient norm of silenced tokens / of the other tokens (both resampled over tokens)."""
     a = torch.tensor([r["grad_norm"] for r in tokens if r["silenced"]], dtype=torch.float64)
@@ -194,7 +186,8 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     total = sum(b["tokens"] for b in batches)
     silenced = sum(b["silenced"] for b in batches)
     enough = silenced >= 10
-    ratio = _ratio_estimate(batches, cfg["bootstrap"])
+    ratio = reporting.paired_ratio([b["silenced"] for b in batches], [b["tokens"] for b in batches],
+                                   n_boot=cfg["bootstrap"], unit="batches")
     per_batch = [b["silenced"] / b["tokens"] for b in batches if b["tokens"]]
     why_few = "" if enough else f"Only {silenced} tokens were silenced (rule: inconclusive below 10)."
     out = [reporting.Verdict(

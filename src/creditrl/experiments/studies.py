@@ -75,6 +75,13 @@ def paired(rows: list[reporting.Row], a: str, b: str, key: str) -> reporting.Est
     return reporting.paired_difference([va[s] for s in seeds], [vb[s] for s in seeds])
 
 
+def paired_ratio(rows: list[reporting.Row], a: str, b: str, key: str, n_boot: int) -> reporting.Estimate:
+    """Σ_seeds ``key``(a) / Σ_seeds ``key``(b), paired by seed, with a paired bootstrap CI."""
+    va, vb = by_seed(rows, a, key), by_seed(rows, b, key)
+    seeds = sorted(set(va) & set(vb))
+    return reporting.paired_ratio([va[s] for s in seeds], [vb[s] for s in seeds], n_boot=n_boot)
+
+
 def collapse(evals: list[dict], metrics: list[dict], drop: float = 0.15, in_a_row: int = 2,
              surge: float = 10.0, early: int = 10) -> dict:
     """The pre-registered collapse rule (OTB Fig. 1): held-out sampled accuracy at least ``drop``
