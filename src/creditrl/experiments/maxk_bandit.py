@@ -308,21 +308,24 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     var_k = reporting.read_csv(out_dir / "variance_k.csv")
     ks = sorted({r["k"] for r in var_k})
     by_k = {k: ratio_to_ei(var_k, "k", k, "EI+L2O", n_boot) for k in ks}
-    best = min(ks, key=lambda k: by_k[k].value)
+    # K = 1 is degenerate (L2O is then RLOO against REINFORCE: centring of the raw reward, not the
+    # max@K comparator), so "moderate" is judged on K >= 2 only
+    sweep = [k for k in ks if k >= 2]
+    best = min(sweep, key=lambda k: by_k[k].value)
     raises = [k for k in ks if by_k[k].low > 1]
-    interior = ks[0] < best < ks[-1] and by_k[best].high < 1
-    fades = all(by_k[k].low > by_k[best].high for k in (ks[0], ks[-1]))
+    interior = sweep[0] < best < sweep[-1] and by_k[best].high < 1
+    fades = all(by_k[k].low > by_k[best].high for k in (sweep[0], sweep[-1]))
     outcome = ("reproduces" if interior and fades else "partly" if interior else
-               "does not reproduce" if best in (ks[0], ks[-1]) else "inconclusive")
+               "does not reproduce" if best in (sweep[0], sweep[-1]) else "inconclusive")
     out.append(reporting.Verdict(
         "L2O helps most at moderate K", "MaxPO §5.1", "L2O is most effective for moderate K",
-        "Var(EI+L2O)/Var(EI) " + ", ".join(f"K={k}: {by_k[k]}" for k in ks) + f"; smallest at K={best}",
-        "the smallest ratio at an interior K with its CI below 1 and both end ratios' CIs above it reproduces; "
-        "interior but not separated: partly; at an end of the sweep: does not", outcome,
-        f"{cfg.get('seeds')} paired instances × {cfg.get('variance_batches')} batches per K",
-        (f"L2O raises the variance above EI at K = {', '.join(map(str, raises))} (CI above 1)." if raises else "")
-        + (" At K=1 L2O is RLOO against REINFORCE, so that end measures centring of the raw reward." if ks[0] == 1
-           else "")))
+        "Var(EI+L2O)/Var(EI) " + ", ".join(f"K={k}: {by_k[k]}" for k in ks) + f"; smallest over K ≥ 2 at K={best}",
+        "over K ≥ 2 (K = 1 is degenerate): the smallest ratio at an interior K with its CI below 1 and both end "
+        "ratios' CIs above it reproduces; interior but not separated: partly; at an end of the sweep: does not",
+        outcome, f"{cfg.get('seeds')} paired instances × {cfg.get('variance_batches')} batches per K",
+        (f"L2O raises the variance above EI at K = {', '.join(map(str, raises))} (CI above 1). " if raises else "")
+        + ("At K=1 L2O is RLOO against REINFORCE, so that point measures centring of the raw reward and is left "
+           "out of the rule." if ks[0] == 1 else "")))
     return out
 
 
