@@ -117,10 +117,11 @@ def plot(out_dir: Path, names: tuple[str, ...]) -> Path:
         if name not in names:
             continue
         for run, rows in reporting.group_rows(reporting.read_csv(out_dir / name / "curves.csv"), "run").items():
+            rows = rows[2:] if name == "maxk" else rows  # Adam's v̂ − m̂² is exactly 0 after one step
             ax_metric.plot([r["step"] for r in rows], [r[y] for r in rows], lw=1.2, label=run)
         ax_metric.set(xlabel="step", ylabel=label, title=f"({'ab'[('grpo-lambda', 'maxk').index(name)]}) {name}")
         if name == "maxk":
-            ax_metric.set_yscale("log")
+            ax_metric.set_yscale("log", nonpositive="mask")
         ax_metric.legend(fontsize=7)
     if "maxk" in names:
         rows = [r for r in reporting.read_csv(out_dir / "seeds.csv") if r["study"] == "maxk"]

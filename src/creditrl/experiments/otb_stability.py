@@ -88,10 +88,13 @@ def plot(out_dir: Path, dirs: dict[str, list[Path]]) -> Path:
             label = name if i == 0 else None
             ax_acc.plot([e["tokens_total"] for e in evals], [e["sampled_acc"] for e in evals], color=colors[name],
                         lw=1, alpha=0.8, marker="o", ms=2, label=label)
-            ax_norm.plot([m["step"] for m in metrics], [m["grad_norm"] for m in metrics], color=colors[name], lw=0.8,
-                         alpha=0.7, label=label)
+            # a step whose groups all have equal rewards has a zero gradient: a gap on the log axis
+            ax_norm.plot([m["step"] for m in metrics], [m["grad_norm"] if m["grad_norm"] > 0 else float("nan")
+                                                        for m in metrics], color=colors[name], lw=0.8, alpha=0.7,
+                         label=label)
     ax_acc.set(xlabel="generated tokens", ylabel="held-out sampled accuracy", title="(a) accuracy, every seed")
-    ax_norm.set(xlabel="step", ylabel="gradient norm (unclipped)", yscale="log", title="(b) gradient norm")
+    ax_norm.set(xlabel="step", ylabel="gradient norm (unclipped; gaps: zero)", title="(b) gradient norm")
+    ax_norm.set_yscale("log", nonpositive="mask")
     ax_acc.legend(fontsize=7)
     return reporting.save_figure(fig, out_dir / "otb_stability.png")
 
