@@ -179,7 +179,10 @@ def plot(out_dir: Path) -> Path:
 def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     out_dir = Path(out_dir)
     cfg = reporting.read_json(out_dir / "summary.json")["config"]
-    rhos = torch.tensor(group_spearmans(reporting.read_csv(out_dir / "responses.csv")), dtype=torch.float64)
+    responses = reporting.read_csv(out_dir / "responses.csv")
+    rhos = torch.tensor(group_spearmans(responses), dtype=torch.float64)
+    per_token = torch.tensor([r["energy"] / r["length"] for r in responses if r["length"]], dtype=torch.float64)
+    clipped = sum(1 - r["stopped"] for r in responses) / max(len(responses), 1)
     n = rhos.numel()
     if n:
         low, high = reporting.bootstrap_ci(lambda idx: rhos[idx].mean(-1), n, n_boot=cfg["bootstrap"],
@@ -194,7 +197,11 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
         "longer sequences possess lower energy inside a group",
         f"mean within-group Spearman(Σŵ, length) {rho} over {n} groups with a length spread",
         "bootstrap CI over groups below 0 reproduces, above 0 does not, else inconclusive; inconclusive with < 5 "
-        "groups", outcome, f"{n} groups (of {cfg['length_groups']}); the CI width is the resolution")]
+        "groups", outcome, f"{n} groups (of {cfg['length_groups']}); the CI width is the resolution",
+        f"The energy per token is nearly constant here (mean {float(per_token.mean()):.2f}, sd "
+        f"{float(per_token.std()) if per_token.numel() > 1 else 0.0:.2f} over responses), so the total grows with "
+        f"the length; {100 * clipped:.0f}% of responses reached the token cap. The paper's observation is on "
+        "reasoning traces of thousands of tokens, a regime this CPU cannot sample.")]
     pairs = reporting.read_csv(out_dir / "pairs.csv")
     by_est = reporting.group_rows(pairs, "estimator")
     if "otb" in by_est:
