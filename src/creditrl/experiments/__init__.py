@@ -52,6 +52,11 @@ does not reproduce / **inconclusive** (the setting did not produce the condition
 about, or the interval covers both outcomes). Regenerate with:
 
     creditrl experiment all --preset full && creditrl experiment report
+
+and check it with another seed set (the last section of this file):
+
+    creditrl experiment all --preset full seed=100 --out runs/experiments/seed100
+    creditrl experiment report --check runs/experiments/seed100
 """
 
 
@@ -127,7 +132,7 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"), 
         png = f"{name.replace('-', '_')}.png"
         shutil.copyfile(out_dir / png, figures / png)
         section = experiment_module(name).report(out_dir, f"figures/{png}")
-        section += "".join(v.markdown() for v in verdicts[name])
+        section = section.rstrip("\n") + "\n\n" + "\n".join(v.markdown() for v in verdicts[name])
         facts = []
         if (out_dir / "environment.json").exists():
             env = reporting.read_json(out_dir / "environment.json")

@@ -189,8 +189,8 @@ def report(out_dir: Path, figure_path: str) -> str:
              f"{cfg['eval_problems']} prompts × {cfg['eval_samples']} samples at the start and the end.\n",
              f"![learning curves]({figure_path})\n"]
     if (out_dir / "lr_pilot.csv").exists():
-        lines += ["### grpo-lambda\n", "Learning-rate pilot (seed "
-                  f"{cfg['seed'] + 1000}, second-half training accuracy):\n",
+        lines += ["### grpo-lambda: learning-rate pilot\n", "Pilot seed "
+                  f"{cfg['seed'] + 1000} (not a reported seed), second-half training accuracy by learning rate:\n",
                   reporting.pivot_table(reporting.read_csv(out_dir / "lr_pilot.csv"), "lr", "run", "second_half_acc")]
     for name in cfg["studies"]:
         members = [r for r in rows if r["study"] == name]
