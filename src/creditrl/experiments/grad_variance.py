@@ -56,7 +56,7 @@ class GradVarianceConfig:
     group_size: int = 8
     estimators: tuple[str, ...] = ("dr_grpo", "rloo", "ogb", "otb", "otb_isolated", "maxpo", "ei")
     k: int = 4                           # K of maxpo / ei / pkpo (needs K <= N-1)
-    groups: int = 384                    # groups (Monte-Carlo draws of the batch estimator) per length
+    groups: int = 768                    # groups (Monte-Carlo draws of the batch estimator) per length
     block: int = 4                       # groups per unbiased within-block variance estimate
     max_new_tokens: int = 80
     temperature: float = 1.0
