@@ -48,6 +48,14 @@ def test_interval_and_combined_outcomes():
     assert reporting.interval_outcome(est(-0.3, -0.1), "<") == "reproduces"
     with pytest.raises(ValueError, match="claimed: expected"):
         reporting.interval_outcome(est(0, 1), ">=")
+    assert reporting.interval_outcome(est(0.8, 0.95), "<", null=1.0) == "reproduces"  # a ratio below 1
+    assert reporting.interval_outcome(est(1.05, 1.3), "<", null=1.0) == "does not reproduce"
+    assert reporting.interval_outcome(est(0.9, 1.1), "<", null=1.0) == "inconclusive"
+    assert reporting.interval_outcome(est(1.05, 1.3), ">", null=1.0) == "reproduces"
+    assert reporting.ratios_below_one([est(0.8, 0.9), est(0.7, 0.95)]) == "reproduces"
+    assert reporting.ratios_below_one([est(0.8, 0.9), est(0.9, 1.1)]) == "partly"
+    assert reporting.ratios_below_one([est(0.9, 1.1), est(1.1, 1.2)]) == "does not reproduce"
+    assert reporting.ratios_below_one([est(0.9, 1.1), est(math.nan, math.nan)]) == "inconclusive"
     assert reporting.combined_outcome(["reproduces", "reproduces"]) == "reproduces"
     assert reporting.combined_outcome(["reproduces", "inconclusive"]) == "partly"
     assert reporting.combined_outcome(["inconclusive", "does not reproduce"]) == "does not reproduce"

@@ -203,15 +203,16 @@ def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_
     return Estimate(float(a.sum() / b.sum()), float(low), float(high), math.nan, a.numel(), unit)
 
 
-def interval_outcome(est: Estimate, claimed: str = ">") -> str:
-    """The fixed rule for one effect whose claimed sign is ``claimed`` ('>' above 0, '<' below 0):
-    reproduces if the 95% interval lies on the claimed side of 0, does not reproduce if on the other,
-    inconclusive if it covers 0 (a point estimate on the right side alone is not evidence)."""
+def interval_outcome(est: Estimate, claimed: str = ">", null: float = 0.0) -> str:
+    """The fixed rule for one effect claimed to lie on side ``claimed`` of ``null`` ('>' above, '<'
+    below; null 0 for a difference, 1 for a ratio): reproduces if the 95% interval lies on the
+    claimed side, does not reproduce if on the other, inconclusive if it covers ``null`` (a point
+    estimate on the right side alone is not evidence)."""
     if claimed not in (">", "<"):
         raise ValueError(f"claimed: expected '>' or '<', got {claimed!r}")
     if not (math.isfinite(est.low) and math.isfinite(est.high)):
         return "inconclusive"
-    low, high = (est.low, est.high) if claimed == ">" else (-est.high, -est.low)
+    low, high = (est.low - null, est.high - null) if claimed == ">" else (null - est.high, null - est.low)
     return "reproduces" if low > 0 else "does not reproduce" if high < 0 else "inconclusive"
 
 
@@ -223,6 +224,12 @@ def combined_outcome(outcomes: Sequence[str]) -> str:
     if "reproduces" in outcomes:
         return "partly"
     return "does not reproduce" if "does not reproduce" in outcomes else "inconclusive"
+
+
+def ratios_below_one(estimates: Sequence[Estimate]) -> str:
+    """The claim "ratio < 1" over several settings (lengths, rivals): each ratio's CI below 1 is a
+    win, above 1 a loss; all wins reproduces, some partly, none with a loss does not, else inconclusive."""
+    return combined_outcome([interval_outcome(e, "<", null=1.0) for e in estimates])
 
 
 @dataclass(frozen=True)

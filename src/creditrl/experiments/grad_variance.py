@@ -292,19 +292,6 @@ def plot(out_dir: Path) -> Path:
     return reporting.save_figure(fig, Path(out_dir) / "grad_variance.png")
 
 
-def _tally(estimates: list[reporting.Estimate]) -> tuple[int, int]:
-    """(wins, losses): paired ratio CIs entirely below / above 1."""
-    return sum(e.high < 1 for e in estimates), sum(e.low > 1 for e in estimates)
-
-
-def _win_outcome(wins: int, losses: int, total: int) -> str:
-    if total and wins == total:
-        return "reproduces"
-    if wins:
-        return "partly"
-    return "does not reproduce" if losses else "inconclusive"
-
-
 def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     out_dir = Path(out_dir)
     summary = reporting.read_json(out_dir / "summary.json")
@@ -324,14 +311,13 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     rivals = [n for n in OTB_RIVALS if n in names]
     if "otb" in names and rivals:
         est = {(d, r): e for r in rivals for d, e in pairs("otb", r).items()}
-        wins, losses = _tally(list(est.values()))
         out.append(reporting.Verdict(
             "OTB lowers the exact gradient variance versus " + "/".join(rivals).upper(), "OTB §5.2–5.3",
             "lower variance than OGB and the group-mean baselines",
             "; ".join(f"{lengths[d]:.0f} tokens: OTB/" + ", OTB/".join(f"{r} {est[d, r]}" for r in rivals)
                       for d in digits),
             "per (length, rival) a paired CI below 1 is a win, above 1 a loss; all wins reproduces, some partly, "
-            "none with a loss does not, else inconclusive", _win_outcome(wins, losses, len(est)), power))
+            "none with a loss does not, else inconclusive", reporting.ratios_below_one(list(est.values())), power))
         if "rloo" in names and len(digits) > 1:
             short, long_ = digits[0], digits[-1]
             V = {d: block_matrix(blocks, d, ["otb", "rloo"]) for d in (short, long_)}
@@ -351,20 +337,18 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
                 "the gain of token-level baselines grows with the horizon",
                 f"(OTB/RLOO at {lengths[long_]:.0f} tokens) / (OTB/RLOO at {lengths[short]:.0f} tokens) = {grow}",
                 "bootstrap CI (independent samples per length) below 1 reproduces, above 1 does not, else "
-                "inconclusive", "reproduces" if high < 1 else "does not reproduce" if low > 1 else "inconclusive",
+                "inconclusive", reporting.interval_outcome(grow, "<", null=1.0),
                 power))
     if {"otb", "otb_isolated"} <= names:
         est = pairs("otb", "otb_isolated")
-        wins, losses = _tally(list(est.values()))
         out.append(reporting.Verdict(
             "Cumulative energy (OTB) beats isolated per-token energy", "OTB App. C.7, F.5",
             "cumulative W_t argued over isolated w_t",
             "; ".join(f"{lengths[d]:.0f} tokens: OTB/isolated {e}" for d, e in est.items()),
             "per length a paired CI below 1 is a win, above 1 a loss; all wins reproduces, some partly, none with "
-            "a loss does not, else inconclusive", _win_outcome(wins, losses, len(est)), power))
+            "a loss does not, else inconclusive", reporting.ratios_below_one(list(est.values())), power))
     if {"maxpo", "ei"} <= names:
         est = pairs("maxpo", "ei")
-        wins, losses = _tally(list(est.values()))
         stars = "; ".join(f"{lengths[int(d)]:.0f} tokens: b* {b['b_star']:.3f} vs mean reward "
                           f"{b['reward_mean_pooled']:.3f}" for d, b in summary["baselines"].items())
         out.append(reporting.Verdict(
@@ -372,7 +356,7 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
             "77.4% lower (Adam proxy, Llama-3.2-3B)",
             "; ".join(f"{lengths[d]:.0f} tokens: MaxPO/EI {e}" for d, e in est.items()),
             "per length a paired CI below 1 is a win, above 1 a loss; all wins reproduces, some partly, none with "
-            "a loss does not, else inconclusive", _win_outcome(wins, losses, len(est)), power,
+            "a loss does not, else inconclusive", reporting.ratios_below_one(list(est.values())), power,
             f"The variance-optimal baseline b* = ΣRW/ΣW against the mean reward — {stars}: a baseline built from "
             "rewards alone (L2O) sits above b* when incorrect responses carry most of the gradient energy."))
     return out

@@ -155,13 +155,12 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     mk = [r for r in rows if r["study"] == "maxk"]
     if mk:
         ratio = studies.paired_ratio(mk, "maxpo", "ei", "adam_variance_end", cfg["bootstrap"])
-        var_outcome = ("reproduces" if ratio.high < 1 else "does not reproduce" if ratio.low > 1 else "inconclusive")
         out.append(reporting.Verdict(
             "MaxPO's L2O baseline lowers the gradient variance versus raw EI during training", "MaxPO §5.2.3",
             "Adam-moment proxy 77.4% lower (ratio 0.226)",
             f"ratio of Σ(v̂ − m̂²) MaxPO / EI over the last 10% of steps {ratio}",
             "paired bootstrap CI over seeds: high end < 1 reproduces, low end > 1 does not, else inconclusive",
-            var_outcome, f"{ratio.n} seeds"))
+            reporting.interval_outcome(ratio, "<", null=1.0), f"{ratio.n} seeds"))
         kmax = max(int(k[5:]) for k in mk[0] if k.startswith("pass@"))
         d1 = studies.paired(mk, "maxpo", "ei", "pass@1")
         dk = studies.paired(mk, "maxpo", "ei", f"pass@{kmax}")

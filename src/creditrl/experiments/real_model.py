@@ -190,8 +190,7 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
         rho = reporting.Estimate(float(rhos.mean()), float(low), float(high), math.nan, n, "groups")
     else:
         rho = reporting.Estimate(math.nan, math.nan, math.nan, math.nan, 0, "groups")
-    outcome = ("inconclusive" if n < 5 else "reproduces" if rho.high < 0 else "does not reproduce" if rho.low > 0
-               else "inconclusive")
+    outcome = "inconclusive" if n < 5 else reporting.interval_outcome(rho, "<")
     out = [reporting.Verdict(
         "Within a group, longer responses carry less total energy (SmolLM2)", "OTB §6.4, Fig. 11",
         "longer sequences possess lower energy inside a group",
@@ -209,11 +208,8 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
         V = {name: torch.tensor([m["variance"] for m in members], dtype=torch.float64)
              for name, members in by_est.items()}
         est = {r: reporting.paired_ratio(V["otb"], V[r], n_boot=cfg["bootstrap"], unit="pairs") for r in rivals}
-        wins = sum(e.high < 1 for e in est.values())
-        losses = sum(e.low > 1 for e in est.values())
         informative = sum(1 for m in by_est["otb"] if m["mixed_groups"] > 0)
-        outcome = ("inconclusive" if informative < 5 else "reproduces" if wins == len(est) else "partly" if wins
-                   else "does not reproduce" if losses else "inconclusive")
+        outcome = "inconclusive" if informative < 5 else reporting.ratios_below_one(list(est.values()))
         iso = ""
         if "otb_isolated" in V:
             iso = f"; OTB/isolated {float(V['otb'].mean() / V['otb_isolated'].mean()):.3f}"

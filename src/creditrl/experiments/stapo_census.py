@@ -211,8 +211,7 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
         "Silenced tokens have larger gradient norms than the others", "STAPO §3.2, Fig. 2b", "+16.7%",
         f"ratio {norm} ({n_sil} silenced vs {len(tokens) - n_sil} other tokens with exact norms)",
         "CI of the mean-norm ratio above 1 reproduces, below 1 does not, else inconclusive; inconclusive below 10 "
-        "silenced tokens", "inconclusive" if n_sil < 10 else reporting.interval_outcome(
-            reporting.Estimate(norm.value - 1, norm.low - 1, norm.high - 1, math.nan, norm.n)),
+        "silenced tokens", "inconclusive" if n_sil < 10 else reporting.interval_outcome(norm, ">", null=1.0),
         "bootstrap over tokens (tokens of one response are correlated: the interval is optimistic)",
         why_few or magnitude))
     training = reporting.read_csv(out_dir / "training.csv")

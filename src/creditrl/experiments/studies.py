@@ -68,18 +68,21 @@ def by_seed(rows: list[reporting.Row], run: str, key: str) -> dict[int, float]:
     return out
 
 
-def paired(rows: list[reporting.Row], a: str, b: str, key: str) -> reporting.Estimate:
-    """Mean over seeds of ``key``(a) − ``key``(b), paired by seed, with its t-interval."""
+def seed_pairs(rows: list[reporting.Row], a: str, b: str, key: str) -> tuple[list[float], list[float]]:
+    """``key`` of runs a and b over the seeds both have, in seed order (element i pairs up)."""
     va, vb = by_seed(rows, a, key), by_seed(rows, b, key)
     seeds = sorted(set(va) & set(vb))
-    return reporting.paired_difference([va[s] for s in seeds], [vb[s] for s in seeds])
+    return [va[s] for s in seeds], [vb[s] for s in seeds]
+
+
+def paired(rows: list[reporting.Row], a: str, b: str, key: str) -> reporting.Estimate:
+    """Mean over seeds of ``key``(a) − ``key``(b), paired by seed, with its t-interval."""
+    return reporting.paired_difference(*seed_pairs(rows, a, b, key))
 
 
 def paired_ratio(rows: list[reporting.Row], a: str, b: str, key: str, n_boot: int) -> reporting.Estimate:
     """Σ_seeds ``key``(a) / Σ_seeds ``key``(b), paired by seed, with a paired bootstrap CI."""
-    va, vb = by_seed(rows, a, key), by_seed(rows, b, key)
-    seeds = sorted(set(va) & set(vb))
-    return reporting.paired_ratio([va[s] for s in seeds], [vb[s] for s in seeds], n_boot=n_boot)
+    return reporting.paired_ratio(*seed_pairs(rows, a, b, key), n_boot=n_boot)
 
 
 def collapse(evals: list[dict], metrics: list[dict], drop: float = 0.15, in_a_row: int = 2,
