@@ -95,7 +95,10 @@ def adam_moment_variance(optimizer: torch.optim.Optimizer) -> float:
 
     m̂ = m / (1 − β1^t) and v̂ = v / (1 − β2^t) are the bias-corrected running first and second
     moments of each coordinate's gradient, so v̂ − m̂² estimates its variance over recent steps;
-    the sum runs over every parameter with Adam state. 0.0 before the first step."""
+    the sum runs over every parameter with Adam state. 0.0 before the first step.
+
+    Logged every step, so it runs as two reductions per tensor, Σv / c₂ − ‖m‖² / c₁² with
+    c = 1 − β^t, accumulated in float64 without a float64 copy of the moments."""
     total = 0.0
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
@@ -104,7 +107,7 @@ def adam_moment_variance(optimizer: torch.optim.Optimizer) -> float:
             if "exp_avg" not in state:
                 continue
             t = float(state["step"])
-            m_hat = state["exp_avg"].double() / (1.0 - beta1 ** t)
-            v_hat = state["exp_avg_sq"].double() / (1.0 - beta2 ** t)
-            total += float((v_hat - m_hat * m_hat).sum())
+            v_sum = float(state["exp_avg_sq"].sum(dtype=torch.float64))
+            m_sq = float(torch.linalg.vector_norm(state["exp_avg"], dtype=torch.float64)) ** 2
+            total += v_sum / (1.0 - beta2 ** t) - m_sq / (1.0 - beta1 ** t) ** 2
     return total
