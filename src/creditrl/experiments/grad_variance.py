@@ -4,15 +4,18 @@ response length (OTB §5.3, §6; MaxPO §3.2).
 The papers estimate gradient variance with proxies; here the policy is small enough to compute
 every group's exact gradient estimate and measure tr Cov directly. At fixed warm-started
 ``builtin:tiny`` checkpoints for 1- and 2-digit multiplication with a scratchpad (responses of
-~11 and ~34 tokens: the horizon), at N = 8: draw groups (one prompt, N responses),
+~13 and ~33 tokens: the horizon; ``checkpoints`` independent warm starts per length, seeds
+seed, seed+1, ..., each measured on an equal share of the groups), at N = 8: draw groups (one prompt, N responses),
 compute for every estimator e the group's estimate
 
     g_e = Σ_i Σ_t A_e,t^(i) ∇θ log π(y_t^(i)) / Σ_i |y^(i)|      (token-mean, the trainer's default)
 
 with the *same* responses for every estimator (a paired comparison), and estimate
 tr Cov(g_e) = E‖g_e − E g_e‖² without bias from blocks of ``block`` i.i.d. groups (the unbiased
-within-block sample variance; blocks are i.i.d., so a bootstrap over blocks gives the CIs).
-Ratios of two estimators use the same bootstrap resamples for numerator and denominator (paired).
+within-block sample variance). The CIs are a two-stage bootstrap: checkpoints with replacement,
+then blocks within each (``reporting.resample_indices``), so that they cover the variation
+between warm starts, not only between samples of one. Ratios of two estimators use the same
+resamples for numerator and denominator (paired).
 
 Rules (fixed before the full run), per length and pair: the paired ratio's 95% CI below 1 is a
 win, above 1 a loss, else a tie. OTB against ``dr_grpo``, ``rloo`` and ``ogb`` (like-for-like: their
@@ -21,6 +24,13 @@ pair, partly if it wins some, does not reproduce if it wins none and loses one, 
 The same for MaxPO against raw EI, and for OTB's cumulative energy against the isolated one.
 OTB's advantage grows with length: the ratio OTB/RLOO at the longest length divided by that at the
 shortest, with a bootstrap CI (independent samples), below 1 reproduces, above 1 does not.
+
+Revision (after the first two seed sets, before the ones reported now): one checkpoint per length
+made every interval conditional on that checkpoint. The two seed sets then disagreed on the
+horizon ratio, 1.00 [0.84, 1.16] against 1.19 [1.05, 1.34], largely through OTB/RLOO at 13 tokens
+(0.575 [0.52, 0.62] against 0.50 [0.46, 0.54]): the checkpoints differed by more than either
+interval allowed. Hence ``checkpoints`` per length and the two-stage bootstrap; the rules are
+unchanged.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ from torch import Tensor
 
 from creditrl import reporting
 from creditrl._runtime import torch_threads
+from creditrl.experiments.studies import WARM_START_THREADS
 
 MAXK_ESTIMATORS = ("maxpo", "ei", "pkpo")
 # the scale at which each max@K row estimates the max@K gradient (stated in the report)
@@ -53,6 +64,7 @@ class GradVarianceConfig:
     digits: tuple[int, ...] = (1, 2)
     warm_start_accuracy: tuple[float, ...] = (0.3, 0.3)  # per digits
     warm_start_max_steps: int = 800
+    checkpoints: int = 3                 # independent warm starts per length; groups split evenly
     group_size: int = 8
     estimators: tuple[str, ...] = ("dr_grpo", "rloo", "ogb", "otb", "otb_isolated", "maxpo", "ei")
     k: int = 4                           # K of maxpo / ei / pkpo (needs K <= N-1)
@@ -66,7 +78,8 @@ class GradVarianceConfig:
 
 
 PRESETS = {
-    "fast": GradVarianceConfig(digits=(1,), warm_start_accuracy=(0.3,), group_size=4, k=2, groups=12, block=3,
+    "fast": GradVarianceConfig(digits=(1,), warm_start_accuracy=(0.3,), checkpoints=2, group_size=4, k=2, groups=12,
+                               block=3,
                                max_new_tokens=16, estimators=("dr_grpo", "rloo", "otb", "otb_isolated", "maxpo", "ei"),
                                bootstrap=500),
     "full": GradVarianceConfig(),
@@ -81,7 +94,8 @@ def load_checkpoint(task_name: str, digits: int, accuracy: float, seed: int = 0,
 
     task = get_task(task_name, digits=digits)
     model, tokenizer = load_policy("builtin:tiny", task, seed=seed, progress=False,
-                                   warm_start=WarmStartConfig(target_accuracy=accuracy, max_steps=max_steps))
+                                   warm_start=WarmStartConfig(target_accuracy=accuracy, max_steps=max_steps,
+                                                              num_threads=WARM_START_THREADS))
     model.eval()  # fixed checkpoint: no dropout, never updated
     params = [p for p in model.parameters() if p.requires_grad]
     return task, model, tokenizer, params
@@ -152,16 +166,18 @@ def within_block_variance(grads: Tensor) -> Tensor:
     return (g - g.mean(dim=1, keepdim=True)).pow(2).sum(dim=(1, 2)) / (g.shape[1] - 1)
 
 
-def measure(cfg: GradVarianceConfig, digits: int, model, params, task, tokenizer) -> tuple[list, list, dict]:
-    """Per-block variances and the mean gradient's squared norm at one length; returns (block rows,
-    signal rows, ``baseline_summary``)."""
-    rng = random.Random(f"grad-variance-{cfg.seed}-{digits}")
-    generator = torch.Generator().manual_seed(cfg.seed)
+def measure(cfg: GradVarianceConfig, digits: int, checkpoint: int, seed: int, model, params, task, tokenizer,
+            sums: dict) -> tuple[list, list]:
+    """Per-block variances and the mean gradient's squared norm at one length and checkpoint
+    (``blocks_per_checkpoint`` blocks); returns (block rows, signal rows) and adds to ``sums``
+    (see ``baseline_summary``)."""
+    rng = random.Random(f"grad-variance-{seed}-{digits}")
+    generator = torch.Generator().manual_seed(seed)
     block_rows, signal_rows = [], []
-    sums = {"RW": 0.0, "W": 0.0, "R": 0.0, "n": 0, "W_correct": 0.0, "n_correct": 0}
     start = time.perf_counter()
     total = torch.zeros(len(cfg.estimators), sum(p.numel() for p in params), dtype=torch.float64)
-    for b in range(cfg.groups // cfg.block):
+    n_blocks = blocks_per_checkpoint(cfg)
+    for b in range(n_blocks):
         batch = sample_groups(task, model, tokenizer, cfg.block, cfg.group_size, cfg, rng, generator)
         grads, energy = block_gradients(model, params, batch, cfg)
         total += grads.double().sum(dim=1)
@@ -175,13 +191,20 @@ def measure(cfg: GradVarianceConfig, digits: int, model, params, task, tokenizer
         var = within_block_variance(grads)
         length = float(batch.response_mask[:, batch.prompt_len:].sum() / batch.response_mask.shape[0])
         for e, name in enumerate(cfg.estimators):
-            block_rows.append({"digits": digits, "block": b, "estimator": name, "variance": float(var[e]),
-                               "reward_mean": float(batch.rewards.mean()), "response_len": length})
-    draws = (cfg.groups // cfg.block) * cfg.block
-    print(f"[grad-variance] digits={digits}: {draws} groups done in {time.perf_counter() - start:.0f}s", flush=True)
-    for e, name in enumerate(cfg.estimators):
-        signal_rows.append({"digits": digits, "estimator": name, "mean_grad_sq": float((total[e] / draws).pow(2).sum())})
-    return block_rows, signal_rows, baseline_summary(sums)
+            block_rows.append({"digits": digits, "checkpoint": checkpoint, "block": b, "estimator": name,
+                               "variance": float(var[e]), "reward_mean": float(batch.rewards.mean()),
+                               "response_len": length})
+    draws = n_blocks * cfg.block
+    print(f"[grad-variance] digits={digits} checkpoint {checkpoint}: {draws} groups done in "
+          f"{time.perf_counter() - start:.0f}s", flush=True)
+    for e, name in enumerate(cfg.estimators):  # ‖E ĝ‖² of this checkpoint's policy
+        signal_rows.append({"digits": digits, "checkpoint": checkpoint, "estimator": name,
+                            "mean_grad_sq": float((total[e] / draws).pow(2).sum())})
+    return block_rows, signal_rows
+
+
+def blocks_per_checkpoint(cfg: GradVarianceConfig) -> int:
+    return cfg.groups // (cfg.block * cfg.checkpoints)
 
 
 def baseline_summary(sums: dict) -> dict:
@@ -197,33 +220,38 @@ def baseline_summary(sums: dict) -> dict:
             "energy_wrong_over_correct": mean_w_wrong / mean_w_correct if mean_w_correct else float("nan")}
 
 
-def block_matrix(block_rows: list[reporting.Row], digits: int, names: list[str]) -> Tensor:
-    """[E, blocks] within-block variances of ``names`` at one length (float64)."""
+def block_matrix(block_rows: list[reporting.Row], digits: int, names: list[str]) -> tuple[Tensor, Tensor]:
+    """([E, blocks] within-block variances of ``names`` at one length (float64), [blocks] the
+    checkpoint of each block: the clusters of the two-stage bootstrap)."""
     by_est = reporting.group_rows([r for r in block_rows if r["digits"] == digits], "estimator")
-    return torch.tensor([[r["variance"] for r in by_est[n]] for n in names], dtype=torch.float64)
+    V = torch.tensor([[r["variance"] for r in by_est[n]] for n in names], dtype=torch.float64)
+    return V, torch.tensor([int(r.get("checkpoint", 0)) for r in by_est[names[0]]])
 
 
 def paired_ratio(block_rows: list[reporting.Row], digits: int, a: str, b: str, n_boot: int) -> reporting.Estimate:
-    """tr Cov(a) / tr Cov(b) at one length with a paired bootstrap CI over blocks."""
-    V = block_matrix(block_rows, digits, [a, b])
-    return reporting.paired_ratio(V[0], V[1], n_boot=n_boot, unit="blocks")
+    """tr Cov(a) / tr Cov(b) at one length with a paired two-stage bootstrap CI (checkpoints, blocks)."""
+    V, clusters = block_matrix(block_rows, digits, [a, b])
+    return reporting.paired_ratio(V[0], V[1], n_boot=n_boot, unit="blocks", clusters=clusters)
 
 
 def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reporting.Row], n_boot: int, seed: int,
                      reference: str = REFERENCE) -> list[reporting.Row]:
     """Per (length, estimator): mean variance with bootstrap CI, ratio to ``reference`` with paired CI."""
     rows = []
-    signal = {(r["digits"], r["estimator"]): r["mean_grad_sq"] for r in signal_rows}
+    signal: dict[tuple, list[float]] = {}
+    for r in signal_rows:  # ‖E ĝ‖² averaged over the checkpoints of a length
+        signal.setdefault((r["digits"], r["estimator"]), []).append(r["mean_grad_sq"])
     generator = torch.Generator().manual_seed(seed)
     for digits, members in reporting.group_rows(block_rows, "digits").items():
         names = list(reporting.group_rows(members, "estimator"))
-        V = block_matrix(block_rows, digits, names)
+        V, clusters = block_matrix(block_rows, digits, names)
         nb = V.shape[1]
         ref = names.index(reference) if reference in names else None
-        low, high = reporting.bootstrap_ci(lambda idx: V[:, idx].mean(-1).T, nb, n_boot=n_boot, generator=generator)
+        low, high = reporting.bootstrap_ci(lambda idx: V[:, idx].mean(-1).T, nb, n_boot=n_boot, generator=generator,
+                                           clusters=clusters)
         if ref is not None:
             r_low, r_high = reporting.bootstrap_ci(lambda idx: (V[:, idx].mean(-1) / V[ref, idx].mean(-1)).T, nb,
-                                                   n_boot=n_boot, generator=generator)
+                                                   n_boot=n_boot, generator=generator, clusters=clusters)
         mean = V.mean(-1)
         length = sum(r["response_len"] for r in members) / len(members)
         for e, name in enumerate(names):
@@ -232,7 +260,8 @@ def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reportin
             if ref is not None:
                 row.update(ratio_to_rloo=float(mean[e] / mean[ref]), ratio_low=float(r_low[e]),
                            ratio_high=float(r_high[e]))
-            row["mean_grad_sq"] = signal.get((digits, name), float("nan"))
+            sq = signal.get((digits, name), [])
+            row["mean_grad_sq"] = sum(sq) / len(sq) if sq else float("nan")
             rows.append(row)
     return rows
 
@@ -240,23 +269,29 @@ def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reportin
 def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
     if set(cfg.estimators) & set(MAXK_ESTIMATORS) and not 1 <= cfg.k <= cfg.group_size - 1:
         raise ValueError(f"k: maxpo/ei/pkpo need 1 <= k <= group_size-1 (={cfg.group_size - 1}), got {cfg.k}")
-    if cfg.block < 2 or cfg.groups < cfg.block:
-        raise ValueError(f"block: expected 2 <= block <= groups, got block={cfg.block}, groups={cfg.groups}")
+    if cfg.checkpoints < 1:
+        raise ValueError(f"checkpoints: expected an int >= 1, got {cfg.checkpoints}")
+    if cfg.block < 2 or blocks_per_checkpoint(cfg) < 1:
+        raise ValueError(f"block: expected 2 <= block and block × checkpoints <= groups, got block={cfg.block}, "
+                         f"checkpoints={cfg.checkpoints}, groups={cfg.groups}")
     if len(cfg.warm_start_accuracy) != len(cfg.digits):
         raise ValueError(f"warm_start_accuracy: expected one accuracy per digits entry ({len(cfg.digits)}), "
                          f"got {len(cfg.warm_start_accuracy)}")
     out_dir = Path(out_dir)
     block_rows, signal_rows, baselines, parameters = [], [], {}, 0
     for digits, accuracy in zip(cfg.digits, cfg.warm_start_accuracy):
-        with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
-            task, model, tokenizer, params = load_checkpoint(cfg.task, digits, accuracy, cfg.seed,
-                                                             cfg.warm_start_max_steps)
-            torch.manual_seed(cfg.seed)
-            blocks, signal, baseline = measure(cfg, digits, model, params, task, tokenizer)
-        block_rows += blocks
-        signal_rows += signal
-        baselines[str(digits)] = baseline
-        parameters = sum(p.numel() for p in params)
+        sums = {"RW": 0.0, "W": 0.0, "R": 0.0, "n": 0, "W_correct": 0.0, "n_correct": 0}
+        for c in range(cfg.checkpoints):
+            seed = cfg.seed + c
+            with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
+                task, model, tokenizer, params = load_checkpoint(cfg.task, digits, accuracy, seed,
+                                                                 cfg.warm_start_max_steps)
+                torch.manual_seed(seed)
+                blocks, signal = measure(cfg, digits, c, seed, model, params, task, tokenizer, sums)
+            block_rows += blocks
+            signal_rows += signal
+            parameters = sum(p.numel() for p in params)
+        baselines[str(digits)] = baseline_summary(sums)
     reporting.write_csv(out_dir / "blocks.csv", block_rows)
     reporting.write_csv(out_dir / "variance.csv", summarize_blocks(block_rows, signal_rows, cfg.bootstrap, cfg.seed))
     summary = {"config": asdict(cfg), "parameters": parameters, "baselines": baselines,
@@ -302,7 +337,8 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     digits = sorted(lengths)
     names = {r["estimator"] for r in rows}
     n_boot, nb = cfg["bootstrap"], rows[0]["blocks"]
-    power = f"{nb} blocks of {cfg['block']} groups per length (the CI widths below are the resolvable ratios)"
+    power = (f"{nb} blocks of {cfg['block']} groups per length from {cfg.get('checkpoints', 1)} checkpoint(s) (the CI "
+             "widths below are the resolvable ratios)")
     out = []
 
     def pairs(a: str, b: str) -> dict[int, reporting.Estimate]:
@@ -320,24 +356,25 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
             "none with a loss does not, else inconclusive", reporting.ratios_below_one(list(est.values())), power))
         if "rloo" in names and len(digits) > 1:
             short, long_ = digits[0], digits[-1]
-            V = {d: block_matrix(blocks, d, ["otb", "rloo"]) for d in (short, long_)}
             gen = torch.Generator().manual_seed(1)
-            boot = []
-            for _ in range(n_boot):  # independent samples at the two lengths: resample each
-                i = torch.randint(0, V[short].shape[1], (V[short].shape[1],), generator=gen)
-                j = torch.randint(0, V[long_].shape[1], (V[long_].shape[1],), generator=gen)
-                boot.append(float((V[long_][0, j].mean() / V[long_][1, j].mean())
-                                  / (V[short][0, i].mean() / V[short][1, i].mean())))
-            value = float((V[long_][0].mean() / V[long_][1].mean()) / (V[short][0].mean() / V[short][1].mean()))
-            low, high = torch.tensor(boot, dtype=torch.float64).nanquantile(
-                torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+
+            def ratio(d: int) -> tuple[float, Tensor]:
+                """OTB/RLOO at one length and its [n_boot] two-stage resamples (each length alone)."""
+                V, clusters = block_matrix(blocks, d, ["otb", "rloo"])
+                idx = reporting.resample_indices(n_boot, V.shape[1], clusters, gen)
+                return float(V[0].mean() / V[1].mean()), V[0][idx].mean(-1) / V[1][idx].mean(-1)
+
+            (r_short, boot_short), (r_long, boot_long) = ratio(short), ratio(long_)
+            value = r_long / r_short
+            q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+            low, high = (boot_long / boot_short).nanquantile(q).tolist()
             grow = reporting.Estimate(value, low, high, math.nan, nb, "blocks")
             out.append(reporting.Verdict(
                 "OTB's variance advantage grows with the response length", "OTB §5.3",
                 "the gain of token-level baselines grows with the horizon",
                 f"(OTB/RLOO at {lengths[long_]:.0f} tokens) / (OTB/RLOO at {lengths[short]:.0f} tokens) = {grow}",
-                "bootstrap CI (independent samples per length) below 1 reproduces, above 1 does not, else "
-                "inconclusive", reporting.interval_outcome(grow, "<", null=1.0),
+                "two-stage bootstrap CI (checkpoints, then blocks; each length resampled alone) below 1 reproduces, "
+                "above 1 does not, else inconclusive", reporting.interval_outcome(grow, "<", null=1.0),
                 power))
     if {"otb", "otb_isolated"} <= names:
         est = pairs("otb", "otb_isolated")
@@ -380,12 +417,14 @@ def report(out_dir: Path, figure_path: str) -> str:
     lines = ["## Exact gradient variance against the response length (OTB §5.3, §6; MaxPO §3.2)\n",
              f"Setting: `builtin:tiny` ({summary['parameters']:,} parameters) warm-started on `{cfg['task']}` with a "
              f"scratchpad at digits {list(cfg['digits'])} to sampled accuracy {list(cfg['warm_start_accuracy'])} "
-             f"(warm start capped at {cfg['warm_start_max_steps']} steps) and held fixed; N = {cfg['group_size']}, "
-             f"{cfg['groups']} groups per length in blocks of {cfg['block']}, exact per-group gradients of all "
+             f"(warm start capped at {cfg['warm_start_max_steps']} steps) and held fixed, "
+             f"{cfg.get('checkpoints', 1)} independent warm starts (seeds {cfg['seed']}, {cfg['seed']} + 1, …) per "
+             f"length; N = {cfg['group_size']}, {cfg['groups']} groups per length (an equal share per checkpoint) in "
+             f"blocks of {cfg['block']}, exact per-group gradients of all "
              "parameters (token-mean normaliser), the same responses for every estimator (paired); max@K rows with "
              f"K = {cfg['k']}, each at its definition's scale: "
              + "; ".join(f"`{n}` = {t}" for n, t in MAXK_SCALING.items() if n in cfg["estimators"]) + ". "
-             "95% bootstrap CIs over blocks. MaxPO and EI estimate the max@K gradient, a different objective, so "
+             "95% two-stage bootstrap CIs (checkpoints, then blocks within them). MaxPO and EI estimate the max@K gradient, a different objective, so "
              "compare them with each other rather than with RLOO.\n", f"![grad variance]({figure_path})\n",
              "Variance ratio to RLOO (95% CI), by mean response length:\n"]
     table = [{**r, "length": f"{r['response_len']:.0f} tokens ({r['digits']} digits)",

@@ -6,18 +6,29 @@ third of the tokens. Here the regime is chosen to make GRPO at N = 4 collapse: `
 warm-started to ~20% on 2-digit multiplication with a scratchpad (~34-token responses), a high
 learning rate (3e-4; on the pilot seed GRPO N = 4 lost all accuracy within 10 steps at 1e-3 and
 halved it at 3e-4, and stayed flat at 1e-4) and no gradient clipping. Runs: GRPO N=4, OTB N=4,
-GRPO N=16, every seed from the same checkpoint.
+GRPO N=16; seed s warm-starts its own checkpoint and all three runs of seed s start from it.
 
-Rules (fixed here before any full run):
+Rules (fixed before the full runs; revised once, see below):
 - collapse of one run: held-out sampled accuracy ≥ 0.15 below its running max for 2 consecutive
   evals, or a gradient norm > 10× the median of its first 10 steps (``studies.collapse``);
 - stability claim: inconclusive if GRPO N=4 collapses in fewer than 3 seeds (the condition the
-  claim is about did not occur); reproduces if OTB N=4 collapses in at most half as many seeds as
-  GRPO N=4; does not reproduce if in as many or more; partly otherwise;
+  claim is about did not occur); otherwise the paired difference OTB N=4 − GRPO N=4 over seeds of
+  each run's mean held-out accuracy change from its start (mean over the evals after step 0 of
+  acc − acc₀: how much of its starting accuracy a run keeps) with a 95% t-interval: above 0
+  reproduces, below 0 does not, else inconclusive. Collapse counts are reported beside it: with
+  5 seeds no count difference is significant (a sign test on 5 of 5 discordant seeds gives
+  p = 0.0625);
 - token efficiency: the ratio of held-out gains (end − start) OTB N=4 / GRPO N=16 with a paired
   bootstrap CI over seeds; reproduces if its low end ≥ 0.9 with ≤ 0.5× the tokens, does not
   reproduce if its high end < 0.9; inconclusive if GRPO N=16's own gain is not above 0 (no gain to
   match) or the CI covers 0.9.
+
+Revision (after the first two seed sets, before the seed sets reported now): the first design
+shared one checkpoint by all seeds and compared collapse counts without an interval (OTB N=4 in at
+most half as many seeds reproduces). Its two seed sets disagreed: 3/5 vs 4/5 collapses (does not)
+and 4/5 vs 1/5 (reproduces); the mean accuracy change above was −0.002 and +0.059 [+0.005, +0.112]
+— each conditional on its own checkpoint (start accuracy 0.30 and 0.22). A checkpoint per seed puts
+the checkpoint's variation into the interval, and the count rule had no interval at all.
 """
 from __future__ import annotations
 
@@ -42,7 +53,7 @@ class OtbStabilityConfig:
     steps: int = 60
     prompts_per_step: int = 8
     eval_every: int = 10
-    eval_problems: int = 64
+    eval_problems: int = 48              # 48 × 4 samples: a checkpoint per seed costs ~80 s of the budget
     eval_samples: int = 4
     pass_k: tuple[int, ...] = (1, 4)
     warm_start_max_steps: int = 0        # 0: the warm start's own cap
@@ -70,6 +81,7 @@ def run(cfg: OtbStabilityConfig, out_dir: Path) -> dict:
                          "collapse_step": c["step"] if c["collapsed"] else -1, "reason": c["reason"],
                          "start_acc": evals[0]["sampled_acc"], "end_acc": evals[-1]["sampled_acc"],
                          "gain": evals[-1]["sampled_acc"] - evals[0]["sampled_acc"],
+                         "mean_change": mean_change(evals),
                          "max_grad_norm": max(m.get("grad_norm", 0.0) for m in metrics),
                          "tokens": metrics[-1]["tokens_total"]})
     reporting.write_csv(out_dir / "seeds.csv", rows)
@@ -77,6 +89,13 @@ def run(cfg: OtbStabilityConfig, out_dir: Path) -> dict:
     reporting.write_json(out_dir / "summary.json", summary)
     plot(out_dir, dirs)
     return summary
+
+
+def mean_change(evals: list[dict]) -> float:
+    """Mean over the evals after the first of sampled accuracy minus the first's: the accuracy a
+    run keeps (0: flat; −acc₀: lost everything at once)."""
+    later = [e["sampled_acc"] for e in evals[1:]]
+    return sum(later) / len(later) - evals[0]["sampled_acc"] if later else math.nan
 
 
 def plot(out_dir: Path, dirs: dict[str, list[Path]]) -> Path:
@@ -106,26 +125,21 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
     count = {r: sum(int(x["collapsed"]) for x in rows if x["run"] == r) for r in RUNS}
     n = len(studies.by_seed(rows, "grpo-n4", "collapsed"))
     g4, o4 = count["grpo-n4"], count["otb-n4"]
-    if g4 < min(3, n):
-        outcome = "inconclusive"
-    elif o4 <= g4 / 2:
-        outcome = "reproduces"
-    elif o4 >= g4:
-        outcome = "does not reproduce"
-    else:
-        outcome = "partly"
+    kept = studies.paired(rows, "otb-n4", "grpo-n4", "mean_change")
+    outcome = "inconclusive" if g4 < min(3, n) else reporting.interval_outcome(kept, ">")
     acc = studies.paired(rows, "otb-n4", "grpo-n4", "end_acc")
     out = [reporting.Verdict(
         "OTB at N=4 stays stable where GRPO at N=4 collapses", "OTB §6.3, Fig. 1",
         "GRPO-style baselines collapse (gradient-norm surge), OTB stays stable",
-        f"collapsed seeds GRPO-N4 {g4}/{n}, OTB-N4 {o4}/{n}, GRPO-N16 {count['grpo-n16']}/{n}; end accuracy "
-        f"OTB-N4 − GRPO-N4 {acc}",
-        "collapse = accuracy ≥ 0.15 below its running max for 2 evals or grad norm > 10× its early median; "
-        "inconclusive if GRPO-N4 collapses in < 3 seeds; reproduces if OTB-N4 collapses in ≤ half as many seeds, "
-        "does not if in as many or more, else partly", outcome,
-        f"{n} seeds: a difference of collapse counts below {max(2, math.ceil(n / 2))} seeds cannot be told from "
-        f"chance; end-accuracy difference detectable ≥ {reporting.fmt(acc.detectable)}",
-        "" if outcome != "inconclusive" else "GRPO at N=4 did not collapse often enough in this regime.")]
+        f"mean accuracy change from the start, OTB-N4 − GRPO-N4 {kept}; collapsed seeds GRPO-N4 {g4}/{n}, "
+        f"OTB-N4 {o4}/{n}, GRPO-N16 {count['grpo-n16']}/{n}; end accuracy OTB-N4 − GRPO-N4 {acc}",
+        "inconclusive if GRPO-N4 collapses in < 3 seeds (collapse = accuracy ≥ 0.15 below its running max for 2 "
+        "evals or grad norm > 10× its early median); else the paired t-interval over seeds (a checkpoint each) of "
+        "the mean accuracy change from the start, OTB-N4 − GRPO-N4: above 0 reproduces, below 0 does not, else "
+        "inconclusive", outcome,
+        f"{n} seeds: detectable ≥ {reporting.fmt(kept.detectable)} accuracy; collapse counts are descriptive "
+        f"(no count difference over {n} seeds is significant at 5%)",
+        "" if g4 >= min(3, n) else "GRPO at N=4 did not collapse often enough in this regime.")]
     ratio = studies.paired_ratio(rows, "otb-n4", "grpo-n16", "gain", cfg["bootstrap"])
     tokens = sum(studies.by_seed(rows, "otb-n4", "tokens").values()) / max(
         sum(studies.by_seed(rows, "grpo-n16", "tokens").values()), 1)
@@ -154,12 +168,13 @@ def report(out_dir: Path, figure_path: str) -> str:
     cfg = reporting.read_json(out_dir / "summary.json")["config"]
     rows = reporting.read_csv(out_dir / "seeds.csv")
     lines = ["## OTB: stability and token efficiency in a collapse regime (OTB §6.3, Fig. 1)\n",
-             f"Setting: `builtin:tiny` warm-started once to ~20% on 2-digit multiplication with a scratchpad "
-             f"(~34-token responses); lr 3e-4, no gradient clipping; {cfg['num_seeds']} seeds × (GRPO N=4, OTB N=4, "
-             f"GRPO N=16) from that checkpoint, {cfg['steps']} steps of {cfg['prompts_per_step']} prompts; held-out "
+             f"Setting: `builtin:tiny` warm-started to ~20% on 2-digit multiplication with a scratchpad "
+             f"(~34-token responses), one checkpoint per seed; lr 3e-4, no gradient clipping; {cfg['num_seeds']} "
+             f"seeds × (GRPO N=4, OTB N=4, GRPO N=16), the three runs of a seed from its checkpoint, {cfg['steps']} "
+             f"steps of {cfg['prompts_per_step']} prompts; held-out "
              f"eval every {cfg['eval_every']} steps on {cfg['eval_problems']} prompts × {cfg['eval_samples']} samples. "
              "The learning rate was chosen on a pilot seed to make GRPO N=4 collapse (see the module docstring).\n",
              f"![otb stability]({figure_path})\n",
              reporting.markdown_table(rows, ["run", "seed", "collapsed", "collapse_step", "start_acc", "end_acc",
-                                             "max_grad_norm", "tokens", "reason"])]
+                                             "mean_change", "max_grad_norm", "tokens", "reason"])]
     return "\n".join(lines)

@@ -2,17 +2,17 @@
 silencing them keep entropy stable? (STAPO §3.2, §5.5)
 
 (i) Census. From the warm-started ``builtin:tiny`` (2-digit multiplication with a scratchpad,
-~20% accuracy, the checkpoint of ``otb-stability``) sample at least ``census_tokens`` response
-tokens in training-sized batches (``prompts_per_batch`` × N), give them GRPO advantages and apply
-the S2T mask exactly as the trainer does (τ_p = 2e-3, bottom 80% entropy, per batch). Report the
-silenced ratio (paper ~0.01%, peak 0.03%) with a bootstrap CI over batches, and the exact
-per-token gradient norm ‖∇θ log π(y_t)‖ of silenced tokens against the other tokens of the same
-responses (paper: +16.7%), computed for every response holding a silenced token (capped) and for
-a random sample of responses.
+~20% accuracy, the checkpoint of ``otb-stability``'s first seed) sample at least
+``census_tokens`` response tokens in training-sized batches (``prompts_per_batch`` × N), give
+them GRPO advantages and apply the S2T mask exactly as the trainer does (τ_p = 2e-3, bottom 80%
+entropy, per batch). Report the silenced ratio (paper ~0.01%, peak 0.03%) with a bootstrap CI
+over batches, and the exact per-token gradient norm ‖∇θ log π(y_t)‖ of silenced tokens against
+the other tokens of the same responses (paper: +16.7%), computed for every response holding a
+silenced token (capped) and for a random sample of responses.
 
-(ii) Training. GRPO with and without STAPO from the same checkpoint in the unstable regime of
-``otb-stability`` (lr 3e-4, no clipping), N = 8 as the paper: the change of the policy entropy
-from the first to the last 10% of steps, paired by seed.
+(ii) Training. GRPO with and without STAPO, seed s from the checkpoint of seed s, in the
+unstable regime of ``otb-stability`` (lr 3e-4, no clipping), N = 8 as the paper: the change of
+the policy entropy from the first to the last 10% of steps, paired by seed.
 
 Rules (fixed before the full run): (a) ratio reproduces if within 10× of 0.01% (0.001–0.1%),
 else does not; (b) gradient-norm ratio reproduces if its 95% CI lies above 1, does not if below,
@@ -77,8 +77,8 @@ def census(cfg: StapoCensusConfig, out_dir: Path) -> None:
     from creditrl.tasks import get_task
     from creditrl.trainer.rollout import generate_rollouts
 
-    cap = [f"model.warm_start.max_steps={cfg.warm_start_max_steps}"] if cfg.warm_start_max_steps else []
-    checkpoint = studies.shared_checkpoint(UNSTABLE["task"], [*UNSTABLE["warm_start"], *cap], cfg.seed, cfg.threads)
+    checkpoint = studies.seed_checkpoint(UNSTABLE["task"], studies.warm_start_overrides(cfg, UNSTABLE), cfg.seed,
+                                           cfg.threads)
     task = get_task(UNSTABLE["task"])
     model, tokenizer = load_policy(str(checkpoint), task, progress=False)
     model.eval()
@@ -237,11 +237,12 @@ def report(out_dir: Path, figure_path: str) -> str:
     return "\n".join([
         "## STAPO: census of spurious tokens and entropy under an unstable learning rate (STAPO §3.2, §5.5)\n",
         f"Setting: (i) ≥ {cfg['census_tokens']} tokens sampled from `builtin:tiny` warm-started to ~20% on 2-digit "
-        f"multiplication (the `otb-stability` checkpoint), batches of {cfg['prompts_per_batch']} prompts × "
+        f"multiplication (the checkpoint of `otb-stability`'s first seed), batches of {cfg['prompts_per_batch']} "
+        f"prompts × "
         f"{cfg['group_size']}, GRPO advantages, the trainer's S2T mask (τ_p = 2e-3, bottom 80% entropy); exact "
         "per-token gradients for responses holding silenced tokens and for random responses. (ii) GRPO with and "
         f"without STAPO, N = {cfg['group_size']}, lr 3e-4, no clipping, {cfg['num_seeds']} seeds × {cfg['steps']} "
-        "steps from that checkpoint.\n",
+        "steps, each seed from its own checkpoint (shared with `otb-stability`).\n",
         f"![stapo census]({figure_path})\n", mean_std_table(training, ["entropy_start", "entropy_end",
                                                                       "entropy_change", "silenced_ratio",
                                                                       "start_acc", "end_acc"])])

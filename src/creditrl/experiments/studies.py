@@ -1,10 +1,14 @@
 """Trainer studies shared by the learning-curve experiments: one warm-started checkpoint per
-study, runs × seeds through ``creditrl compare``, and the per-seed readings the verdicts pair up.
+seed, runs × seeds through ``creditrl compare``, and the per-seed readings the verdicts pair up.
 
 A study is a dict ``{"task": name, "overrides": [...], "warm_start": [...], "runs": {run: [...]}}``
-of ``creditrl train`` overrides. Every run and seed of a study starts from the same checkpoint
-(passed as a local model dir), so differences between runs of one seed come from RL alone and
-pair up: seed s of run a against seed s of run b.
+of ``creditrl train`` overrides. Seed s warm-starts its own checkpoint (warm-start seed s) and every
+run of seed s starts from it (passed as a local model dir): runs of one seed differ by RL alone and
+pair up (seed s of run a against seed s of run b), while the spread over seeds includes the
+checkpoint's. One checkpoint shared by all seeds made every interval conditional on that one
+checkpoint: two seed sets (two checkpoints) then disagreed on verdicts whose intervals each excluded
+the null. Checkpoints are cached per (task, warm start, seed), so studies with the same task and
+warm start share them.
 """
 from __future__ import annotations
 
@@ -15,8 +19,12 @@ from creditrl import reporting
 from creditrl._runtime import torch_threads
 
 
-def shared_checkpoint(task_name: str, warm_start: list[str], seed: int, threads: int) -> Path:
-    """Warm-start ``builtin:tiny`` on ``task_name`` once (cached per machine) and return its dir."""
+WARM_START_THREADS = 2   # a warm start is a long SFT run: both cores (1.5× faster than one here)
+
+
+def seed_checkpoint(task_name: str, warm_start: list[str], seed: int, threads: int) -> Path:
+    """Warm-start ``builtin:tiny`` on ``task_name`` with ``seed`` once (cached per machine) and
+    return its dir."""
     from creditrl.config import load_config
     from creditrl.models import load_policy, tiny_cache_path
     from creditrl.tasks import get_task
@@ -39,16 +47,25 @@ def common_overrides(cfg) -> list[str]:
 
 def run_study(cfg, study: dict, runs: dict[str, list[str]], seeds: list[int], out: Path,
               title: str) -> dict[str, list[Path]]:
-    """Train ``runs`` × ``seeds`` of ``study`` from its shared checkpoint; write the compare report."""
+    """Train ``runs`` × ``seeds`` of ``study``, seed s from its own checkpoint (warm-start seed s);
+    write the compare report."""
     from creditrl.trainer import compare
 
-    cap = [f"model.warm_start.max_steps={cfg.warm_start_max_steps}"] if cfg.warm_start_max_steps else []
-    checkpoint = shared_checkpoint(study["task"], [*study.get("warm_start", []), *cap], cfg.seed, cfg.threads)
-    spec = compare.CompareSpec(runs=runs, seeds=seeds, overrides=[
-        *common_overrides(cfg), f"model.name={checkpoint}", f"task.name={study['task']}", *study["overrides"]])
-    dirs = compare.run_all(spec, out, progress=False)
+    dirs: dict[str, list[Path]] = {name: [] for name in runs}
+    for seed in seeds:
+        checkpoint = seed_checkpoint(study["task"], warm_start_overrides(cfg, study), seed, cfg.threads)
+        spec = compare.CompareSpec(runs=runs, seeds=[seed], overrides=[
+            *common_overrides(cfg), f"model.name={checkpoint}", f"task.name={study['task']}", *study["overrides"]])
+        for name, run_dirs in compare.run_all(spec, out, progress=False).items():
+            dirs[name] += run_dirs
     compare.write_report(dirs, out, title=title)
     return dirs
+
+
+def warm_start_overrides(cfg, study: dict) -> list[str]:
+    """The study's warm start, its step cap from ``cfg`` (0: the study's own) and its threads."""
+    cap = [f"model.warm_start.max_steps={cfg.warm_start_max_steps}"] if cfg.warm_start_max_steps else []
+    return [*study.get("warm_start", []), *cap, f"model.warm_start.num_threads={WARM_START_THREADS}"]
 
 
 def read_history(run_dir: Path) -> tuple[list[dict], list[dict]]:
