@@ -55,8 +55,8 @@ about, or the interval covers both outcomes). Regenerate with:
 
 and check it with another seed set (the last section of this file):
 
-    creditrl experiment all --preset full seed=100 --out runs/experiments/seed100
-    creditrl experiment report --check runs/experiments/seed100
+    creditrl experiment all --preset full seed=200 --out runs/experiments/seed200
+    creditrl experiment report --check runs/experiments/seed200
 """
 
 

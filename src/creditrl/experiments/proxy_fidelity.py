@@ -3,7 +3,7 @@
 OTB (eq. 7) replaces the per-token energy ‖∇θ log π(y_t)‖² by the logit-space norm
 ŵ_t = ‖∇_z log π(y_t)‖² = 1 − 2π(y_t) + Σ_v π_v², and OPO uses the response length as the
 energy of a whole response; OTB §6.4 argues the length is a poor stand-in. On the fixed
-warm-started tiny policy (the same checkpoint as ``grad-variance``) this computes, for every
+warm-started tiny policy (the first of ``grad-variance``'s checkpoints) this computes, for every
 valid token of every sampled response, the exact squared norm of the full parameter gradient,
 then reports Pearson and Spearman correlations with ŵ_t (pooled over tokens), and, within each
 group, the rank correlation of the true response energy W = Σ_t ‖∇θ log π(y_t)‖² with Σ_t ŵ_t and
@@ -28,7 +28,7 @@ from creditrl.experiments.grad_variance import load_checkpoint, response_tokens,
 class ProxyFidelityConfig:
     task: str = "multiplication"
     digits: int = 2
-    warm_start_accuracy: float = 0.3     # same checkpoint as grad-variance (shared warm-start cache)
+    warm_start_accuracy: float = 0.3     # grad-variance's first checkpoint (shared warm-start cache)
     warm_start_max_steps: int = 800
     groups: int = 8
     group_size: int = 8
@@ -204,7 +204,7 @@ def report(out_dir: Path, figure_path: str) -> str:
     s = reporting.read_json(Path(out_dir) / "summary.json")
     cfg = s["config"]
     lines = ["## OTB: fidelity of the logit-gradient proxy (OTB eq. 7, §6.4)\n",
-             f"Setting: the `grad-variance` checkpoint (`{cfg['task']}`, digits={cfg['digits']}); {cfg['groups']} "
+             f"Setting: the first `grad-variance` checkpoint (`{cfg['task']}`, digits={cfg['digits']}); {cfg['groups']} "
              f"groups × {cfg['group_size']} sampled responses, {s['tokens']} response tokens, each with the exact "
              "squared norm of its full-parameter gradient.\n", f"![proxy fidelity]({figure_path})\n",
              reporting.markdown_table([{"quantity": k, "value": v} for k, v in s.items() if k != "config"]), "",
