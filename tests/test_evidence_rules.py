@@ -63,6 +63,30 @@ def test_interval_and_combined_outcomes():
     assert reporting.combined_outcome([]) == "inconclusive"
 
 
+@pytest.mark.parametrize("claimed, null, paper, low, high, outcome", [
+    # a difference claimed > 0, the paper's effect +0.05
+    (">", 0.0, 0.05, -0.02, 0.04, "does not reproduce"),   # covers 0, stops short of the paper's size
+    (">", 0.0, 0.05, -0.02, 0.06, "inconclusive"),         # holds both 0 and the paper's size
+    (">", 0.0, 0.05, 0.01, 0.03, "reproduces"),            # above 0, even if below the paper's size
+    (">", 0.0, 0.05, -0.04, -0.01, "does not reproduce"),
+    # a ratio claimed < 1, the paper's ratio 0.226 (77.4% lower)
+    ("<", 1.0, 0.226, 0.90, 1.28, "does not reproduce"),
+    ("<", 1.0, 0.226, 0.20, 1.28, "inconclusive"),
+    ("<", 1.0, 0.226, 0.50, 0.95, "reproduces"),
+    ("<", 1.0, None, 0.90, 1.28, "inconclusive"),          # no stated size: the plain rule
+])
+def test_interval_outcome_with_the_papers_effect_size(claimed, null, paper, low, high, outcome):
+    est = reporting.Estimate((low + high) / 2, low, high, 0.0, 5)
+    assert reporting.interval_outcome(est, claimed, null, paper=paper) == outcome
+
+
+def test_interval_outcome_rejects_a_paper_effect_on_the_wrong_side():
+    est = reporting.Estimate(1.0, 0.9, 1.1, 0.0, 5)
+    with pytest.raises(ValueError, match=r"paper: expected the paper's effect on the claimed side \(<\) of 1.0, got 1.5"):
+        reporting.interval_outcome(est, "<", 1.0, paper=1.5)
+    assert reporting.ratios_below_one([est], paper=0.226) == "does not reproduce"
+
+
 def test_verdict_validates_its_outcome_and_renders_rule_and_power():
     with pytest.raises(ValueError, match="outcome: expected one of"):
         reporting.Verdict("c", "§1", "p", "o", "r", "agrees", "pw")

@@ -230,17 +230,27 @@ def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_
     return Estimate(float(a.sum() / b.sum()), float(low), float(high), math.nan, a.numel(), unit)
 
 
-def interval_outcome(est: Estimate, claimed: str = ">", null: float = 0.0) -> str:
+def interval_outcome(est: Estimate, claimed: str = ">", null: float = 0.0, paper: float | None = None) -> str:
     """The fixed rule for one effect claimed to lie on side ``claimed`` of ``null`` ('>' above, '<'
     below; null 0 for a difference, 1 for a ratio): reproduces if the 95% interval lies on the
     claimed side, does not reproduce if on the other, inconclusive if it covers ``null`` (a point
-    estimate on the right side alone is not evidence)."""
+    estimate on the right side alone is not evidence) — unless the paper states the effect's size
+    (``paper``, on the claimed side, in our units): an interval that covers ``null`` but stops short
+    of ``paper`` excludes the paper's effect, and does not reproduce it at the paper's size.
+    Inconclusive thus means what it says: the interval holds both no effect and the paper's."""
     if claimed not in (">", "<"):
         raise ValueError(f"claimed: expected '>' or '<', got {claimed!r}")
+    sign = 1.0 if claimed == ">" else -1.0
+    if paper is not None and not sign * (paper - null) > 0:
+        raise ValueError(f"paper: expected the paper's effect on the claimed side ({claimed}) of {null}, got {paper}")
     if not (math.isfinite(est.low) and math.isfinite(est.high)):
         return "inconclusive"
     low, high = (est.low - null, est.high - null) if claimed == ">" else (null - est.high, null - est.low)
-    return "reproduces" if low > 0 else "does not reproduce" if high < 0 else "inconclusive"
+    if low > 0:
+        return "reproduces"
+    if high < 0 or (paper is not None and high < sign * (paper - null)):
+        return "does not reproduce"
+    return "inconclusive"
 
 
 def combined_outcome(outcomes: Sequence[str]) -> str:
@@ -253,10 +263,11 @@ def combined_outcome(outcomes: Sequence[str]) -> str:
     return "does not reproduce" if "does not reproduce" in outcomes else "inconclusive"
 
 
-def ratios_below_one(estimates: Sequence[Estimate]) -> str:
+def ratios_below_one(estimates: Sequence[Estimate], paper: float | None = None) -> str:
     """The claim "ratio < 1" over several settings (lengths, rivals): each ratio's CI below 1 is a
-    win, above 1 a loss; all wins reproduces, some partly, none with a loss does not, else inconclusive."""
-    return combined_outcome([interval_outcome(e, "<", null=1.0) for e in estimates])
+    win, above 1 (or above the paper's ratio ``paper``, see ``interval_outcome``) a loss; all wins
+    reproduces, some partly, none with a loss does not, else inconclusive."""
+    return combined_outcome([interval_outcome(e, "<", null=1.0, paper=paper) for e in estimates])
 
 
 @dataclass(frozen=True)
