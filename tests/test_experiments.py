@@ -200,6 +200,8 @@ def test_bootstrap_ci_and_slope():
     assert abs(reporting.loglog_slope([1, 10, 100], [1.0, 0.1 ** 0.5, 0.1])) - 0.5 < 1e-12
     rows = [{"a": 1, "b": 0.5, "c": "x"}]
     assert reporting.markdown_table(rows).splitlines()[2] == "| 1 | 0.5 | x |"
+    # a '|' in a cell would split it into two columns: escaped
+    assert reporting.markdown_table([{"a": "|x| change"}]).splitlines()[2] == "| \\|x\\| change |"
 
 
 # ---------------------------------------------------------------- grad-variance / proxy-fidelity: exact gradients

@@ -98,12 +98,17 @@ def fmt(value: object, digits: int = 3) -> str:
 
 
 def markdown_table(rows: Sequence[Row], columns: Sequence[str] | None = None, digits: int = 3) -> str:
-    """A GitHub Markdown table of ``rows`` (all columns unless ``columns`` is given)."""
+    """A GitHub Markdown table of ``rows`` (all columns unless ``columns`` is given); a '|' inside a
+    cell (e.g. |entropy change|) is escaped, or it would split the cell."""
     if not rows:
         return "_(no rows)_\n"
     columns = list(columns or rows[0])
-    lines = ["| " + " | ".join(map(str, columns)) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(c, ""), digits) for c in columns) + " |" for row in rows]
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(cell(str(c)) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(fmt(row.get(c, ""), digits)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
