@@ -30,6 +30,16 @@ def test_paired_difference_is_the_t_interval_of_the_differences(pairs):
     assert est.low <= est.value <= est.high and est.n == n
 
 
+def test_mean_estimate_is_the_t_interval_of_one_sample():
+    x = [0.1, -0.2, 0.4, 0.3]
+    est = reporting.mean_estimate(x)
+    mean = sum(x) / 4
+    sd = math.sqrt(sum((v - mean) ** 2 for v in x) / 3)
+    assert est.value == pytest.approx(mean)
+    assert est.high - mean == pytest.approx(3.182 * sd / 2)  # t_{0.975, 3} × SE
+    assert est.n == 4
+
+
 def test_paired_difference_edge_cases():
     one = reporting.paired_difference([1.0], [0.0])
     assert one.value == 1.0 and one.low == -math.inf and one.high == math.inf

@@ -217,6 +217,11 @@ def paired_difference(a: Sequence[float], b: Sequence[float], unit: str = "seeds
     return Estimate(mean, mean - half, mean + half, POWER_FACTOR * se, len(d), unit)
 
 
+def mean_estimate(values: Sequence[float], unit: str = "seeds") -> Estimate:
+    """Mean of one sample with its t-interval (a gain against 0): ``paired_difference`` against 0."""
+    return paired_difference(values, [0.0] * len(values), unit)
+
+
 def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_boot: int = 2000,
                  unit: str = "seeds", seed: int = 0, clusters: Sequence[int] | Tensor | None = None) -> Estimate:
     """mean(a) / mean(b) over paired units (same seed, block or instance) with a paired percentile
