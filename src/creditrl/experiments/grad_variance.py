@@ -4,9 +4,9 @@ response length (OTB §5.3, §6; MaxPO §3.2).
 The papers estimate gradient variance with proxies; here the policy is small enough to compute
 every group's exact gradient estimate and measure tr Cov directly. At fixed warm-started
 ``builtin:tiny`` checkpoints for 1- and 2-digit multiplication with a scratchpad (responses of
-~13 and ~33 tokens: the horizon; ``checkpoints`` independent warm starts per length, seeds
-seed, seed+1, ..., each measured on an equal share of the groups), at N = 8: draw groups (one prompt, N responses),
-compute for every estimator e the group's estimate
+~13 and ~33 tokens: the horizon; ``checkpoints`` independent warm starts per length, seeds seed,
+seed+1, ..., each measured on an equal share of the groups), at N = 8: draw groups (one prompt,
+N responses), compute for every estimator e the group's estimate
 
     g_e = Σ_i Σ_t A_e,t^(i) ∇θ log π(y_t^(i)) / Σ_i |y^(i)|      (token-mean, the trainer's default)
 
@@ -81,9 +81,8 @@ class GradVarianceConfig:
 
 PRESETS = {
     "fast": GradVarianceConfig(digits=(1,), warm_start_accuracy=(0.3,), checkpoints=2, group_size=4, k=2, groups=12,
-                               block=3,
-                               max_new_tokens=16, estimators=("dr_grpo", "rloo", "otb", "otb_isolated", "maxpo", "ei"),
-                               bootstrap=500),
+                               block=3, max_new_tokens=16,
+                               estimators=("dr_grpo", "rloo", "otb", "otb_isolated", "maxpo", "ei"), bootstrap=500),
     "full": GradVarianceConfig(),
 }
 
@@ -427,7 +426,8 @@ def report(out_dir: Path, figure_path: str) -> str:
              "parameters (token-mean normaliser), the same responses for every estimator (paired); max@K rows with "
              f"K = {cfg['k']}, each at its definition's scale: "
              + "; ".join(f"`{n}` = {t}" for n, t in MAXK_SCALING.items() if n in cfg["estimators"]) + ". "
-             "95% two-stage bootstrap CIs (checkpoints, then blocks within them). MaxPO and EI estimate the max@K gradient, a different objective, so "
+             "95% two-stage bootstrap CIs (checkpoints, then blocks within them). MaxPO and EI estimate the max@K "
+             "gradient, a different objective, so "
              "compare them with each other rather than with RLOO.\n", f"![grad variance]({figure_path})\n",
              "Variance ratio to RLOO (95% CI), by mean response length:\n"]
     table = [{**r, "length": f"{r['response_len']:.0f} tokens ({r['digits']} digits)",
