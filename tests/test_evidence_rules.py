@@ -220,3 +220,33 @@ def test_mean_change_is_the_accuracy_kept_after_the_start():
     evals = [{"sampled_acc": a} for a in (0.3, 0.2, 0.1, 0.0)]
     assert mean_change(evals) == pytest.approx(0.1 - 0.3)
     assert mean_change(evals[:1]) != mean_change(evals[:1])  # NaN: no eval after the start
+
+
+def hill_loop(x: list[float], k: int) -> float:
+    top = sorted(x, reverse=True)
+    return k / sum(math.log(top[i] / top[k]) for i in range(k))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(1e-3, 1e3), min_size=12, max_size=60), st.sampled_from([0.1, 0.25, 0.5]))
+def test_tail_index_matches_loop_and_is_scale_free(x, fraction):
+    k = math.ceil(fraction * len(x))
+    top = sorted(x, reverse=True)
+    if top[0] == top[k]:  # every top value ties: α̂ is infinite, skip
+        return
+    assert reporting.tail_index(x, fraction) == pytest.approx(hill_loop(x, k), rel=1e-9)
+    assert reporting.tail_index([7.5 * v for v in x], fraction) == pytest.approx(hill_loop(x, k), rel=1e-9)
+
+
+@pytest.mark.parametrize("alpha", [1.2, 3.0])
+def test_tail_index_recovers_a_pareto_tail(alpha):
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    sample = u.pow(-1 / alpha)  # P(X > x) = x^-alpha
+    assert reporting.tail_index(sample, 0.1) == pytest.approx(alpha, rel=0.08)
+
+
+def test_tail_index_errors_name_the_arguments():
+    with pytest.raises(ValueError, match="x, fraction: expected more than"):
+        reporting.tail_index([1.0, 2.0, 3.0], 0.1)
+    with pytest.raises(ValueError, match="fraction=1.5"):
+        reporting.tail_index(list(range(1, 50)), 1.5)

@@ -356,10 +356,15 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
     assert "dr_grpo" in gv.report(tmp_path / "a", "figures/grad_variance.png")
     claims = {v.claim: v for v in gv.verdicts(tmp_path / "a")}
     assert "OTB lowers the exact gradient variance versus DR_GRPO/RLOO" in claims
+    assert "Tail index of the per-block variances" in claims["OTB lowers the exact gradient variance versus DR_GRPO/RLOO"].note
     assert all(v.outcome in reporting.OUTCOMES and "[" in v.ours for v in claims.values())
-    with pytest.raises(ValueError, match="warm_start_accuracy: expected one accuracy per digits"):
+    with pytest.raises(ValueError, match=r"warm_start_accuracy: expected one entry per digits entry \(2\), got 1"):
         gv.run(dataclasses.replace(gv.PRESETS["fast"], digits=(1, 2)), tmp_path / "x")
-    small = dataclasses.replace(gv.PRESETS["fast"], groups=4, block=2, estimators=("rloo", "otb"), bootstrap=50)
+    with pytest.raises(ValueError, match=r"groups: expected one entry per digits entry \(1\), got 2"):
+        gv.run(dataclasses.replace(gv.PRESETS["fast"], groups=(12, 12)), tmp_path / "x")
+    with pytest.raises(ValueError, match=r"block: expected 2 <= block and block × checkpoints <= groups"):
+        gv.run(dataclasses.replace(gv.PRESETS["fast"], groups=(5,)), tmp_path / "x")
+    small = dataclasses.replace(gv.PRESETS["fast"], groups=(4,), block=2, estimators=("rloo", "otb"), bootstrap=50)
     gv.run(small, tmp_path / "b")
     gv.run(small, tmp_path / "c")
     assert (tmp_path / "b" / "blocks.csv").read_text() == (tmp_path / "c" / "blocks.csv").read_text()
@@ -453,6 +458,20 @@ def test_real_model_fast_preset(fast_root):
     assert len(rm.verdicts(out)) == 2
     with pytest.raises(ValueError, match="variance_groups: expected an even number"):
         rm.run(rm.RealModelConfig(variance_groups=3), out / "x")
+
+
+def test_pair_difference_matches_separate_group_gradients(tiny_rollouts):
+    """real-model's one-backward ‖g₁ − g₂‖²/2 equals the difference of the two groups' own gradients."""
+    from creditrl.experiments import grad_variance as gv
+    from creditrl.experiments import real_model as rm
+
+    model, params, batch = tiny_rollouts
+    names = ("rloo", "ogb", "otb", "otb_isolated")
+    grads, _ = gv.block_gradients(model, params, batch, gv.GradVarianceConfig(estimators=names))  # [E, 2, P]
+    expected = (grads[:, 0].double() - grads[:, 1].double()).pow(2).sum(-1) / 2
+    got = torch.tensor(rm.pair_difference_sq(model, params, batch, names, 1.0), dtype=torch.float64)
+    assert float(expected.min()) > 0
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-9)
 
 
 def test_dr_grpo_gradient_is_scaled_rloo(tiny_rollouts):

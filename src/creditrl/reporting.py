@@ -184,6 +184,19 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 POWER_FACTOR = 2.8  # z_{0.975} + z_{0.80}: an effect of 2.8 SE is detected with 80% power at α = 0.05
 
 
+def tail_index(x: Sequence[float] | Tensor, fraction: float = 0.1) -> float:
+    """Hill's estimator of the tail index α of positive samples from their largest k = ⌈fraction·n⌉:
+    α̂ = k / Σ_{i<k} log(x_(i) / x_(k)) (x sorted descending). For a Pareto tail P(X > x) ∝ x^−α;
+    α < 2 means X has no finite variance, so the CLT (and the bootstrap) do not hold for its mean."""
+    v = torch.as_tensor(x, dtype=torch.float64).flatten()
+    v = v[v > 0].sort(descending=True).values
+    k = math.ceil(fraction * v.numel())
+    if not 0 < fraction < 1 or k < 2 or k >= v.numel():
+        raise ValueError(f"x, fraction: expected more than {k} positive samples with 0 < fraction < 1, got "
+                         f"{v.numel()} positive samples and fraction={fraction}")
+    return float(k / (v[:k] / v[k]).log().sum())
+
+
 def t_quantile(df: int) -> float:
     """t_{0.975, df} (two-sided 95%); inf for df < 1 (no interval from one sample)."""
     return math.inf if df < 1 else _T975[df - 1] if df <= len(_T975) else 1.96
