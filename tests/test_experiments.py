@@ -356,7 +356,8 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
     assert "dr_grpo" in gv.report(tmp_path / "a", "figures/grad_variance.png")
     claims = {v.claim: v for v in gv.verdicts(tmp_path / "a")}
     assert "OTB lowers the exact gradient variance versus DR_GRPO/RLOO" in claims
-    assert "Tail index of the per-block variances" in claims["OTB lowers the exact gradient variance versus DR_GRPO/RLOO"].note
+    otb = claims["OTB lowers the exact gradient variance versus DR_GRPO/RLOO"]
+    assert "Tail index of the per-block variances" in otb.note
     assert all(v.outcome in reporting.OUTCOMES and "[" in v.ours for v in claims.values())
     with pytest.raises(ValueError, match=r"warm_start_accuracy: expected one entry per digits entry \(2\), got 1"):
         gv.run(dataclasses.replace(gv.PRESETS["fast"], digits=(1, 2)), tmp_path / "x")
