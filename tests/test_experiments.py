@@ -361,6 +361,9 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
     assert all(v.outcome in reporting.OUTCOMES and "[" in v.ours for v in claims.values())
     with pytest.raises(ValueError, match=r"warm_start_accuracy: expected one entry per digits entry \(2\), got 1"):
         gv.run(dataclasses.replace(gv.PRESETS["fast"], digits=(1, 2)), tmp_path / "x")
+    with pytest.raises(ValueError, match=r"digits: expected distinct entries, got \(1, 1\)"):
+        gv.run(dataclasses.replace(gv.PRESETS["fast"], digits=(1, 1), warm_start_accuracy=(0.3, 0.3),
+                                   groups=(12, 24)), tmp_path / "x")
     with pytest.raises(ValueError, match=r"groups: expected one entry per digits entry \(1\), got 2"):
         gv.run(dataclasses.replace(gv.PRESETS["fast"], groups=(12, 12)), tmp_path / "x")
     with pytest.raises(ValueError, match=r"block: expected 2 <= block and block × checkpoints <= groups"):

@@ -176,17 +176,16 @@ def within_block_variance(grads: Tensor) -> Tensor:
     return (g - g.mean(dim=1, keepdim=True)).pow(2).sum(dim=(1, 2)) / (g.shape[1] - 1)
 
 
-def measure(cfg: GradVarianceConfig, digits: int, checkpoint: int, seed: int, model, params, task, tokenizer,
-            sums: dict) -> tuple[list, list]:
+def measure(cfg: GradVarianceConfig, digits: int, n_blocks: int, checkpoint: int, seed: int, model, params, task,
+            tokenizer, sums: dict) -> tuple[list, list]:
     """Per-block variances and the mean gradient's squared norm at one length and checkpoint
-    (``blocks_per_checkpoint`` blocks); returns (block rows, signal rows) and adds to ``sums``
+    (``n_blocks`` blocks); returns (block rows, signal rows) and adds to ``sums``
     (see ``baseline_summary``)."""
     rng = random.Random(f"grad-variance-{seed}-{digits}")
     generator = torch.Generator().manual_seed(seed)
     block_rows, signal_rows = [], []
     start = time.perf_counter()
     total = torch.zeros(len(cfg.estimators), sum(p.numel() for p in params), dtype=torch.float64)
-    n_blocks = blocks_per_checkpoint(cfg, cfg.digits.index(digits))
     for b in range(n_blocks):
         batch = sample_groups(task, model, tokenizer, cfg.block, cfg.group_size, cfg, rng, generator)
         grads, energy = block_gradients(model, params, batch, cfg)
@@ -282,6 +281,8 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
         raise ValueError(f"k: maxpo/ei/pkpo need 1 <= k <= group_size-1 (={cfg.group_size - 1}), got {cfg.k}")
     if cfg.checkpoints < 1:
         raise ValueError(f"checkpoints: expected an int >= 1, got {cfg.checkpoints}")
+    if len(set(cfg.digits)) != len(cfg.digits):  # rows are keyed by digits: a repeat would merge two lengths
+        raise ValueError(f"digits: expected distinct entries, got {cfg.digits}")
     for field in ("warm_start_accuracy", "groups"):
         if len(getattr(cfg, field)) != len(cfg.digits):
             raise ValueError(f"{field}: expected one entry per digits entry ({len(cfg.digits)}), "
@@ -291,7 +292,7 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
                          f"checkpoints={cfg.checkpoints}, groups={cfg.groups}")
     out_dir = Path(out_dir)
     block_rows, signal_rows, baselines, parameters = [], [], {}, 0
-    for digits, accuracy in zip(cfg.digits, cfg.warm_start_accuracy):
+    for length, (digits, accuracy) in enumerate(zip(cfg.digits, cfg.warm_start_accuracy)):
         sums = {"RW": 0.0, "W": 0.0, "R": 0.0, "n": 0, "W_correct": 0.0, "n_correct": 0}
         for c in range(cfg.checkpoints):
             seed = cfg.seed + c
@@ -299,7 +300,8 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
                 task, model, tokenizer, params = load_checkpoint(cfg.task, digits, accuracy, seed,
                                                                  cfg.warm_start_max_steps)
                 torch.manual_seed(seed)
-                blocks, signal = measure(cfg, digits, c, seed, model, params, task, tokenizer, sums)
+                blocks, signal = measure(cfg, digits, blocks_per_checkpoint(cfg, length), c, seed, model, params,
+                                         task, tokenizer, sums)
             block_rows += blocks
             signal_rows += signal
             parameters = sum(p.numel() for p in params)
