@@ -250,3 +250,52 @@ def test_tail_index_errors_name_the_arguments():
         reporting.tail_index([1.0, 2.0, 3.0], 0.1)
     with pytest.raises(ValueError, match="fraction=1.5"):
         reporting.tail_index(list(range(1, 50)), 1.5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10)), min_size=2, max_size=15),
+       st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10)), min_size=2, max_size=15),
+       st.floats(0.1, 10))
+def test_geometric_mean_ratio_pools_each_setting_alone(first, second, scale):
+    """The value is √(r₁ r₂) of the two settings' ratios of sums (a loop here); each resample keeps
+    pairs together within a setting, so scaling a setting's numerator by c scales every resample,
+    hence value and interval, by √c; with one setting it is ``paired_ratio`` itself."""
+    def split(pairs):
+        return (torch.tensor([p[0] for p in pairs], dtype=torch.float64),
+                torch.tensor([p[1] for p in pairs], dtype=torch.float64), None)
+
+    (a1, b1, _), (a2, b2, _) = split(first), split(second)
+    est = reporting.geometric_mean_ratio([(a1, b1, None), (a2, b2, None)], n_boot=300, seed=3)
+    ratio = lambda a, b: sum(a.tolist()) / sum(b.tolist())  # noqa: E731
+    assert est.value == pytest.approx(math.sqrt(ratio(a1, b1) * ratio(a2, b2)), rel=1e-9)
+    assert est.n == len(first) + len(second) and est.unit == "blocks"
+    unit_ratios = [x / y for x, y in first + second]  # every resample's ratio lies within the unit ratios
+    assert min(unit_ratios) - 1e-9 <= est.low <= est.high <= max(unit_ratios) + 1e-9
+    scaled = reporting.geometric_mean_ratio([(a1 * scale, b1, None), (a2, b2, None)], n_boot=300, seed=3)
+    for got, base in ((scaled.value, est.value), (scaled.low, est.low), (scaled.high, est.high)):
+        assert got == pytest.approx(base * math.sqrt(scale), rel=1e-9)
+    one = reporting.geometric_mean_ratio([(a1, b1, None)], n_boot=300, seed=3)
+    alone = reporting.paired_ratio(a1, b1, n_boot=300, seed=3)
+    assert (one.value, one.low, one.high) == pytest.approx((alone.value, alone.low, alone.high), rel=1e-9)
+
+
+def test_geometric_mean_ratio_degenerate_inputs():
+    ones = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="samples: expected at least one"):
+        reporting.geometric_mean_ratio([])
+    assert math.isnan(reporting.geometric_mean_ratio([(ones, ones, None), (ones, 0 * ones, None)]).value)
+    with pytest.raises(ValueError, match="a, b: expected paired samples of equal length"):
+        reporting.geometric_mean_ratio([(ones, ones[:3], None)])
+
+
+@pytest.mark.parametrize("per_setting, pooled, paper, outcome", [
+    ([(0.8, 0.95), (0.9, 1.05)], (0.85, 0.98), None, "reproduces"),       # pooled wins, no setting loses
+    ([(0.8, 0.95), (1.01, 1.2)], (0.85, 0.98), None, "does not reproduce"),  # a reversal anywhere is a loss
+    ([(0.8, 1.05), (0.9, 1.05)], (0.88, 1.01), None, "inconclusive"),     # pooled CI reaches 1: a tie
+    ([(0.15, 0.9)], (0.2, 0.9), 0.226, "reproduces"),
+    ([(0.8, 1.05), (0.7, 1.1)], (0.75, 1.05), 0.226, "does not reproduce"),  # excludes the paper's ratio
+])
+def test_pooled_ratio_outcome(per_setting, pooled, paper, outcome):
+    est = lambda low, high: reporting.Estimate((low + high) / 2, low, high, math.nan, 5)  # noqa: E731
+    got = reporting.pooled_ratio_outcome([est(*x) for x in per_setting], est(*pooled), paper)
+    assert got == outcome

@@ -159,11 +159,14 @@ def bootstrap_ci(statistic: Callable[[Tensor], Tensor], n: int, *, n_boot: int =
     ``statistic`` maps a [R, n] index tensor (R resamples of unit indices) to [R, ...];
     returns (low, high) with shape [...]. Vectorised: one call evaluates every resample.
     """
-    idx = resample_indices(n_boot, n, clusters, generator)
-    values = statistic(idx).double()
+    return percentile_interval(statistic(resample_indices(n_boot, n, clusters, generator)), level)
+
+
+def percentile_interval(resamples: Tensor, level: float = 0.95) -> tuple[Tensor, Tensor]:
+    """(low, high) percentiles of bootstrap ``resamples`` [R, ...] over dim 0; NaN resamples (a 0/0
+    ratio) are dropped."""
     alpha = (1.0 - level) / 2
-    q = torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)
-    low, high = torch.nanquantile(values, q, dim=0)  # resamples with a 0/0 ratio are dropped
+    low, high = torch.nanquantile(resamples.double(), torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64), dim=0)
     return low, high
 
 
@@ -235,22 +238,60 @@ def mean_estimate(values: Sequence[float], unit: str = "seeds") -> Estimate:
     return paired_difference(values, [0.0] * len(values), unit)
 
 
+def ratio_resamples(a: Tensor, b: Tensor, *, n_boot: int, clusters: Sequence[int] | Tensor | None = None,
+                    generator: torch.Generator | None = None) -> tuple[float, Tensor]:
+    """(Σa / Σb, its [n_boot] paired bootstrap resamples): each resample draws units keeping a_i with
+    b_i (two-stage over ``clusters`` if given); a resample whose denominator is 0 gives NaN."""
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    idx = resample_indices(n_boot, a.numel(), clusters, generator)
+    den = b[idx].sum(-1)
+    return float(a.sum() / b.sum()), a[idx].sum(-1) / den.where(den != 0, nan)
+
+
+def _paired_samples(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor) -> tuple[Tensor, Tensor]:
+    a = torch.as_tensor(a, dtype=torch.float64).flatten()
+    b = torch.as_tensor(b, dtype=torch.float64).flatten()
+    if a.shape != b.shape:
+        raise ValueError(f"a, b: expected paired samples of equal length, got {a.numel()} and {b.numel()}")
+    return a, b
+
+
 def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_boot: int = 2000,
                  unit: str = "seeds", seed: int = 0, clusters: Sequence[int] | Tensor | None = None) -> Estimate:
     """mean(a) / mean(b) over paired units (same seed, block or instance) with a paired percentile
     bootstrap CI: each resample draws units, keeping a_i with b_i (two-stage over ``clusters`` if
     given). Resamples whose denominator is 0 are dropped (NaN ratio); an empty or zero-denominator
     sample gives NaN."""
-    a = torch.as_tensor(a, dtype=torch.float64).flatten()
-    b = torch.as_tensor(b, dtype=torch.float64).flatten()
-    if a.shape != b.shape:
-        raise ValueError(f"a, b: expected paired samples of equal length, got {a.numel()} and {b.numel()}")
+    a, b = _paired_samples(a, b)
     if a.numel() == 0 or float(b.sum()) == 0.0:
         return Estimate(math.nan, math.nan, math.nan, math.nan, a.numel(), unit)
-    nan = torch.tensor(math.nan, dtype=torch.float64)
-    low, high = bootstrap_ci(lambda idx: a[idx].sum(-1) / b[idx].sum(-1).where(b[idx].sum(-1) != 0, nan),
-                             a.numel(), n_boot=n_boot, generator=torch.Generator().manual_seed(seed), clusters=clusters)
-    return Estimate(float(a.sum() / b.sum()), float(low), float(high), math.nan, a.numel(), unit)
+    value, boot = ratio_resamples(a, b, n_boot=n_boot, clusters=clusters,
+                                  generator=torch.Generator().manual_seed(seed))
+    low, high = percentile_interval(boot)
+    return Estimate(value, float(low), float(high), math.nan, a.numel(), unit)
+
+
+def geometric_mean_ratio(samples: Sequence[tuple[Tensor, Tensor, Tensor | None]], *, n_boot: int = 2000,
+                         unit: str = "blocks", seed: int = 0) -> Estimate:
+    """The ratio Σa/Σb pooled over S independent settings (e.g. response lengths) as its geometric
+    mean exp(1/S Σ_s log(Σa_s / Σb_s)), with a percentile bootstrap CI that resamples each setting
+    alone (paired within it; two-stage over its clusters). ``samples``: S tuples (a_s, b_s,
+    clusters_s or None). NaN if a setting is empty or its ratio is not positive."""
+    if not samples:
+        raise ValueError("samples: expected at least one (a, b, clusters) setting, got none")
+    generator = torch.Generator().manual_seed(seed)
+    values, boots, n = [], [], 0
+    for a, b, clusters in samples:
+        a, b = _paired_samples(a, b)
+        if a.numel() == 0 or not float(a.sum()) > 0 or not float(b.sum()) > 0:
+            return Estimate(math.nan, math.nan, math.nan, math.nan, n + a.numel(), unit)
+        value, boot = ratio_resamples(a, b, n_boot=n_boot, clusters=clusters, generator=generator)
+        values.append(math.log(value))
+        boots.append(boot.log())
+        n += a.numel()
+    pooled = torch.stack(boots).mean(0).exp()  # a resample with a non-positive ratio is NaN, dropped
+    low, high = percentile_interval(pooled)
+    return Estimate(math.exp(sum(values) / len(values)), float(low), float(high), math.nan, n, unit)
 
 
 def interval_outcome(est: Estimate, claimed: str = ">", null: float = 0.0, paper: float | None = None) -> str:
@@ -291,6 +332,16 @@ def ratios_below_one(estimates: Sequence[Estimate], paper: float | None = None) 
     win, above 1 (or above the paper's ratio ``paper``, see ``interval_outcome``) a loss; all wins
     reproduces, some partly, none with a loss does not, else inconclusive."""
     return combined_outcome([interval_outcome(e, "<", null=1.0, paper=paper) for e in estimates])
+
+
+def pooled_ratio_outcome(per_setting: Sequence[Estimate], pooled: Estimate, paper: float | None = None) -> str:
+    """One comparison "ratio < 1" measured in several settings (e.g. response lengths) and pooled over
+    them (``pooled``, e.g. ``geometric_mean_ratio``): a loss anywhere (a CI above 1, or above the
+    paper's ratio ``paper``, see ``interval_outcome``) does not reproduce; otherwise the pooled CI
+    decides (below 1 reproduces, else inconclusive). Pooling gives a small common effect the power
+    that each setting alone lacks, while a setting where the effect reverses still counts against it."""
+    outcomes = [interval_outcome(e, "<", null=1.0, paper=paper) for e in (*per_setting, pooled)]
+    return "does not reproduce" if "does not reproduce" in outcomes else outcomes[-1]
 
 
 @dataclass(frozen=True)
