@@ -252,40 +252,51 @@ def test_tail_index_errors_name_the_arguments():
         reporting.tail_index(list(range(1, 50)), 1.5)
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10)), min_size=2, max_size=15),
-       st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10)), min_size=2, max_size=15),
+def contrast_loop(ratios, weights):
+    """The Welch t-interval of Σ_s w_s mean_c log r_{s,c}, written out."""
+    value, se2, denom = 0.0, 0.0, 0.0
+    for r, w in zip(ratios, weights):
+        logs = [math.log(x) for x in r]
+        mean = sum(logs) / len(logs)
+        var = sum((x - mean) ** 2 for x in logs) / (len(logs) - 1)
+        value += w * mean
+        term = w * w * var / len(logs)
+        se2 += term
+        denom += term * term / (len(logs) - 1)
+    df = math.floor(se2 * se2 / denom)
+    half = reporting.t_quantile(df) * math.sqrt(se2)
+    return math.exp(value), math.exp(value - half), math.exp(value + half)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.floats(0.05, 20), min_size=2, max_size=6), min_size=1, max_size=3),
        st.floats(0.1, 10))
-def test_geometric_mean_ratio_pools_each_setting_alone(first, second, scale):
-    """The value is √(r₁ r₂) of the two settings' ratios of sums (a loop here); each resample keeps
-    pairs together within a setting, so scaling a setting's numerator by c scales every resample,
-    hence value and interval, by √c; with one setting it is ``paired_ratio`` itself."""
-    def split(pairs):
-        return (torch.tensor([p[0] for p in pairs], dtype=torch.float64),
-                torch.tensor([p[1] for p in pairs], dtype=torch.float64), None)
-
-    (a1, b1, _), (a2, b2, _) = split(first), split(second)
-    est = reporting.geometric_mean_ratio([(a1, b1, None), (a2, b2, None)], n_boot=300, seed=3)
-    ratio = lambda a, b: sum(a.tolist()) / sum(b.tolist())  # noqa: E731
-    assert est.value == pytest.approx(math.sqrt(ratio(a1, b1) * ratio(a2, b2)), rel=1e-9)
-    assert est.n == len(first) + len(second) and est.unit == "blocks"
-    unit_ratios = [x / y for x, y in first + second]  # every resample's ratio lies within the unit ratios
-    assert min(unit_ratios) - 1e-9 <= est.low <= est.high <= max(unit_ratios) + 1e-9
-    scaled = reporting.geometric_mean_ratio([(a1 * scale, b1, None), (a2, b2, None)], n_boot=300, seed=3)
-    for got, base in ((scaled.value, est.value), (scaled.low, est.low), (scaled.high, est.high)):
-        assert got == pytest.approx(base * math.sqrt(scale), rel=1e-9)
-    one = reporting.geometric_mean_ratio([(a1, b1, None)], n_boot=300, seed=3)
-    alone = reporting.paired_ratio(a1, b1, n_boot=300, seed=3)
-    assert (one.value, one.low, one.high) == pytest.approx((alone.value, alone.low, alone.high), rel=1e-9)
+def test_cluster_ratio_contrast_matches_a_loop_and_scales(ratios, scale):
+    weights = [(-1.0) ** s / len(ratios) for s in range(len(ratios))]
+    spread = any(max(r) > min(r) * (1 + 1e-9) for r in ratios)
+    got = reporting.cluster_ratio_contrast(ratios, weights)
+    if spread:
+        assert (got.value, got.low, got.high) == pytest.approx(contrast_loop(ratios, weights), rel=1e-9)
+    assert got.low <= got.value <= got.high and got.n == sum(len(r) for r in ratios)
+    # scaling every ratio of setting 0 by c scales the estimate and its interval by c^w₀
+    scaled = reporting.cluster_ratio_contrast([[x * scale for x in ratios[0]], *ratios[1:]], weights)
+    for a, b in ((scaled.value, got.value), (scaled.low, got.low), (scaled.high, got.high)):
+        assert a == pytest.approx(b * scale ** weights[0], rel=1e-9)
 
 
-def test_geometric_mean_ratio_degenerate_inputs():
-    ones = torch.ones(4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="samples: expected at least one"):
-        reporting.geometric_mean_ratio([])
-    assert math.isnan(reporting.geometric_mean_ratio([(ones, ones, None), (ones, 0 * ones, None)]).value)
-    with pytest.raises(ValueError, match="a, b: expected paired samples of equal length"):
-        reporting.geometric_mean_ratio([(ones, ones[:3], None)])
+def test_cluster_ratio_contrast_widens_with_few_clusters_and_handles_degenerate_input():
+    # 3 clusters: t with 2 df (4.303), where a normal or a bootstrap over the 3 values is far narrower
+    est = reporting.cluster_ratio_contrast([[0.8, 1.0, 1.25]], [1.0])
+    se = math.sqrt(sum(math.log(x) ** 2 for x in (0.8, 1.0, 1.25)) / 2 / 3)
+    assert est.value == pytest.approx(1.0) and est.high == pytest.approx(math.exp(4.303 * se))
+    one = reporting.cluster_ratio_contrast([[0.9]], [1.0])
+    assert one.value == pytest.approx(0.9) and one.high == math.inf
+    assert reporting.interval_outcome(one, "<", null=1.0) == "inconclusive"
+    assert math.isnan(reporting.cluster_ratio_contrast([[0.9, 0.0]], [1.0]).value)  # a ratio of 0: not a ratio
+    same = reporting.cluster_ratio_contrast([[0.5, 0.5]], [1.0])  # no spread: a point
+    assert same.low == same.high == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="ratios, weights: expected one weight per setting"):
+        reporting.cluster_ratio_contrast([[1.0, 2.0]], [1.0, 1.0])
 
 
 @pytest.mark.parametrize("per_setting, pooled, paper, outcome", [

@@ -368,7 +368,7 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
         gv.run(dataclasses.replace(gv.PRESETS["fast"], groups=(12, 12)), tmp_path / "x")
     with pytest.raises(ValueError, match=r"block: expected 2 <= block and block × checkpoints <= groups"):
         gv.run(dataclasses.replace(gv.PRESETS["fast"], groups=(5,)), tmp_path / "x")
-    small = dataclasses.replace(gv.PRESETS["fast"], groups=(4,), block=2, estimators=("rloo", "otb"), bootstrap=50)
+    small = dataclasses.replace(gv.PRESETS["fast"], groups=(4,), block=2, estimators=("rloo", "otb"))
     gv.run(small, tmp_path / "b")
     gv.run(small, tmp_path / "c")
     assert (tmp_path / "b" / "blocks.csv").read_text() == (tmp_path / "c" / "blocks.csv").read_text()
@@ -433,7 +433,10 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     are copied, a second run's verdicts are listed beside, missing experiments are named."""
     for name in experiments.EXPERIMENTS:
         fast_run(fast_root, name)
-    path = experiments.write_report(fast_root, tmp_path / "docs", check=fast_root)
+    partial = tmp_path / "partial"  # a check run of one experiment only
+    partial.mkdir()
+    (partial / "grad-variance").symlink_to(fast_root / "grad-variance")
+    path = experiments.write_report(fast_root, tmp_path / "docs", checks=[fast_root, partial])
     text = path.read_text()
     for name in experiments.EXPERIMENTS:
         png = name.replace("-", "_") + ".png"
@@ -443,6 +446,11 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     head = text.split("## Reproducibility")[0]
     assert all(f"| {v.claim} ({v.source}) |" in head for v in verdicts)
     assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same run checked against itself
+    partial_count = len(experiments.experiment_module("grad-variance").verdicts(partial / "grad-variance"))
+    assert f"`{partial}` (only `grad-variance`)" in text
+    assert f"{partial_count} of {partial_count} verdicts agree" in text and "(not run)" in text
+    with pytest.raises(ValueError, match="--check: expected a directory holding finished experiments"):
+        experiments.write_report(fast_root, tmp_path / "docs3", checks=[tmp_path / "nowhere"])
     assert text.count("Rule: ") == len(verdicts) and text.count("Power: ") == len(verdicts)
     empty = tmp_path / "empty"
     empty.mkdir()

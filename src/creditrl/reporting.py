@@ -271,27 +271,34 @@ def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_
     return Estimate(value, float(low), float(high), math.nan, a.numel(), unit)
 
 
-def geometric_mean_ratio(samples: Sequence[tuple[Tensor, Tensor, Tensor | None]], *, n_boot: int = 2000,
-                         unit: str = "blocks", seed: int = 0) -> Estimate:
-    """The ratio Σa/Σb pooled over S independent settings (e.g. response lengths) as its geometric
-    mean exp(1/S Σ_s log(Σa_s / Σb_s)), with a percentile bootstrap CI that resamples each setting
-    alone (paired within it; two-stage over its clusters). ``samples``: S tuples (a_s, b_s,
-    clusters_s or None). NaN if a setting is empty or its ratio is not positive."""
-    if not samples:
-        raise ValueError("samples: expected at least one (a, b, clusters) setting, got none")
-    generator = torch.Generator().manual_seed(seed)
-    values, boots, n = [], [], 0
-    for a, b, clusters in samples:
-        a, b = _paired_samples(a, b)
-        if a.numel() == 0 or not float(a.sum()) > 0 or not float(b.sum()) > 0:
-            return Estimate(math.nan, math.nan, math.nan, math.nan, n + a.numel(), unit)
-        value, boot = ratio_resamples(a, b, n_boot=n_boot, clusters=clusters, generator=generator)
-        values.append(math.log(value))
-        boots.append(boot.log())
-        n += a.numel()
-    pooled = torch.stack(boots).mean(0).exp()  # a resample with a non-positive ratio is NaN, dropped
-    low, high = percentile_interval(pooled)
-    return Estimate(math.exp(sum(values) / len(values)), float(low), float(high), math.nan, n, unit)
+def cluster_ratio_contrast(ratios: Sequence[Sequence[float]], weights: Sequence[float],
+                           unit: str = "checkpoints") -> Estimate:
+    """exp(Σ_s w_s · mean_c log r_{s,c}) for positive ratios r_{s,c} measured in independent clusters c
+    (e.g. warm-start checkpoints) of settings s, with a Welch t-interval over the clusters:
+    SE² = Σ_s w_s² var_c(log r_{s,c}) / C_s, df by Welch–Satterthwaite (rounded down).
+
+    The clusters' spread holds both the sampling noise within a cluster and the variation between
+    clusters, so the interval speaks for other clusters (other warm starts); with few clusters it
+    is wide (t with C − 1 df), where a percentile bootstrap over 3 clusters is far too narrow.
+    ``weights`` (1,): one setting's geometric-mean ratio; (1/S, ...): the geometric mean over S
+    settings; (1, −1): one setting's ratio over another's. NaN if a ratio is not positive and
+    finite; an infinite interval if a setting has one cluster."""
+    if len(ratios) != len(weights) or not ratios:
+        raise ValueError(f"ratios, weights: expected one weight per setting (at least one), got {len(ratios)} "
+                         f"settings and {len(weights)} weights")
+    logs = [torch.as_tensor(r, dtype=torch.float64).flatten() for r in ratios]
+    n = sum(x.numel() for x in logs)
+    if any(x.numel() == 0 or not bool(((x > 0) & x.isfinite()).all()) for x in logs):
+        return Estimate(math.nan, math.nan, math.nan, math.nan, n, unit)
+    logs = [x.log() for x in logs]
+    value = sum(w * float(x.mean()) for w, x in zip(weights, logs))
+    if any(x.numel() < 2 for x in logs):
+        return Estimate(math.exp(value), 0.0, math.inf, math.inf, n, unit)
+    terms = [w * w * float(x.var(unbiased=True)) / x.numel() for w, x in zip(weights, logs)]
+    se2 = sum(terms)
+    df = se2 * se2 / sum(t * t / (x.numel() - 1) for t, x in zip(terms, logs)) if se2 > 0 else math.inf
+    half = t_quantile(max(1, math.floor(df)) if math.isfinite(df) else 10**6) * math.sqrt(se2)
+    return Estimate(math.exp(value), math.exp(value - half), math.exp(value + half), math.nan, n, unit)
 
 
 def interval_outcome(est: Estimate, claimed: str = ">", null: float = 0.0, paper: float | None = None) -> str:
@@ -336,7 +343,7 @@ def ratios_below_one(estimates: Sequence[Estimate], paper: float | None = None) 
 
 def pooled_ratio_outcome(per_setting: Sequence[Estimate], pooled: Estimate, paper: float | None = None) -> str:
     """One comparison "ratio < 1" measured in several settings (e.g. response lengths) and pooled over
-    them (``pooled``, e.g. ``geometric_mean_ratio``): a loss anywhere (a CI above 1, or above the
+    them (``pooled``, e.g. ``cluster_ratio_contrast``): a loss anywhere (a CI above 1, or above the
     paper's ratio ``paper``, see ``interval_outcome``) does not reproduce; otherwise the pooled CI
     decides (below 1 reproduces, else inconclusive). Pooling gives a small common effect the power
     that each setting alone lacks, while a setting where the effect reverses still counts against it."""

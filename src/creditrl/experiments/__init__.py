@@ -9,7 +9,7 @@ Each experiment module exposes ``PRESETS`` (name -> frozen config dataclass), ``
 ``verdicts(out_dir) -> list[reporting.Verdict]`` (its claims, decided from those files by rules
 fixed in code) and ``report(out_dir, figure_path) -> str`` (its Markdown section). ``report``
 assembles ``docs/results.md`` (summary table first) and copies the PNGs to ``docs/figures/``;
-``report --check DIR`` adds the verdicts of a second run (another seed set or machine) side by side.
+``report --check DIR`` (repeatable) adds the verdicts of other runs (seed sets, machines) side by side.
 
 Overrides use the trainer's one mechanism (``creditrl.config.merge_layers``): a YAML file merged over
 the preset, then dotted ``key=value`` items parsed as YAML (``group_sizes=[4,8]``, ``seed=3``), with
@@ -53,7 +53,9 @@ about, or the interval covers both outcomes). Regenerate with:
 
     creditrl experiment all --preset full && creditrl experiment report
 
-and check it with another seed set (the last section of this file):
+and check it with other seed sets (the section after the summary; `--check` repeats, and a check may
+rerun only some experiments, e.g. `creditrl experiment grad-variance --preset full seed=400 --out
+runs/experiments/seed400/grad-variance`):
 
     creditrl experiment all --preset full seed=200 --out runs/experiments/seed200
     creditrl experiment report --check runs/experiments/seed200
@@ -98,28 +100,35 @@ def collect_verdicts(runs: Path) -> dict[str, list[reporting.Verdict]]:
             if (runs / name / "summary.json").exists()}
 
 
-def reproducibility_section(first: dict, second: dict, second_runs: Path) -> str:
-    """The verdicts of two runs (different seed sets or machines) side by side."""
-    rows, same = [], 0
-    for name, verdicts in first.items():
-        others = {v.claim: v for v in second.get(name, [])}
-        for v in verdicts:
-            o = others.get(v.claim)
-            agree = o is not None and o.outcome == v.outcome
-            same += agree
-            rows.append({"claim": v.claim, "this run": v.outcome, "ours": v.ours,
-                         "second run": o.outcome if o else "(not run)", "its number": o.ours if o else "",
-                         "same": "yes" if agree else "**no**"})
-    envs = sorted(second_runs.glob("*/environment.json"))
-    where = reporting.environment_line(reporting.read_json(envs[0])) if envs else ""
-    return (f"## Reproducibility: a second run with another seed set\n\nThe same preset rerun into `{second_runs}` "
-            f"with other seeds (so other warm starts, samples and RL seeds). {where} {same} of {len(rows)} verdicts "
-            "agree.\n\n" + reporting.markdown_table(rows))
+def reproducibility_section(first: dict, checks: list[tuple[Path, dict]]) -> str:
+    """The verdicts of this run beside those of each check run (other seed sets or machines; a
+    check may hold only some experiments), with how many of the verdicts both ran agree."""
+    rows = [{"claim": v.claim, "this run": v.outcome, "ours": v.ours} for vs in first.values() for v in vs]
+    lines = []
+    for path, second in checks:
+        others = {v.claim: v for vs in second.values() for v in vs}
+        compared = same = 0
+        for row in rows:
+            o = others.get(row["claim"])
+            if o is None:
+                row[path.name] = "(not run)"
+                continue
+            compared += 1
+            same += o.outcome == row["this run"]
+            row[path.name] = (o.outcome if o.outcome == row["this run"] else f"**{o.outcome} (differs)**") + f": {o.ours}"
+        envs = sorted(path.glob("*/environment.json"))
+        where = reporting.environment_line(reporting.read_json(envs[0])) if envs else ""
+        ran = "all experiments" if set(second) == set(first) else "only " + ", ".join(f"`{n}`" for n in second)
+        lines.append(f"- `{path}` ({ran}): {where} {same} of {compared} verdicts agree.")
+    return ("## Reproducibility: the same preset with other seed sets\n\nEach check reran the preset (or some of its "
+            "experiments) with other seeds, so other warm starts, samples and RL seeds:\n\n" + "\n".join(lines)
+            + "\n\n" + reporting.markdown_table(rows))
 
 
-def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"), check: Path | None = None) -> Path:
+def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
+                 checks: list[Path] | tuple[Path, ...] = ()) -> Path:
     """Assemble ``docs/results.md`` from every experiment found under ``runs``; copy its PNGs.
-    ``check``: a second run's directory, whose verdicts are listed beside these."""
+    ``checks``: other runs' directories (seed sets, machines), whose verdicts are listed beside these."""
     figures = docs / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     verdicts = collect_verdicts(runs)
@@ -146,8 +155,13 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"), 
     head = [INTRO, "## Summary of verdicts\n",
             reporting.summary_table([v for vs in verdicts.values() for v in vs]),
             f"Total wall time of the experiments: {sum(walls) / 60:.1f} min." if walls else ""]
-    if check is not None:
-        head.append(reproducibility_section(verdicts, collect_verdicts(check), check))
+    if checks:
+        found = [(Path(c), collect_verdicts(Path(c))) for c in checks]
+        for path, second in found:
+            if not second:
+                raise ValueError(f"--check: expected a directory holding finished experiments, got {path} "
+                                 "(no <experiment>/summary.json under it)")
+        head.append(reproducibility_section(verdicts, found))
     path = docs / "results.md"
     path.write_text("\n\n".join(head) + "\n" + "\n".join(sections))
     return path
@@ -170,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--runs", type=Path, default=None,
                         help=f"report: directory holding the experiments' outputs (default: {DEFAULT_RUNS}/full)")
     parser.add_argument("--docs", type=Path, default=Path("docs"), help="report: where results.md and figures/ go")
-    parser.add_argument("--check", type=Path, default=None,
-                        help="report: a second run's directory (another seed set or machine) whose verdicts are "
-                        "listed beside these")
+    parser.add_argument("--check", type=Path, action="append", default=[],
+                        help="report: another run's directory (another seed set or machine; repeatable) whose "
+                        "verdicts are listed beside these")
     return parser
 
 
