@@ -184,36 +184,6 @@ def test_paired_ratio_degenerate_inputs():
         reporting.paired_ratio([1.0], [1.0, 2.0])
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 6), st.integers(0, 2**31 - 1))
-def test_two_stage_resamples_draw_whole_clusters_then_units_within(n_clusters, size, seed):
-    # clusters interleaved on purpose: membership, not position, defines them
-    clusters = torch.arange(n_clusters * size) % n_clusters
-    idx = reporting.resample_indices(200, clusters.numel(), clusters, torch.Generator().manual_seed(seed))
-    assert idx.shape == (200, n_clusters * size)
-    for row in idx:
-        # slot c of a resample holds `size` units, all from one drawn cluster (loop over resamples)
-        for slot in row.reshape(n_clusters, size):
-            assert len(set(clusters[slot].tolist())) == 1
-
-
-def test_two_stage_bootstrap_widens_the_interval_when_clusters_differ():
-    # two clusters with different means and no spread within: the plain bootstrap sees 8 units,
-    # the two-stage one sees 2 clusters, so its interval reaches the cluster means themselves
-    a = torch.tensor([1.0] * 4 + [3.0] * 4)
-    b = torch.ones(8)
-    clusters = torch.tensor([0] * 4 + [1] * 4)
-    plain = reporting.paired_ratio(a, b)
-    two = reporting.paired_ratio(a, b, clusters=clusters)
-    assert plain.value == two.value == 2.0
-    assert 1.0 < plain.low and plain.high < 3.0
-    assert two.low == pytest.approx(1.0) and two.high == pytest.approx(3.0)
-    with pytest.raises(ValueError, match="clusters: expected clusters of equal size"):
-        reporting.resample_indices(10, 3, [0, 0, 1])
-    with pytest.raises(ValueError, match=r"clusters: expected one cluster id per unit \(4\)"):
-        reporting.resample_indices(10, 4, [0, 1])
-
-
 def test_mean_change_is_the_accuracy_kept_after_the_start():
     from creditrl.experiments.otb_stability import mean_change
 

@@ -126,40 +126,14 @@ def mean_se(x: Tensor) -> tuple[float, float]:
     return float(x.mean()), se
 
 
-def resample_indices(n_boot: int, n: int, clusters: Sequence[int] | Tensor | None = None,
-                     generator: torch.Generator | None = None) -> Tensor:
-    """[n_boot, n] bootstrap resamples of unit indices 0..n-1.
-
-    Without ``clusters``: n units with replacement. With ``clusters`` ([n] cluster ids, clusters of
-    equal size m): the two-stage bootstrap, so that a level of variation above the units (e.g. the
-    checkpoint the units were sampled from) enters the interval: draw C clusters with replacement,
-    then m units with replacement within each drawn cluster.
-    """
-    if clusters is None:
-        return torch.randint(0, n, (n_boot, n), generator=generator)
-    clusters = torch.as_tensor(clusters).flatten()
-    if clusters.numel() != n:
-        raise ValueError(f"clusters: expected one cluster id per unit ({n}), got {clusters.numel()}")
-    ids, sizes = torch.unique(clusters, return_counts=True)
-    if not bool((sizes == sizes[0]).all()):
-        raise ValueError(f"clusters: expected clusters of equal size, got sizes {sizes.tolist()}")
-    members = torch.stack([torch.nonzero(clusters == c).flatten() for c in ids])     # [C, m]
-    C, m = members.shape
-    picked = torch.randint(0, C, (n_boot, C), generator=generator)                   # clusters
-    within = torch.randint(0, m, (n_boot, C, m), generator=generator)                # units in each
-    return members[picked.unsqueeze(-1), within].reshape(n_boot, C * m)
-
-
 def bootstrap_ci(statistic: Callable[[Tensor], Tensor], n: int, *, n_boot: int = 1000, level: float = 0.95,
-                 generator: torch.Generator | None = None,
-                 clusters: Sequence[int] | Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Percentile bootstrap CI of ``statistic(idx)`` over resamples of ``n`` units (two-stage over
-    ``clusters`` if given, see ``resample_indices``).
+                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Percentile bootstrap CI of ``statistic(idx)`` over resamples of ``n`` units with replacement.
 
     ``statistic`` maps a [R, n] index tensor (R resamples of unit indices) to [R, ...];
     returns (low, high) with shape [...]. Vectorised: one call evaluates every resample.
     """
-    return percentile_interval(statistic(resample_indices(n_boot, n, clusters, generator)), level)
+    return percentile_interval(statistic(torch.randint(0, n, (n_boot, n), generator=generator)), level)
 
 
 def percentile_interval(resamples: Tensor, level: float = 0.95) -> tuple[Tensor, Tensor]:
@@ -238,37 +212,25 @@ def mean_estimate(values: Sequence[float], unit: str = "seeds") -> Estimate:
     return paired_difference(values, [0.0] * len(values), unit)
 
 
-def ratio_resamples(a: Tensor, b: Tensor, *, n_boot: int, clusters: Sequence[int] | Tensor | None = None,
-                    generator: torch.Generator | None = None) -> tuple[float, Tensor]:
-    """(Σa / Σb, its [n_boot] paired bootstrap resamples): each resample draws units keeping a_i with
-    b_i (two-stage over ``clusters`` if given); a resample whose denominator is 0 gives NaN."""
-    nan = torch.tensor(math.nan, dtype=torch.float64)
-    idx = resample_indices(n_boot, a.numel(), clusters, generator)
-    den = b[idx].sum(-1)
-    return float(a.sum() / b.sum()), a[idx].sum(-1) / den.where(den != 0, nan)
-
-
-def _paired_samples(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor) -> tuple[Tensor, Tensor]:
+def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_boot: int = 2000,
+                 unit: str = "seeds", seed: int = 0) -> Estimate:
+    """mean(a) / mean(b) over paired units (same seed, block or instance) with a paired percentile
+    bootstrap CI: each resample draws units, keeping a_i with b_i. Resamples whose denominator is 0
+    are dropped (NaN ratio); an empty or zero-denominator sample gives NaN."""
     a = torch.as_tensor(a, dtype=torch.float64).flatten()
     b = torch.as_tensor(b, dtype=torch.float64).flatten()
     if a.shape != b.shape:
         raise ValueError(f"a, b: expected paired samples of equal length, got {a.numel()} and {b.numel()}")
-    return a, b
-
-
-def paired_ratio(a: Sequence[float] | Tensor, b: Sequence[float] | Tensor, *, n_boot: int = 2000,
-                 unit: str = "seeds", seed: int = 0, clusters: Sequence[int] | Tensor | None = None) -> Estimate:
-    """mean(a) / mean(b) over paired units (same seed, block or instance) with a paired percentile
-    bootstrap CI: each resample draws units, keeping a_i with b_i (two-stage over ``clusters`` if
-    given). Resamples whose denominator is 0 are dropped (NaN ratio); an empty or zero-denominator
-    sample gives NaN."""
-    a, b = _paired_samples(a, b)
     if a.numel() == 0 or float(b.sum()) == 0.0:
         return Estimate(math.nan, math.nan, math.nan, math.nan, a.numel(), unit)
-    value, boot = ratio_resamples(a, b, n_boot=n_boot, clusters=clusters,
-                                  generator=torch.Generator().manual_seed(seed))
-    low, high = percentile_interval(boot)
-    return Estimate(value, float(low), float(high), math.nan, a.numel(), unit)
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+
+    def ratio(idx: Tensor) -> Tensor:
+        den = b[idx].sum(-1)
+        return a[idx].sum(-1) / den.where(den != 0, nan)
+
+    low, high = bootstrap_ci(ratio, a.numel(), n_boot=n_boot, generator=torch.Generator().manual_seed(seed))
+    return Estimate(float(a.sum() / b.sum()), float(low), float(high), math.nan, a.numel(), unit)
 
 
 def cluster_ratio_contrast(ratios: Sequence[Sequence[float]], weights: Sequence[float],
