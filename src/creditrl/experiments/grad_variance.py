@@ -271,8 +271,8 @@ def length_ratio(block_rows: list[reporting.Row], digits: int, a: str, b: str) -
 
 def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reporting.Row],
                      reference: str = REFERENCE) -> list[reporting.Row]:
-    """Per (length, estimator): the mean variance over checkpoints with a t-interval over them, and the
-    ratio to ``reference`` (``length_ratio``)."""
+    """Per (length, estimator): the mean variance over checkpoints with a t-interval over them (low end
+    clipped at 0: a variance is not negative), and the ratio to ``reference`` (``length_ratio``)."""
     rows = []
     signal: dict[tuple, list[float]] = {}
     for r in signal_rows:  # ‖E ĝ‖² averaged over the checkpoints of a length
