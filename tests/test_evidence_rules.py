@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from creditrl import reporting
@@ -233,7 +233,7 @@ def contrast_loop(ratios, weights):
         term = w * w * var / len(logs)
         se2 += term
         denom += term * term / (len(logs) - 1)
-    df = math.floor(se2 * se2 / denom)
+    df = math.floor(se2 * se2 / denom + 1e-9)
     half = reporting.t_quantile(df) * math.sqrt(se2)
     return math.exp(value), math.exp(value - half), math.exp(value + half)
 
@@ -241,6 +241,8 @@ def contrast_loop(ratios, weights):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(st.floats(0.05, 20), min_size=2, max_size=6), min_size=1, max_size=3),
        st.floats(0.1, 10))
+@example([[4.0, 1.25, 2.25, 2.875, 0.5], [1.25, 2.25, 2.875, 4.0, 0.5]], 1.0)  # Welch df exactly 8
+@example([[1.0, 1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 1.0, 2.0, 2.0]], 2.0)
 def test_cluster_ratio_contrast_matches_a_loop_and_scales(ratios, scale):
     weights = [(-1.0) ** s / len(ratios) for s in range(len(ratios))]
     spread = any(max(r) > min(r) * (1 + 1e-9) for r in ratios)

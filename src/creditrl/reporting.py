@@ -259,7 +259,8 @@ def cluster_ratio_contrast(ratios: Sequence[Sequence[float]], weights: Sequence[
     terms = [w * w * float(x.var(unbiased=True)) / x.numel() for w, x in zip(weights, logs)]
     se2 = sum(terms)
     df = se2 * se2 / sum(t * t / (x.numel() - 1) for t, x in zip(terms, logs)) if se2 > 0 else math.inf
-    half = t_quantile(max(1, math.floor(df)) if math.isfinite(df) else 10**6) * math.sqrt(se2)
+    # df rounded down (conservative); the 1e-9 keeps an exact integer df (equal spreads) from rounding error
+    half = t_quantile(max(1, math.floor(df + 1e-9)) if math.isfinite(df) else 10**6) * math.sqrt(se2)
     return Estimate(math.exp(value), math.exp(value - half), math.exp(value + half), math.nan, n, unit)
 
 
