@@ -451,6 +451,7 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     assert f"{partial_count} of {partial_count} verdicts agree" in text and "(not run)" in text
     with pytest.raises(ValueError, match="--check: expected a directory holding finished experiments"):
         experiments.write_report(fast_root, tmp_path / "docs3", checks=[tmp_path / "nowhere"])
+    assert not (tmp_path / "docs3").exists()  # refused before anything is written
     assert text.count("Rule: ") == len(verdicts) and text.count("Power: ") == len(verdicts)
     empty = tmp_path / "empty"
     empty.mkdir()

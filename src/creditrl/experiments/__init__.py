@@ -129,6 +129,11 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
                  checks: list[Path] | tuple[Path, ...] = ()) -> Path:
     """Assemble ``docs/results.md`` from every experiment found under ``runs``; copy its PNGs.
     ``checks``: other runs' directories (seed sets, machines), whose verdicts are listed beside these."""
+    found = [(Path(c), collect_verdicts(Path(c))) for c in checks]  # checked before anything is written
+    for path, second in found:
+        if not second:
+            raise ValueError(f"--check: expected a directory holding finished experiments, got {path} "
+                             "(no <experiment>/summary.json under it)")
     figures = docs / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     verdicts = collect_verdicts(runs)
@@ -155,12 +160,7 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
     head = [INTRO, "## Summary of verdicts\n",
             reporting.summary_table([v for vs in verdicts.values() for v in vs]),
             f"Total wall time of the experiments: {sum(walls) / 60:.1f} min." if walls else ""]
-    if checks:
-        found = [(Path(c), collect_verdicts(Path(c))) for c in checks]
-        for path, second in found:
-            if not second:
-                raise ValueError(f"--check: expected a directory holding finished experiments, got {path} "
-                                 "(no <experiment>/summary.json under it)")
+    if found:
         head.append(reproducibility_section(verdicts, found))
     path = docs / "results.md"
     path.write_text("\n\n".join(head) + "\n" + "\n".join(sections))
