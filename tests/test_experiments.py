@@ -452,6 +452,8 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     with pytest.raises(ValueError, match="--check: expected a directory holding finished experiments"):
         experiments.write_report(fast_root, tmp_path / "docs3", checks=[tmp_path / "nowhere"])
     assert not (tmp_path / "docs3").exists()  # refused before anything is written
+    with pytest.raises(ValueError, match=r"--check: expected directories with distinct names .*'partial', 'partial'"):
+        experiments.write_report(fast_root, tmp_path / "docs4", checks=[partial, partial])
     assert text.count("Rule: ") == len(verdicts) and text.count("Power: ") == len(verdicts)
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -133,14 +133,10 @@ def bootstrap_ci(statistic: Callable[[Tensor], Tensor], n: int, *, n_boot: int =
     ``statistic`` maps a [R, n] index tensor (R resamples of unit indices) to [R, ...];
     returns (low, high) with shape [...]. Vectorised: one call evaluates every resample.
     """
-    return percentile_interval(statistic(torch.randint(0, n, (n_boot, n), generator=generator)), level)
-
-
-def percentile_interval(resamples: Tensor, level: float = 0.95) -> tuple[Tensor, Tensor]:
-    """(low, high) percentiles of bootstrap ``resamples`` [R, ...] over dim 0; NaN resamples (a 0/0
-    ratio) are dropped."""
+    values = statistic(torch.randint(0, n, (n_boot, n), generator=generator)).double()
     alpha = (1.0 - level) / 2
-    low, high = torch.nanquantile(resamples.double(), torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64), dim=0)
+    q = torch.tensor([alpha, 1.0 - alpha], dtype=torch.float64)
+    low, high = torch.nanquantile(values, q, dim=0)  # resamples with a 0/0 ratio are dropped
     return low, high
 
 

@@ -134,6 +134,9 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
         if not second:
             raise ValueError(f"--check: expected a directory holding finished experiments, got {path} "
                              "(no <experiment>/summary.json under it)")
+    names = [path.name for path, _ in found]  # each check's column is named by its directory
+    if len(set(names)) != len(names):
+        raise ValueError(f"--check: expected directories with distinct names (one column each), got {names}")
     figures = docs / "figures"
     figures.mkdir(parents=True, exist_ok=True)
     verdicts = collect_verdicts(runs)

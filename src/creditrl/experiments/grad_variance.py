@@ -263,22 +263,24 @@ def block_matrix(block_rows: list[reporting.Row], digits: int, names: list[str])
     return V, torch.tensor([int(r.get("checkpoint", 0)) for r in by_est[names[0]]])
 
 
+def checkpoint_sums(V: Tensor, clusters: Tensor) -> tuple[Tensor, Tensor]:
+    """([E, C] per-block variances summed over each checkpoint's blocks, [C] blocks per checkpoint)."""
+    ids, index = clusters.unique(return_inverse=True)
+    sums = V.new_zeros(V.shape[0], len(ids)).index_add_(1, index, V)
+    return sums, torch.bincount(index, minlength=len(ids)).to(V.dtype)
+
+
 def checkpoint_ratios(block_rows: list[reporting.Row], digits: int, a: str, b: str) -> Tensor:
     """[C] tr Cov(a) / tr Cov(b) at one length, one per checkpoint (paired: the same blocks)."""
-    V, clusters = block_matrix(block_rows, digits, [a, b])
-    return torch.stack([V[0, clusters == c].sum() / V[1, clusters == c].sum() for c in clusters.unique()])
-
-
-def length_ratio(block_rows: list[reporting.Row], digits: int, a: str, b: str) -> reporting.Estimate:
-    """tr Cov(a) / tr Cov(b) at one length: the geometric mean over checkpoints with a t-interval over
-    them (``reporting.cluster_ratio_contrast``)."""
-    return reporting.cluster_ratio_contrast([checkpoint_ratios(block_rows, digits, a, b)], [1.0])
+    sums, _ = checkpoint_sums(*block_matrix(block_rows, digits, [a, b]))
+    return sums[0] / sums[1]
 
 
 def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reporting.Row],
                      reference: str = REFERENCE) -> list[reporting.Row]:
     """Per (length, estimator): the mean variance over checkpoints with a t-interval over them (low end
-    clipped at 0: a variance is not negative), and the ratio to ``reference`` (``length_ratio``)."""
+    clipped at 0: a variance is not negative), and the ratio to ``reference``: the geometric mean of
+    the per-checkpoint ratios with a t-interval over them (``reporting.cluster_ratio_contrast``)."""
     rows = []
     signal: dict[tuple, list[float]] = {}
     for r in signal_rows:  # ‖E ĝ‖² averaged over the checkpoints of a length
@@ -286,14 +288,14 @@ def summarize_blocks(block_rows: list[reporting.Row], signal_rows: list[reportin
     for digits, members in reporting.group_rows(block_rows, "digits").items():
         names = list(reporting.group_rows(members, "estimator"))
         V, clusters = block_matrix(block_rows, digits, names)
+        sums, counts = checkpoint_sums(V, clusters)
         length = sum(r["response_len"] for r in members) / len(members)
         for e, name in enumerate(names):
-            per_checkpoint = [float(V[e, clusters == c].mean()) for c in clusters.unique()]
-            mean = reporting.mean_estimate(per_checkpoint, unit="checkpoints")
+            mean = reporting.mean_estimate((sums[e] / counts).tolist(), unit="checkpoints")
             row = {"digits": digits, "response_len": length, "estimator": name, "blocks": V.shape[1],
                    "variance": mean.value, "variance_low": max(mean.low, 0.0), "variance_high": mean.high}
             if reference in names:
-                ratio = length_ratio(block_rows, digits, name, reference)
+                ratio = reporting.cluster_ratio_contrast([sums[e] / sums[names.index(reference)]], [1.0])
                 row.update(ratio_to_rloo=ratio.value, ratio_low=ratio.low, ratio_high=ratio.high)
             sq = signal.get((digits, name), [])
             row["mean_grad_sq"] = sum(sq) / len(sq) if sq else float("nan")
