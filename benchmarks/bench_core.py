@@ -21,7 +21,7 @@ import time
 import torch
 
 from creditrl import maxk_quantities, token_stats
-from creditrl._memory import PeakMemory
+from creditrl.utils.memory import PeakMemory
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

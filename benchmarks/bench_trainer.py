@@ -34,10 +34,10 @@ import warnings
 import torch
 
 from creditrl.config import load_config
-from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
 from creditrl.tasks import get_task
 from creditrl.tasks.base import Problem
-from creditrl.trainer.rollout import generate_rollouts
+from creditrl.runtime.rollout import generate_rollouts
 from creditrl.trainer.update import Learner
 
 SETTINGS = {  # model -> prompts per step, completions per prompt, temperature, default max new tokens
@@ -52,7 +52,7 @@ def setup(seed: int = 0):
         task = get_task("addition", digits=2)
         tok = char_tokenizer(task.alphabet())
         return task, tok, tiny_model(tok, TinyModelConfig(), seed=seed)
-    from creditrl.models import load_policy
+    from creditrl.runtime.models import load_policy
     task = get_task("addition", digits=2, chat_model=True)
     model, tok = load_policy(MODEL, task, progress=False)
     return task, tok, model

@@ -18,7 +18,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from creditrl.integrations.trl import CreditGRPOConfig, CreditGRPOTrainer
-from creditrl.models.tiny import char_tokenizer, tiny_model
+from creditrl.runtime.models.tiny import char_tokenizer, tiny_model
 from creditrl.tasks import get_task
 
 

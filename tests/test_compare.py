@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from creditrl import reporting
-from creditrl.trainer import compare
+from creditrl.studies import reporting
+from creditrl.studies import compare
 
 
 def fake_run(root, name, seed, steps=12, scale=1.0):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from creditrl import compute_advantages, list_estimators, register_estimator
-from creditrl.estimators.steps import StepIndex, discounted_suffix_sum
+from creditrl.core.estimators.steps import StepIndex, discounted_suffix_sum
 
 ALL = ("dr_grpo", "ei", "grpo", "maxk_bon", "maxpo", "ogb", "opo", "otb", "otb_isolated", "passk_chen", "pkpo",
        "reinforce", "rloo")
@@ -407,7 +407,7 @@ def test_error_messages():
 def test_float_masks_must_hold_only_zeros_and_ones(values, dtype):
     """min/max in [0, 1] plus sum == count of nonzeros catches every value other than 0 and 1
     (documented exception: values within float32 rounding of 1, e.g. 0.99999994, count as 1)."""
-    from creditrl._validate import check_mask
+    from creditrl.utils.validate import check_mask
     mask = torch.ones(3, 6, dtype=dtype)
     mask[1, : len(values)] = torch.tensor(values, dtype=dtype)
     if torch.equal(mask, mask.round().clamp(0, 1)):
@@ -427,7 +427,7 @@ def test_float_masks_must_hold_only_zeros_and_ones(values, dtype):
 def test_group_index_any_layout_matches_loops(sizes, block, seed):
     """Contiguous blocks (any id values and order) use a [G, N] view; other layouts a scatter;
     both must give the loops' sums, means and differences."""
-    from creditrl.groups import GroupIndex
+    from creditrl.core.groups import GroupIndex
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(50, generator=g)[: len(sizes)] - 20
     if block:
@@ -454,7 +454,7 @@ def test_group_index_any_layout_matches_loops(sizes, block, seed):
 def test_negative_zero_in_a_float_mask_is_zero():
     """-0.0 (e.g. from mask * negative) is 0: its int32 bit pattern is negative, so the fast
     bit-pattern range check hands it to the float path, which accepts it."""
-    from creditrl._validate import check_mask
+    from creditrl.utils.validate import check_mask
     mask = torch.tensor([[1.0, -0.0, 1.0], [0.0, 1.0, -0.0]])
     assert check_mask("mask", mask) is mask
     out = compute_advantages("dr_grpo", rewards=torch.tensor([1.0, 0.0]), mask=mask, group=torch.zeros(2, dtype=torch.long))
@@ -466,7 +466,7 @@ def test_negative_zero_in_a_float_mask_is_zero():
        holes=st.booleans())
 def test_right_padding_detection_matches_shifted_comparison(rows, steps, seed, holes):
     """The matmul test (sum of positions == L(L-1)/2) agrees with 'the mask never rises'."""
-    from creditrl.estimators.steps import _right_padded
+    from creditrl.core.estimators.steps import _right_padded
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, steps + 1, (rows,), generator=g)
     mask = torch.arange(steps)[None, :] < lengths[:, None]

@@ -9,9 +9,9 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from creditrl import reporting
-from creditrl.experiments import studies
-from creditrl.losses.diagnostics import adam_moment_variance
+from creditrl.studies import reporting
+from creditrl.studies import trainer_runs as studies
+from creditrl.core.losses.diagnostics import adam_moment_variance
 
 
 @settings(max_examples=50, deadline=None)
@@ -185,7 +185,7 @@ def test_paired_ratio_degenerate_inputs():
 
 
 def test_mean_change_is_the_accuracy_kept_after_the_start():
-    from creditrl.experiments.otb_stability import mean_change
+    from creditrl.studies.experiments.otb_stability import mean_change
 
     evals = [{"sampled_acc": a} for a in (0.3, 0.2, 0.1, 0.0)]
     assert mean_change(evals) == pytest.approx(0.1 - 0.3)

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from creditrl import experiments
-from creditrl import reporting
-from creditrl.experiments import maxk_bandit as mb
+from creditrl.studies import experiments
+from creditrl.studies import reporting
+from creditrl.studies.experiments import maxk_bandit as mb
 
 
 # ---------------------------------------------------------------- maxk-bandit: brute force
@@ -210,9 +210,9 @@ def tiny_rollouts():
     """A random (not warm-started) tiny policy and one rollout batch: 2 groups x 3 responses."""
     import random
 
-    from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+    from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
     from creditrl.tasks import get_task
-    from creditrl.trainer.rollout import generate_rollouts
+    from creditrl.runtime.rollout import generate_rollouts
 
     torch.manual_seed(0)
     task = get_task("multiplication", digits=1)
@@ -238,7 +238,7 @@ def row_logp(model, batch, row):
 
 
 def test_block_gradients_match_per_response_loop(tiny_rollouts):
-    from creditrl.experiments import grad_variance as gv
+    from creditrl.studies.experiments import grad_variance as gv
 
     model, params, batch = tiny_rollouts
     cfg = gv.GradVarianceConfig(estimators=("reinforce", "rloo", "otb", "maxpo"), k=2, temperature=1.0)
@@ -263,7 +263,7 @@ def test_block_gradients_match_per_response_loop(tiny_rollouts):
 
 
 def test_baseline_summary_is_the_pooled_energy_weighted_mean():
-    from creditrl.experiments import grad_variance as gv
+    from creditrl.studies.experiments import grad_variance as gv
     r, w = [1.0, 0.0, 0.0, 1.0], [0.5, 3.0, 4.0, 0.5]
     sums = {"RW": sum(a * b for a, b in zip(r, w)), "W": sum(w), "R": sum(r), "n": 4,
             "W_correct": 1.0, "n_correct": 2}
@@ -276,7 +276,7 @@ def test_baseline_summary_is_the_pooled_energy_weighted_mean():
 def test_maxk_rows_keep_their_definitions_scale(tiny_rollouts):
     """MaxPO is compared with the paper's raw EI at scale 1; pkpo keeps PKPO's (K/N)·EI."""
     from creditrl import compute_advantages
-    from creditrl.experiments import grad_variance as gv
+    from creditrl.studies.experiments import grad_variance as gv
 
     model, params, batch = tiny_rollouts
     mask = batch.response_mask[:, batch.prompt_len:] > 0
@@ -290,7 +290,7 @@ def test_maxk_rows_keep_their_definitions_scale(tiny_rollouts):
 @settings(max_examples=25, deadline=None)
 @given(G=st.integers(2, 6), P=st.integers(1, 5), seed=st.integers(0, 1000))
 def test_within_block_variance_matches_loop(G, P, seed):
-    from creditrl.experiments import grad_variance as gv
+    from creditrl.studies.experiments import grad_variance as gv
 
     grads = torch.randn(2, G, P, generator=torch.Generator().manual_seed(seed))
     got = gv.within_block_variance(grads)
@@ -301,7 +301,7 @@ def test_within_block_variance_matches_loop(G, P, seed):
 
 
 def test_per_token_grad_norms_match_loop(tiny_rollouts):
-    from creditrl.experiments import proxy_fidelity as pf
+    from creditrl.studies.experiments import proxy_fidelity as pf
 
     model, params, batch = tiny_rollouts
     for row in (0, 4):
@@ -320,7 +320,7 @@ def test_per_token_grad_norms_match_loop(tiny_rollouts):
 @settings(max_examples=40, deadline=None)
 @given(xs=st.lists(st.integers(0, 4), min_size=2, max_size=12))
 def test_ranks_average_ties(xs):
-    from creditrl.experiments import proxy_fidelity as pf
+    from creditrl.studies.experiments import proxy_fidelity as pf
 
     got = pf.ranks(torch.tensor(xs, dtype=torch.float64)).tolist()
     for i, x in enumerate(xs):  # average rank = (# smaller) + (# equal - 1) / 2
@@ -329,7 +329,7 @@ def test_ranks_average_ties(xs):
 
 
 def test_pearson_spearman_reference():
-    from creditrl.experiments import proxy_fidelity as pf
+    from creditrl.studies.experiments import proxy_fidelity as pf
 
     x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
     assert math.isclose(pf.pearson(x, 2 * x + 1), 1.0, rel_tol=1e-12)
@@ -342,7 +342,7 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
     """Every estimator's variance estimate is finite, CIs bracket it, and a seed reproduces it."""
     import dataclasses
 
-    from creditrl.experiments import grad_variance as gv
+    from creditrl.studies.experiments import grad_variance as gv
 
     (tmp_path / "a").symlink_to(fast_run(fast_root, "grad-variance"))
     rows = reporting.read_csv(tmp_path / "a" / "variance.csv")
@@ -375,7 +375,7 @@ def test_grad_variance_fast_preset(fast_root, tmp_path):
 
 
 def test_proxy_fidelity_fast_preset(fast_root):
-    from creditrl.experiments import proxy_fidelity as pf
+    from creditrl.studies.experiments import proxy_fidelity as pf
 
     tmp_path = fast_run(fast_root, "proxy-fidelity")
     summary = reporting.read_json(tmp_path / "summary.json")
@@ -393,7 +393,7 @@ def test_proxy_fidelity_fast_preset(fast_root):
 def test_learning_curves_fast_preset(fast_root):
     """Real trainer runs through ``creditrl compare``: the LR pilot picks from the grid, every run
     and seed finished with finite metrics (the Adam proxy included), verdicts come from the numbers."""
-    from creditrl.experiments import learning_curves as lc
+    from creditrl.studies.experiments import learning_curves as lc
 
     out = fast_run(fast_root, "learning-curves")
     cfg = lc.PRESETS["fast"]
@@ -410,8 +410,8 @@ def test_learning_curves_fast_preset(fast_root):
 
 @pytest.mark.slow
 def test_otb_stability_and_stapo_census_fast_presets(fast_root):
-    from creditrl.experiments import otb_stability as ots
-    from creditrl.experiments import stapo_census as sc
+    from creditrl.studies.experiments import otb_stability as ots
+    from creditrl.studies.experiments import stapo_census as sc
 
     out = fast_run(fast_root, "otb-stability")
     rows = reporting.read_csv(out / "seeds.csv")
@@ -461,7 +461,7 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
 
 
 def test_real_model_fast_preset(fast_root):
-    from creditrl.experiments import real_model as rm
+    from creditrl.studies.experiments import real_model as rm
 
     out = fast_run(fast_root, "real-model")
     pairs = reporting.read_csv(out / "pairs.csv")
@@ -477,8 +477,8 @@ def test_real_model_fast_preset(fast_root):
 
 def test_pair_difference_matches_separate_group_gradients(tiny_rollouts):
     """real-model's one-backward ‖g₁ − g₂‖²/2 equals the difference of the two groups' own gradients."""
-    from creditrl.experiments import grad_variance as gv
-    from creditrl.experiments import real_model as rm
+    from creditrl.studies.experiments import grad_variance as gv
+    from creditrl.studies.experiments import real_model as rm
 
     model, params, batch = tiny_rollouts
     names = ("rloo", "ogb", "otb", "otb_isolated")
@@ -491,7 +491,7 @@ def test_pair_difference_matches_separate_group_gradients(tiny_rollouts):
 
 def test_dr_grpo_gradient_is_scaled_rloo(tiny_rollouts):
     """dr_grpo's advantage R − mean is exactly (N−1)/N × RLOO's, so are their group gradients."""
-    from creditrl.experiments import grad_variance as gv
+    from creditrl.studies.experiments import grad_variance as gv
 
     model, params, batch = tiny_rollouts
     cfg = gv.GradVarianceConfig(estimators=("dr_grpo", "rloo"))

@@ -16,7 +16,7 @@ from trl.trainer import grpo_trainer  # noqa: E402
 
 import creditrl  # noqa: E402
 from creditrl.integrations.trl import CreditGRPOConfig, CreditGRPOTrainer  # noqa: E402
-from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
+from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
 
 ALPHABET = "abcdefgh0123456789+= "
 NUM_GENERATIONS = 4

@@ -17,7 +17,7 @@ from verl.workers.config import ActorConfig  # noqa: E402
 
 import creditrl  # noqa: E402
 from creditrl.integrations import verl as plugin  # noqa: E402
-from creditrl.losses import StapoOptions, TraceOptions  # noqa: E402
+from creditrl.core.losses import StapoOptions, TraceOptions  # noqa: E402
 
 MAXK = {"maxpo", "ei", "pkpo", "passk_chen", "maxk_bon"}
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import creditrl
 from creditrl import StapoOptions, TraceOptions, agg_loss, policy_loss, power_proxy, variance_proxy
-from creditrl.losses import METRIC_KEYS
+from creditrl.core.losses import METRIC_KEYS
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -332,7 +332,7 @@ def test_variance_proxy_inputs():
 def test_public_names_exported():
     for name in ("agg_loss", "policy_loss", "spurious_token_mask", "apply_trace", "variance_proxy",
                  "StapoOptions", "TraceOptions"):
-        assert getattr(creditrl, name) is getattr(creditrl.losses, name)
+        assert getattr(creditrl, name) is getattr(creditrl.core.losses, name)
 
 
 def test_policy_loss_names_non_finite_inputs():

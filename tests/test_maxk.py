@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from creditrl import compute_advantages, maxk_quantities, pass_at_k
-from creditrl.estimators.maxk import max_at_k
+from creditrl.core.estimators.maxk import max_at_k
 
 MAXK = ("maxpo", "ei", "pkpo", "maxk_bon", "passk_chen")
 

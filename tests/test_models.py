@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-import creditrl.models as models
-from creditrl.models import (TinyModelConfig, WarmStartConfig, cache_root, char_tokenizer, load_policy,
+import creditrl.runtime.models as models
+from creditrl.runtime.models import (TinyModelConfig, WarmStartConfig, cache_root, char_tokenizer, load_policy,
                              tiny_cache_path, tiny_model, warm_start, warm_start_info)
-from creditrl.models.warm_start import response_mask, sft_batch
+from creditrl.runtime.models.warm_start import response_mask, sft_batch
 from creditrl.tasks import get_task
 
 ALPHABET = "0123456789+-*/()=<>abc \n"
@@ -183,7 +183,7 @@ def test_warm_start_learns_addition():
 def test_warm_start_accuracy_slice_is_many_distinct_problems():
     # Regression: a fresh RNG per draw once made all 128 held-out problems the same prompt,
     # so the warm start stopped when ONE problem was solved 40% of the time.
-    from creditrl.models.warm_start import held_out_problems
+    from creditrl.runtime.models.warm_start import held_out_problems
     from creditrl.tasks import get_task
 
     task = get_task("addition")

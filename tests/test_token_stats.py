@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from creditrl import token_stats
-from creditrl._memory import PeakMemory
+from creditrl.utils.memory import PeakMemory
 
 
 def reference(logits, tokens, mask, temperature=1.0):
@@ -134,12 +134,12 @@ def test_errors():
 
 
 def test_public_name_is_the_function_even_after_importing_the_module():
-    # The module is creditrl.token_statistics, so importing it never shadows the exported function.
+    # The module is creditrl.core.token_stats, so importing it never shadows the exported function.
     import importlib
 
     import creditrl
 
-    importlib.import_module("creditrl.token_statistics")
+    importlib.import_module("creditrl.core.token_stats")
     from creditrl import TokenStats, token_stats as fn
 
     assert callable(fn) and fn.__name__ == "token_stats" and creditrl.token_stats is fn

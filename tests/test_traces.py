@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from creditrl import TraceOptions, apply_trace, policy_loss
-from creditrl.losses.traces import TraceOperator
+from creditrl.core.losses.traces import TraceOperator
 
 
 def dense_trace_matrix(length, c, style, floor):

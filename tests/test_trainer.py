@@ -15,11 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from creditrl.config import ConfigError, load_config
-from creditrl.estimators import list_estimators
-from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+from creditrl.core.estimators import list_estimators
+from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
 from creditrl.tasks import get_task
-from creditrl.trainer import evaluate, generate_rollouts, train
-from creditrl.trainer.evaluation import sample_correctness
+from creditrl.runtime.evaluation import evaluate
+from creditrl.runtime.rollout import generate_rollouts
+from creditrl.trainer import train
+from creditrl.runtime.evaluation import sample_correctness
 from creditrl.trainer.update import Learner, lr_lambda
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
@@ -232,7 +234,7 @@ def test_config_errors_surface_before_model_load():
 
 def stats_and_grads(model, batch, group, rows=None):
     """response_stats (+ gradients of a fixed function of them) on ``rows`` of ``batch``."""
-    from creditrl.trainer.update import response_stats
+    from creditrl.runtime.scoring import response_stats
 
     rows = torch.arange(batch.input_ids.shape[0]) if rows is None else rows
     model.zero_grad(set_to_none=True)
@@ -256,7 +258,7 @@ def buckets(request, monkeypatch):
     """The default bucketing, and one forward per distinct length (every bucket path exercised)."""
     import functools
 
-    from creditrl.trainer import update
+    from creditrl.runtime import scoring as update
     if request.param != "default":
         monkeypatch.setattr(update, "length_buckets", functools.partial(update.length_buckets, overhead=0,
                                                                         max_buckets=64))
@@ -291,13 +293,13 @@ def test_shared_prompt_stats_with_length_one_rows_and_tool_holes(setup, buckets)
     batch.attention_mask[:, p:] = (cols < lengths[:, None]).long()
     batch.response_mask[:, p:] = batch.attention_mask[:, p:].float()
     batch.response_mask[4, p + 1] = 0.0  # a tool-output token: attended, not trained on
-    from creditrl.sampling import position_ids_from_mask
+    from creditrl.runtime.sampling import position_ids_from_mask
     batch.position_ids = position_ids_from_mask(batch.attention_mask)
     assert_same_stats(stats_and_grads(model, batch, None), stats_and_grads(model, batch, batch.group))
 
 
 def test_shared_prompt_stats_reject_groups_with_different_prompts(setup):
-    from creditrl.trainer.update import response_stats
+    from creditrl.runtime.scoring import response_stats
 
     task, tok = setup
     model = tiny_model(tok, SMALL, seed=0)
@@ -312,7 +314,7 @@ def test_shared_prompt_stats_reject_groups_with_different_prompts(setup):
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=50), st.integers(0, 64), st.integers(1, 6))
 def test_length_buckets_partition_rows(lengths, overhead, max_buckets):
-    from creditrl.trainer.update import length_buckets
+    from creditrl.runtime.scoring import length_buckets
 
     lengths = torch.tensor(lengths)
     buckets = length_buckets(lengths, overhead=overhead, max_buckets=max_buckets)

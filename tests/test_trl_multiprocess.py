@@ -24,7 +24,7 @@ pytest.importorskip("trl")
 import torch  # noqa: E402
 
 import creditrl  # noqa: E402
-from creditrl.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
+from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "trl_two_process.py"
 

@@ -15,22 +15,22 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "token_stats": "creditrl.token_statistics",
-    "TokenStats": "creditrl.token_statistics",
-    "compute_advantages": "creditrl.estimators",
-    "list_estimators": "creditrl.estimators",
-    "register_estimator": "creditrl.estimators",
-    "AdvantageBatch": "creditrl.estimators",
-    "maxk_quantities": "creditrl.estimators.maxk",
-    "pass_at_k": "creditrl.estimators.maxk",
-    "policy_loss": "creditrl.losses",
-    "agg_loss": "creditrl.losses",
-    "spurious_token_mask": "creditrl.losses",
-    "apply_trace": "creditrl.losses",
-    "variance_proxy": "creditrl.losses",
-    "power_proxy": "creditrl.losses",
-    "StapoOptions": "creditrl.losses",
-    "TraceOptions": "creditrl.losses",
+    "token_stats": "creditrl.core.token_stats",
+    "TokenStats": "creditrl.core.token_stats",
+    "compute_advantages": "creditrl.core.estimators",
+    "list_estimators": "creditrl.core.estimators",
+    "register_estimator": "creditrl.core.estimators",
+    "AdvantageBatch": "creditrl.core.estimators",
+    "maxk_quantities": "creditrl.core.estimators.maxk",
+    "pass_at_k": "creditrl.core.estimators.maxk",
+    "policy_loss": "creditrl.core.losses",
+    "agg_loss": "creditrl.core.losses",
+    "spurious_token_mask": "creditrl.core.losses",
+    "apply_trace": "creditrl.core.losses",
+    "variance_proxy": "creditrl.core.losses",
+    "power_proxy": "creditrl.core.losses",
+    "StapoOptions": "creditrl.core.losses",
+    "TraceOptions": "creditrl.core.losses",
 }
 
 __all__ = sorted(_EXPORTS)

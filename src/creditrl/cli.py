@@ -14,9 +14,9 @@ import sys
 import time
 
 LAZY_COMMANDS = {  # subcommand -> (module, function taking argv and returning an exit code)
-    "compare": ("creditrl.trainer.compare", "main",
+    "compare": ("creditrl.studies.compare", "main",
                 "run several configs x seeds and write one comparison report"),
-    "experiment": ("creditrl.experiments", "main", "run the papers' experiments (bandit, variance, curves)"),
+    "experiment": ("creditrl.studies.experiments", "main", "run the papers' experiments (bandit, variance, curves)"),
 }
 
 
@@ -87,8 +87,8 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from creditrl.config import apply_overrides, eval_settings, load_config, load_saved_config
-    from creditrl.trainer import evaluate
-    from creditrl.trainer.loop import build_task, default_max_new_tokens, load_configured_policy, resolve_device
+    from creditrl.runtime.evaluation import evaluate
+    from creditrl.runtime.setup import build_task, default_max_new_tokens, load_configured_policy, resolve_device
 
     weights = None
     if args.run:
@@ -125,8 +125,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_estimators(args) -> int:
-    import creditrl.estimators  # noqa: F401  (registers the built-ins)
-    from creditrl.estimators.registry import get_estimator, list_estimators
+    import creditrl.core.estimators  # noqa: F401  (registers the built-ins)
+    from creditrl.core.estimators.registry import get_estimator, list_estimators
     from rich.console import Console
     from rich.table import Table
 

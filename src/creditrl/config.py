@@ -8,7 +8,7 @@ keys and bad values raise ``ConfigError`` naming the dotted key and the allowed 
 ``validate`` then rejects invalid combinations (e.g. MaxPO with k >= group size).
 
 The STAPO / GRPO-λ sections and the tiny-model / warm-start sections are built from the
-option dataclasses of ``creditrl.losses`` and ``creditrl.models.tiny`` so defaults live in one
+option dataclasses of ``creditrl.core.losses`` and ``creditrl.runtime.models.tiny`` so defaults live in one
 place.
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from creditrl.losses import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions
-from creditrl.models import DTYPES, LoraSettings
-from creditrl.models.tiny import TinyModelConfig
-from creditrl.models.warm_start import WarmStartConfig
+from creditrl.core.losses import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions
+from creditrl.runtime.models import DTYPES, LoraSettings
+from creditrl.runtime.models.tiny import TinyModelConfig
+from creditrl.runtime.models.warm_start import WarmStartConfig
 
 
 class ConfigError(ValueError):
@@ -346,7 +346,7 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    from creditrl._io import atomic_write_text
+    from creditrl.utils.io import atomic_write_text
 
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
@@ -392,8 +392,8 @@ def flat_items(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
 def estimator_options(cfg: Config) -> dict:
     """The algorithm options set (non-None), checked against what the estimator declares
     (``EstimatorSpec.options``, the same declaration ``compute_advantages`` checks)."""
-    import creditrl.estimators  # noqa: F401  (registers the built-in estimators)
-    from creditrl.estimators.registry import get_estimator
+    import creditrl.core.estimators  # noqa: F401  (registers the built-in estimators)
+    from creditrl.core.estimators.registry import get_estimator
 
     spec = get_estimator(cfg.algorithm.estimator)
     declared = spec.options
@@ -427,7 +427,7 @@ def eval_settings(cfg: Config) -> tuple[int | None, int, list[int]]:
 
 def validate(cfg: Config) -> None:
     """Reject invalid values and combinations with messages naming the key."""
-    from creditrl.estimators import list_estimators
+    from creditrl.core.estimators import list_estimators
     from creditrl.tasks import list_tasks
 
     def positive(key: str, value: float, strict: bool = True) -> None:
@@ -495,7 +495,7 @@ def _dry_run_estimator(cfg: Config, options: dict) -> None:
     rejects fails now, naming the config keys, not after the model has loaded."""
     import torch
 
-    from creditrl.estimators import compute_advantages
+    from creditrl.core.estimators import compute_advantages
 
     g = cfg.rollout.group_size
     try:

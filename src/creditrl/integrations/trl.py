@@ -31,12 +31,12 @@ from torch import Tensor
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from creditrl._validate import check_choice
-from creditrl.estimators import compute_advantages, list_estimators
-from creditrl.estimators.registry import get_estimator
-from creditrl.groups import GroupIndex
+from creditrl.utils.validate import check_choice
+from creditrl.core.estimators import compute_advantages, list_estimators
+from creditrl.core.estimators.registry import get_estimator
+from creditrl.core.groups import GroupIndex
 from creditrl.integrations import energy_from_logp
-from creditrl.losses import ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions, policy_loss, power_proxy
+from creditrl.core.losses import ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions, policy_loss, power_proxy
 
 # TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
 AGG_BY_LOSS_TYPE = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",

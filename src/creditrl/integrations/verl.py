@@ -40,10 +40,10 @@ from torch import Tensor
 from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
 
-from creditrl.estimators import estimate, list_estimators, prepare
-from creditrl.estimators.registry import get_estimator
+from creditrl.core.estimators import estimate, list_estimators, prepare
+from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import energy_from_logp
-from creditrl.losses import StapoOptions, TraceOptions, policy_loss
+from creditrl.core.losses import StapoOptions, TraceOptions, policy_loss
 
 PREFIX = "creditrl_"
 ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")

@@ -39,7 +39,7 @@ def get_task(name: str, *, chat_model: bool = False, **options) -> Task:
     """Build the task ``name``; unknown options raise naming them and the valid ones.
 
     A built-in task's ``format="auto"`` (the default) becomes ``natural`` for a ``chat_model``
-    (one whose tokenizer has a chat template, ``creditrl.models.is_chat_model``) and
+    (one whose tokenizer has a chat template, ``creditrl.runtime.models.is_chat_model``) and
     ``compact`` otherwise (``builtin:tiny`` and the models trained from it)."""
     cls = _lookup(name)
     valid = task_options(name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from creditrl._validate import check_int
+from creditrl.utils.validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask, last_integer
 
 DIGITS = "0123456789"

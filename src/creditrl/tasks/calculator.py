@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import re
 
-from creditrl._validate import check_int
+from creditrl.utils.validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask
 from creditrl.tasks.safe_math import format_number, safe_eval
 

@@ -12,7 +12,7 @@ import random
 from collections import Counter
 from fractions import Fraction
 
-from creditrl._validate import check_int
+from creditrl.utils.validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask
 from creditrl.tasks.safe_math import literals, safe_eval
 

@@ -33,7 +33,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Callable
 
-from creditrl._validate import check_range
+from creditrl.utils.validate import check_range
 from creditrl.tasks.base import Problem
 from creditrl.tasks.chat import check_chat_template, check_prompt
 

@@ -1,10 +1,9 @@
-"""The creditrl RL trainer: rollout (rollout.py), update (update.py), loop (loop.py),
-checkpoints (checkpoint.py), run outputs (logging.py, report.py), held-out eval (evaluation.py).
+"""The creditrl RL trainer: the loop (loop.py) over rollouts (``creditrl.runtime``) and updates
+(update.py), checkpoints (checkpoint.py), run directories (rundir.py), run outputs (logging.py,
+report.py).
 
-``train(cfg) -> run_dir``, ``resume(run_dir) -> run_dir``, ``evaluate(model, tokenizer, task, ...)``.
+``train(cfg) -> run_dir``, ``resume(run_dir) -> run_dir``.
 """
-from creditrl.trainer.evaluation import evaluate
 from creditrl.trainer.loop import Trainer, resume, train
-from creditrl.trainer.rollout import RolloutBatch, generate_rollouts
 
-__all__ = ["RolloutBatch", "Trainer", "evaluate", "generate_rollouts", "resume", "train"]
+__all__ = ["Trainer", "resume", "train"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditrl._io import atomic_directory
+from creditrl.utils.io import atomic_directory
 
 PATTERN = re.compile(r"step_(\d+)$")
 WEIGHTS, STATE, MANIFEST = "weights.safetensors", "state.pt", "manifest.json"

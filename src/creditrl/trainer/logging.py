@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from creditrl._io import atomic_write_text
+from creditrl.utils.io import atomic_write_text
 
 HEADLINE = ("reward_mean", "accuracy", "entropy", "response_len")
 

@@ -15,7 +15,6 @@ trainer's ``torch.Generator`` (both checkpointed); evals use their own seeded ge
 from __future__ import annotations
 
 import copy
-import dataclasses
 import random
 import time
 from pathlib import Path
@@ -26,29 +25,21 @@ import torch
 from creditrl.config import Config, eval_settings, load_saved_config, save_config
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
-from creditrl.trainer.evaluation import completion_records, evaluate
+from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import plot_run, write_summary
-from creditrl.trainer.rollout import generate_rollouts
+from creditrl.runtime.rollout import generate_rollouts
+from creditrl.runtime.setup import build_task, default_max_new_tokens, load_configured_policy, resolve_device
 from creditrl.trainer.rundir import RunLock, prepare_new_run
 from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
-DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
 CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
 MAX_SKIPPED_STEPS = 3          # consecutive steps whose every update was non-finite: stop the run
 
 
 class TrainingStopped(RuntimeError):
     """The run cannot go on (e.g. repeated non-finite updates); the message names the likely cause."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device: 'cuda' requested but no CUDA device is available; use 'cpu' or 'auto'")
-    return torch.device(name)
 
 
 def set_determinism(cfg: Config) -> None:
@@ -60,46 +51,6 @@ def set_determinism(cfg: Config) -> None:
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     torch.manual_seed(cfg.train.seed)
-
-
-def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
-    """Built-in tasks: the longest sampled part of the task's reference responses (tool outputs
-    excluded) in the model's tokens + 4 (compact format) or x2 + 8 (natural format: chat
-    answers vary in wording); other tasks (jsonl): ``DEFAULT_MAX_NEW_TOKENS``."""
-    from creditrl.tasks.base import ProceduralTask
-
-    if not isinstance(task, ProceduralTask):
-        return DEFAULT_MAX_NEW_TOKENS
-    rng = random.Random(0)
-    longest = 0
-    for _ in range(samples):
-        target = task.sft_target(task.sample(rng))
-        spans = getattr(task, "tool_output_spans", lambda _: [])(target)
-        text = target
-        for start, end in reversed(spans):
-            text = text[:start] + text[end:]
-        longest = max(longest, len(tokenizer.encode(text, add_special_tokens=False)))
-    return longest + 4 if task.format == "compact" else 2 * longest + 8
-
-
-def build_task(cfg: Config):
-    """The configured task, its ``format=auto`` resolved for the configured model."""
-    from creditrl.models import is_chat_model
-    from creditrl.tasks import get_task
-
-    return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
-
-
-def load_configured_policy(cfg: Config, task, device, progress: bool, name: str | None = None):
-    """``load_policy`` with every ``model.*`` setting (``name`` overrides ``model.name``)."""
-    from creditrl.models import LoraSettings, load_policy
-
-    m = cfg.model
-    lora = LoraSettings(**{k: v for k, v in dataclasses.asdict(m.lora).items() if k != "enabled"}) \
-        if m.lora.enabled else None
-    return load_policy(name or m.name, task, model_cfg=m.tiny, warm_start=m.warm_start, cache_dir=m.cache_dir,
-                       device=device, seed=cfg.train.seed, progress=progress, dtype=m.dtype,
-                       gradient_checkpointing=m.gradient_checkpointing, lora=lora)
 
 
 def run_name(cfg: Config) -> str:
@@ -269,7 +220,7 @@ class Trainer:
         if self.truncated_prompts:
             extra["truncated_prompts"] = self.truncated_prompts
         if c.model.name.startswith("builtin:"):
-            from creditrl.models import tiny_cache_path, warm_start_info
+            from creditrl.runtime.models import tiny_cache_path, warm_start_info
             info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
                                                    c.model.cache_dir)) or {}
             if info:

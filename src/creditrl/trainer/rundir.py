@@ -5,7 +5,7 @@
 - The directory must be writable, checked before any model is loaded.
 - ``RunLock``: one writer at a time. ``.lock`` holds the owner's PID; a lock whose process is
   gone (a killed run) is taken over, a live one is an error naming the PID.
-Every rewrite of a log or config goes through ``creditrl._io.atomic_write_text`` (temporary
+Every rewrite of a log or config goes through ``creditrl.utils.io.atomic_write_text`` (temporary
 file + ``os.replace``; a failed write removes its temporary file and names the path).
 """
 from __future__ import annotations

@@ -1,0 +1,113 @@
+"""Divergence estimators and batch diagnostics: KL k1/k2/k3, log-PPL gap, gradient-variance proxies.
+
+KL estimators (Schulman, "Approximating KL divergence"): for samples y ~ q and
+log_ratio = log p(y) − log q(y) estimating KL(q‖p),
+    k1 = −log_ratio,   k2 = ½·log_ratio²,   k3 = (e^{log_ratio} − 1) − log_ratio.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from creditrl.utils.validate import check_choice, check_finite, check_same_shape, check_tensor
+from creditrl.utils.validate import as_mask, token_advantages
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+MAX_LOG_RATIO = 20.0  # e^20 ≈ 5e8: beyond it exp overflows in grads (0·inf) while nothing is lost
+
+
+def kl_estimate(log_ratio: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token KL(q‖p) estimate from log_ratio = log p − log q at samples of q, same shape."""
+    check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x over True entries of mask (0 where there are none); masked NaNs are ignored."""
+    total = torch.where(mask, x, 0.0)
+    if dim is None:
+        return total.sum() / mask.sum().clamp(min=1)
+    return total.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def ppl_gap(logp: Tensor, other_logp: Tensor, mask: Tensor) -> Tensor:
+    """OTB eq. 68: mean over responses (with a valid token) of |mean_t logp − mean_t other_logp|."""
+    return ppl_gap_of_rows(masked_mean(logp - other_logp, mask, dim=1), mask.any(dim=1))
+
+
+def ppl_gap_of_rows(row_mean_log_ratio: Tensor, has_tokens: Tensor) -> Tensor:
+    """OTB eq. 68 from each response's mean log-ratio [B] (``policy_loss`` has it at hand)."""
+    return masked_mean(row_mean_log_ratio.abs(), has_tokens)
+
+
+def power_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:
+    """P_total (OTB App. E eq. 65) with the logit-gradient proxy: (1/N) Σ_i Σ_t A_t² ŵ_t.
+
+    The proxy of ‖ĝ(τ)‖² = ‖Σ_t A_t ∇θ log π(y_t)‖² (eq. 63) keeps each token's own energy
+    ŵ_t = ‖e_{y_t} − π_t‖² (eq. 7) and drops cross-token terms, as Ŵ(τ) = Σ_t ŵ_t does; for a
+    sequence-level advantage it is A(τ)²·Ŵ(τ), eq. 64. Token-level advantages (OTB) enter
+    token by token, not as their mean. advantages: [B] or [B,T]; energy: [B,T]; mask: [B,T].
+    N = B. Returns a Python float (0.0 for an empty batch).
+    """
+    mask = check_tensor("mask", mask, ndim=2)
+    valid = as_mask("mask", mask, mask.shape)
+    adv = token_advantages(advantages, valid, "mask")
+    check_finite("advantages", torch.where(valid, adv, 0.0))
+    energy = check_tensor("energy", energy, ndim=2, floating=True)
+    check_same_shape("mask", valid, "energy", energy)
+    check_finite("energy", torch.where(valid, energy, 0.0))
+    if valid.shape[0] == 0:
+        return 0.0
+    per_response = torch.where(valid, adv.double().square() * energy.double(), 0.0).sum(dim=1)   # ≈ ‖ĝ(τ_i)‖²
+    return float(per_response.mean())
+
+
+def variance_proxy(sample_grads: Tensor) -> dict[str, float]:
+    """OTB App. E eq. 65–67 from per-response gradient estimates ĝ(τ_i) = Σ_t A_t ∇θ log π(y_t),
+    [N, P] (exact per-sample gradients, e.g. from ``torch.func``):
+
+        P_total = (1/N) Σ_i ‖ĝ(τ_i)‖²        (eq. 65, total power)
+        S       = ‖(1/N) Σ_i ĝ(τ_i)‖²        (eq. 66, signal strength)
+        V̂[ḡ]    = (P_total − S) / (N − 1)    (eq. 67, variance of the batch mean)
+
+    V̂ equals the unbiased (1/(N(N−1))) Σ_i ‖ĝ_i − ḡ‖². Computed in float64. N >= 2.
+    Returns {"total_power", "signal", "variance"} as Python floats.
+    """
+    grads = check_tensor("sample_grads", sample_grads, ndim=2, floating=True)
+    if grads.shape[0] < 2:
+        raise ValueError(f"sample_grads: expected N >= 2 gradient estimates (eq. 67 divides by N - 1), "
+                         f"got N = {grads.shape[0]}")
+    check_finite("sample_grads", grads)
+    grads = grads.double()
+    total = grads.square().sum(dim=1).mean()
+    signal = grads.mean(dim=0).square().sum()
+    return {"total_power": float(total), "signal": float(signal),
+            "variance": float((total - signal) / (grads.shape[0] - 1))}
+
+
+def adam_moment_variance(optimizer: torch.optim.Optimizer) -> float:
+    """The MaxPO paper's gradient-variance proxy Σ_θ (v̂ − m̂²) from Adam's moments (MaxPO §5.2.3).
+
+    m̂ = m / (1 − β1^t) and v̂ = v / (1 − β2^t) are the bias-corrected running first and second
+    moments of each coordinate's gradient, so v̂ − m̂² estimates its variance over recent steps;
+    the sum runs over every parameter with Adam state. 0.0 before the first step.
+
+    Logged every step, so it runs as two reductions per tensor, Σv / c₂ − ‖m‖² / c₁² with
+    c = 1 − β^t, accumulated in float64 without a float64 copy of the moments."""
+    total = 0.0
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if "exp_avg" not in state:
+                continue
+            t = float(state["step"])
+            v_sum = float(state["exp_avg_sq"].sum(dtype=torch.float64))
+            m_sq = float(torch.linalg.vector_norm(state["exp_avg"], dtype=torch.float64)) ** 2
+            total += v_sum / (1.0 - beta2 ** t) - m_sq / (1.0 - beta1 ** t) ** 2
+    return total

@@ -1,0 +1,76 @@
+"""Held-out evaluation: greedy accuracy, unbiased pass@k and avg@k from n samples per prompt.
+
+pass@k = 1 - C(n-c, k) / C(n, k) per prompt, averaged (Chen et al. 2021, eq. 1), with c the
+correct samples out of n. avg@k is the mean accuracy of the first k samples of each prompt
+(avg@n is the sampled accuracy). Sampling draws from its own generator, so evaluating never
+moves the training RNG (periodic eval keeps resume exact).
+"""
+from __future__ import annotations
+
+import torch
+
+from creditrl.tasks.base import Problem, Task
+from creditrl.runtime.rollout import generate_rollouts
+
+
+def sample_correctness(model, tokenizer, task, problems, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
+                       max_tool_tokens: int, generator, batch_size: int, stop_strings=()):
+    """([P, n] bool correctness of n responses per problem, the first RolloutBatch), decoded in
+    batches of <= batch_size rows."""
+    per_chunk = max(1, batch_size // n)
+    rows, first = [], None
+    for start in range(0, len(problems), per_chunk):  # bounded memory: chunks, not sequences
+        batch = generate_rollouts(model, tokenizer, task, problems[start:start + per_chunk], group_size=n,
+                                  temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                  generator=generator, max_tool_tokens=max_tool_tokens, stop_strings=stop_strings)
+        rows.append(batch.correct.view(-1, n))
+        first = first or batch
+    return torch.cat(rows), first
+
+
+def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None, *, n: int = 8,
+             ks: list[int] = (1, 4, 8), temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 16,
+             max_tool_tokens: int = 16, seed: int = 0, batch_size: int = 512, stop_strings=(),
+             keep_samples: int = 0) -> dict:
+    """Greedy accuracy + pass@k/avg@k (k in ``ks``) + sampled accuracy on ``problems``
+    (default: the task's held-out test set). With ``keep_samples`` the result's ``"samples"``
+    holds that many greedy completions (``completion_records``)."""
+    from creditrl.core.estimators.maxk import pass_at_k
+
+    problems = task.test_set() if problems is None else problems
+    if not problems:
+        raise ValueError("problems: expected at least one held-out problem, got none")
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad:
+        raise ValueError(f"ks: every k must be in [1, n={n}], got {bad}")
+    common = dict(top_p=top_p, max_new_tokens=max_new_tokens, max_tool_tokens=max_tool_tokens,
+                  batch_size=batch_size, stop_strings=stop_strings)
+    greedy, first = sample_correctness(model, tokenizer, task, problems, n=1, temperature=0.0, generator=None, **common)
+    generator = torch.Generator().manual_seed(seed)
+    sampled, _ = sample_correctness(model, tokenizer, task, problems, n=n, temperature=temperature,
+                                    generator=generator, **common)
+    c = sampled.sum(-1)
+    result = {"greedy_acc": float(greedy.float().mean()), "sampled_acc": float(sampled.float().mean())}
+    for k in ks:
+        result[f"pass@{k}"] = float(pass_at_k(n, c, k).mean())
+        result[f"avg@{k}"] = float(sampled[:, :k].float().mean())
+    result["n_problems"], result["n_samples"] = len(problems), n
+    if keep_samples:
+        result["samples"] = completion_records(first, keep_samples)
+    return result
+
+
+def completion_records(batch, count: int) -> list[dict]:
+    """The first ``count`` responses of a RolloutBatch as dicts: prompt (as rendered), completion,
+    reward, advantage (mean over its trained tokens; None before an update), length, stopped."""
+    p, out = batch.prompt_len, []
+    for b in range(min(count, len(batch.response_texts))):
+        mask = batch.response_mask[b, p:]
+        length = int(mask.sum())
+        advantage = None
+        if batch.advantages is not None:
+            advantage = float((batch.advantages[b, p:] * mask).sum() / max(length, 1))
+        out.append({"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
+                    "reward": float(batch.rewards[b]), "advantage": advantage, "length": length,
+                    "stopped": bool(batch.stopped[b])})
+    return out

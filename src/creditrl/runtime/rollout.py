@@ -1,0 +1,91 @@
+"""Rollouts: render each problem's prompt (chat template), decode G responses per prompt with
+the one sampler (``creditrl.runtime.sampling.generate``) and score them with the task's reward.
+
+Layout (see ``creditrl.runtime.sampling``): prompts left-padded to a common length P, responses from
+column P, right-padded. A response cut by a stop string is scored on its text up to and
+including the stop string; the token that completed it is the last one trained on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from creditrl.runtime.sampling import decode_responses, generate, position_ids_from_mask
+from creditrl.tasks.base import Problem, Task
+from creditrl.tasks.chat import render_task_prompts
+
+
+@dataclass
+class RolloutBatch:
+    """B = len(problems) * group_size responses; L = prompt_len + response columns.
+
+    input_ids:      [B,L] long, left-padded prompt then right-padded response
+    attention_mask: [B,L] long
+    position_ids:   [B,L] long, cumsum(attention_mask) - 1 (0 on left padding)
+    response_mask:  [B,L] float, 1 on sampled response tokens (trained on), 0 on prompt,
+                    padding and tool-output tokens
+    rollout_logp:   [B,L] float32, behaviour log-prob of each sampled token (0 elsewhere)
+    rewards:        [B] float32;  correct: [B] bool (reward >= 1)
+    group:          [B] long, index of the prompt each response answers
+    stopped:        [B] bool, ended at a stop token/string (False: clipped at max_new_tokens)
+    prompt_texts:   [len(problems)] the rendered prompts (chat template included)
+    reward_invalid: [B] bool, the task's reward was NaN/inf (counted as 0)
+    advantages:     [B,L] float32, filled in by the learner's update (None before)
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    response_mask: Tensor
+    rollout_logp: Tensor
+    rewards: Tensor
+    group: Tensor
+    correct: Tensor
+    response_texts: list[str]
+    problems: list[Problem]
+    prompt_len: int
+    stopped: Tensor
+    prompt_texts: list[str]
+    reward_invalid: Tensor | None = None
+    advantages: Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Sampled (trained-on) tokens in the batch."""
+        return int(self.response_mask.sum())
+
+
+def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, group_size: int,
+                      temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 16,
+                      generator: torch.Generator | None = None, max_tool_tokens: int = 16,
+                      stop_strings: tuple[str, ...] | list[str] = ()) -> RolloutBatch:
+    """Sample ``group_size`` responses for each problem and score them with ``task.reward``.
+
+    Responses of problem i are rows i*G .. i*G+G-1 (``group[b] = b // G``)."""
+    if group_size < 1:
+        raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+    if not problems:
+        raise ValueError("problems: expected at least one problem, got an empty list")
+    prompt_ids = render_task_prompts(tokenizer, task, [p.prompt for p in problems])
+    was_training = model.training
+    model.eval()
+    try:
+        out = generate(model, tokenizer, prompt_ids, group_size=group_size, temperature=temperature, top_p=top_p,
+                       max_new_tokens=max_new_tokens, generator=generator, task=task,
+                       max_tool_tokens=max_tool_tokens, stop_strings=stop_strings)
+    finally:
+        model.train(was_training)
+    p = out.prompt_len
+    texts = decode_responses(tokenizer, out.input_ids[:, p:], out.attention_mask[:, p:], stop_strings)
+    flat = [q for q in problems for _ in range(group_size)]
+    raw = torch.tensor([float(task.reward(q, r)) for q, r in zip(flat, texts)], dtype=torch.float64)
+    invalid = ~torch.isfinite(raw)                     # a checker's NaN/inf counts as 0 (and is logged)
+    rewards = torch.where(invalid, 0.0, raw).float()
+    return RolloutBatch(
+        input_ids=out.input_ids, attention_mask=out.attention_mask,
+        position_ids=position_ids_from_mask(out.attention_mask), response_mask=out.response_mask,
+        rollout_logp=out.rollout_logp, rewards=rewards, group=torch.arange(len(problems)).repeat_interleave(group_size),
+        correct=rewards >= 1.0, response_texts=texts, problems=flat, prompt_len=p, stopped=out.stopped,
+        prompt_texts=tokenizer.batch_decode(prompt_ids), reward_invalid=invalid)

@@ -1,0 +1,295 @@
+"""``creditrl compare``: several configs × seeds, trained one after another, in one report.
+
+    creditrl compare --run otb algorithm.estimator=otb --run grpo algorithm.estimator=grpo \\
+        --seeds 0,1,2 --out runs/compare train.steps=40
+    creditrl compare --spec compare.yaml          # the same, from a file
+
+A spec file holds ``config`` (base YAML, optional), ``overrides`` (for every run), ``seeds`` and
+``runs`` (name -> list of ``key=value`` overrides). Each run × seed trains into
+``OUT/runs/<name>-s<seed>``; a finished one trained from the same config and overrides is reused
+unless ``--force``.
+The report (``OUT/report.md``, ``OUT/compare.png``, ``OUT/final.csv``, ``OUT/curves.csv``) is
+built from the runs' metrics.jsonl / eval.jsonl only, so ``--report-only`` redraws it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from creditrl.studies import reporting
+
+PANELS = (  # (metric, x axis) of the report figure
+    ("reward_mean", "step"), ("reward_mean", "tokens_total"), ("accuracy", "step"), ("accuracy", "tokens_total"),
+    ("entropy", "step"), ("grad_norm", "step"), ("power_proxy", "step"), ("greedy_acc", "tokens_total"),
+)
+FINAL_TRAIN = ("reward_mean", "accuracy", "entropy", "grad_norm", "power_proxy", "adam_variance", "spurious_ratio",
+               "response_len")
+EVAL_METRICS = ("greedy_acc",)
+RECIPE_FILE = "compare_recipe.json"  # base config + overrides a run was trained with (reuse check)  # held-out metrics whose curve is read from eval.jsonl
+
+
+@dataclass
+class CompareSpec:
+    runs: dict[str, list[str]]
+    seeds: list[int] = field(default_factory=lambda: [0])
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def load_spec(path: Path) -> CompareSpec:
+    """Read a YAML spec; errors name the key and the expected form."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--spec: file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    allowed = {"runs", "seeds", "config", "overrides"}
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise ValueError(f"{path}: unknown key(s) {unknown}; valid keys are {sorted(allowed)}")
+    runs = data.get("runs")
+    if not isinstance(runs, dict) or not runs:
+        raise ValueError(f"{path}: runs: expected a mapping name -> list of key=value overrides, got {runs!r}")
+    for name, items in runs.items():
+        if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
+            raise ValueError(f"{path}: runs.{name}: expected a list of 'key=value' strings, got {items!r}")
+    seeds = data.get("seeds", [0])
+    if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
+        raise ValueError(f"{path}: seeds: expected a list of integers, got {seeds!r}")
+    return CompareSpec(runs={str(k): list(v) for k, v in runs.items()}, seeds=seeds, config=data.get("config"),
+                       overrides=list(data.get("overrides") or []))
+
+
+def run_dir(out: Path, name: str, seed: int) -> Path:
+    return Path(out) / "runs" / f"{name}-s{seed}"
+
+
+def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict[str, list[Path]]:
+    """Train every run × seed (sequentially; each run already uses every core); returns dirs by run."""
+    from creditrl.config import load_config
+    from creditrl.trainer import train
+
+    configs = {}
+    for name, overrides in spec.runs.items():  # validate every config before the first long run
+        for seed in spec.seeds:
+            target = run_dir(out, name, seed)
+            recipe = {"config": spec.config, "overrides": [*spec.overrides, *overrides, f"train.seed={seed}"]}
+            configs[name, seed] = recipe, load_config(spec.config, [
+                *recipe["overrides"], f"train.output_dir={target.parent}", f"train.run_name={target.name}",
+                f"logging.progress={str(progress).lower()}"])
+    dirs: dict[str, list[Path]] = {name: [] for name in spec.runs}
+    for (name, seed), (recipe, cfg) in configs.items():
+        target = run_dir(out, name, seed)
+        stamp = target / RECIPE_FILE
+        # reuse a finished run only if it was trained from the same base config and overrides
+        if force or not (target / "summary.json").exists() or not stamp.exists() or json.loads(stamp.read_text()) != recipe:
+            print(f"[creditrl compare] training {name} seed {seed} -> {target}", flush=True)
+            shutil.rmtree(target, ignore_errors=True)  # a stale or partial run: start clean, never append
+            target = Path(train(cfg))
+            (target / RECIPE_FILE).write_text(json.dumps(recipe))
+        dirs[name].append(target)
+    return dirs
+
+
+def find_runs(out: Path) -> dict[str, list[Path]]:
+    """Existing run dirs under ``OUT/runs`` grouped by run name (``<name>-s<seed>``)."""
+    dirs: dict[str, list[Path]] = {}
+    for path in sorted((Path(out) / "runs").glob("*-s*")):
+        if (path / "metrics.jsonl").exists():
+            dirs.setdefault(path.name.rsplit("-s", 1)[0], []).append(path)
+    if not dirs:
+        raise FileNotFoundError(f"--out: no runs with metrics.jsonl under {Path(out) / 'runs'}")
+    return dirs
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _series(records: list[dict], key: str, x: str) -> tuple[list[float], list[float]]:
+    pts = [(r[x], r[key]) for r in records if isinstance(r.get(key), (int, float)) and isinstance(r.get(x), (int, float))]
+    return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def smooth(values: torch.Tensor, window: int) -> torch.Tensor:
+    """Trailing moving average (window clipped at the start), [..., S] -> [..., S]."""
+    if window <= 1 or values.shape[-1] == 0:
+        return values
+    csum = torch.nn.functional.pad(values.cumsum(-1), (1, 0))
+    idx = torch.arange(values.shape[-1])
+    lo = (idx + 1 - window).clamp(min=0)
+    return (csum[..., idx + 1] - csum[..., lo]) / (idx + 1 - lo).to(values.dtype)
+
+
+def seed_curves(dirs: list[Path], metric: str, x: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [S] (mean over seeds) and y [seeds, S] of ``metric``, truncated to the shortest seed."""
+    source = "eval.jsonl" if metric in EVAL_METRICS else "metrics.jsonl"
+    series = [_series(read_jsonl(d / source), metric, x) for d in dirs]
+    length = min((len(s[0]) for s in series), default=0)
+    xs = torch.tensor([s[0][:length] for s in series], dtype=torch.float64).reshape(len(series), length)
+    ys = torch.tensor([s[1][:length] for s in series], dtype=torch.float64).reshape(len(series), length)
+    return xs.mean(0), ys
+
+
+def curves_rows(runs: dict[str, list[Path]], metrics: tuple[str, ...], window: int) -> list[dict]:
+    """Per run and step: tokens, and mean/std over seeds of each (smoothed) training metric."""
+    rows = []
+    for name, dirs in runs.items():
+        steps, tokens = seed_curves(dirs, "tokens_total", "step")
+        columns = {"tokens_total": tokens.mean(0)}
+        for m in metrics:
+            _, ys = seed_curves(dirs, m, "step")
+            if ys.shape[-1] == steps.numel():
+                ys = smooth(ys, window)
+                columns[f"{m}_mean"], columns[f"{m}_std"] = ys.mean(0), _std(ys)
+        for i, step in enumerate(steps.tolist()):
+            rows.append({"run": name, "step": int(step), **{k: float(v[i]) for k, v in columns.items()}})
+    return rows
+
+
+def _std(ys: torch.Tensor) -> torch.Tensor:
+    return ys.std(0, unbiased=True) if ys.shape[0] > 1 else torch.zeros_like(ys[0])
+
+
+def final_rows(runs: dict[str, list[Path]], tail: float = 0.1) -> list[dict]:
+    """One row per run × seed: last held-out eval + training metrics averaged over the last ``tail`` of steps."""
+    rows = []
+    for name, dirs in runs.items():
+        for d in dirs:
+            metrics, evals = read_jsonl(d / "metrics.jsonl"), read_jsonl(d / "eval.jsonl")
+            last = metrics[-max(1, int(len(metrics) * tail)):]
+            row = {"run": name, "seed": d.name.rsplit("-s", 1)[1], "steps": len(metrics),
+                   "tokens_total": metrics[-1].get("tokens_total", float("nan")) if metrics else float("nan")}
+            for m in FINAL_TRAIN:
+                vals = [r[m] for r in last if isinstance(r.get(m), (int, float))]
+                row[m] = sum(vals) / len(vals) if vals else float("nan")
+            if evals:
+                row.update({k: v for k, v in evals[-1].items() if k.startswith(("greedy", "sampled", "pass@", "avg@"))})
+                row.update({f"start_{k}": v for k, v in evals[0].items() if k in ("greedy_acc", "sampled_acc")})
+            rows.append(row)
+    return rows
+
+
+def mean_std_table(rows: list[dict], columns: list[str]) -> str:
+    """Markdown table of ``mean ± std`` over seeds, one line per run."""
+    table = []
+    for name, members in reporting.group_rows(rows, "run").items():
+        entry = {"run": name, "seeds": len(members)}
+        for c in columns:
+            vals = torch.tensor([float(m[c]) for m in members if isinstance(m.get(c), (int, float))], dtype=torch.float64)
+            vals = vals[torch.isfinite(vals)]
+            if vals.numel() == 0:
+                entry[c] = "–"
+            else:
+                std = float(vals.std()) if vals.numel() > 1 else 0.0
+                entry[c] = f"{float(vals.mean()):.3g} ± {std:.2g}"
+        table.append(entry)
+    return reporting.markdown_table(table, ["run", "seeds", *columns])
+
+
+def plot_panels(runs: dict[str, list[Path]], panels, path: Path, window: int, ncols: int = 4) -> Path:
+    """Mean over seeds (line) with a ±1 std band, one panel per (metric, x axis)."""
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = reporting.figure(min(ncols, len(panels)), nrows, width=3.6, height=2.8)
+    for ax, (metric, x) in zip(axes, panels):
+        for name, dirs in runs.items():
+            xs, ys = seed_curves(dirs, metric, x)
+            if ys.shape[-1] == 0:
+                continue
+            if metric not in EVAL_METRICS:
+                ys = smooth(ys, window)
+            mean, std = ys.mean(0), _std(ys)
+            (line,) = ax.plot(xs.numpy(), mean.numpy(), label=name, lw=1.2, marker="o" if xs.numel() < 8 else None, ms=3)
+            ax.fill_between(xs.numpy(), (mean - std).numpy(), (mean + std).numpy(), color=line.get_color(), alpha=0.2)
+        ax.set(xlabel="generated tokens" if x == "tokens_total" else x, title=metric)
+        ax.tick_params(labelsize=7)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    axes[0].legend(fontsize=7)
+    return reporting.save_figure(fig, path)
+
+
+def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None = None,
+                 panels=PANELS, title: str = "creditrl compare") -> Path:
+    """report.md + compare.png + final.csv + curves.csv in ``out``; returns report.md's path."""
+    out = Path(out)
+    steps = max(len(read_jsonl(d / "metrics.jsonl")) for dirs in runs.values() for d in dirs)
+    window = window if window is not None else max(1, steps // 20)
+    final = final_rows(runs)
+    reporting.write_csv(out / "final.csv", final)
+    reporting.write_csv(out / "curves.csv", curves_rows(runs, FINAL_TRAIN, window))
+    plot_panels(runs, panels, out / "compare.png", window)
+    eval_cols = [c for c in final[0] if c.startswith(("start_greedy", "greedy", "sampled", "pass@"))]
+    lines = [f"# {title}\n", f"Runs: {', '.join(f'{k} ({len(v)} seeds)' for k, v in runs.items())}. "
+             f"Curves: mean over seeds, band ±1 std, moving average over {window} steps.\n",
+             "![curves](compare.png)\n", "## Held-out evaluation at the end (mean ± std over seeds)\n",
+             mean_std_table(final, eval_cols) if eval_cols else "_(no eval.jsonl)_\n",
+             "## Training metrics over the last 10% of steps (mean ± std over seeds)\n",
+             mean_std_table(final, ["tokens_total", *FINAL_TRAIN])]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="creditrl compare", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
+    parser.add_argument("--spec", type=Path, help="YAML spec with config / overrides / seeds / runs")
+    parser.add_argument("--config", help="base config YAML for every run (default: the packaged defaults)")
+    parser.add_argument("--run", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                        help="one configuration: a name then its overrides (repeat for each run)")
+    parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the spec's, else 0)")
+    parser.add_argument("--out", type=Path, default=Path("runs") / "compare", help="output dir (default: runs/compare)")
+    parser.add_argument("--force", action="store_true", help="retrain runs that already finished")
+    parser.add_argument("--report-only", action="store_true", help="only redraw the report from OUT/runs")
+    parser.add_argument("--smooth", type=int, default=None, help="moving-average window in steps (default: steps/20)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def spec_from_args(args) -> CompareSpec:
+    spec = load_spec(args.spec) if args.spec else CompareSpec(runs={})
+    for name, *overrides in args.run:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ValueError(f"--run {name}: expected KEY=VALUE overrides after the name, got {bad}")
+        if name in spec.runs:
+            raise ValueError(f"--run: duplicate run name {name!r}")
+        spec.runs[name] = overrides
+    if not spec.runs:
+        raise ValueError("--run/--spec: expected at least one run, got none (e.g. --run otb algorithm.estimator=otb)")
+    if args.seeds is not None:
+        try:
+            spec.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    if args.config:
+        spec.config = args.config
+    spec.overrides = [*spec.overrides, *args.overrides]
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after options
+    try:
+        if args.report_only:
+            runs = find_runs(args.out)
+        else:
+            runs = run_all(spec_from_args(args), args.out, force=args.force, progress=not args.no_progress)
+        path = write_report(runs, args.out, window=args.smooth)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"creditrl compare: error: {err}", file=sys.stderr)
+        return 2
+    print(f"[creditrl compare] report: {path}")
+    return 0
