@@ -1,0 +1,45 @@
+"""User plug-ins by import path: ``"package.module:attribute"`` names any importable object.
+
+Every front end that takes a user's function (an estimator, a loss term, a checker, a task)
+resolves it here, so one syntax and one error message serve them all.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from typing import Any
+
+_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+def is_import_path(text: object) -> bool:
+    """Whether ``text`` has the form ``package.module:attribute`` (attribute may be dotted)."""
+    return isinstance(text, str) and bool(_PATH.match(text))
+
+
+def load_object(path: str, *, what: str = "object") -> Any:
+    """The object named by ``"package.module:attribute"``; errors name the path and the fix.
+
+    ``what`` words the error (e.g. ``"algorithm.estimator"``). The working directory is appended
+    to ``sys.path`` first (as ``python -m`` puts it first), so ``creditrl train`` finds a user's
+    module next to their config without shadowing installed packages."""
+    if not is_import_path(path):
+        raise ValueError(f"{what}: expected an import path 'package.module:attribute', got {path!r}")
+    module_name, attribute = path.split(":", 1)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            raise ValueError(f"{what}: cannot import module {module_name!r} of {path!r} (not found on the "
+                             f"Python path; run from the directory that holds it or install it)") from None
+        raise
+    value: Any = module
+    for part in attribute.split("."):
+        if not hasattr(value, part):
+            raise ValueError(f"{what}: module {module_name!r} has no attribute {attribute!r} (from {path!r})")
+        value = getattr(value, part)
+    return value
