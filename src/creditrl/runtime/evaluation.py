@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from creditrl.core.estimators.maxk import pass_at_k
 from creditrl.tasks.base import Problem, Task
 from creditrl.runtime.rollout import generate_rollouts
 
@@ -35,7 +36,6 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
     """Greedy accuracy + pass@k/avg@k (k in ``ks``) + sampled accuracy on ``problems``
     (default: the task's held-out test set). With ``keep_samples`` the result's ``"samples"``
     holds that many greedy completions (``completion_records``)."""
-    from creditrl.core.estimators.maxk import pass_at_k
 
     problems = task.test_set() if problems is None else problems
     if not problems:
@@ -60,16 +60,17 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
     return result
 
 
-def completion_records(batch, count: int) -> list[dict]:
+def completion_records(batch, count: int, advantages=None) -> list[dict]:
     """The first ``count`` responses of a RolloutBatch as dicts: prompt (as rendered), completion,
-    reward, advantage (mean over its trained tokens; None before an update), length, stopped."""
+    reward, advantage (mean over its trained tokens of ``advantages`` [B,R]; None without them),
+    length, stopped."""
     p, out = batch.prompt_len, []
     for b in range(min(count, len(batch.response_texts))):
         mask = batch.response_mask[b, p:]
         length = int(mask.sum())
         advantage = None
-        if batch.advantages is not None:
-            advantage = float((batch.advantages[b, p:] * mask).sum() / max(length, 1))
+        if advantages is not None:
+            advantage = float((advantages[b].cpu() * mask).sum() / max(length, 1))
         out.append({"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
                     "reward": float(batch.rewards[b]), "advantage": advantage, "length": length,
                     "stopped": bool(batch.stopped[b])})

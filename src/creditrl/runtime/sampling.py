@@ -132,91 +132,139 @@ def _text_stops(tokenizer, generated: Tensor, rows: Tensor, t: int, stop_strings
     return torch.tensor([any(s in text for s in stop_strings) for text in tails], dtype=torch.bool)
 
 
+@dataclass
+class _Decode:
+    """Bookkeeping of one batched decode, a row per response (CPU tensors): the tokens written,
+    which the policy chose (1) or the environment forced (0), their log-probs, the columns fed,
+    sampled-token and tool-call counts, whether each row stopped, and queued tool-output tokens."""
+    tokens: Tensor
+    sampled: Tensor
+    logps: Tensor
+    fed: Tensor
+    n_sampled: Tensor
+    n_calls: Tensor
+    stopped: Tensor
+    forced: Tensor
+    forced_len: Tensor
+    forced_pos: Tensor
+
+    @classmethod
+    def empty(cls, n: int, max_steps: int, max_tool_tokens: int, pad: int) -> "_Decode":
+        zeros = lambda: torch.zeros(n, dtype=torch.long)  # noqa: E731
+        return cls(torch.full((n, max_steps), pad, dtype=torch.long), torch.zeros(n, max_steps),
+                   torch.zeros(n, max_steps), zeros(), zeros(), zeros(), torch.zeros(n, dtype=torch.bool),
+                   torch.full((n, max_tool_tokens), pad, dtype=torch.long), zeros(), zeros())
+
+    def write(self, live: Tensor, t: int, token: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
+        """Write column ``t`` of the ``live`` rows: a queued tool-output token where one is
+        pending, else the sampled ``token``. Returns (the tokens written, chosen by the policy)."""
+        pos = self.forced_pos[live]
+        is_forced = pos < self.forced_len[live]
+        token = torch.where(is_forced, self.forced[live, pos.clamp(max=self.forced.shape[1] - 1)], token)
+        chosen = ~is_forced
+        self.tokens[live, t] = token
+        self.sampled[live, t] = chosen.float()
+        self.logps[live, t] = torch.where(chosen, logp, torch.zeros_like(logp))
+        self.fed[live] += 1
+        self.forced_pos[live] = pos + is_forced.long()
+        self.n_sampled[live] += chosen.long()
+        return token, chosen
+
+    def pending(self, live: Tensor) -> Tensor:
+        """[len(live)] bool: queued tool-output tokens still to feed."""
+        return self.forced_pos[live] < self.forced_len[live]
+
+    def result(self, ids: Tensor, attn: Tensor, steps: int) -> Generation:
+        n, prompt_len = ids.shape
+        input_ids = torch.cat([ids, self.tokens[:, :steps]], dim=1)
+        attention_mask = torch.cat([attn, (torch.arange(steps) < self.fed[:, None]).long()], dim=1)
+        rollout_logp = torch.cat([torch.zeros(n, prompt_len), self.logps[:, :steps]], dim=1)
+        response_mask = torch.cat([torch.zeros(n, prompt_len), self.sampled[:, :steps]], dim=1)
+        return Generation(input_ids, attention_mask, response_mask, rollout_logp, self.stopped, prompt_len)
+
+
+@dataclass(frozen=True)
+class _Stops:
+    """When a row ends: a stop token, a stop string, or ``max_new`` sampled tokens; and the tool
+    calls it may make (``task.tool_stop`` ids, at most ``calls``)."""
+    ids: Tensor
+    strings: tuple[str, ...]
+    window: int
+    max_new: int
+    tool_stop: Tensor | None
+    calls: int
+
+
+def _stops(model, tokenizer, task, stop_strings, max_new_tokens: int) -> _Stops:
+    strings = tuple(s for s in stop_strings if s)
+    calls = int(getattr(task, "max_tool_calls", 0) or 0)
+    tool_stop = (torch.tensor(tokenizer(task.tool_stop, add_special_tokens=False)["input_ids"], dtype=torch.long)
+                 if calls and task.tool_stop else None)
+    return _Stops(torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long), strings,
+                  max((len(s) for s in strings), default=0) + 1,   # every token writes >= 1 character
+                  max_new_tokens, tool_stop, calls)
+
+
+def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t: int, token: Tensor,
+                chosen: Tensor) -> Tensor:
+    """[len(live)] bool: the rows that go on decoding after column ``t`` (marks the stopped ones;
+    queues tool outputs of rows that just called a tool)."""
+    ends = chosen & torch.isin(token, stops.ids)
+    if stops.strings:
+        ends |= chosen & _text_stops(tokenizer, state.tokens, live, t, stops.strings, stops.window)
+    state.stopped[live] |= ends
+    keep = ~(ends | (state.n_sampled[live] >= stops.max_new)) | state.pending(live)  # queued tokens still fed
+    if stops.tool_stop is not None:
+        candidates = torch.zeros(len(state.fed), dtype=torch.bool).index_fill_(0, live[chosen & keep], True)
+        _queue_tool_outputs(tokenizer, task, state.tokens[:, :t + 1], candidates, stops.tool_stop, state.n_calls,
+                            stops.calls, state.forced, state.forced_len, state.forced_pos)
+        keep |= state.pending(live)
+    return keep
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int = 1, temperature: float = 1.0,
              top_p: float = 1.0, max_new_tokens: int = 16, generator: torch.Generator | None = None,
              task=None, max_tool_tokens: int = 16, stop_strings: tuple[str, ...] | list[str] = ()) -> Generation:
     """Decode ``group_size`` responses per prompt (rows i*G .. i*G+G-1 answer prompt i) from
-    token-id prompts (``tasks.chat.render_prompt``); see the module docstring."""
+    token-id prompts (``tasks.chat.render_prompt``); see the module docstring. The sampled token
+    of every live row comes to the host once per step (stop strings, tool calls and bookkeeping
+    need it): one small device-to-host copy per decoding step, never the logits."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_attn = pad_prompts(prompt_ids, tokenizer.pad_token_id)
-    prompt_len = prompt_tokens.shape[1]
     expand = torch.arange(len(prompt_ids)).repeat_interleave(group_size)
-    n = len(expand)
-    pad = tokenizer.pad_token_id
-    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long)
-    stop_strings = tuple(s for s in stop_strings if s)
-    window = max((len(s) for s in stop_strings), default=0) + 1   # every token writes >= 1 character
-    tool_calls = int(getattr(task, "max_tool_calls", 0) or 0)
-    tool_stop = (torch.tensor(tokenizer(task.tool_stop, add_special_tokens=False)["input_ids"], dtype=torch.long)
-                 if tool_calls and task.tool_stop else None)
-    max_steps = max_new_tokens + tool_calls * max_tool_tokens
-
-    tokens = torch.full((n, max_steps), pad, dtype=torch.long)
-    sampled = torch.zeros(n, max_steps)                      # 1 where the policy chose the token
-    logps = torch.zeros(n, max_steps)
-    fed = torch.zeros(n, dtype=torch.long)                   # response tokens fed = attended columns
-    n_sampled = torch.zeros(n, dtype=torch.long)
-    n_calls = torch.zeros(n, dtype=torch.long)
-    stopped = torch.zeros(n, dtype=torch.bool)
-    forced = torch.full((n, max_tool_tokens), pad, dtype=torch.long)  # queued tool-output tokens
-    forced_len = torch.zeros(n, dtype=torch.long)
-    forced_pos = torch.zeros(n, dtype=torch.long)
-
+    stops = _stops(model, tokenizer, task, stop_strings, max_new_tokens)
+    state = _Decode.empty(len(expand), max_new_tokens + stops.calls * max_tool_tokens, max_tool_tokens,
+                          tokenizer.pad_token_id)
     ids, attn = prompt_tokens[expand], prompt_attn[expand]
     attn_dev, next_pos = attn.to(device), attn.sum(-1)
     steps = 0
-    # inference mode inside only: what leaves it is built below from ordinary tensors, so the
-    # training forward can save it for backward
+    # inference mode inside only: what leaves it is built from ordinary tensors, so the training
+    # forward can save it for backward
     with torch.inference_mode():
         out = model(input_ids=prompt_tokens.to(device), attention_mask=prompt_attn.to(device),
                     position_ids=position_ids_from_mask(prompt_attn).to(device), use_cache=True, logits_to_keep=1)
         cache = select_cache_rows(out.past_key_values, expand.to(device))
         logits = out.logits[:, -1][expand.to(device)]
-        live = torch.arange(n)                                   # rows still decoding, in cache order
-        for t in range(max_steps):
+        live = torch.arange(len(expand))                           # rows still decoding, in cache order
+        for t in range(state.tokens.shape[1]):
             token, logp = (x.cpu() for x in sample_next(logits, temperature=temperature, top_p=top_p,
                                                          generator=generator))
-            pos = forced_pos[live]
-            is_forced = pos < forced_len[live]
-            token = torch.where(is_forced, forced[live, pos.clamp(max=max_tool_tokens - 1)], token)
-            chosen = ~is_forced
-            tokens[live, t] = token
-            sampled[live, t] = chosen.float()
-            logps[live, t] = torch.where(chosen, logp, torch.zeros_like(logp))
-            fed[live] += 1
-            forced_pos[live] = pos + is_forced.long()
-            n_sampled[live] += chosen.long()
+            token, chosen = state.write(live, t, token, logp)
             steps = t + 1
-            ends = chosen & torch.isin(token, stop_ids)
-            if stop_strings:
-                ends |= chosen & _text_stops(tokenizer, tokens, live, t, stop_strings, window)
-            stopped[live] |= ends
-            ended = ends | (n_sampled[live] >= max_new_tokens)
-            keep = ~ended | (forced_pos[live] < forced_len[live])  # queued tool tokens still get fed
-            if tool_stop is not None:
-                candidates = torch.zeros(n, dtype=torch.bool).index_fill_(0, live[chosen & keep], True)
-                _queue_tool_outputs(tokenizer, task, tokens[:, :t + 1], candidates, tool_stop, n_calls, tool_calls,
-                                    forced, forced_len, forced_pos)
-                keep |= forced_pos[live] < forced_len[live]
+            keep = _continuing(state, stops, tokenizer, task, live, t, token, chosen)
             if not bool(keep.all()):
                 if not bool(keep.any()):
                     break
                 kept = torch.nonzero(keep).flatten()
-                live = live[kept]
-                cache = select_cache_rows(cache, kept.to(device))
+                live, cache = live[kept], select_cache_rows(cache, kept.to(device))
             # every column a live row has been fed is attended: only the prompt's left padding is masked
             step_attn = torch.cat([attn_dev[live.to(device)],
                                    torch.ones(len(live), t + 1, dtype=torch.long, device=device)], dim=1)
-            out = model(input_ids=tokens[live, t:t + 1].to(device), attention_mask=step_attn,
+            out = model(input_ids=state.tokens[live, t:t + 1].to(device), attention_mask=step_attn,
                         position_ids=(next_pos[live] + t)[:, None].to(device), past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
-
-    input_ids = torch.cat([ids, tokens[:, :steps]], dim=1)
-    attention_mask = torch.cat([attn, (torch.arange(steps) < fed[:, None]).long()], dim=1)
-    rollout_logp = torch.cat([torch.zeros(n, prompt_len), logps[:, :steps]], dim=1)
-    response_mask = torch.cat([torch.zeros(n, prompt_len), sampled[:, :steps]], dim=1)
-    return Generation(input_ids, attention_mask, response_mask, rollout_logp, stopped, prompt_len)
+    return state.result(ids, attn, steps)
 
 
 def _queue_tool_outputs(tokenizer, task, generated: Tensor, candidates: Tensor,

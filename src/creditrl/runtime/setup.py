@@ -1,19 +1,29 @@
-"""The runtime objects a config names: the device, the task, the policy and its tokenizer.
+"""What a config names, built and checked: the estimator and its options, the loss terms, the
+task, the device and the policy with its tokenizer.
 
-Shared by the trainer, ``creditrl eval``, the experiments and ``creditrl diagnose``, so each
-builds a model exactly as ``creditrl train`` does.
+``resolve_config`` checks everything the library declares (estimator options against the
+estimator's signature, loss options against the loss terms' dataclasses, task options against
+the task's parameters, and the combinations) before any model loads, and returns the config with
+every declared option filled in: the complete record a run saves. Shared by the trainer,
+``creditrl eval``, the experiments and ``creditrl diagnose``, so each builds exactly what
+``creditrl train`` builds.
 """
 from __future__ import annotations
 
 import dataclasses
 import random
+from dataclasses import dataclass
 
 import torch
 
-from creditrl.config import Config
-from creditrl.runtime.models import LoraSettings, is_chat_model, load_policy
+from creditrl.config import Config, ConfigError
+from creditrl.core.estimators import compute_advantages
+from creditrl.core.estimators.registry import get_estimator
+from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
+from creditrl.runtime.models import is_chat_model, load_policy
 from creditrl.tasks import get_task
 from creditrl.tasks.base import ProceduralTask
+from creditrl.utils.options import build, coerce, options_of
 
 DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
 
@@ -50,10 +60,154 @@ def build_task(cfg: Config):
 
 
 def load_configured_policy(cfg: Config, task, device, progress: bool, name: str | None = None):
-    """``load_policy`` with every ``model.*`` setting (``name`` overrides ``model.name``)."""
+    """``load_policy`` with every ``model.*`` setting (``name`` overrides ``model.name``). Under
+    ``train.precision`` bf16/fp16 a LoRA run stores its frozen base in bf16 (autocast computes in
+    bf16 anyway); trainable weights stay float32 unless ``model.dtype`` asks otherwise."""
     m = cfg.model
-    lora = LoraSettings(**{k: v for k, v in dataclasses.asdict(m.lora).items() if k != "enabled"}) \
-        if m.lora.enabled else None
+    lora = m.lora.settings()
+    frozen_bf16 = lora is not None and cfg.train.precision != "fp32"
     return load_policy(name or m.name, task, model_cfg=m.tiny, warm_start=m.warm_start, cache_dir=m.cache_dir,
-                       device=device, seed=cfg.train.seed, progress=progress, dtype=m.dtype,
+                       device=device, seed=cfg.train.seed, progress=progress,
+                       dtype="bfloat16" if frozen_bf16 else m.dtype,
                        gradient_checkpointing=m.gradient_checkpointing, lora=lora)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
+    """(estimator name, its options with defaults filled, whether it needs energies)."""
+    spec = get_estimator(cfg.algorithm.estimator)
+    specs = spec.option_specs
+    options = dict(cfg.algorithm.options) if specs is None else build("algorithm.options", specs,
+                                                                       cfg.algorithm.options)
+    return cfg.algorithm.estimator, options, spec.needs_energy
+
+
+def _check_estimator(cfg: Config, options: dict) -> None:
+    """Run the estimator on one dummy group of ``rollout.group_size`` so any option/size combination
+    it rejects fails now, naming the config keys; a group of 1 that learns nothing is refused."""
+    name, g = cfg.algorithm.estimator, cfg.rollout.group_size
+    if get_estimator(name).name == "maxpo" and not 1 <= options["k"] < g:
+        raise ConfigError(f"algorithm.options.k: maxpo needs 1 <= k < rollout.group_size (={g}) for its "
+                          f"leave-two-out baseline, got k={options['k']}")
+    try:
+        compute_advantages(name, rewards=(torch.arange(g) % 2).float(), mask=torch.ones(g, 2),
+                           group=torch.zeros(g, dtype=torch.long), energy=torch.ones(g, 2), **options)
+        alone = compute_advantages(name, rewards=torch.ones(1), mask=torch.ones(1, 2),
+                                   group=torch.zeros(1, dtype=torch.long), energy=torch.ones(1, 2), **options)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"algorithm (estimator={name!r}, options={options}, rollout.group_size={g}): {err}") from None
+    if g == 1 and not bool(alone.abs().sum() > 0):
+        raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "
+                          f"every token (it compares responses within a group), so nothing would be learned; use "
+                          f"rollout.group_size >= 2 or algorithm.estimator=reinforce")
+
+
+def _check_combinations(cfg: Config, loss: dict) -> None:
+    """Settings that are each valid but do not work together."""
+    o, r = cfg.optim, cfg.rollout
+    batch = r.prompts_per_step * r.group_size
+    minibatch = min(o.minibatch_size or batch, batch)
+    if loss.get("stapo", {}).get("enabled") and o.micro_batch_size is not None and o.micro_batch_size < minibatch:
+        raise ConfigError(f"optim.micro_batch_size: STAPO's silencing threshold is a quantile over the whole "
+                          f"mini-batch ({minibatch} responses), which a micro-batch of {o.micro_batch_size} cannot "
+                          f"see; drop optim.micro_batch_size or loss.stapo.enabled")
+    if cfg.logging.grad_noise_scale and (o.epochs != 1 or minibatch < batch or r.prompts_per_step < 2):
+        raise ConfigError("logging.grad_noise_scale: measured on the on-policy gradient of the whole batch from "
+                          "two halves of its groups, so it needs optim.epochs=1, optim.minibatch_size unset and "
+                          f"rollout.prompts_per_step >= 2; got epochs={o.epochs}, minibatch_size={o.minibatch_size}, "
+                          f"prompts_per_step={r.prompts_per_step}")
+    if cfg.train.precision == "fp16" and resolve_device(cfg.train.device).type != "cuda":
+        raise ConfigError("train.precision: fp16 needs CUDA (its loss scaling); on a CPU use bf16 (same speed-up, "
+                          "no overflow) or fp32")
+
+
+def resolve_config(cfg: Config) -> Config:
+    """``cfg`` with the estimator's options and the loss terms' options checked against their
+    declarations and filled with their defaults, and every combination checked (ConfigError
+    naming the key). Raises before any model or data is loaded."""
+    _, options, _ = estimator_from_config(cfg)
+    _check_estimator(cfg, options)
+    loss = resolve_loss(cfg.loss)
+    _check_combinations(cfg, loss)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def builtin_loss_terms() -> list:
+    """creditrl's own loss terms (a user's term, even once imported, is configured under
+    ``loss.terms`` by its import path, so a saved config never depends on import order)."""
+    terms = [get_loss_term(name) for name in list_loss_terms()]
+    return [t for t in terms if t.fn.__module__.startswith("creditrl.")]
+
+
+def _term_values(where: str, term, values: dict) -> dict:
+    """One term's options from ``values``, typed and filled with the term's defaults."""
+    return build(where, options_of(term.options), values)
+
+
+def resolve_loss(loss: dict) -> dict:
+    """The ``loss`` section checked against the loss-term registry and completed: the flat terms'
+    options directly (``clip_low``, ``agg``, ``kl_coef``, ...), each optional built-in term as a
+    section with ``enabled``, and ``terms``: the user's terms by import path, each
+    ``{"path": "pkg.module:function", <option>: value}``."""
+    loss = dict(loss or {})
+    terms = builtin_loss_terms()
+    flat = {f.name: term for term in terms if term.flat for f in dataclasses.fields(term.options)}
+    sections = {term.name: term for term in terms if not term.flat}
+    unknown = sorted(set(loss) - set(flat) - set(sections) - {"terms"})
+    if unknown:
+        raise ConfigError(f"loss.{unknown[0]}: unknown key; valid keys of loss are "
+                          f"{sorted(flat) + sorted(sections) + ['terms']}")
+    out = {}
+    for term in (t for t in terms if t.flat):
+        names = [f.name for f in dataclasses.fields(term.options)]
+        out.update(_term_values("loss", term, {k: loss[k] for k in names if k in loss}))
+    for name, term in sections.items():
+        section = dict(loss.get(name) or {})
+        enabled = coerce(f"loss.{name}.enabled", section.pop("enabled", False), bool)
+        out[name] = {"enabled": enabled, **_term_values(f"loss.{name}", term, section)}
+    out["terms"] = [_user_term(i, spec) for i, spec in enumerate(loss.get("terms") or [])]
+    return out
+
+
+def _user_term(i: int, spec: object) -> dict:
+    where = f"loss.terms[{i}]"
+    if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
+        raise ConfigError(f"{where}: expected a mapping with 'path' (a registered loss term or "
+                          f"'package.module:function') and the term's options, got {spec!r}")
+    options = {k: v for k, v in spec.items() if k != "path"}
+    return {"path": spec["path"], **_term_values(where, get_loss_term(spec["path"]), options)}
+
+
+@dataclass(frozen=True)
+class ConfiguredLoss:
+    """The run's policy loss (``creditrl.core.losses.PolicyLoss``) and the two facts the update
+    needs before calling it: whether it needs reference log-probs (KL) and the rollout
+    correction (mode or None, cap) whose weights also scale OTB's energies."""
+    loss: PolicyLoss
+    needs_reference: bool
+    rollout_correction: tuple[str | None, float]
+
+    def __call__(self, *args, **kwargs):
+        return self.loss(*args, **kwargs)
+
+
+def policy_loss_from_config(cfg: Config) -> ConfiguredLoss:
+    """The composed policy loss of a (resolved or raw) config's ``loss`` section; the
+    aggregation's ``max_len`` defaults to ``rollout.max_new_tokens``."""
+    loss = resolve_loss(cfg.loss)
+    chosen = {}
+    for term in builtin_loss_terms():
+        if term.flat:
+            chosen[term.name] = term.options(**{f.name: loss[f.name] for f in dataclasses.fields(term.options)})
+        elif loss[term.name]["enabled"]:
+            chosen[term.name] = term.options(**{k: v for k, v in loss[term.name].items() if k != "enabled"})
+    for spec in loss["terms"]:
+        term = get_loss_term(spec["path"])
+        chosen[spec["path"]] = term.options(**{k: v for k, v in spec.items() if k != "path"})
+    if chosen["aggregation"].max_len is None:
+        chosen["aggregation"] = dataclasses.replace(chosen["aggregation"], max_len=cfg.rollout.max_new_tokens)
+    return ConfiguredLoss(PolicyLoss(chosen), needs_reference=loss["kl_coef"] > 0,
+                          rollout_correction=(loss["rollout_correction"], loss["rollout_cap"]))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from creditrl.utils.io import atomic_directory
 
@@ -112,8 +113,6 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def save_checkpoint(run_dir: str | Path, step: int, weights: dict, state: dict, keep_last: int) -> Path:
     """Write ``checkpoints/step_{step}/`` atomically; keep the newest ``keep_last``."""
-    from safetensors.torch import save_file
-
     folder = Path(run_dir) / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step_{step:06d}"
@@ -134,8 +133,6 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict, state: dict, 
 
 def load_latest(run_dir: str | Path) -> tuple[dict, dict]:
     """``(weights, state)`` of the newest complete checkpoint of ``run_dir``; a clear error when there is none."""
-    from safetensors.torch import load_file
-
     found = list_checkpoints(run_dir)
     if not found:
         raise FileNotFoundError(f"resume: no checkpoint in {str(Path(run_dir) / 'checkpoints')!r}; "

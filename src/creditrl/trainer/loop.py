@@ -28,10 +28,12 @@ from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import plot_run, write_summary
+from creditrl.runtime.models import tiny_cache_path, warm_start_info
 from creditrl.runtime.rollout import generate_rollouts
-from creditrl.runtime.setup import build_task, default_max_new_tokens, load_configured_policy, resolve_device
+from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_configured_policy, resolve_config,
+                                   resolve_device)
 from creditrl.trainer.rundir import RunLock, prepare_new_run
-from creditrl.trainer.update import Learner
+from creditrl.trainer.update import Learner, autocast
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
 CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
@@ -53,6 +55,27 @@ def set_determinism(cfg: Config) -> None:
     torch.manual_seed(cfg.train.seed)
 
 
+def reference_model(model, cfg: Config):
+    """A frozen copy of the starting policy for a KL term; None without one, and None for LoRA,
+    whose reference is the same model with its adapters disabled (no second copy)."""
+    if cfg.loss["kl_coef"] <= 0 or cfg.model.lora.enabled:
+        return None
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    return ref.to(torch.bfloat16) if cfg.train.precision != "fp32" else ref
+
+
+def precision_notes(model, cfg: Config) -> list[str]:
+    """Warnings about weights that train in low precision (an AdamW step below half a bf16 ulp —
+    ~0.4% of the weight — rounds back to the same value, so small updates vanish)."""
+    low = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if not low:
+        return []
+    return [f"warning: trainable weights are stored in {', '.join(low)} (model.dtype={cfg.model.dtype}): an "
+            f"update smaller than half the weight's rounding step (~0.4% of it in bf16) is rounded away, so at "
+            f"optim.lr={cfg.optim.lr} most weights may never change. Use model.dtype=float32 with "
+            f"train.precision=bf16 (float32 weights, bf16 compute) instead"]
+
+
 def run_name(cfg: Config) -> str:
     return cfg.train.run_name or f"{cfg.task.name}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -62,21 +85,21 @@ class Trainer:
     continues an interrupted run from its newest checkpoint."""
 
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
-        self.cfg = cfg
+        cfg = resolve_config(cfg)                 # every library-declared option checked before loading
         set_determinism(cfg)
         self.device = resolve_device(cfg.train.device)
         self.task = build_task(cfg)
         show = cfg.logging.progress if progress is None else progress
         self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
         if cfg.rollout.max_new_tokens is None:
-            cfg.rollout.max_new_tokens = default_max_new_tokens(self.task, self.tokenizer)
+            max_new = default_max_new_tokens(self.task, self.tokenizer)
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new))
+        self.cfg = cfg
         self.truncated_prompts = check_prompt_lengths(
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
             cfg.rollout.max_new_tokens)
-        ref = None
-        if cfg.loss.kl_coef > 0:  # frozen copy of the starting policy
-            ref = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.learner = Learner(self.model, cfg, ref_model=ref)
+        self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg))
+        self.notes = precision_notes(self.model, cfg)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.task_rng = random.Random(cfg.train.seed)
         self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
@@ -118,11 +141,12 @@ class Trainer:
     def evaluate(self) -> dict:
         c, r = self.cfg, self.cfg.rollout
         start = time.perf_counter()
-        result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=self.eval_samples,
-                          ks=self.pass_k, temperature=r.temperature, top_p=r.top_p,
-                          max_new_tokens=r.max_new_tokens, max_tool_tokens=r.max_tool_tokens,
-                          seed=c.train.seed + 1_000_003 * (self.step + 1), stop_strings=tuple(r.stop),
-                          keep_samples=c.logging.completions)
+        with autocast(self.model, c.train.precision):
+            result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=self.eval_samples,
+                              ks=self.pass_k, temperature=r.temperature, top_p=r.top_p,
+                              max_new_tokens=r.max_new_tokens, max_tool_tokens=r.max_tool_tokens,
+                              seed=c.train.seed + 1_000_003 * (self.step + 1), stop_strings=tuple(r.stop),
+                              keep_samples=c.logging.completions)
         return {"step": self.step, "tokens_total": self.tokens_total, **result,
                 "time_eval": time.perf_counter() - start}
 
@@ -131,18 +155,20 @@ class Trainer:
         r = self.cfg.rollout
         t0 = time.perf_counter()
         problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
-        batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
-                                  temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                  generator=self.generator, max_tool_tokens=r.max_tool_tokens,
-                                  stop_strings=tuple(r.stop))
+        with autocast(self.model, self.cfg.train.precision):
+            batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
+                                      temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                      generator=self.generator, max_tool_tokens=r.max_tool_tokens,
+                                      stop_strings=tuple(r.stop))
         t1 = time.perf_counter()
-        metrics = self.learner.update(batch, self.generator)
+        update = self.learner.update(batch, self.generator)
+        metrics = update.metrics
         t2 = time.perf_counter()
         self.step += 1
         self.tokens_total += batch.num_tokens
         metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics,
                    "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
-        return metrics, completion_records(batch, self.cfg.logging.completions)
+        return metrics, completion_records(batch, self.cfg.logging.completions, update.advantages)
 
     def clipped_warning(self, clipped_frac: float) -> str | None:
         """One warning when more than half the responses hit ``rollout.max_new_tokens`` for
@@ -177,6 +203,8 @@ class Trainer:
         logger = RunLogger(self.run_dir, tensorboard=c.logging.tensorboard, progress=self.progress,
                            total_steps=c.train.steps, start_step=self.step)
         started = time.perf_counter() - self.elapsed
+        for note in self.notes:
+            logger.message(note)
         if self.truncated_prompts:
             logger.message(f"note: {self.truncated_prompts} prompt(s) are longer than the model's context allows and "
                            f"keep only their last {self.task.max_prompt_tokens} tokens (task.options.truncate_prompts)")
@@ -220,7 +248,6 @@ class Trainer:
         if self.truncated_prompts:
             extra["truncated_prompts"] = self.truncated_prompts
         if c.model.name.startswith("builtin:"):
-            from creditrl.runtime.models import tiny_cache_path, warm_start_info
             info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
                                                    c.model.cache_dir)) or {}
             if info:

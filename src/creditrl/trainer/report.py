@@ -8,16 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import matplotlib
+import matplotlib.pyplot as plt
+
+matplotlib.use("Agg")
+
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
-                "power_proxy", "approx_kl", "clip_frac_high")
+                "power_proxy", "approx_kl", "clip_frac_high", "noise_scale")
+LOG_SCALE = ("noise_scale",)   # B_simple spans orders of magnitude
 
 
 def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path]:
     """plots/train.png (a panel per curve vs step) and plots/eval.png (held-out metrics vs step)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     folder = run_dir / "plots"
     folder.mkdir(exist_ok=True)
     written = []
@@ -30,7 +32,9 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
         steps = [m["step"] for m in metrics]
         for ax, key in zip(axes.flat, keys):
             ax.plot(steps, [m.get(key) if m.get(key) is not None else float("nan") for m in metrics])
-            ax.set_title(key)
+            ax.set_title("noise scale B_simple (groups)" if key == "noise_scale" else key)
+            if key in LOG_SCALE:
+                ax.set_yscale("log")
             ax.set_xlabel("step")
         for ax in list(axes.flat)[len(keys):]:
             ax.axis("off")

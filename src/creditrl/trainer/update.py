@@ -1,39 +1,151 @@
-"""One policy update on a rollout batch: old log-probs, advantages, μ epochs of clipped PG.
+"""One policy update on a rollout batch, as its named steps:
 
-    old  = token_stats(π_old)                   (no grad: logp, entropy, energy ŵ_t)
-    A    = compute_advantages(estimator, R, mask, group, energy, ρ̄)
+    old   = statistics(π_θ, batch)                logp, entropy, energy ŵ_t per response token
+    A     = advantages(estimator, batch, old)     compute_advantages with R, mask, group, ŵ, ρ̄
     for epoch in 1..μ, for each mini-batch:
-        for each micro-batch:                  (gradient accumulation)
-            loss_i = policy_loss(logp_θ, old.logp, A, mask, ...)   (clip-higher, KL, TIS/MIS, STAPO, GRPO-λ)
-            backward(loss_i · count_i)         count_i = agg_denominator of the micro-batch
-        grad /= Σ count_i                       = the mini-batch's gradient, exactly
-        AdamW step after grad-norm clipping
+        accumulate(micro-batches)               .grad = Σ_i count_i ∇loss_i / Σ_i count_i (exact)
+        optimizer_step()                        AdamW after grad-norm clipping; a non-finite loss
+                                                or gradient skips the step
+In the on-policy single pass (μ = 1, one mini-batch, no micro-batching) the loss's own forward
+gives the old statistics (detached), as verl and TRL do: no separate π_old forward.
 
-Only the response columns are scored: prompts are left-padded to a common width P, so the
-logits of the last R+1 positions (``logits_to_keep``) predict every response token and the
-prompt's logits are never computed. For a RolloutBatch (G rows per prompt) each prompt even
-runs once, its KV cache shared by its G rows, and rows are fed in buckets of similar length so
-right padding is mostly skipped (``shared_prompt_stats``: same values, ~1/3 less compute).
+Precision (``train.precision``): trainable weights stay float32; forward and backward run under
+bf16 autocast (or fp16 with loss scaling, CUDA only); ``token_stats`` upcasts one vocabulary
+chunk at a time, so no [B,T,V] float32 copy of the logits exists.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import warnings
-from dataclasses import asdict
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from creditrl.utils.validate import NonFiniteError
-from creditrl.config import Config, estimator_options
-from creditrl.runtime.rollout import RolloutBatch
-from creditrl.core.losses.diagnostics import masked_mean
+from creditrl.config import Config
+from creditrl.core.estimators import compute_advantages
+from creditrl.core.gradients.noise_scale import NoiseScale, half_batch_moments, simple_noise_scale
+from creditrl.core.losses import power_proxy
+from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
 from creditrl.core.token_stats import TokenStats
+from creditrl.runtime.rollout import RolloutBatch
 from creditrl.runtime.scoring import response_stats
+from creditrl.runtime.setup import estimator_from_config, policy_loss_from_config
+from creditrl.utils.validate import NonFiniteError
 
-TENSOR_FIELDS = ("input_ids", "attention_mask", "position_ids", "response_mask", "rollout_logp", "group")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A RolloutBatch's tensors on the learner's device; responses are the columns from P on.
+
+    tensors: model inputs [B, P+R] (input_ids, attention_mask, position_ids, response_mask) and
+    ``group`` [B]; mask [B,R] float (trained-on tokens); rollout_logp [B,R]; rewards [B]."""
+    tensors: dict[str, Tensor]
+    mask: Tensor
+    rollout_logp: Tensor
+    rewards: Tensor
+    prompt_len: int
+
+    @classmethod
+    def from_rollout(cls, batch: RolloutBatch, device: torch.device) -> "Batch":
+        names = ("input_ids", "attention_mask", "position_ids", "response_mask", "group")
+        tensors = {k: getattr(batch, k).to(device) for k in names}
+        p = batch.prompt_len
+        return cls(tensors, tensors["response_mask"][:, p:], batch.rollout_logp[:, p:].to(device),
+                   batch.rewards.to(device), p)
+
+    @property
+    def size(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def group(self) -> Tensor:
+        return self.tensors["group"]
+
+
+@dataclass(frozen=True)
+class Update:
+    """One update's result: metrics (floats) and the advantages [B,R] it trained on."""
+    metrics: dict[str, float]
+    advantages: Tensor
+
+
+@contextlib.contextmanager
+def autocast(model, precision: str):
+    """bf16/fp16 autocast on the model's device for ``precision`` bf16/fp16; nothing for fp32."""
+    if precision not in AUTOCAST_DTYPES:
+        yield
+        return
+    with torch.autocast(next(model.parameters()).device.type, dtype=AUTOCAST_DTYPES[precision]):
+        yield
+
+
+def statistics(model, batch: Batch, rows: Tensor | None, cfg: Config) -> TokenStats:
+    """TokenStats [n, R] of ``rows`` (all when None) under ``train.precision``; each group's prompt
+    runs once (``shared_prompt_stats``). Differentiable unless called under no_grad."""
+    t = batch.tensors if rows is None else {k: v[rows] for k, v in batch.tensors.items()}
+    with autocast(model, cfg.train.precision):
+        return response_stats(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"],
+                              batch.prompt_len, temperature=cfg.rollout.temperature,
+                              chunk_size=cfg.train.chunk_size, group=t["group"])
+
+
+def statistics_no_grad(model, batch: Batch, cfg: Config) -> TokenStats:
+    """Detached TokenStats of every row, ``optim.micro_batch_size`` rows per forward."""
+    chunks = torch.arange(batch.size, device=batch.mask.device).split(cfg.optim.micro_batch_size or batch.size)
+    with torch.no_grad():
+        return TokenStats.cat([statistics(model, batch, rows, cfg) for rows in chunks]).detach()
+
+
+def advantages(estimator: str, options: dict, needs_energy: bool, batch: Batch, old: TokenStats,
+               correction: tuple[str | None, float]) -> Tensor:
+    """[B,R] float32 advantages of ``estimator`` from the rewards, the groups and (OTB/OGB) the
+    energies ŵ_t of π_old, times ρ̄_t² = min(π_old/π_rollout, cap)² under a rollout correction
+    (OTB App. D, eq. 58-60). ``correction``: (mode or None, cap)."""
+    mode, cap = correction
+    with torch.no_grad():
+        is_weights = None
+        if mode is not None and needs_energy:
+            is_weights = torch.exp(old.logp - batch.rollout_logp).clamp(max=cap) * batch.mask
+        return compute_advantages(estimator, rewards=batch.rewards, mask=batch.mask, group=batch.group,
+                                  energy=old.energy if needs_energy else None, is_weights=is_weights,
+                                  **options).float()
+
+
+def micro_batches(rows: Tensor, micro: int, halves: int | None) -> list[Tensor]:
+    """``rows`` in order, cut into micro-batches of at most ``micro`` rows; with ``halves`` (the
+    row where the second half of the groups starts) no micro-batch crosses that row."""
+    if halves is None:
+        return list(rows.split(micro))
+    return [*rows[:halves].split(micro), *rows[halves:].split(micro)]
+
+
+def half_point(group: Tensor) -> int | None:
+    """The first row of the second half of the groups (rows are grouped contiguously), or None
+    with fewer than 2 groups."""
+    starts = torch.nonzero(torch.diff(group, prepend=group[:1] - 1)).flatten()
+    return None if starts.numel() < 2 else int(starts[starts.numel() // 2])
+
+
+def optimizer_step(optimizer, params: list[Tensor], max_grad_norm: float, finite: bool,
+                   scaler=None) -> tuple[float, bool]:
+    """Clip and step; a non-finite loss or gradient never reaches the weights. Returns (gradient
+    norm before clipping, whether the step was skipped)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    ok = finite and bool(torch.isfinite(grad_norm))
+    if scaler is not None:
+        if ok:
+            scaler.step(optimizer)
+        scaler.update()
+    elif ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), not ok
 
 
 def lr_lambda(cfg: Config):
@@ -58,146 +170,124 @@ def masked_mean_std(x: Tensor, mask: Tensor) -> tuple[float, float]:
     return float(mean), float(masked_mean((x - mean).square(), keep).sqrt())
 
 
+def batch_metrics(rollout: RolloutBatch, batch: Batch, old: TokenStats, adv: Tensor) -> dict[str, float]:
+    """What the step sampled: rewards, accuracy, lengths, entropy, advantages, power proxy."""
+    mask = batch.mask
+    adv_mean, adv_std = masked_mean_std(adv, mask)
+    invalid = rollout.reward_invalid
+    return dict(reward_mean=float(rollout.rewards.mean()), reward_std=float(rollout.rewards.std(unbiased=False)),
+                accuracy=float(rollout.correct.float().mean()), response_len=float(mask.sum(-1).float().mean()),
+                clipped_frac=float(1.0 - rollout.stopped.float().mean()),
+                reward_invalid_frac=0.0 if invalid is None else float(invalid.float().mean()),
+                entropy=masked_mean_std(old.entropy, mask)[0], adv_mean=adv_mean, adv_std=adv_std,
+                power_proxy=power_proxy(adv, old.energy, mask))
+
+
 class Learner:
-    """Owns the policy's optimizer and schedule (and the frozen reference when kl_coef > 0)."""
+    """Owns the optimizer and schedule, the loss, and the reference policy of a KL term: a frozen
+    model, or (LoRA) the policy itself with its adapters disabled — no second copy."""
 
     def __init__(self, model, cfg: Config, *, ref_model=None):
         self.model, self.ref_model, self.cfg = model, ref_model, cfg
-        self.device = next(model.parameters()).device
-        params = [p for p in model.parameters() if p.requires_grad]
-        # fused AdamW (one kernel over all parameters; what TRL/HF Trainer default to as well)
-        fused = {"fused": True} if self.device.type in ("cpu", "cuda") else {}
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        fused = {"fused": True} if self.params[0].device.type in ("cpu", "cuda") else {}
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, **fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.estimator_options = estimator_options(cfg)
-        from creditrl.core.estimators.registry import get_estimator
-        self.needs_energy = get_estimator(cfg.algorithm.estimator).needs_energy
-        self.loss_options = self._loss_options()
+        self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
+        self.estimator, self.estimator_options, self.needs_energy = estimator_from_config(cfg)
+        self.loss = policy_loss_from_config(cfg)
+        self.noise = NoiseScale() if cfg.logging.grad_noise_scale else None
 
-    def _loss_options(self) -> dict:
-        from creditrl.core.losses import StapoOptions, TraceOptions
+    def reference_logp(self, batch: Batch) -> Tensor | None:
+        """log π_ref [B,R] for the KL term (None without one)."""
+        if not self.loss.needs_reference:
+            return None
+        if self.ref_model is not None:
+            return statistics_no_grad(self.ref_model, batch, self.cfg).logp
+        with self.model.disable_adapter():
+            return statistics_no_grad(self.model, batch, self.cfg).logp
 
-        loss = self.cfg.loss
+    def old_statistics(self, batch: Batch, chunks: list[Tensor], fused: bool) -> tuple[TokenStats, list]:
+        """π_old's statistics (detached) and, in the fused single pass, each chunk's statistics
+        with grad (reused by the loss); otherwise one no-grad pass and no reusable chunks."""
+        if not fused:
+            return statistics_no_grad(self.model, batch, self.cfg), [None] * len(chunks)
+        live = [statistics(self.model, batch, rows if len(chunks) > 1 else None, self.cfg) for rows in chunks]
+        return TokenStats.cat(live).detach(), live
 
-        def options(section, cls):
-            fields = {k: v for k, v in asdict(section).items() if k != "enabled"}
-            return cls(**fields) if section.enabled else None
-
-        return dict(clip_low=loss.clip_low, clip_high=loss.clip_high, clip_c=loss.clip_c, agg=loss.agg,
-                    max_len=loss.max_len or self.cfg.rollout.max_new_tokens, kl_coef=loss.kl_coef,
-                    kl_estimator=loss.kl_estimator, rollout_correction=loss.rollout_correction,
-                    rollout_cap=loss.rollout_cap, stapo=options(loss.stapo, StapoOptions),
-                    trace=options(loss.trace, TraceOptions))
-
-    def autocast(self):
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def stats(self, model, t: dict, prompt_len: int):
-        with self.autocast():
-            return response_stats(model, t["input_ids"], t["attention_mask"], t["position_ids"],
-                                  t["response_mask"], prompt_len, temperature=self.cfg.rollout.temperature,
-                                  chunk_size=self.cfg.train.chunk_size, group=t["group"])
-
-    def no_grad_stats(self, model, t: dict, prompt_len: int) -> TokenStats:
-        """TokenStats of every row without grad, ``optim.micro_batch_size`` rows at a time
-        (bounded memory; the whole batch in one forward when it is unset)."""
-        size = t["input_ids"].shape[0]
-        with torch.no_grad():
-            parts = [self.stats(model, {k: v[rows] for k, v in t.items()}, prompt_len)
-                     for rows in torch.arange(size, device=self.device).split(self.cfg.optim.micro_batch_size or size)]
-        return TokenStats(**{f.name: torch.cat([getattr(x, f.name) for x in parts])
-                             for f in dataclasses.fields(TokenStats)})
-
-    def update(self, batch: RolloutBatch, generator: torch.Generator) -> dict:
-        """One train step on ``batch``; returns the step's metrics (floats) and stores the
-        advantages [B,L] on ``batch.advantages``."""
-        from creditrl import compute_advantages, policy_loss, power_proxy
-        from creditrl.core.losses.diagnostics import adam_moment_variance
-
-        cfg, p = self.cfg, batch.prompt_len
-        t = {k: getattr(batch, k).to(self.device) for k in TENSOR_FIELDS}  # "group" lets prompts be shared
-        mask = t["response_mask"][:, p:]
-        rollout_logp = t["rollout_logp"][:, p:]
-        rewards, group = batch.rewards.to(self.device), batch.group.to(self.device)
-
-        size = batch.input_ids.shape[0]
-        mb = min(cfg.optim.minibatch_size or size, size)
+    def update(self, rollout: RolloutBatch, generator: torch.Generator) -> Update:
+        """One train step on ``rollout`` (module docstring); returns the metrics and advantages."""
+        cfg, batch = self.cfg, Batch.from_rollout(rollout, self.params[0].device)
+        mb = min(cfg.optim.minibatch_size or batch.size, batch.size)
         micro = min(cfg.optim.micro_batch_size or mb, mb)
-        # On-policy single pass (μ = 1, one mini-batch, one micro-batch): π_old is the current
-        # policy, so one forward with grad serves both the old stats (detached) and the loss.
-        fused = cfg.optim.epochs == 1 and micro >= size
+        single_pass = cfg.optim.epochs == 1 and mb == batch.size
+        halves = half_point(batch.group) if self.noise is not None and single_pass else None
+        first = micro_batches(torch.arange(batch.size, device=batch.mask.device), micro, halves)
         self.model.train()
-        first = self.stats(self.model, t, p) if fused else self.no_grad_stats(self.model, t, p)
-        old_logp, entropy, energy = (x.detach().float() for x in (first.logp, first.entropy, first.energy))
-        ref_logp = None if self.ref_model is None else self.no_grad_stats(self.ref_model, t, p).logp.float()
-        with torch.no_grad():
-            is_weights = None
-            if cfg.loss.rollout_correction is not None:
-                is_weights = torch.exp(old_logp - rollout_logp).clamp(max=cfg.loss.rollout_cap) * mask
-            advantages = compute_advantages(
-                cfg.algorithm.estimator, rewards=rewards, mask=mask, group=group,
-                energy=energy if self.needs_energy else None, is_weights=is_weights, **self.estimator_options)
-            advantages = advantages.float()
-
-        params = [q for q in self.model.parameters() if q.requires_grad]
-        sums: dict[str, float] = {}
-        n_updates = skipped = 0
+        old, live = self.old_statistics(batch, first, fused=single_pass and micro == batch.size)
+        adv = advantages(self.estimator, self.estimator_options, self.needs_energy, batch, old,
+                         self.loss.rollout_correction)
+        ref_logp = self.reference_logp(batch)
+        sums, steps, skipped = {}, 0, 0
         for _ in range(cfg.optim.epochs):
-            order = (torch.arange(size) if fused else torch.randperm(size, generator=generator)).to(self.device)
-            for rows in order.split(mb):
-                self.optimizer.zero_grad(set_to_none=True)
-                parts = rows.split(micro)
-                weighted: dict[str, float] = {}
-                total = 0.0
-                try:
-                    for micro_rows in parts:
-                        new = first if fused else self.stats(self.model, {k: v[micro_rows] for k, v in t.items()}, p)
-                        loss, metrics = policy_loss(
-                            new.logp.float(), old_logp[micro_rows], advantages[micro_rows], mask[micro_rows],
-                            ref_logp=None if ref_logp is None else ref_logp[micro_rows],
-                            rollout_logp=rollout_logp[micro_rows], entropy=new.entropy.float(), **self.loss_options)
-                        count = metrics["agg_count"] if len(parts) > 1 else 1.0
-                        (loss * count if len(parts) > 1 else loss).backward()
-                        metrics["loss"] = float(loss.detach())
-                        for k, v in metrics.items():
-                            weighted[k] = weighted.get(k, 0.0) + float(v) * max(count, 1e-12)
-                        total += max(count, 1e-12)
-                except NonFiniteError:                # NaN/inf log-probs, advantages or loss: skip
-                    weighted, total = {"loss": math.nan}, 1.0
-                if len(parts) > 1 and total > 0:
-                    for q in params:                  # Σ_i count_i ∇loss_i / Σ_i count_i
-                        if q.grad is not None:
-                            q.grad.div_(total)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-                if torch.isfinite(grad_norm) and all(math.isfinite(v) for v in weighted.values()):
-                    self.optimizer.step()
-                else:                                 # a non-finite loss/gradient never reaches the weights
-                    self.optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
-                metrics = {k: v / total for k, v in weighted.items()}
-                metrics.update(grad_norm=float(grad_norm))
-                for k, v in metrics.items():
+            order = torch.arange(batch.size) if single_pass else torch.randperm(batch.size, generator=generator)
+            for rows in order.to(batch.mask.device).split(mb):
+                chunks = first if single_pass else micro_batches(rows, micro, None)
+                metrics = self.accumulate(batch, chunks, live if single_pass else [None] * len(chunks),
+                                          old, adv, ref_logp, halves)
+                grad_norm, skip = optimizer_step(self.optimizer, self.params, cfg.optim.max_grad_norm,
+                                                 all(math.isfinite(v) for v in metrics.values()), self.scaler)
+                for k, v in {**metrics, "grad_norm": grad_norm}.items():
                     sums[k] = sums.get(k, 0.0) + v
-                n_updates += 1
+                steps, skipped = steps + 1, skipped + skip
         lr = self.optimizer.param_groups[0]["lr"]
         with warnings.catch_warnings():        # a skipped update is not the misuse torch warns about
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
             self.scheduler.step()
+        out = {k: v / steps for k, v in sums.items()}
+        out.update(batch_metrics(rollout, batch, old, adv), skipped_updates=skipped, lr=lr,
+                   adam_variance=adam_moment_variance(self.optimizer), **(self.noise.metrics() if self.noise else {}))
+        return Update(out, adv)
 
-        out = {k: v / n_updates for k, v in sums.items()}
-        out.pop("agg_count", None)
-        adv_mean, adv_std = masked_mean_std(advantages, mask)
-        lengths = mask.sum(-1)
-        batch.advantages = torch.nn.functional.pad(advantages.cpu(), (p, 0))
-        out.update(
-            reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
-            accuracy=float(batch.correct.float().mean()), response_len=float(lengths.float().mean()),
-            clipped_frac=float(1.0 - batch.stopped.float().mean()), skipped_updates=skipped,
-            reward_invalid_frac=0.0 if batch.reward_invalid is None else float(batch.reward_invalid.float().mean()),
-            entropy=masked_mean_std(entropy, mask)[0], adv_mean=adv_mean, adv_std=adv_std,
-            power_proxy=power_proxy(advantages, energy, mask), adam_variance=adam_moment_variance(self.optimizer),
-            lr=lr)
-        return out
+    def accumulate(self, batch: Batch, chunks: list[Tensor], live: list, old: TokenStats, adv: Tensor,
+                   ref_logp: Tensor | None, halves: int | None) -> dict[str, float]:
+        """``.grad`` = Σ_i count_i ∇loss_i / Σ_i count_i over the micro-batches ``chunks`` (count_i
+        their aggregation counts): the mini-batch's exact gradient. ``live``: each chunk's
+        statistics with grad when the old-statistics forward already made them. With ``halves``
+        (the first row of the second half of the groups, a chunk boundary) the two halves'
+        gradients also feed the noise scale. Returns the count-weighted loss metrics."""
+        weighted, total, first_half = {}, 0.0, None
+        for rows, stats in zip(chunks, live):
+            stats = stats if stats is not None else statistics(self.model, batch, rows, self.cfg)
+            try:
+                loss, metrics = self.loss(stats.logp.float(), old.logp[rows], adv[rows], batch.mask[rows],
+                                          ref_logp=None if ref_logp is None else ref_logp[rows],
+                                          rollout_logp=batch.rollout_logp[rows], entropy=stats.entropy.float())
+            except NonFiniteError:               # NaN/inf log-probs or advantages: skip this step
+                return {"loss": math.nan}
+            count = max(metrics.pop("agg_count"), 1e-12) if len(chunks) > 1 else 1.0
+            scaled = loss * count
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            for k, v in {**metrics, "loss": float(loss.detach())}.items():
+                weighted[k] = weighted.get(k, 0.0) + v * count
+            total += count
+            if halves is not None and int(rows[-1]) + 1 == halves:
+                first_half = ([None if p.grad is None else p.grad.detach().clone() for p in self.params], total)
+        if first_half is not None:
+            self.observe_noise(*first_half, total, int(batch.group.unique().numel()))
+        if len(chunks) > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(total)
+        return {k: v / total for k, v in weighted.items()}
+
+    def observe_noise(self, first: list, count_a: float, total: float, groups: int) -> None:
+        """Feed the noise scale with the two halves' mean gradients g_A = S_A/c_A and
+        g_B = (S − S_A)/c_B, S the accumulated Σ count_i ∇loss_i (loss-scaled under fp16)."""
+        scale = self.scaler.get_scale() if self.scaler is not None else 1.0
+        count_b = total - count_a
+        grads_a = (None if s is None else s / (count_a * scale) for s in first)
+        grads_b = (None if p.grad is None else (p.grad - (0 if s is None else s)) / (count_b * scale)
+                   for p, s in zip(self.params, first))
+        self.noise.update(*simple_noise_scale(*half_batch_moments(grads_a, grads_b), groups))

@@ -8,6 +8,8 @@ every estimator here gives it 0, except ``reinforce``. Group statistics run in f
 from __future__ import annotations
 
 
+from typing import Annotated
+
 import torch
 from torch import Tensor
 
@@ -65,7 +67,8 @@ def dr_grpo(batch: AdvantageBatch) -> Tensor:
 
 
 @register_estimator("grpo")
-def grpo(batch: AdvantageBatch, *, eps: float = 1e-6) -> Tensor:
+def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the group std before dividing (> 0)"] = 1e-6
+         ) -> Tensor:
     """GRPO (Shao et al. 2024): A = (R - mean_g R) / (std_g R + eps), std with N-1, [B].
 
     All-equal rewards give 0 (0 / eps); singletons give 0. ``eps`` must be > 0.

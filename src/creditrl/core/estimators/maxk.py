@@ -17,6 +17,7 @@ invariant), so the global prefix sums never cancel large offsets.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
@@ -27,6 +28,12 @@ from creditrl.core.estimators.registry import AdvantageBatch, register_estimator
 from creditrl.core.groups import GroupIndex
 
 __all__ = ["MaxKStats", "maxk_quantities", "pass_at_k", "max_at_k", "binom_ratio"]
+
+
+# Option declarations (name, type, help) shared by the max@K estimators' signatures
+K = Annotated[int, "K of max@K / pass@K: attempts scored by their best (1 <= K <= N; maxpo needs K < N)"]
+Normalize = Annotated[Literal["none", "std"], "std: divide by the group's reward std (N-1) + eps"]
+Eps = Annotated[float, "added to the group std before dividing (> 0)"]
 
 
 def _log_binom(n: Tensor, k: Tensor) -> Tensor:
@@ -223,7 +230,7 @@ def _finish(adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: fl
 
 
 @register_estimator("maxpo")
-def maxpo(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float = 1e-6) -> Tensor:
+def maxpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps = 1e-6) -> Tensor:
     """MaxPO: A_i = EI_i - b_i^{L2O} = mu_i - nu_i, exactly centred per group, [B].
 
     1 <= K <= N-1 per group. ``normalize="std"`` divides by the group's reward std (N-1) + eps
@@ -234,7 +241,7 @@ def maxpo(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float 
 
 
 @register_estimator("ei")
-def ei(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float = 1e-6) -> Tensor:
+def ei(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps = 1e-6) -> Tensor:
     """MaxPO's "EI-only" estimator (MaxPO §3.2, App. C): A_i = EI_i, raw, [B].
 
     Unbiased for the max@K gradient at the same scale as ``maxpo`` (which subtracts the L2O
@@ -246,7 +253,7 @@ def ei(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float = 1
 
 
 @register_estimator("pkpo")
-def pkpo(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float = 1e-6) -> Tensor:
+def pkpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps = 1e-6) -> Tensor:
     """PKPO ``sloo_minus_one`` (Walder & Karkhanis 2025): (K/N) EI_i = max@K - max@(K-1), [B].
 
     Non-negative (not centred). 2 <= K <= N. ``normalize="std"`` as in ``maxpo``. Singletons: 0.
@@ -257,7 +264,7 @@ def pkpo(batch: AdvantageBatch, *, k: int, normalize: str = "none", eps: float =
 
 
 @register_estimator("maxk_bon")
-def maxk_bon(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
+def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Bagirov et al. 2025 "BoN mean": z-score within the group of PKPO's s_i = (K/N) mu_i,
     std with N-1 plus eps as in ``grpo`` (MaxPO App. F.6 eq. 103). 1 <= K <= N. Singletons: 0."""
     check_k_range("maxk_bon", batch.groups, _check_k("k", k), 1, 0)
@@ -269,7 +276,7 @@ def maxk_bon(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
 
 
 @register_estimator("passk_chen")
-def passk_chen(batch: AdvantageBatch, *, k: int, eps: float = 1e-6) -> Tensor:
+def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Chen et al. 2025 analytic pass@K advantage for binary rewards (MaxPO App. F.5 eq. 97):
 
         rho = 1 - C(N-c,K)/C(N,K),  sigma = sqrt(rho (1 - rho))

@@ -8,8 +8,6 @@ so estimators contain only their formula. Third parties add one with ``@register
 """
 from __future__ import annotations
 
-import inspect
-
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Protocol
@@ -19,6 +17,8 @@ from torch import Tensor
 
 from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
+from creditrl.utils.imports import is_import_path, load_object
+from creditrl.utils.options import OptionSpec, options_of
 
 
 @dataclass(frozen=True)
@@ -115,16 +115,21 @@ class EstimatorSpec:
     masked_output: bool = False  # a [B,T] result is already finite and exactly 0 where mask == 0
 
     @property
-    def options(self) -> dict[str, object] | None:
-        """The options this estimator takes, declared once by ``fn``'s parameters after the
-        batch: name -> default (``inspect.Parameter.empty`` = required), plus ``gamma`` (the
-        returns-to-go discount every estimator accepts). None when ``fn`` takes ``**options``."""
-        params = list(inspect.signature(self.fn).parameters.values())[1:]
-        if any(p.kind is p.VAR_KEYWORD for p in params):
-            return None
-        named = {p.name: p.default for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-        return {"gamma": 1.0, **named}
+    def option_specs(self) -> list[OptionSpec] | None:
+        """The options this estimator takes, declared once by ``fn``'s keyword parameters after
+        the batch (help from ``Annotated[type, "help"]``), plus ``gamma`` (the returns-to-go
+        discount every estimator accepts). None when ``fn`` takes ``**options``."""
+        specs = options_of(self.fn, skip=1)
+        return None if specs is None else [GAMMA, *specs]
 
+    @property
+    def options(self) -> dict[str, object] | None:
+        """``option_specs`` as name -> default (``inspect.Parameter.empty`` = required)."""
+        specs = self.option_specs
+        return None if specs is None else {s.name: s.default for s in specs}
+
+
+GAMMA = OptionSpec("gamma", float, 1.0, "Discount of the returns-to-go over valid tokens (token-level rewards).")
 
 _REGISTRY: dict[str, EstimatorSpec] = {}
 
@@ -158,7 +163,16 @@ def list_estimators() -> list[str]:
 
 
 def get_estimator(name: str) -> EstimatorSpec:
-    try:
+    """The spec of a registered estimator, by name or by the import path ``"pkg.module:function"``
+    of a function registered with ``register_estimator`` (importing the module registers it)."""
+    if name in _REGISTRY:
         return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"name: unknown advantage estimator {name!r}; valid names are {list_estimators()}") from None
+    if is_import_path(name):
+        fn = load_object(name, what="estimator")
+        for spec in _REGISTRY.values():
+            if spec.fn is fn:
+                return spec
+        raise ValueError(f"estimator {name!r}: {fn!r} is not a registered estimator; decorate it with "
+                         f"@creditrl.register_estimator('my_name') so its options and needs are declared")
+    raise ValueError(f"name: unknown advantage estimator {name!r}; valid names are {list_estimators()} "
+                     f"or an import path 'package.module:function'")

@@ -19,39 +19,24 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from creditrl.config import DTYPES, LoraSettings, TinyModelConfig, WarmStartConfig
 from creditrl.utils.io import atomic_directory
 from creditrl.runtime.models.pretrained import SMOLLM2, smollm2_dir
-from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
-from creditrl.runtime.models.warm_start import WarmStartConfig, WarmStartResult, warm_start
+from creditrl.runtime.models.tiny import char_tokenizer, tiny_model
+from creditrl.runtime.models.warm_start import WarmStartResult, warm_start
 
 BUILTINS = ("builtin:tiny", SMOLLM2)
-DTYPES = ("float32", "bfloat16")
 CACHE_VERSION = 3  # bump when the warm-start recipe changes so old entries are not reused
 META_FILE = "warm_start.json"
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA adapters (peft ``LoraConfig``): only the adapters are trained and checkpointed."""
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: list[str] | None = None  # None = peft's default for the architecture
-
-    def __post_init__(self):
-        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
-            raise ValueError(f"r: expected a positive int, got {self.r!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"alpha: expected a value > 0, got {self.alpha!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout: expected a value in [0, 1), got {self.dropout!r}")
 
 
 @contextmanager
 def _hf_progress(enabled: bool):
     """Silence transformers' save/load progress bars unless ``progress`` was asked for."""
-    from transformers.utils import logging as hf_logging
-
     before = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
     try:
@@ -126,9 +111,6 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
     weights' dtype; ``lora`` wraps the model in peft adapters (the base is frozen); a
     directory holding ``adapter_config.json`` (a LoRA run's ``final/``) loads its base model
     and then the adapters, trainable again when ``lora`` is given."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"model: expected one of {list(BUILTINS)} or a local model directory, got {spec!r}")
     if dtype not in DTYPES:

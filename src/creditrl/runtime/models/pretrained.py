@@ -17,6 +17,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from creditrl.utils.io import atomic_directory
 
 SMOLLM2 = "builtin:smollm2-135m"
@@ -47,8 +49,6 @@ def smollm2_dir(cache_root: Path, progress: bool = False) -> Path:
     path = cache_root / f"smollm2-135m-instruct-v{CONVERSION_VERSION}"
     if (path / META_FILE).is_file():
         return path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if progress:
         print(f"{SMOLLM2}: converting {source.name} to a Hugging Face directory (once) -> {path}")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)

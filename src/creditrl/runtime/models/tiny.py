@@ -8,34 +8,14 @@ the left, as generation needs. The encoder adds no special tokens, so
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from creditrl.config import TinyModelConfig
+
 PAD, BOS, EOS, UNK = "<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-
-
-@dataclass(frozen=True)
-class TinyModelConfig:
-    """Llama shape of ``builtin:tiny``; the defaults give ~1.05M parameters."""
-    hidden_size: int = 128
-    num_layers: int = 4
-    num_heads: int = 4
-    intermediate_size: int = 512
-    max_position_embeddings: int = 256
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-
-    def __post_init__(self):
-        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"num_heads: expected a divisor of hidden_size={self.hidden_size}, got {self.num_heads}")
 
 
 def char_tokenizer(alphabet: str, model_max_length: int = 256) -> PreTrainedTokenizerFast:

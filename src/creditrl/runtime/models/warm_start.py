@@ -11,35 +11,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
+from creditrl.config import WarmStartConfig
+from creditrl.runtime.sampling import decode_responses, generate
+from creditrl.tasks.chat import render_task_prompts
 from creditrl.utils.threads import torch_threads
 from creditrl.tasks.base import Problem
-
-
-@dataclass(frozen=True)
-class WarmStartConfig:
-    target_accuracy: float = 0.4   # stop once sampled held-out accuracy reaches this
-    max_steps: int = 2000
-    batch_size: int = 64
-    lr: float = 2e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    eval_every: int = 25
-    eval_size: int = 128           # held-out problems per accuracy check
-    seed: int = 0                  # data stream and sampling (model init uses load_policy's seed)
-    num_threads: int = 1           # torch CPU threads while warm-starting; 0 keeps torch's setting
-
-    def __post_init__(self):
-        if not 0.0 <= self.target_accuracy <= 1.0:
-            raise ValueError(f"target_accuracy: expected a value in [0, 1], got {self.target_accuracy!r}")
-        for name in ("max_steps", "batch_size", "eval_every", "eval_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if not isinstance(self.num_threads, int) or self.num_threads < 0:
-            raise ValueError(f"num_threads: expected an int >= 0, got {self.num_threads!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: expected a value > 0, got {self.lr!r}")
 
 
 @dataclass
@@ -85,8 +63,6 @@ def sampled_accuracy(model, tokenizer, task, problems: list[Problem], *, max_new
                      temperature: float = 1.0, seed: int = 0) -> float:
     """Mean reward of one sampled response per problem, decoded by the trainer's own sampler
     (``creditrl.runtime.sampling.generate``: same stopping and tool protocol as RL rollouts)."""
-    from creditrl.runtime.sampling import decode_responses, generate
-    from creditrl.tasks.chat import render_task_prompts
 
     was_training = model.training
     model.eval()
@@ -114,7 +90,6 @@ def warm_start(model, tokenizer, task, cfg: WarmStartConfig = WarmStartConfig(),
     One CPU thread by default: a ~1M-parameter model's matmuls are too small to gain from
     intra-op threads, and on a busy 2-core machine 2 threads measured ~9x slower than 1.
     """
-    from tqdm.auto import tqdm
 
     rng = random.Random(f"creditrl-warm-start-{cfg.seed}")
     held_out = held_out_problems(task, cfg)

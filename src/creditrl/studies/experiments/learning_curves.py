@@ -46,7 +46,7 @@ STUDIES = {
     "grpo-lambda": {"task": "multiplication", "warm_start": ["model.warm_start.target_accuracy=0.2"],
                     "overrides": ["algorithm.estimator=grpo", "rollout.group_size=8", "loss.kl_coef=0.04"],
                     "runs": {"grpo": [], "grpo-lambda": TRACE}},
-    "maxk": {"task": "countdown", "overrides": ["rollout.group_size=8", "algorithm.k=4"],
+    "maxk": {"task": "countdown", "overrides": ["rollout.group_size=8", "algorithm.options.k=4"],
              # the default warm start (40% sampled accuracy) did not finish in 15 min on countdown here
              "warm_start": ["model.warm_start.target_accuracy=0.15", "model.warm_start.max_steps=600"],
              "runs": {"maxpo": ["algorithm.estimator=maxpo"], "ei": ["algorithm.estimator=ei"]}},
