@@ -54,7 +54,7 @@ def test_saved_config_round_trips(tmp_path):
     ("rollout.top_p=0", "rollout.top_p: expected a value in (0, 1]"),
     ("optim.lr=-1", "optim.lr: expected a value > 0"),
     ("loss.clip_c=0.5", "loss.clip_c: expected a dual-clip constant > 1"),
-    ("loss.stapo.pool=all", "loss.stapo: pool: unknown value 'all'"),
+    ("loss.stapo.pool=all", "loss.stapo.pool: unknown value 'all'; valid values are ['valid', 'candidates']"),
     ("loss.trace.lam=2", "loss.trace: lam: expected a value in [0, 1]"),
     ("model.tiny.num_heads=3", "model.tiny: num_heads: expected a divisor of hidden_size"),
     ("train.pass_k=[1,16]", "train.pass_k: each k must be in [1, train.eval_samples=8], got 16"),
