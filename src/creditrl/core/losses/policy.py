@@ -231,7 +231,8 @@ def _finish(state: LossState, inputs: dict[str, Tensor | None]) -> tuple[Tensor,
     with torch.no_grad():
         metrics = dict(state.metrics, kept_frac=state.keep.sum() / state.n_valid)
         values = list(metrics.values()) + [state.loss.detach()]
-        floats = torch.stack([v.to(torch.float64).reshape(()) for v in values]).tolist()
+        floats = torch.stack([torch.as_tensor(v, device=state.valid.device).to(torch.float64).reshape(())
+                              for v in values]).tolist()
     result = dict(zip(metrics, floats[:-1]))
     if not all(math.isfinite(v) for v in floats):
         _explain_non_finite(inputs, state.valid, result)

@@ -41,24 +41,25 @@ class RolloutCorrectionOptions:
 
 @register_loss_term("rollout_correction", options=RolloutCorrectionOptions, stage="keep", flat=True,
                     needs=("rollout_logp",), when=lambda options: options.rollout_correction is not None)
-@torch.no_grad()
 def rollout_correction(state: LossState, options: RolloutCorrectionOptions) -> LossState:
     """Rollout correction ρ = π_old/π_rollout: TIS weight min(ρ, cap) or MIS drop, per token or sequence."""
     if state.rollout_logp is None:
         return state
-    log_rho = state.old_logp - state.rollout_logp                 # 0 off the mask
-    row_log_rho = log_rho.sum(dim=1) / state.row_tokens.clamp(min=1)
-    metrics = {"ppl_gap": ppl_gap_of_rows(row_log_rho, state.row_tokens > 0),            # OTB eq. 68
-               "mismatch_kl": kl_estimate(log_rho, "k3").sum() / state.n_valid}
-    mode = options.rollout_correction
-    if mode in ("seq-tis", "seq-mis"):
-        log_rho = row_log_rho[:, None]
-    log_rho = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    with torch.no_grad():                                         # ρ is data
+        log_rho = state.old_logp - state.rollout_logp             # 0 off the mask
+        row_log_rho = log_rho.sum(dim=1) / state.row_tokens.clamp(min=1)
+        metrics = {"ppl_gap": ppl_gap_of_rows(row_log_rho, state.row_tokens > 0),           # OTB eq. 68
+                   "mismatch_kl": kl_estimate(log_rho, "k3").sum() / state.n_valid}
+        mode = options.rollout_correction
+        if mode in ("seq-tis", "seq-mis"):
+            log_rho = row_log_rho[:, None]
+        log_rho = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        if mode in ("mis", "seq-mis"):
+            dropped = log_rho.abs() > math.log(options.rollout_cap)
+            weight = state.valid if dropped.shape[1] > 1 else state.row_tokens[:, None]
+            metrics["is_masked_frac"] = (dropped * weight).sum() / state.n_valid
     if mode in ("tis", "seq-tis"):
         state = state.scaled(log_rho.exp().clamp_(max=options.rollout_cap))
     elif mode in ("mis", "seq-mis"):
-        dropped = log_rho.abs() > math.log(options.rollout_cap)
-        weight = state.valid if dropped.shape[1] > 1 else state.row_tokens[:, None]
-        metrics["is_masked_frac"] = (dropped * weight).sum() / state.n_valid
         state = dataclasses.replace(state, keep=state.keep & ~dropped)
     return state.with_metrics(**metrics)

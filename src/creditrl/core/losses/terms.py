@@ -8,8 +8,9 @@ A term is one function and one options dataclass::
 
     @register_loss_term("length_penalty", options=LengthPenaltyOptions, stage="penalty")
     def length_penalty(state: LossState, options: LengthPenaltyOptions) -> LossState:
-        \"\"\"One line that says what it adds (the first docstring line documents the term).\"\"\"
-        return state.add_token_loss(...)
+        # the first line of the function's docstring documents the term (``LossTerm.doc``)
+        share = state.row_tokens[:, None] / state.valid.shape[1]          # n_b / T
+        return state.add_token_loss(options.coef * share * torch.exp(state.logp - state.old_logp))
 
 ``fn(state, options) -> state`` is plain autograd over [B,T] tensors; ``PolicyLoss`` runs the
 terms in the fixed order of ``STAGES`` and differentiates the result. From the one options
@@ -59,7 +60,7 @@ class LossState:
     log_ratio:   z = log π_θ − log π_old (set before the "ratio" stage)
     weight:      per-token factor of the surrogate, [B,T] or [B,1] (None = 1)
     token_loss:  ℓ [B,T] (set by the "surrogate" stage);  loss: the scalar (set by "aggregate")
-    metrics:     name -> 0-d tensor (copied to the host once, at the end)
+    metrics:     name -> 0-d tensor (all copied to the host at once, at the end: no ``.item()``)
     """
 
     logp: Tensor
@@ -95,7 +96,8 @@ class LossState:
 class LossTerm:
     """A registered term: ``fn(state, options) -> state`` run at ``stage``; ``options`` is its
     frozen options dataclass; ``needs`` names the inputs (``ref_logp``, ``rollout_logp``,
-    ``entropy``) it requires while ``active``; ``doc`` is fn's first docstring line."""
+    ``entropy``) it requires while ``active`` (the entropy reaches the state only when a term of
+    the loss needs it); ``doc`` is fn's first docstring line."""
 
     name: str
     fn: Callable[[LossState, Any], LossState]
