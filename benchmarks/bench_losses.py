@@ -3,7 +3,13 @@
 1. apply_trace (O(T) blocked scan) vs the dense trace-matrix product the GRPO-λ paper uses
    (matrix precomputed outside the timing, as in the paper), B = 64, T ∈ {512, 2048, 8192},
    styles recent/both: time, ratio, peak extra memory (memory: each case in a fresh process).
-2. policy_loss forward+backward with every option on vs the plain clipped loss.
+2. policy_loss forward+backward (the autograd composition of the loss terms) with each option
+   and every option on, vs the plain clipped loss; with ``--baseline SRC``, side by side with the
+   ``policy_loss`` of another source tree, e.g. the closed-form-gradient implementation the
+   composition replaced (commit 1c812f2):
+
+       mkdir -p /tmp/base && git archive 1c812f2 src | tar -x -C /tmp/base
+       python benchmarks/bench_losses.py --baseline /tmp/base/src
 
 Timings alternate the compared methods round by round and report medians, so load from other
 jobs on a shared machine hits both sides alike.
@@ -15,6 +21,7 @@ jobs on a shared machine hits both sides alike.
 from __future__ import annotations
 
 import argparse
+import importlib
 import multiprocessing as mp
 import resource
 import sys
@@ -90,42 +97,78 @@ def bench_traces(lengths, rows, repeats) -> None:
                   f"   {got['padded'] * 1e3:>9.2f} ({got['dense'] / got['padded']:.1f}x)")
 
 
-def bench_policy_loss(rows, length, repeats) -> None:
+def load_policy_loss(src: str):
+    """(policy_loss, StapoOptions, TraceOptions) of the creditrl package under ``src``, imported
+    beside the current one (its modules are set aside again, its functions keep their globals)."""
+    ours = {k: v for k, v in sys.modules.items() if k == "creditrl" or k.startswith("creditrl.")}
+    for name in ours:
+        del sys.modules[name]
+    sys.path.insert(0, src)
+    try:
+        losses = importlib.import_module("creditrl.core.losses")
+        return losses.policy_loss, losses.StapoOptions, losses.TraceOptions
+    finally:
+        sys.path.remove(src)
+        for name in [k for k in sys.modules if k == "creditrl" or k.startswith("creditrl.")]:
+            del sys.modules[name]
+        sys.modules.update(ours)
+
+
+def loss_variants(old, rows: int, length: int, stapo_cls, trace_cls) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    rollout = dict(rollout_logp=old + 0.05 * torch.randn(rows, length, generator=gen), rollout_correction="tis")
+    stapo = dict(stapo=stapo_cls(), entropy=torch.rand(rows, length, generator=gen) * 2)
+    everything = dict(clip_high=0.28, clip_c=3.0, ref_logp=old - 0.05, kl_coef=0.01, **rollout, **stapo)
+    return {
+        "plain": {},
+        "+ clip-higher, dual clip": dict(clip_high=0.28, clip_c=3.0),
+        "+ KL k3": dict(ref_logp=old - 0.05, kl_coef=0.01),
+        "+ TIS": rollout,
+        "+ STAPO": stapo,
+        "+ ε-trace": dict(trace=trace_cls(lam=LAM, style="both", floor=FLOOR)),
+        "+ ε-weight": dict(trace=trace_cls(lam=LAM, update="weight")),
+        "all on, ε-trace": dict(everything, trace=trace_cls(lam=LAM, style="both", floor=FLOOR)),
+        "all on, ε-weight": dict(everything, trace=trace_cls(lam=LAM, update="weight")),
+        "all on, seq-mis, no trace": dict(everything, rollout_correction="seq-mis"),
+    }
+
+
+def bench_policy_loss(rows, length, repeats, baseline: str | None = None) -> None:
     torch.manual_seed(0)
     logp = -torch.rand(rows, length) * 3
     logp[torch.rand(rows, length) < 0.01] = -7.0     # 1% of tokens with π < τ_p: STAPO candidates
     old = logp + 0.1 * torch.randn(rows, length)
     data = dict(old_logp=old, advantages=torch.randn(rows), mask=torch.rand(rows, length) > 0.1)
-    everything = dict(clip_high=0.28, clip_c=3.0, ref_logp=old - 0.05, kl_coef=0.01,
-                      rollout_logp=old + 0.05 * torch.randn(rows, length), rollout_correction="tis",
-                      stapo=StapoOptions(), entropy=torch.rand(rows, length) * 2)
-    variants = {
-        "plain": {},
-        "+ clip-higher, dual clip": dict(clip_high=0.28, clip_c=3.0),
-        "+ KL k3": dict(ref_logp=old - 0.05, kl_coef=0.01),
-        "+ TIS": dict(rollout_logp=everything["rollout_logp"], rollout_correction="tis"),
-        "+ STAPO": dict(stapo=StapoOptions(), entropy=everything["entropy"]),
-        "+ ε-trace": dict(trace=TraceOptions(lam=LAM, style="both", floor=FLOOR)),
-        "+ ε-weight": dict(trace=TraceOptions(lam=LAM, update="weight")),
-        "all on, ε-trace": dict(everything, trace=TraceOptions(lam=LAM, style="both", floor=FLOOR)),
-        "all on, ε-weight": dict(everything, trace=TraceOptions(lam=LAM, update="weight")),
-        "all on, seq-mis, no trace": dict(everything, rollout_correction="seq-mis"),
-    }
+    impls = {"composition": (policy_loss, StapoOptions, TraceOptions)}
+    if baseline:
+        impls["baseline"] = load_policy_loss(baseline)
 
-    def step(kwargs):
+    def step(fn, kwargs):
         lp = logp.clone().requires_grad_()
-        loss, _ = policy_loss(lp, **data, **kwargs)
+        loss, _ = fn(lp, **data, **kwargs)
         loss.backward()
-    print(f"\npolicy_loss forward+backward (B={rows}, T={length}, 10% masked gaps; interleaved, "
-          f"median of {repeats}, each after an untimed call; target ≤ 1.5x plain; '+' rows: one option alone)")
-    got = interleaved({name: (lambda kw=kwargs: step(kw)) for name, kwargs in variants.items()}, repeats, settle=1)
-    for name, seconds in got.items():
-        print(f"{name:>28}: {seconds * 1e3:8.2f} ms  {seconds / got['plain']:5.2f}x plain")
+    fns = {(impl, name): (lambda fn=fn, kw=kwargs: step(fn, kw))
+           for impl, (fn, stapo_cls, trace_cls) in impls.items()
+           for name, kwargs in loss_variants(old, rows, length, stapo_cls, trace_cls).items()}
+    print(f"\npolicy_loss forward+backward (B={rows}, T={length}, 10% masked gaps; interleaved, median of "
+          f"{repeats}, each after an untimed call; '+' rows: one option alone)")
+    got = interleaved(fns, repeats, settle=1)
+    header = f"{'':>28}  {'composition':>12} {'x plain':>8}"
+    print(header + (f"  {'baseline':>9} {'x plain':>8}  {'composition/baseline':>20}" if baseline else ""))
+    for name in loss_variants(old, rows, length, StapoOptions, TraceOptions):
+        ours = got["composition", name]
+        line = f"{name:>28}: {ours * 1e3:9.2f} ms {ours / got['composition', 'plain']:7.2f}x"
+        if baseline:
+            theirs = got["baseline", name]
+            line += f"  {theirs * 1e3:6.2f} ms {theirs / got['baseline', 'plain']:7.2f}x  {ours / theirs:19.2f}x"
+        print(line)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument("--losses-only", action="store_true", help="skip the apply_trace table")
+    parser.add_argument("--baseline", metavar="SRC", help="a creditrl source tree whose policy_loss to time beside")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 = steadier timings on a shared machine; 0 = torch default)")
     args = parser.parse_args(argv)
@@ -133,11 +176,13 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU")
     if args.quick:
-        bench_traces([256, 1024], rows=8, repeats=3)
-        bench_policy_loss(rows=8, length=512, repeats=5)
+        if not args.losses_only:
+            bench_traces([256, 1024], rows=8, repeats=3)
+        bench_policy_loss(rows=8, length=512, repeats=5, baseline=args.baseline)
     else:
-        bench_traces([512, 2048, 8192], rows=64, repeats=9)
-        bench_policy_loss(rows=64, length=2048, repeats=21)
+        if not args.losses_only:
+            bench_traces([512, 2048, 8192], rows=64, repeats=9)
+        bench_policy_loss(rows=64, length=2048, repeats=21, baseline=args.baseline)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Runs offline on CPU with creditrl's tiny Llama and the addition task (a few minu
     python examples/trl_grpo.py --output_dir runs/trl_otb --advantage_estimator otb --max_steps 20
 
 Every ``CreditGRPOConfig`` / ``GRPOConfig`` field is a flag (e.g. ``--advantage_estimator maxpo
---maxk_k 4``, ``--stapo true``, ``--trace_lam 0.99``, ``--loss_type dr_grpo``). Scale out as with
+--estimator_options '{"k": 4}'``, ``--stapo true``, ``--trace_lam 0.99``, ``--loss_type dr_grpo``,
+``--loss_terms '[{"path": "my_terms:length_penalty", "coef": 0.01}]'``). Scale out as with
 any TRL script: ``accelerate launch --num_processes 8 examples/trl_grpo.py --model_name_or_path
 Qwen/Qwen2.5-1.5B --use_vllm true --vllm_importance_sampling_correction false --rollout_correction tis``.
 """

@@ -6,6 +6,10 @@ parameters change; creditrl's metrics reach TRL's log.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import pathlib
+
 import pytest
 
 pytest.importorskip("trl")
@@ -15,6 +19,7 @@ from datasets import Dataset  # noqa: E402
 from trl.trainer import grpo_trainer  # noqa: E402
 
 import creditrl  # noqa: E402
+from creditrl import ClipOptions, KLOptions, RolloutCorrectionOptions, StapoOptions, TraceOptions  # noqa: E402
 from creditrl.integrations.trl import CreditGRPOConfig, CreditGRPOTrainer  # noqa: E402
 from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
 
@@ -92,6 +97,9 @@ def reference_energy(trainer, output):
 CASES = {
     "otb": dict(advantage_estimator="otb"),
     "maxpo_k2": dict(advantage_estimator="maxpo", maxk_k=2),
+    "maxpo_options": dict(advantage_estimator="maxpo", estimator_options={"k": 2}),
+    "user_term": dict(advantage_estimator="grpo", trace=True,
+                      loss_terms=[{"path": "length_penalty_term:length_penalty", "coef": 0.05}]),
     "stapo": dict(advantage_estimator="grpo", stapo=True, stapo_tau_p=0.5, stapo_high_entropy_fraction=0.5),
     "eps_trace": dict(advantage_estimator="rloo", trace_lam=0.9, loss_type="bnpo"),
 }
@@ -100,6 +108,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_steps(case, model_dir, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "plugins"))
     options = CASES[case]
     trainer, records, changed = run_trainer(model_dir, tmp_path, monkeypatch, **options)
     assert changed, "parameters did not change"
@@ -121,6 +130,8 @@ def test_two_steps(case, model_dir, tmp_path, monkeypatch):
         assert "creditrl/power_proxy" in logged
     if case == "stapo":
         assert "creditrl/spurious_ratio" in logged
+    if case == "user_term":
+        assert "creditrl/length_penalty" in logged
 
 
 @pytest.mark.slow
@@ -146,6 +157,55 @@ def test_config_rejects_bad_options(tmp_path):
         CreditGRPOConfig(output_dir=str(tmp_path), loss_type="cispo", use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="lam"):
         CreditGRPOConfig(output_dir=str(tmp_path), trace_lam=1.5, use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=r"otb: unknown option\(s\) \['k'\]"):
+        CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="otb", estimator_options={"k": 2},
+                         use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="maxk_k: an alias of estimator_options"):
+        CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="maxpo", maxk_k=2,
+                         estimator_options={"k": 3}, use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="stapo_tau_p: set while stapo=False"):
+        CreditGRPOConfig(output_dir=str(tmp_path), stapo=False, stapo_tau_p=0.1, use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="loss term: unknown name 'nope'"):
+        CreditGRPOConfig(output_dir=str(tmp_path), loss_terms=json.dumps([{"name": "nope"}]), use_cpu=True,
+                         bf16=False)
+
+
+def test_config_fields_come_from_the_loss_term_registry(tmp_path):
+    """Every loss option TRL has no name for is a field with the term's default and help; TRL's own
+    epsilon/beta/loss_type map through TRL_NATIVE; a term is on when set or when one of its fields is."""
+    fields = {f.name: f for f in dataclasses.fields(CreditGRPOConfig)}
+    for cls in (ClipOptions, KLOptions, RolloutCorrectionOptions):
+        for f in dataclasses.fields(cls):
+            if f.name in ("clip_low", "clip_high", "kl_coef"):
+                assert f.name not in fields                          # epsilon, epsilon_high, beta
+            else:
+                assert fields[f.name].default == f.default and fields[f.name].metadata["help"] == f.metadata["help"]
+    for prefix, cls in (("stapo", StapoOptions), ("trace", TraceOptions)):
+        assert fields[prefix].default is None
+        assert all(fields[f"{prefix}_{f.name}"].default is None for f in dataclasses.fields(cls))
+    args = CreditGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, epsilon=0.1, epsilon_high=0.3,
+                            beta=0.02, loss_type="dr_grpo", max_completion_length=12, trace_lam=0.5, clip_c=2.0)
+    terms = args.policy_loss_terms()
+    assert terms["clip"] == ClipOptions(clip_low=0.1, clip_high=0.3, clip_c=2.0)
+    assert terms["kl"] == KLOptions(kl_coef=0.02) and terms["trace"] == TraceOptions(lam=0.5)
+    assert terms["aggregation"].agg == "seq-mean-token-sum-norm" and terms["aggregation"].max_len == 12
+    assert "stapo" not in terms
+    assert "stapo" in CreditGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                       stapo=True).policy_loss_terms()
+
+
+def test_config_parses_from_the_command_line(monkeypatch):
+    """HfArgumentParser reads the generated fields (types and help from the options dataclasses)."""
+    from transformers import HfArgumentParser
+
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "plugins"))
+    (args,) = HfArgumentParser(CreditGRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--use_cpu", "true", "--bf16", "false", "--stapo", "true", "--stapo_tau_p", "0.01",
+         "--kl_estimator", "k2", "--estimator_options", '{"eps": 0.001}', "--advantage_estimator", "grpo",
+         "--loss_terms", '[{"path": "length_penalty_term:length_penalty", "coef": 0.1}]'])
+    assert args.stapo is True and args.stapo_tau_p == 0.01 and args.kl_estimator == "k2"
+    assert args.estimator_kwargs() == {"eps": 0.001}
+    assert args.loss_terms == [{"path": "length_penalty_term:length_penalty", "coef": 0.1}]
 
 
 def test_trainer_rejects_trl_only_loss_options(model_dir, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import pathlib
 import subprocess
 import sys
 
@@ -193,16 +194,42 @@ def test_grpo_lambda_at_lambda_zero_equals_verl_vanilla(mode):
     assert "actor/creditrl/kept_frac" in metrics
 
 
-def test_grpo_lambda_requires_trace_lam_and_uses_the_trace():
+def test_grpo_lambda_uses_the_trace_with_its_defaults_or_the_fields():
     inputs = loss_inputs(3)
-    with pytest.raises(ValueError, match="trace_lam"):
-        core_algos.get_policy_loss_fn("creditrl_grpo_lambda")(**inputs, loss_agg_mode="token-mean",
-                                                              config=actor_config(), rollout_is_weights=None)
-    loss, _ = core_algos.get_policy_loss_fn("creditrl_grpo_lambda")(
-        **inputs, loss_agg_mode="token-mean", config=actor_config(trace_lam=0.8), rollout_is_weights=None)
-    expected, _ = creditrl.policy_loss(inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"],
-                                       inputs["response_mask"], clip_c=3.0, trace=TraceOptions(lam=0.8))
+    fn = core_algos.get_policy_loss_fn("creditrl_grpo_lambda")
+    for fields, options in (({}, TraceOptions()), ({"trace_lam": 0.8}, TraceOptions(lam=0.8))):
+        loss, _ = fn(**inputs, loss_agg_mode="token-mean", config=actor_config(**fields), rollout_is_weights=None)
+        expected, _ = creditrl.policy_loss(inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"],
+                                           inputs["response_mask"], clip_c=3.0, trace=options)
+        torch.testing.assert_close(loss, expected)
+    with pytest.raises(ValueError, match="lam: expected a value in"):
+        actor_config(trace_lam=1.5)
+    with pytest.raises(ValueError, match="trace_lam: set while trace=False"):
+        actor_config(trace=False, trace_lam=0.5)
+
+
+def test_generic_loss_mode_takes_every_term_and_a_users_term_by_import_path(monkeypatch):
+    """loss_mode=creditrl: terms on by their fields (stapo_*, trace=True) plus loss_terms by import
+    path, equal to creditrl.policy_loss with the same terms; the user's metric is logged."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent / "plugins"))
+    inputs = loss_inputs(5)
+    entropy = torch.rand(inputs["response_mask"].shape, generator=torch.Generator().manual_seed(5)) * 2
+    user = [{"path": "length_penalty_term:length_penalty", "coef": 0.05}]
+    config = actor_config(stapo_tau_p=0.3, trace=True, loss_terms=user)
+    with plugin.token_entropy(entropy):
+        loss, metrics = core_algos.get_policy_loss_fn("creditrl")(
+            **inputs, loss_agg_mode="seq-mean-token-mean", config=config, rollout_is_weights=None)
+    expected, _ = creditrl.policy_loss(
+        inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"], inputs["response_mask"], clip_c=3.0,
+        agg="seq-mean-token-mean", stapo=StapoOptions(tau_p=0.3), trace=TraceOptions(), entropy=entropy, terms=user)
     torch.testing.assert_close(loss, expected)
+    assert metrics["actor/creditrl/length_penalty"] > 0
+    plain, _ = core_algos.get_policy_loss_fn("creditrl")(**inputs, loss_agg_mode="token-mean",
+                                                          config=actor_config(), rollout_is_weights=None)
+    theirs, _ = core_algos.compute_policy_loss_vanilla(**inputs, loss_agg_mode="token-mean", config=actor_config())
+    torch.testing.assert_close(plain, theirs)
+    with pytest.raises(ValueError, match="unknown option\\(s\\) \\['cof'\\]; valid options are \\['coef'\\]"):
+        actor_config(loss_terms=[{"path": "length_penalty_term:length_penalty", "cof": 1}])
 
 
 def test_global_batch_normalisation_follows_verl_agg_loss():

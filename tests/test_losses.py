@@ -263,15 +263,16 @@ def test_policy_loss_bad_input():
         policy_loss(logp, old, adv, mask, ref_logp=old, kl_coef=0.1, kl_estimator="k4")
     with pytest.raises(ValueError, match=r"rollout_correction: unknown value 'is'; valid values are \[None, 'tis'"):
         policy_loss(logp, old, adv, mask, rollout_logp=old, rollout_correction="is")
-    with pytest.raises(ValueError, match="rollout_logp: expected a \\[B,T\\] tensor when rollout_correction='tis'"):
+    with pytest.raises(ValueError, match="rollout_logp: expected a \\[B,T\\] tensor when loss term 'rollout_correction' is on "
+                                         "\\(rollout_correction='tis'"):
         policy_loss(logp, old, adv, mask, rollout_correction="tis")
-    with pytest.raises(ValueError, match="ref_logp: expected a \\[B,T\\] tensor when kl_coef > 0"):
+    with pytest.raises(ValueError, match="ref_logp: expected a \\[B,T\\] tensor when loss term 'kl' is on \\(kl_coef=0.1"):
         policy_loss(logp, old, adv, mask, kl_coef=0.1)
     with pytest.raises(ValueError, match=r"clip_c: expected a value in \(1, inf\], got 0.5"):
         policy_loss(logp, old, adv, mask, clip_c=0.5)
     with pytest.raises(ValueError, match=r"rollout_cap: expected a value in \[1, inf\], got 0.5"):
         policy_loss(logp, old, adv, mask, rollout_logp=old, rollout_correction="mis", rollout_cap=0.5)
-    with pytest.raises(TypeError, match="trace: expected None or TraceOptions, got dict"):
+    with pytest.raises(TypeError, match="trace: expected None, a bool or TraceOptions, got dict"):
         policy_loss(logp, old, adv, mask, trace={"lam": 0.5})
 
 

@@ -1,8 +1,10 @@
-"""policy_loss computes its gradient in closed form: check it against plain autograd.
+"""policy_loss (the composition of the loss terms) against the loss written out the obvious way.
 
-The reference below is the loss written the obvious way — torch.maximum/minimum for the clips,
-a dense trace matrix per response, a where-based keep-gradient mask, autograd for everything —
-and the test compares loss and ∂loss/∂logp for every option alone and every pair of options.
+The reference below is written without creditrl's terms — torch.maximum/minimum for the clips, a
+loop for rollout correction, a dense trace matrix per response, a where-based keep-gradient mask,
+autograd for everything — and the test compares loss and ∂loss/∂logp in float32 (the trainer's
+dtype) for every option alone and every pair of options (float64 to 1e-9:
+test_policy_loss_reference.py).
 """
 import itertools
 

@@ -136,7 +136,7 @@ def test_policy_loss_renormalises_over_kept_tokens():
     torch.testing.assert_close(loss, expected)
     assert metrics["spurious_ratio"] == pytest.approx(((mask & ~keep).sum() / mask.sum()).item())
     assert metrics["kept_frac"] == pytest.approx((keep.sum() / mask.sum()).item())
-    with pytest.raises(ValueError, match="entropy: expected a \\[B,T\\] tensor when stapo is on"):
+    with pytest.raises(ValueError, match="entropy: expected a \\[B,T\\] tensor when loss term 'stapo' is on"):
         policy_loss(logp, logp, adv, mask, stapo=True)
     with pytest.raises(TypeError, match="stapo: expected None, a bool or StapoOptions, got str"):
         policy_loss(logp, logp, adv, mask, stapo="on", entropy=entropy)

@@ -5,8 +5,11 @@ Public API (lazily imported so ``import creditrl`` stays cheap):
 - token statistics:  ``token_stats``, ``TokenStats``
 - estimators:        ``compute_advantages``, ``list_estimators``, ``register_estimator``,
                      ``AdvantageBatch``, ``maxk_quantities``, ``pass_at_k``
-- losses:            ``policy_loss``, ``agg_loss``, ``spurious_token_mask``, ``apply_trace``,
-                     ``variance_proxy``, ``power_proxy``, ``StapoOptions``, ``TraceOptions``
+- losses:            ``policy_loss``, ``PolicyLoss``, ``agg_loss``, ``spurious_token_mask``, ``apply_trace``,
+                     ``variance_proxy``, ``power_proxy``
+- loss terms:        ``register_loss_term``, ``get_loss_term``, ``list_loss_terms``, ``LossState``,
+                     ``ClipOptions``, ``AggregationOptions``, ``KLOptions``, ``RolloutCorrectionOptions``,
+                     ``StapoOptions``, ``TraceOptions``
 """
 from __future__ import annotations
 
@@ -24,6 +27,15 @@ _EXPORTS = {
     "maxk_quantities": "creditrl.core.estimators.maxk",
     "pass_at_k": "creditrl.core.estimators.maxk",
     "policy_loss": "creditrl.core.losses",
+    "PolicyLoss": "creditrl.core.losses",
+    "register_loss_term": "creditrl.core.losses",
+    "get_loss_term": "creditrl.core.losses",
+    "list_loss_terms": "creditrl.core.losses",
+    "LossState": "creditrl.core.losses",
+    "ClipOptions": "creditrl.core.losses",
+    "AggregationOptions": "creditrl.core.losses",
+    "KLOptions": "creditrl.core.losses",
+    "RolloutCorrectionOptions": "creditrl.core.losses",
     "agg_loss": "creditrl.core.losses",
     "spurious_token_mask": "creditrl.core.losses",
     "apply_trace": "creditrl.core.losses",

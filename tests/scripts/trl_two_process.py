@@ -34,7 +34,7 @@ def main(model_dir: str, out_dir: str, estimator: str) -> None:
         output_dir=out_dir, per_device_train_batch_size=NUM_GENERATIONS // 2, num_generations=NUM_GENERATIONS,
         max_completion_length=8, max_steps=2, learning_rate=5e-2, logging_steps=1, report_to="none",
         use_cpu=True, bf16=False, save_strategy="no", seed=0, temperature=1.0, advantage_estimator=estimator,
-        maxk_k=2 if estimator == "maxpo" else None, log_energy_metrics=True)
+        estimator_options={"k": 2} if estimator == "maxpo" else None, log_energy_metrics=True)
     trainer = CreditGRPOTrainer(model=model, reward_funcs=count_digits, args=args, train_dataset=dataset,
                                 processing_class=tokenizer)
     rollouts, local_metrics = [], []

@@ -1,15 +1,29 @@
 """Plug-ins that run creditrl's estimators and losses inside other trainers.
 
 - ``creditrl.integrations.trl``:  ``CreditGRPOConfig`` / ``CreditGRPOTrainer`` for TRL's GRPO (docs/trl.md)
-- ``creditrl.integrations.verl``: ``creditrl_<name>`` advantage estimators and the ``creditrl_stapo`` /
-  ``creditrl_grpo_lambda`` policy losses, loaded by verl's ``verl.plugins`` entry point (docs/verl.md)
+- ``creditrl.integrations.verl``: ``creditrl_<name>`` advantage estimators and the ``creditrl`` /
+  ``creditrl_stapo`` / ``creditrl_grpo_lambda`` policy losses, loaded by verl's ``verl.plugins``
+  entry point (docs/verl.md)
 
-Neither is imported by ``import creditrl``; each imports its framework.
+Neither is imported by ``import creditrl``; each imports its framework. Both generate their loss
+options from the loss-term registry here (``loss_term_fields``, ``loss_terms_from``).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import typing
+from typing import Any, Callable, Collection, Mapping
+
 import torch
 from torch import Tensor
+
+from creditrl.core.estimators import _check_options
+from creditrl.core.estimators.registry import get_estimator
+from creditrl.core.losses import get_loss_term, list_loss_terms, resolve_loss_terms
+
+LOSS_TERMS_HELP = ("Further loss terms: a list of {\"path\": \"package.module:function\" (or a registered name), "
+                   "<option>: value, ...} (or its JSON), e.g. [{\"path\": \"my_terms:length_penalty\", \"coef\": 0.01}]")
 
 
 def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
@@ -18,3 +32,74 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     # one allocation, then in place: large [B,T] allocations dominate the cost on a CPU
     energy = logp.detach().float().exp()
     return torch.add(sum_p2.detach().float(), energy, alpha=-2.0, out=energy).add_(1.0).clamp_(min=0.0)
+
+
+def check_estimator_options(name: str, options: Mapping[str, Any]) -> None:
+    """Raise unless ``options`` are what estimator ``name`` declares (``EstimatorSpec.options``)."""
+    _check_options(get_estimator(name), {k: v for k, v in options.items() if k != "gamma"})
+
+
+def loss_term_fields(native: Collection[str] = (), *, typed: bool = True) -> list[tuple[str, Any, Any]]:
+    """``dataclasses.make_dataclass`` field specs for creditrl's loss terms, from their options dataclasses:
+
+    - each flat term's fields, except ``native`` (options the host framework has under its own name),
+      with the term's default and help;
+    - for each other term, ``<name>: bool | None`` (None: on when one of its fields is set) and
+      ``<name>_<field>: T | None = None`` (None: the term's default);
+    - ``loss_terms``: further terms by import path (``resolve_loss_terms``'s list form).
+    ``typed=False`` declares every field ``Any`` (for configs that do not parse types)."""
+    specs = []
+    for name in list_loss_terms():
+        term = get_loss_term(name)
+        hints = typing.get_type_hints(term.options)
+        if term.flat:
+            specs += [(f.name, hints[f.name] if typed else Any, dataclasses.field(default=f.default, metadata=f.metadata))
+                      for f in dataclasses.fields(term.options) if f.name not in native]
+            continue
+        specs.append((name, bool | None if typed else Any, dataclasses.field(default=None, metadata={
+            "help": f"{term.doc} On when true, or when one of {name}_* is set."})))
+        specs += [(f"{name}_{f.name}", (hints[f.name] | None) if typed else Any, dataclasses.field(
+            default=None, metadata={"help": f"{f.metadata.get('help', '')} (None: {f.default!r})"}))
+                  for f in dataclasses.fields(term.options)]
+    specs.append(("loss_terms", list | str | None if typed else Any,
+                  dataclasses.field(default=None, metadata={"help": LOSS_TERMS_HELP})))
+    return specs
+
+
+def loss_terms_from(get: Callable[[str], Any], native: Mapping[str, Any] | None = None, *,
+                    switched_on: Collection[str] = ()) -> dict[str, Any]:
+    """``PolicyLoss`` terms from a config with ``loss_term_fields``: ``get(key)`` reads a field
+    (None when unset or absent: the term's default; a term registered after the config class was
+    made has no fields and is off), ``native`` gives the flat options the framework holds
+    under its own names, ``switched_on`` names terms a loss mode turns on. A term's field set
+    while the term is switched off raises: it would do nothing."""
+    native = native or {}
+    terms: dict[str, Any] = {}
+    for name in list_loss_terms():
+        term = get_loss_term(name)
+        names = [f.name for f in dataclasses.fields(term.options)]
+        if term.flat:
+            values = {k: native[k] if k in native else get(k) for k in names}
+            terms[name] = term.make_options({k: v for k, v in values.items() if v is not None})
+            continue
+        values = {k: get(f"{name}_{k}") for k in names}
+        values = {k: v for k, v in values.items() if v is not None}
+        switch = True if name in switched_on else get(name)
+        if switch is False and values:
+            raise ValueError(f"{name}_{next(iter(values))}: set while {name}=False, where it does nothing; "
+                             f"drop it or set {name}=True")
+        if switch or (switch is None and values):
+            terms[name] = term.make_options(values)
+    user = get("loss_terms")
+    if isinstance(user, str):
+        user = json.loads(user)
+    for entry in user or []:
+        terms = _add_user_term(terms, entry)
+    return terms
+
+
+def _add_user_term(terms: dict[str, Any], entry: Any) -> dict[str, Any]:
+    (name, options), = resolve_loss_terms([dict(entry)]).items()
+    if name in terms:
+        raise ValueError(f"loss_terms: loss term {name!r} is also set by its own fields; set it one way")
+    return {**terms, name: options}

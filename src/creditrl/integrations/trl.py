@@ -22,9 +22,10 @@ TRL options that have no creditrl counterpart raise at construction (see ``UNSUP
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -35,39 +36,34 @@ from creditrl.utils.validate import check_choice
 from creditrl.core.estimators import compute_advantages, list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex
-from creditrl.integrations import energy_from_logp
-from creditrl.core.losses import ROLLOUT_CORRECTIONS, StapoOptions, TraceOptions, policy_loss, power_proxy
+from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
+from creditrl.core.losses import PolicyLoss, power_proxy
 
 # TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
 AGG_BY_LOSS_TYPE = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
                     "dr_grpo": "seq-mean-token-sum-norm"}
+# creditrl loss options that GRPOConfig holds under its own names: option -> its value from the config
+TRL_NATIVE = {
+    "clip_low": lambda args: args.epsilon,
+    "clip_high": lambda args: args.epsilon if args.epsilon_high is None else args.epsilon_high,
+    "kl_coef": lambda args: args.beta,
+    "agg": lambda args: AGG_BY_LOSS_TYPE[args.loss_type],
+    "max_len": lambda args: args.max_completion_length if args.loss_type == "dr_grpo" else None,
+}
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 @dataclass
-class CreditGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` plus creditrl's options. ``None`` means creditrl's default for that option."""
+class _CreditGRPOFields(GRPOConfig):
+    """``GRPOConfig`` plus creditrl's estimator options; the loss options are added from the
+    loss-term registry (``CreditGRPOConfig``)."""
 
     advantage_estimator: str = field(default="grpo", metadata={"help": "Any name of creditrl.list_estimators()."})
-    maxk_k: int | None = field(default=None, metadata={"help": "K for maxpo, pkpo, passk_chen, maxk_bon."})
-    estimator_options: dict | str | None = field(
-        default=None, metadata={"help": "Further estimator options (dict or JSON), e.g. {\"normalize\": \"std\"}."})
-    stapo: bool = field(default=False, metadata={"help": "Silence STAPO's spurious tokens (renormalised loss)."})
-    stapo_tau_p: float | None = None
-    stapo_high_entropy_fraction: float | None = None
-    stapo_pool: str | None = None
-    trace_lam: float | None = field(default=None, metadata={"help": "GRPO-λ trace decay λ; None = traces off."})
-    trace_gamma: float | None = None
-    trace_style: str | None = None
-    trace_floor: float | None = None
-    trace_update: str | None = None
-    trace_adv_clamp: float | None = None
-    clip_c: float | None = field(default=None, metadata={"help": "Dual-clip bound c > 1 for A < 0."})
-    kl_estimator: str = field(default="k3", metadata={"help": "KL estimator for beta > 0: k1, k2 or k3."})
-    rollout_correction: str | None = field(
-        default=None, metadata={"help": "tis, mis, seq-tis or seq-mis against the sampler's log-probs (vLLM)."})
-    rollout_cap: float = 2.0
+    estimator_options: dict | str | None = field(default=None, metadata={
+        "help": "The estimator's options (dict or JSON), checked against what it declares, e.g. "
+                "{\"k\": 4, \"normalize\": \"std\"} for maxpo."})
+    maxk_k: int | None = field(default=None, metadata={"help": "Alias of estimator_options={\"k\": K}."})
     log_energy_metrics: bool = field(
         default=False, metadata={"help": "Compute the energy for estimators that do not need it, for the "
                                          "variance-proxy metric (one extra no-grad forward per generation)."})
@@ -76,10 +72,15 @@ class CreditGRPOConfig(GRPOConfig):
         super().__post_init__()
         check_choice("advantage_estimator", self.advantage_estimator, list_estimators())
         check_choice("loss_type", self.loss_type, list(AGG_BY_LOSS_TYPE))
-        check_choice("rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         if isinstance(self.estimator_options, str):
             self.estimator_options = json.loads(self.estimator_options)
-        self.stapo_options(), self.trace_options()  # validate the STAPO / trace options now
+        if isinstance(self.loss_terms, str):
+            self.loss_terms = json.loads(self.loss_terms)
+        if self.maxk_k is not None and "k" in (self.estimator_options or {}):
+            raise ValueError(f"maxk_k: an alias of estimator_options['k'], both set ({self.maxk_k} and "
+                             f"{self.estimator_options['k']}); set one")
+        check_estimator_options(self.advantage_estimator, self.estimator_kwargs())
+        self.policy_loss_terms()                # checks every loss option now
 
     def estimator_kwargs(self) -> dict:
         options = dict(self.estimator_options or {})
@@ -87,15 +88,20 @@ class CreditGRPOConfig(GRPOConfig):
             options["k"] = self.maxk_k
         return options
 
-    def _prefixed(self, cls: type, prefix: str) -> dict:
-        return {f.name: getattr(self, prefix + f.name) for f in fields(cls)
-                if getattr(self, prefix + f.name, None) is not None}
+    def policy_loss_terms(self) -> dict:
+        """The ``PolicyLoss`` terms of these settings (TRL's own names mapped by ``TRL_NATIVE``)."""
+        return loss_terms_from(lambda key: getattr(self, key, None),
+                               native={name: value(self) for name, value in TRL_NATIVE.items()})
 
-    def stapo_options(self) -> StapoOptions | None:
-        return StapoOptions(**self._prefixed(StapoOptions, "stapo_")) if self.stapo else None
 
-    def trace_options(self) -> TraceOptions | None:
-        return None if self.trace_lam is None else TraceOptions(**self._prefixed(TraceOptions, "trace_"))
+CreditGRPOConfig = dataclasses.make_dataclass(
+    "CreditGRPOConfig", loss_term_fields(native=TRL_NATIVE), bases=(_CreditGRPOFields,))
+CreditGRPOConfig.__module__ = __name__
+CreditGRPOConfig.__doc__ = (
+    "``GRPOConfig`` plus creditrl's options: the estimator (``advantage_estimator``, "
+    "``estimator_options``) and every loss term's options, generated from the loss-term registry: the "
+    "fields of the flat terms TRL has no name for (``clip_c``, ``kl_estimator``, ``rollout_correction``, "
+    "``rollout_cap``), ``stapo`` / ``stapo_*``, ``trace`` / ``trace_*`` and ``loss_terms`` (docs/trl.md).")
 
 
 # GRPOConfig settings whose effect lives in TRL's loss code, which CreditGRPOTrainer replaces.
@@ -130,8 +136,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         self.estimator = self.args.advantage_estimator
         self.estimator_kwargs = self.args.estimator_kwargs()
         self.wants_energy = get_estimator(self.estimator).needs_energy or self.args.log_energy_metrics
-        self.stapo = self.args.stapo_options()
-        self.trace = self.args.trace_options()
+        self.policy_loss = PolicyLoss(self.args.policy_loss_terms())
         self.last_rollout: dict[str, Tensor] | None = None
         self._reward_capture: list[Tensor] | None = None
         # Re-patch TRL's fused LM head so the same tiled pass also returns log sum pi^2.
@@ -297,15 +302,11 @@ class CreditGRPOTrainer(GRPOTrainer):
                     gather(inputs["creditrl_scorable"]), mask.bool(), energy)
         if "importance_sampling_ratio" in inputs:  # TRL's vLLM correction: w >= 0 factors out of the clip
             advantages = advantages * inputs["importance_sampling_ratio"]
-        loss, metrics = policy_loss(
+        loss, metrics = self.policy_loss(
             logp, logp.detach() if old_logp is None else old_logp, advantages, mask.bool(),
-            clip_low=self.epsilon_low, clip_high=self.epsilon_high, clip_c=self.args.clip_c,
-            agg=AGG_BY_LOSS_TYPE[self.loss_type],
-            max_len=self.max_completion_length if self.loss_type == "dr_grpo" else None,
-            ref_logp=inputs.get("ref_per_token_logps"), kl_coef=self.beta, kl_estimator=self.args.kl_estimator,
+            ref_logp=inputs.get("ref_per_token_logps"),
             rollout_logp=inputs.get("sampling_per_token_logps") if self.args.rollout_correction else None,
-            rollout_correction=self.args.rollout_correction, rollout_cap=self.args.rollout_cap,
-            stapo=self.stapo, entropy=entropy.detach() if self.stapo is not None else None, trace=self.trace)
+            entropy=entropy.detach())
         mode = "train" if self.model.training else "eval"
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss / normalizer

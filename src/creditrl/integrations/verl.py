@@ -14,10 +14,13 @@ registrations and refuses names bound to somebody else's function.
   Energy w_t = 1 - 2 exp(old_log_probs) + sum_pi_squared (OTB eq. 7); IS weights from
   ``rollout_is_weights`` (OTB App. D). Estimator options come from ``algorithm.creditrl``
   (e.g. ``+algorithm.creditrl.k=4`` for maxpo).
-- Policy losses ``creditrl_stapo`` and ``creditrl_grpo_lambda`` (``register_policy_loss``),
-  verl's keyword set ``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-  rollout_is_weights``, built on ``creditrl.policy_loss``; options from ``actor.policy_loss``
-  (``CreditPolicyLossConfig``: ``stapo_*`` and ``trace_*`` fields).
+- Policy losses ``creditrl`` (any of creditrl's loss terms), ``creditrl_stapo`` and
+  ``creditrl_grpo_lambda`` (the same with STAPO / GRPO-λ on) (``register_policy_loss``), verl's
+  keyword set ``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+  rollout_is_weights``, built on ``creditrl.PolicyLoss``; options from ``actor.policy_loss``
+  (``CreditPolicyLossConfig``: fields generated from the loss-term registry, ``stapo``/``stapo_*``,
+  ``trace``/``trace_*``, and ``loss_terms`` for a user's terms by import path) and from verl's own
+  actor keys (``VERL_NATIVE``).
 - Trainer hooks (verl 0.9.1 limitations, see docs/verl.md): its ``compute_advantage`` forwards
   ``sum_pi_squared``/``old_log_probs``/``rollout_is_weights`` only to its own OTB, and its
   ``ppo_loss`` never passes the entropy to a policy loss. ``install_trainer_hooks`` wraps both —
@@ -42,12 +45,12 @@ from verl.workers.config import PolicyLossConfig
 
 from creditrl.core.estimators import estimate, list_estimators, prepare
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.integrations import energy_from_logp
-from creditrl.core.losses import StapoOptions, TraceOptions, policy_loss
+from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
+from creditrl.core.losses import PolicyLoss
 
 PREFIX = "creditrl_"
 ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")
-POLICY_LOSSES = ("creditrl_stapo", "creditrl_grpo_lambda")
+POLICY_LOSSES = {"creditrl": (), "creditrl_stapo": ("stapo",), "creditrl_grpo_lambda": ("trace",)}  # name -> terms on
 _MARK = "__creditrl__"  # attribute naming the creditrl object a verl-side function stands for
 
 
@@ -84,6 +87,7 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                 "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
                 "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
         options = estimator_options(config)
+        check_estimator_options(name, options)
         gamma = options.pop("gamma", 1.0)
         with torch.no_grad():
             # the rewards as verl gives them: a score on a masked token counts in the row total
@@ -129,42 +133,44 @@ def register_estimators() -> list[str]:
 
 
 # ----------------------------------------------------------------------------- policy losses
-def _prefixed_fields(cls: type, prefix: str) -> list[tuple]:
-    """(``<prefix><field>``, Any, default) for each field of an options dataclass (None if required)."""
-    return [(prefix + f.name, Any, dataclasses.field(default=None if f.default is dataclasses.MISSING else f.default))
-            for f in dataclasses.fields(cls)]
+def _first_set(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+# creditrl's flat loss options as verl holds them: (actor config, loss_agg_mode) -> value. KL and
+# rollout correction stay verl's own (actor.use_kl_loss; algorithm.rollout_correction, whose
+# rollout_is_weights multiply the advantages), so creditrl's are off here.
+VERL_NATIVE = {
+    "clip_low": lambda config, mode: _first_set(config.get("clip_ratio_low", None), config.get("clip_ratio", 0.2)),
+    "clip_high": lambda config, mode: _first_set(config.get("clip_ratio_high", None), config.get("clip_ratio", 0.2)),
+    "clip_c": lambda config, mode: config.get("clip_ratio_c", 3.0),
+    "agg": lambda config, mode: "token-mean" if mode == "token-sum" else mode,   # token-sum: see global_scale
+    "max_len": lambda config, mode: (int(config.get("loss_scale_factor", None))
+                                     if mode == "seq-mean-token-sum-norm" and config.get("loss_scale_factor", None)
+                                     else None),
+    "kl_coef": lambda config, mode: 0.0,
+    "kl_estimator": lambda config, mode: "k3",
+    "rollout_correction": lambda config, mode: None,
+    "rollout_cap": lambda config, mode: 2.0,
+}
 
 
 def _install_hooks_after_init(self) -> None:
     parent = getattr(PolicyLossConfig, "__post_init__", None)
     if parent is not None:
         parent(self)
+    defaults = {name: value({}, "token-mean") for name, value in VERL_NATIVE.items()}
+    loss_terms_from(lambda key: getattr(self, key, None), defaults)            # checks the options now
     install_trainer_hooks()  # verl builds this config after its trainer / loss modules are loaded
 
 
-# PolicyLossConfig plus STAPO (``stapo_*``) and GRPO-λ (``trace_*``) fields, defaults taken from
-# creditrl's StapoOptions / TraceOptions; ``trace_lam`` has no default and must be set.
+# PolicyLossConfig plus creditrl's loss-term options, generated from the registry (loss_term_fields).
 CreditPolicyLossConfig = dataclasses.make_dataclass(
-    "CreditPolicyLossConfig",
-    _prefixed_fields(StapoOptions, "stapo_") + _prefixed_fields(TraceOptions, "trace_"),
+    "CreditPolicyLossConfig", loss_term_fields(native=VERL_NATIVE, typed=False),
     bases=(PolicyLossConfig,), namespace={"__post_init__": _install_hooks_after_init})
 CreditPolicyLossConfig.__module__ = __name__  # importable by hydra's _target_ and picklable for Ray
-CreditPolicyLossConfig.__doc__ = ("verl's PolicyLossConfig plus creditrl's STAPO (stapo_*) and GRPO-λ "
-                                  "(trace_*) options; select it with actor.policy_loss._target_.")
-
-
-def _options_from(node: Any, cls: type, prefix: str, required: tuple[str, ...] = ()):
-    """Build ``cls`` from the ``<prefix><field>`` keys of a verl config node."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        value = node.get(prefix + f.name, None) if node is not None else None
-        if value is not None:
-            values[f.name] = value
-    missing = [prefix + n for n in required if n not in values]
-    if missing:
-        raise ValueError(f"actor.policy_loss: missing {missing}; use "
-                         f"_target_={__name__}.CreditPolicyLossConfig and set them (docs/verl.md)")
-    return cls(**values)
+CreditPolicyLossConfig.__doc__ = ("verl's PolicyLossConfig plus creditrl's loss-term options (stapo, stapo_*, "
+                                  "trace, trace_*, loss_terms); select it with actor.policy_loss._target_.")
 
 
 _ENTROPY: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("creditrl_entropy", default=None)
@@ -200,59 +206,48 @@ def global_scale(loss: Tensor, mask: Tensor, mode: str, info: dict) -> Tensor:
     return loss if total is None else loss * seqs / total * dp_size
 
 
-def _verl_policy_loss(*, old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-                      loss_agg_mode: str, config: Any, rollout_is_weights: Tensor | None, stapo: Any,
-                      trace: Any) -> tuple[Tensor, dict[str, Any]]:
-    """Shared body of the registered losses: verl config -> creditrl.policy_loss -> verl scale."""
-    if config is None:
-        raise ValueError("config: expected verl's ActorConfig, got None")
-    clip = config.get("clip_ratio", 0.2)
-    low, high = config.get("clip_ratio_low", None), config.get("clip_ratio_high", None)
-    mask = response_mask.bool()
-    if rollout_is_weights is not None:
-        # w >= 0 factors out of PPO's min/max and keeps the sign of A (so the STAPO and clip
-        # decisions): scaling A by w equals verl's pg_losses * rollout_is_weights.
-        advantages = advantages * rollout_is_weights.detach()
-    info = dict(config.get("global_batch_info", None) or {})
-    agg = "token-mean" if loss_agg_mode == "token-sum" else loss_agg_mode
-    max_len = config.get("loss_scale_factor", None) if agg == "seq-mean-token-sum-norm" else None
-    entropy = _ENTROPY.get()
-    if stapo is not None and entropy is None:
-        raise ValueError("creditrl_stapo: needs the token entropies; set actor_rollout_ref.actor."
-                         "calculate_entropy=True and keep creditrl's trainer hook installed (docs/verl.md)")
-    loss, metrics = policy_loss(
-        log_prob, old_log_prob, advantages, mask, clip_low=low if low is not None else clip,
-        clip_high=high if high is not None else clip, clip_c=config.get("clip_ratio_c", 3.0), agg=agg,
-        max_len=int(max_len) if max_len is not None else None, stapo=stapo,
-        entropy=None if entropy is None else entropy.detach(), trace=trace)
-    loss = global_scale(loss, mask, loss_agg_mode, info)
-    return loss, {f"actor/creditrl/{k}": v for k, v in metrics.items()}
+def make_policy_loss(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, Any]]]:
+    """verl-signature policy loss ``loss_mode`` (a key of ``POLICY_LOSSES``): creditrl's terms from
+    ``actor.policy_loss`` and ``VERL_NATIVE``, then verl's global-batch scale."""
+    switched_on = POLICY_LOSSES[loss_mode]
+
+    def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                            loss_agg_mode: str = "token-mean", config: Any = None,
+                            rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
+        if config is None:
+            raise ValueError("config: expected verl's ActorConfig, got None")
+        node = config.get("policy_loss", None)
+        native = {name: value(config, loss_agg_mode) for name, value in VERL_NATIVE.items()}
+        loss_fn = PolicyLoss(loss_terms_from(lambda key: None if node is None else node.get(key, None), native,
+                                             switched_on=switched_on))
+        entropy = _ENTROPY.get()
+        if loss_fn.needs_entropy and entropy is None:
+            raise ValueError(f"{loss_mode}: needs the token entropies; set actor_rollout_ref.actor."
+                             "calculate_entropy=True and keep creditrl's trainer hook installed (docs/verl.md)")
+        mask = response_mask.bool()
+        if rollout_is_weights is not None:
+            # w >= 0 factors out of PPO's min/max and keeps the sign of A (so the STAPO and clip
+            # decisions): scaling A by w equals verl's pg_losses * rollout_is_weights.
+            advantages = advantages * rollout_is_weights.detach()
+        loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask,
+                                entropy=None if entropy is None else entropy.detach())
+        loss = global_scale(loss, mask, loss_agg_mode, dict(config.get("global_batch_info", None) or {}))
+        return loss, {f"actor/creditrl/{k}": v for k, v in metrics.items()}
+
+    compute_policy_loss.__name__ = compute_policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"
+    compute_policy_loss.__doc__ = (f"creditrl's policy loss{' with ' + ', '.join(switched_on) if switched_on else ''} "
+                                   "(creditrl.PolicyLoss) in verl's policy-loss signature.")
+    setattr(compute_policy_loss, _MARK, loss_mode)
+    return compute_policy_loss
 
 
-def compute_policy_loss_stapo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
-                              loss_agg_mode: str = "token-mean", config: Any = None,
-                              rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
-    """STAPO (S2T mask §3.3, renormalised eq. 1) on the clipped PPO loss, verl's signature."""
-    stapo = _options_from(config.get("policy_loss", None) if config is not None else None, StapoOptions, "stapo_")
-    return _verl_policy_loss(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                             response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
-                             rollout_is_weights=rollout_is_weights, stapo=stapo, trace=None)
-
-
-def compute_policy_loss_grpo_lambda(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
-                                    response_mask: Tensor, loss_agg_mode: str = "token-mean", config: Any = None,
-                                    rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
-    """GRPO-λ traces (Theorem 1, eq. 1-2; App. A.3) on the clipped PPO loss, verl's signature."""
-    node = config.get("policy_loss", None) if config is not None else None
-    trace = _options_from(node, TraceOptions, "trace_", required=("lam",))
-    return _verl_policy_loss(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
-                             response_mask=response_mask, loss_agg_mode=loss_agg_mode, config=config,
-                             rollout_is_weights=rollout_is_weights, stapo=None, trace=trace)
+POLICY_LOSS_FNS = {name: make_policy_loss(name) for name in POLICY_LOSSES}
+compute_policy_loss_stapo = POLICY_LOSS_FNS["creditrl_stapo"]
+compute_policy_loss_grpo_lambda = POLICY_LOSS_FNS["creditrl_grpo_lambda"]
 
 
 def register_policy_losses() -> list[str]:
-    for name, fn in zip(POLICY_LOSSES, (compute_policy_loss_stapo, compute_policy_loss_grpo_lambda)):
-        setattr(fn, _MARK, name)
+    for name, fn in POLICY_LOSS_FNS.items():
         _register(core_algos.POLICY_LOSS_REGISTRY, name, fn, core_algos.register_policy_loss)
     return list(POLICY_LOSSES)
 

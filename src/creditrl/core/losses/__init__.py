@@ -1,11 +1,18 @@
-"""Policy losses: aggregation, clipped loss with rollout correction, STAPO, GRPO-λ traces."""
-from creditrl.core.losses.aggregation import AGG_MODES, agg_loss
+"""Policy losses: one autograd composition of registered terms (clip, rollout correction, KL,
+STAPO, GRPO-λ traces, aggregation), plus the loss-side diagnostics."""
+from creditrl.core.losses.terms import (STAGES, LossState, LossTerm, get_loss_term, list_loss_terms,
+                                        register_loss_term, resolve_loss_terms)
+from creditrl.core.losses.aggregation import AGG_MODES, AggregationOptions, agg_loss
+from creditrl.core.losses.clip import ClipOptions
 from creditrl.core.losses.diagnostics import KL_ESTIMATORS, kl_estimate, power_proxy, ppl_gap, variance_proxy
-from creditrl.core.losses.policy import METRIC_KEYS, ROLLOUT_CORRECTIONS, policy_loss
+from creditrl.core.losses.kl import KLOptions
+from creditrl.core.losses.rollout_correction import ROLLOUT_CORRECTIONS, RolloutCorrectionOptions
 from creditrl.core.losses.stapo import STAPO_POOLS, StapoOptions, spurious_token_mask
 from creditrl.core.losses.traces import TRACE_STYLES, TRACE_UPDATES, TraceOptions, apply_trace
+from creditrl.core.losses.policy import METRIC_KEYS, PolicyLoss, policy_loss
 
-__all__ = ["AGG_MODES", "KL_ESTIMATORS", "METRIC_KEYS", "ROLLOUT_CORRECTIONS", "STAPO_POOLS",
-           "TRACE_STYLES", "TRACE_UPDATES", "StapoOptions", "TraceOptions", "agg_loss",
-           "apply_trace", "kl_estimate", "policy_loss", "power_proxy", "ppl_gap", "spurious_token_mask",
-           "variance_proxy"]
+__all__ = ["AGG_MODES", "KL_ESTIMATORS", "METRIC_KEYS", "ROLLOUT_CORRECTIONS", "STAGES", "STAPO_POOLS",
+           "TRACE_STYLES", "TRACE_UPDATES", "AggregationOptions", "ClipOptions", "KLOptions", "LossState",
+           "LossTerm", "PolicyLoss", "RolloutCorrectionOptions", "StapoOptions", "TraceOptions", "agg_loss",
+           "apply_trace", "get_loss_term", "kl_estimate", "list_loss_terms", "policy_loss", "power_proxy",
+           "ppl_gap", "register_loss_term", "resolve_loss_terms", "spurious_token_mask", "variance_proxy"]

@@ -2,15 +2,37 @@
 
 The keep-mask may be any subset of the valid tokens (e.g. valid ∧ not silenced): every
 denominator counts kept tokens only, which is STAPO's renormalisation (STAPO eq. 1).
+The ``aggregation`` loss term is the last stage of the policy loss.
 """
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from creditrl.core.losses.terms import LossState, register_loss_term
 from creditrl.utils.validate import as_mask, check_choice, check_int, check_tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class AggregationOptions:
+    """How the per-token loss becomes a scalar (``agg_loss``)."""
+
+    agg: Literal[AGG_MODES] = field(default="token-mean", metadata={
+        "help": "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum or seq-mean-token-sum-norm "
+                "(Dr. GRPO)"})
+    max_len: int | None = field(default=None, metadata={
+        "help": "the constant of seq-mean-token-sum-norm (None = the padded length T)"})
+
+    def __post_init__(self):
+        check_choice("agg", self.agg, AGG_MODES)
+        if self.max_len is not None:
+            check_int("max_len", self.max_len, 1)
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
@@ -66,3 +88,16 @@ def reduce_kept(kept_loss: Tensor, row_tokens: Tensor, mode: str, *, max_len: in
     ``row_tokens`` [B] the kept tokens per row (unchecked: callers that hold both use this)."""
     weights = agg_row_weights(row_tokens.to(kept_loss.dtype), mode, kept_loss.shape[1], max_len=max_len)
     return (kept_loss.sum(dim=1) * weights).sum()
+
+
+@register_loss_term("aggregation", options=AggregationOptions, stage="aggregate", flat=True)
+def aggregation(state: LossState, options: AggregationOptions) -> LossState:
+    """The loss over the kept tokens: ``agg_loss(ℓ, keep, agg)`` (STAPO eq. 1 renormalisation).
+
+    Also the metric ``agg_count``, the aggregation's denominator (``agg_denominator``): what
+    gradient accumulation weights micro-batches by."""
+    keep_f = state.valid_f if state.keep is state.valid else state.keep.to(state.valid_f.dtype)
+    keep_rows = keep_f.sum(dim=1)
+    loss = reduce_kept(state.token_loss * keep_f, keep_rows, options.agg, max_len=options.max_len)
+    state = dataclasses.replace(state, loss=loss)
+    return state.with_metrics(agg_count=agg_denominator(keep_rows.detach(), options.agg))

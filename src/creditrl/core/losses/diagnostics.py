@@ -23,8 +23,20 @@ def kl_estimate(log_ratio: Tensor, estimator: str = "k3") -> Tensor:
         return -log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio.square()
-    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio = clamp_log_ratio(log_ratio)
     return torch.expm1(log_ratio) - log_ratio
+
+
+def clamp_log_ratio(x: Tensor) -> Tensor:
+    """x clamped to ±MAX_LOG_RATIO (zero gradient where it binds). On CPU x itself when nothing is
+    out of range (one min/max pass instead of a clamp and its backward; on a GPU the check would
+    wait for the device)."""
+    if x.numel() == 0 or x.device.type != "cpu":
+        return x.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    low, high = torch.aminmax(x.detach())
+    if bool(low < -MAX_LOG_RATIO) or bool(high > MAX_LOG_RATIO):
+        return x.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return x
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

@@ -4,17 +4,21 @@ A valid token is spurious — silenced — iff its advantage is positive, π(y_t
 entropy is below τ_h. τ_p is an absolute probability (Remark 3.5: never a quantile); τ_h is
 the (1 − high_entropy_fraction) quantile (linear interpolation, as ``numpy.quantile``) of the
 entropies of the tokens in ``pool`` within the mini-batch: with the default 0.2 only the top
-20% by entropy count as high-entropy (§5.3).
+20% by entropy count as high-entropy (§5.3). The ``stapo`` loss term drops the silenced tokens
+from the policy loss, whose denominators then count the kept tokens only (STAPO eq. 1).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from creditrl.core.losses.terms import LossState, register_loss_term
 from creditrl.utils.validate import check_choice, check_finite, check_range, check_same_shape, check_tensor
 from creditrl.utils.validate import as_mask, token_advantages
 
@@ -26,9 +30,12 @@ class StapoOptions:
     """STAPO thresholds: absolute probability ``tau_p``, entropy quantile from
     ``high_entropy_fraction`` over ``pool`` ("valid" or "candidates")."""
 
-    tau_p: float = 2e-3
-    high_entropy_fraction: float = 0.2
-    pool: str = "valid"
+    tau_p: float = field(default=2e-3, metadata={
+        "help": "absolute probability threshold τ_p: only tokens with π(y_t) < τ_p can be silenced (Remark 3.5)"})
+    high_entropy_fraction: float = field(default=0.2, metadata={
+        "help": "tokens below the (1 − fraction) entropy quantile count as low-entropy (§5.3)"})
+    pool: Literal[STAPO_POOLS] = field(default="valid", metadata={
+        "help": "tokens the entropy quantile is taken over: valid or candidates"})
 
     def __post_init__(self):
         check_stapo_args(self.tau_p, self.high_entropy_fraction, self.pool)
@@ -148,3 +155,14 @@ def spurious_token_mask(logp: Tensor, entropy: Tensor, advantages: Tensor, mask:
     if valid.numel() == 0:                       # B = 0 or T = 0: an empty keep-mask
         return valid.clone()
     return silence_keep_mask(logp, entropy, adv, valid, opts)
+
+
+@register_loss_term("stapo", options=StapoOptions, stage="keep", needs=("entropy",))
+@torch.no_grad()
+def stapo(state: LossState, options: StapoOptions) -> LossState:
+    """STAPO: drop spurious tokens (S2T mask, §3.3) from the loss, renormalised over the kept ones (eq. 1).
+
+    Metric ``spurious_ratio``: silenced / valid tokens."""
+    kept = silence_keep_mask(state.logp, state.entropy, state.advantages, state.valid, options)
+    spurious_ratio = (state.n_valid - kept.sum()) / state.n_valid
+    return dataclasses.replace(state, keep=state.keep & kept).with_metrics(spurious_ratio=spurious_ratio)

@@ -20,28 +20,25 @@ Every pass is a contiguous slice or a broadcast: no gathers, no T×T matrix. All
 ≤ 1 (cached per (c, dtype, device), subnormals flushed to 0), so nothing overflows for any
 T; the window subtraction loses at most eps·max|E| ≤ eps·max|x|/(1−c) in absolute terms.
 
-The transpose Mᵀg (the backward pass) flips each row, u = L−1−t: (Mᵀg)_j = Σ_{t≥j} M[t,j] g_t
-becomes the lower-triangular y'_v = Σ_{u≤v} W'(v,u) h_u with h = flip(g) and, for u < v,
-W'(v,u) = max(f, c^{v−u}[, c^{d_v}]), d_v = L−1−v (L the padded length; zeros pad each row):
-    recent: W' is ``recent``'s M again: Mᵀg = flip(trace(flip(g)))
-    both:   c^j of eq. 17 now depends on the output index only, a per-output floor:
-            d_v ≥ S: the recent formula;  d_v < S: W' = c^{min(v−u, d_v)}, so
-            y'_v = E_v − c^{d_v+1}·E_{2v−L} + c^{d_v}·P_{2v−L}  (2v ≥ L; else E_v)
-            (every other entry of E and P: a strided slice, no gather)
+The backward pass is autograd through these same scans (matmuls, slices and in-place adds
+that autograd can differentiate), O(T) memory like the forward.
 
 Note: with ``style="both"`` the first token has weight c^0 = 1 in every row, also for λ = 0
 (that is eq. 17 as written), so only ``recent`` reduces to the identity at λ = 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from creditrl.core.losses.terms import LossState, register_loss_term
 from creditrl.utils.validate import check_choice, check_finite, check_range, check_tensor
 from creditrl.utils.validate import as_mask
 
@@ -58,12 +55,14 @@ class TraceOptions:
     eq. 17–18), ``update`` ("trace" = ε-trace, Algorithm 1; "weight" = ε-weight, Algorithm 2)
     and the negative-advantage clamp ``adv_clamp`` (§4.2, −0.1 in the paper)."""
 
-    lam: float
-    gamma: float = 1.0
-    style: str = "recent"
-    floor: float = 0.0
-    update: str = "trace"
-    adv_clamp: float = -0.1
+    lam: float = field(default=0.99, metadata={"help": "trace decay λ in [0, 1] (c = γλ)"})
+    gamma: float = field(default=1.0, metadata={"help": "discount γ in [0, 1] (c = γλ)"})
+    style: Literal[TRACE_STYLES] = field(default="recent", metadata={
+        "help": "trace matrix: recent (eq. 18) or both (eq. 17, also weights the first tokens)"})
+    floor: float = field(default=0.0, metadata={"help": "ε of eq. 17-18: the smallest weight of a past token"})
+    update: Literal[TRACE_UPDATES] = field(default="trace", metadata={
+        "help": "trace: the ε-trace of the log-ratio (Algorithm 1); weight: the ε-weight (Algorithm 2)"})
+    adv_clamp: float = field(default=-0.1, metadata={"help": "negative advantages are clamped from below here (§4.2)"})
 
     def __post_init__(self):
         check_trace_args(self.lam, self.gamma, self.style, self.floor)
@@ -163,96 +162,25 @@ def _trace_rows(x: Tensor, c: float, style: str, floor: float) -> Tensor:
     return y
 
 
-def _transposed_trace_rows(h: Tensor, c: float, style: str, floor: float) -> Tensor:
-    """Flipped Mᵀ for flipped rows h [N,L] (zero-padded at the front): the formulas of the
-    module docstring; the caller flips back."""
-    if style == "recent":
-        return _trace_rows(h, c, "recent", floor)
-    rows, length = h.shape
-    span = _floor_window(c, floor, length) + 1                # S
-    y = _exp_scan(h, c)                                       # E; updated in place at the end
-    prefix = _exp_scan(h, 1.0)                                # P
-    late_start = max(length - span, (length + 1) // 2)        # d_v < S and 2v ≥ L
-    count = length - late_start
-    late = floor_part = None
-    if count > 0:
-        first = 2 * late_start - length                       # E, P at 2v − L, v = late_start…L−1
-        powers = _powers(c, count + 1, h).flip(0)             # c^{d_v+1} = [:-1], c^{d_v} = [1:]
-        late = prefix[:, first:length - 1:2] * powers[1:]
-        late.addcmul_(y[:, first:length - 1:2], powers[:-1], value=-1.0)
-    early_end = length - span                                 # d_v ≥ S: the recent formula
-    if floor > 0.0 and early_end > span:
-        floor_part = prefix[:, :early_end - span].mul_(floor)    # P is not read again
-        floor_part.add_(y[:, :early_end - span], alpha=-(c ** span))
-    if late is not None:
-        y[:, late_start:].add_(late)
-    if floor_part is not None:
-        y[:, span:early_end].add_(floor_part)
-    return y
-
-
-class TraceOperator:
-    """The trace matrix M of one batch's mask (c = γλ, eq. 17–18), applied in O(T) per row:
-    ``op(x)`` = M·x and ``op.transposed(g)`` = Mᵀ·g over each row's valid tokens.
-
-    No checks and no autograd: x [B,T] float must be exactly 0 off ``valid`` [B,T] bool;
-    outputs off ``valid`` are finite but unspecified. The compaction index is computed once
-    and shared by every application (the loss applies M and Mᵀ to several tensors).
-    """
-
-    def __init__(self, valid: Tensor, c: float, style: str, floor: float):
-        self.valid, self.c, self.style, self.floor = valid, float(c), style, floor
-        flags = valid.view(torch.uint8)                               # uint8 reductions are vectorised
-        self.prefix_rows = valid.shape[1] <= 1 or not bool(
-            torch.gt(flags[:, 1:], flags[:, :-1]).view(torch.uint8).amax())
-        self._index = None                                            # compaction index, on first use
-        self._index_transposed = False
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self._apply(x, transpose=False)
-
-    def transposed(self, g: Tensor) -> Tensor:
-        return self._apply(g, transpose=True)
-
-    def _compaction_index(self, transpose: bool) -> Tensor:
-        """Index [B,T] of each token's column in the compacted rows (flipped for Mᵀ): the valid
-        token with k valid tokens up to it goes to k − 1 (flipped: T − k). A masked token gets
-        its predecessor's column (its 0 adds nothing in ``scatter_add_``), clamped into range.
-        One int64 buffer, switched between the layouts in place (c ↔ T − 1 − c)."""
-        length = self.valid.shape[1]
-        if self._index is None:
-            self._index = torch.cumsum(self.valid, dim=1).sub_(1).clamp_(min=0)
-        if transpose != self._index_transposed:
-            self._index.neg_().add_(length - 1)
-            self._index_transposed = transpose
-        return self._index
-
-    def _apply(self, x: Tensor, transpose: bool) -> Tensor:
-        rows, length = x.shape
-        if x.numel() == 0:
-            return x
-        args = (self.c, self.style, self.floor)
-        if self.prefix_rows:                                          # right padding only: no compaction
-            return _transposed_trace_rows(x.flip(1), *args).flip(1) if transpose else _trace_rows(x, *args)
-        index = self._compaction_index(transpose)
-        compact = x.new_zeros(rows, length).scatter_add_(1, index, x)
-        out = (_transposed_trace_rows if transpose else _trace_rows)(compact, *args)
-        return out.gather(1, index)
-
-
-class _Trace(torch.autograd.Function):
-    """M·x with the transposed trace Mᵀ·grad as its backward (no graph through the scans)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, operator: TraceOperator) -> Tensor:
-        ctx.operator = operator
-        return operator(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        operator = ctx.operator
-        grad = torch.where(operator.valid, grad, 0.0)                 # masked outputs are constants
-        return operator.transposed(grad), None
+def trace_rows_masked(x: Tensor, valid: Tensor, c: float, style: str, floor: float) -> Tensor:
+    """M·x over each row's valid tokens, unchecked: x [B,T] float, exactly 0 off ``valid`` [B,T]
+    bool (B, T ≥ 1); the output is 0 off ``valid``. Rows that are prefixes (right padding only)
+    are traced in place; others are compacted to the left (valid tokens are the steps), traced
+    and scattered back. Differentiable by autograd."""
+    rows, length = x.shape
+    flags = valid.view(torch.uint8)                                   # uint8 reductions are vectorised
+    if bool(flags.amin()):                                            # nothing masked
+        return _trace_rows(x, c, style, floor)
+    prefix_rows = length <= 1 or not bool(torch.gt(flags[:, 1:], flags[:, :-1]).view(torch.uint8).amax())
+    if prefix_rows:
+        out = _trace_rows(x, c, style, floor)
+    else:
+        # the valid token with k valid tokens up to it goes to column k − 1; a masked token gets its
+        # predecessor's column (its 0 adds nothing to the scatter), clamped into range
+        index = torch.cumsum(valid, dim=1).sub_(1).clamp_(min=0)
+        compact = x.new_zeros(rows, length).scatter_add(1, index, x)
+        out = _trace_rows(compact, c, style, floor).gather(1, index)
+    return out * valid.to(out.dtype)
 
 
 def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
@@ -263,20 +191,42 @@ def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
     M is GRPO-λ App. A.3 eq. 17 (``both``) / eq. 18 (``recent``) with c = γλ, ε = ``floor``.
     Non-finite valid values raise naming their rows (off-mask garbage is ignored).
     Returns [B,T] (0 at masked positions), float32 for half-precision input. O(T) memory,
-    O(T·16) time per response; differentiable, the backward is the O(T) transposed trace Mᵀ·grad.
+    O(T·16) time per response; differentiable (autograd through the scans: Mᵀ·grad, also O(T)).
     """
     values = check_tensor("values", values, ndim=2, floating=True)
     valid = as_mask("mask", mask, values.shape)
     check_trace_args(lam, gamma, style, floor)
-    if values.numel() == 0:                                           # B = 0 or T = 0: nothing to trace
-        return values.to(torch.promote_types(values.dtype, torch.float32)) * 0.0
-    full = bool(valid.view(torch.uint8).amin())                       # nothing masked: no masking passes
-    probe = values.detach() if full else torch.where(valid, values.detach(), 0.0)
-    if not bool(torch.isfinite(probe.sum())):     # one inf would spread to every earlier output: refuse it
-        check_finite("values", probe)
     dtype = torch.promote_types(values.dtype, torch.float32)
-    operator = TraceOperator(valid, gamma * lam, style, floor)
-    if full:
-        return _Trace.apply(values.to(dtype), operator)
+    if values.numel() == 0:                                           # B = 0 or T = 0: nothing to trace
+        return values.to(dtype) * 0.0
     x = torch.where(valid, values.to(dtype), 0.0)
-    return _Trace.apply(x, operator).masked_fill(~valid, 0.0)
+    if not bool(torch.isfinite(x.detach().sum())):   # one inf would spread to every later output: refuse it
+        check_finite("values", x.detach())
+    return trace_rows_masked(x, valid, gamma * lam, style, floor)
+
+
+@register_loss_term("trace", options=TraceOptions, stage="ratio")
+def trace(state: LossState, options: TraceOptions) -> LossState:
+    """GRPO-λ eligibility traces: ε-trace of the log-ratio (Algorithm 1) or ε-weight (Algorithm 2).
+
+    Advantages are clamped from below at ``adv_clamp`` (§4.2). With c = γλ and M = eq. 17/18:
+      ε-trace:  z ← M·z, so r_t = exp(Σ_{j≤t} M[t,j] (log π_θ − log π_old)_j)   (Theorem 1, eq. 1-2)
+      ε-weight: weight ← weight · M(1 + σ(log π_θ − 1))                         (Algorithm 2)
+    Interpretations where the paper is ambiguous:
+      * ε-weight: σ(log π_θ − 1) carries gradient. Algorithm 2 writes no stop-gradient (the paper
+        writes sg(·) where it means one) and App. A.3 says multiplying the trace weights with log π
+        "provides the traces": gradient reaches earlier tokens through the weight. So λ = 0 gives
+        the token loss times (1 + σ(log π_t − 1)) ∈ (1, 1.27], not the plain loss; only ε-trace
+        with ``style="recent"`` reduces to GRPO exactly at λ = 0.
+      * Algorithm 1 writes −min(r, clip(r))·A; the clip term uses the standard PPO form (identical
+        for A ≥ 0, the usual pessimistic bound for A < 0), so the clip options apply unchanged.
+      * Tokens dropped from the loss (STAPO, MIS) keep their place and value in the trace but are
+        detached there (``state.logp``), so they pass no gradient through later tokens either.
+    """
+    c = options.gamma * options.lam
+    state = dataclasses.replace(state, advantages=state.advantages.clamp(min=options.adv_clamp))
+    if options.update == "trace":
+        traced = trace_rows_masked(state.log_ratio, state.valid, c, options.style, options.floor)
+        return dataclasses.replace(state, log_ratio=traced)
+    soft = (torch.sigmoid(state.logp - 1.0) + 1.0) * state.valid_f
+    return state.scaled(trace_rows_masked(soft, state.valid, c, options.style, options.floor))

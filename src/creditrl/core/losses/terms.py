@@ -1,0 +1,241 @@
+"""Loss terms: the pieces the policy loss is composed of, their registry, and the state they pass on.
+
+A term is one function and one options dataclass::
+
+    @dataclass(frozen=True)
+    class LengthPenaltyOptions:
+        coef: float = field(default=0.01, metadata={"help": "penalty per token of response length"})
+
+    @register_loss_term("length_penalty", options=LengthPenaltyOptions, stage="penalty")
+    def length_penalty(state: LossState, options: LengthPenaltyOptions) -> LossState:
+        # the first line of the function's docstring documents the term (``LossTerm.doc``)
+        share = state.row_tokens[:, None] / state.valid.shape[1]          # n_b / T
+        return state.add_token_loss(options.coef * share * torch.exp(state.logp - state.old_logp))
+
+``fn(state, options) -> state`` is plain autograd over [B,T] tensors; ``PolicyLoss`` runs the
+terms in the fixed order of ``STAGES`` and differentiates the result. From the one options
+dataclass come ``creditrl train``'s config keys, TRL's ``CreditGRPOConfig`` fields and verl's
+``CreditPolicyLossConfig`` fields (each field's default and ``metadata["help"]``).
+
+``flat`` terms (clip, aggregation, kl, rollout_correction) are always part of the loss and put
+their fields directly under ``loss.`` in a config, so their field names are unique across flat
+terms; the others are off unless chosen and get a section ``loss.<name>`` of their own.
+A user's term is chosen by import path, ``"package.module:function"``: importing the module runs
+its decorator.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from torch import Tensor
+
+from creditrl.utils.imports import is_import_path, load_object
+
+STAGES = ("keep", "ratio", "surrogate", "penalty", "aggregate")
+STAGE_DOCS = {
+    "keep": "which tokens count (``keep``) and data weights of the surrogate (``weight``)",
+    "ratio": "the surrogate's log-ratio ``log_ratio`` and advantages (dropped tokens are detached in ``logp``)",
+    "surrogate": "the per-token loss ``token_loss`` from log_ratio, advantages and weight",
+    "penalty": "per-token terms added to ``token_loss``",
+    "aggregate": "``token_loss`` over the kept tokens -> the scalar ``loss``",
+}
+INPUTS = ("ref_logp", "rollout_logp", "entropy")
+
+
+@dataclass(frozen=True)
+class LossState:
+    """What the terms read and replace (``dataclasses.replace``), shapes [B,T] unless noted.
+
+    Every [B,T] tensor is in the compute dtype (float32 or wider), finite off ``valid`` and 0 there
+    (so masking is a multiply by ``valid_f``: a ``torch.where`` costs ~7x more on CPU).
+    logp:        log π_θ(y_t), on the caller's graph (the only tensor with gradient); from the
+                 "ratio" stage on, detached where ``keep`` is False (dropped tokens pass no gradient)
+    old_logp, ref_logp, rollout_logp, entropy: detached data (None when not given / not needed)
+    advantages:  [B,1] (sequence-level) or [B,T], detached
+    valid:       bool, the response tokens (``valid_f``: the same as 0/1 in the compute dtype)
+    keep:        bool ⊆ valid, the tokens the loss counts
+    row_tokens:  [B] valid tokens per row;  n_valid: 0-d, Σ row_tokens (at least 1)
+    log_ratio:   z = log π_θ − log π_old (set before the "ratio" stage)
+    weight:      per-token factor of the surrogate, [B,T] or [B,1] (None = 1)
+    token_loss:  ℓ [B,T] (set by the "surrogate" stage);  loss: the scalar (set by "aggregate")
+    metrics:     name -> 0-d tensor (all copied to the host at once, at the end: no ``.item()``)
+    """
+
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    valid: Tensor
+    valid_f: Tensor
+    keep: Tensor
+    row_tokens: Tensor
+    n_valid: Tensor
+    ref_logp: Tensor | None = None
+    rollout_logp: Tensor | None = None
+    entropy: Tensor | None = None
+    log_ratio: Tensor | None = None
+    weight: Tensor | None = None
+    token_loss: Tensor | None = None
+    loss: Tensor | None = None
+    metrics: Mapping[str, Tensor] = field(default_factory=dict)
+
+    def with_metrics(self, **values: Tensor) -> LossState:
+        return dataclasses.replace(self, metrics={**self.metrics, **values})
+
+    def scaled(self, factor: Tensor) -> LossState:
+        """Multiply the surrogate's per-token ``weight`` by ``factor`` ([B,T] or [B,1])."""
+        return dataclasses.replace(self, weight=factor if self.weight is None else self.weight * factor)
+
+    def add_token_loss(self, extra: Tensor) -> LossState:
+        """ℓ ← ℓ + extra (a per-token penalty, [B,T] or [B,1])."""
+        return dataclasses.replace(self, token_loss=self.token_loss + extra)
+
+
+@dataclass(frozen=True)
+class LossTerm:
+    """A registered term: ``fn(state, options) -> state`` run at ``stage``; ``options`` is its
+    frozen options dataclass; ``needs`` names the inputs (``ref_logp``, ``rollout_logp``,
+    ``entropy``) it requires while ``active`` (the entropy reaches the state only when a term of
+    the loss needs it); ``doc`` is fn's first docstring line."""
+
+    name: str
+    fn: Callable[[LossState, Any], LossState]
+    options: type
+    stage: str
+    flat: bool = False
+    doc: str = ""
+    needs: tuple[str, ...] = ()
+    when: Callable[[Any], bool] | None = None
+
+    def active(self, options: Any) -> bool:
+        """Whether ``options`` make the term change the loss (a flat term may only log metrics)."""
+        return True if self.when is None else bool(self.when(options))
+
+    def make_options(self, values: Any = None) -> Any:
+        """An instance of ``options`` from an instance, a mapping of fields, or None (defaults);
+        errors name the term, the unknown fields and the valid ones."""
+        if isinstance(values, self.options):
+            return values
+        if values is None:
+            values = {}
+        if not isinstance(values, Mapping):
+            raise TypeError(f"loss term {self.name!r}: expected {self.options.__name__} or a mapping of its "
+                            f"fields, got {type(values).__name__}")
+        names = [f.name for f in dataclasses.fields(self.options)]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ValueError(f"loss term {self.name!r}: unknown option(s) {unknown}; valid options are {names}")
+        return self.options(**values)
+
+
+_REGISTRY: dict[str, LossTerm] = {}
+
+
+def _check_options_class(name: str, options: type, flat: bool) -> None:
+    if not (dataclasses.is_dataclass(options) and isinstance(options, type)
+            and options.__dataclass_params__.frozen):
+        raise TypeError(f"loss term {name!r}: options must be a frozen dataclass type, got {options!r}")
+    required = [f.name for f in dataclasses.fields(options)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise ValueError(f"loss term {name!r}: every option needs a default, {options.__name__} has none for "
+                         f"{required}")
+    if flat:
+        mine = {f.name for f in dataclasses.fields(options)}
+        for other in _REGISTRY.values():
+            clash = mine & {f.name for f in dataclasses.fields(other.options)} if other.flat and other.name != name else ()
+            if clash:
+                raise ValueError(f"loss term {name!r}: flat option name(s) {sorted(clash)} already belong to "
+                                 f"flat term {other.name!r}")
+
+
+def register_loss_term(name: str, *, options: type, stage: str, flat: bool = False,
+                       needs: Sequence[str] = (), when: Callable[[Any], bool] | None = None,
+                       overwrite: bool = False):
+    """Decorator: register ``fn(state: LossState, options) -> LossState`` as loss term ``name``.
+
+    ``options``: a frozen dataclass, every field with a default (``metadata["help"]`` documents
+    it); ``stage``: one of ``STAGES``; ``flat``: its fields sit directly under ``loss.`` (and the
+    term is always on); ``needs``: inputs required while ``when(options)`` is true (default:
+    always). Re-registering a name raises unless ``overwrite=True`` or it is the same function.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"stage: unknown value {stage!r}; valid values are {list(STAGES)}")
+    unknown = sorted(set(needs) - set(INPUTS))
+    if unknown:
+        raise ValueError(f"needs: unknown input(s) {unknown}; valid inputs are {list(INPUTS)}")
+    if not name.isidentifier():
+        raise ValueError(f"name: expected a Python identifier (it names config keys), got {name!r}")
+    _check_options_class(name, options, flat)
+
+    def decorator(fn: Callable[[LossState, Any], LossState]) -> Callable[[LossState, Any], LossState]:
+        old = _REGISTRY.get(name)
+        if old is not None and not overwrite and old.fn is not fn and (old.fn.__qualname__, old.fn.__module__) != (
+                getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
+            raise ValueError(f"loss term {name!r} is already registered to {old.fn!r}; pass overwrite=True")
+        lines = (fn.__doc__ or "").strip().splitlines()
+        _REGISTRY[name] = LossTerm(name, fn, options, stage, flat, lines[0] if lines else "", tuple(needs), when)
+        return fn
+
+    return decorator
+
+
+def list_loss_terms() -> list[str]:
+    """Names of the registered terms, in the order they apply (stage, then registration)."""
+    return [t.name for t in sorted(_REGISTRY.values(), key=lambda t: STAGES.index(t.stage))]
+
+
+def get_loss_term(name: str) -> LossTerm:
+    """The term registered as ``name``, or the one whose function ``"package.module:function"``
+    names (importing the module registers it)."""
+    if not isinstance(name, str):
+        raise TypeError(f"loss term: expected a registered name or 'package.module:function', got "
+                        f"{type(name).__name__}")
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if not is_import_path(name):
+        raise ValueError(f"loss term: unknown name {name!r}; registered terms are {list_loss_terms()}, or give "
+                         f"an import path 'package.module:function'")
+    fn = load_object(name, what="loss term")
+    for term in _REGISTRY.values():
+        if term.fn is fn:
+            return term
+    raise ValueError(f"loss term: {name!r} is not a registered loss term; decorate it with "
+                     f"@creditrl.register_loss_term(name, options=..., stage=...)")
+
+
+def resolve_loss_terms(spec: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+    """Term name -> options instance from either form a user writes:
+
+    - a mapping ``{name or "pkg.mod:fn": options instance | mapping of fields | None}``;
+    - a list of mappings, each with ``path`` (an import path or a registered name) or ``name``
+      and the term's option fields: ``[{"path": "my_mod:length_penalty", "coef": 0.01}]``
+      (the form of ``creditrl train loss.terms=[...]`` and TRL's ``loss_terms``).
+
+    Each term at most once. Errors name the entry and the valid options."""
+    if spec is None:
+        return {}
+    if isinstance(spec, Mapping):
+        items = list(spec.items())
+    elif isinstance(spec, Sequence) and not isinstance(spec, str):
+        items = [_list_entry(i, entry) for i, entry in enumerate(spec)]
+    else:
+        raise TypeError(f"terms: expected a mapping or a list of mappings, got {type(spec).__name__}")
+    resolved: dict[str, Any] = {}
+    for key, values in items:
+        term = get_loss_term(key)
+        if term.name in resolved:
+            raise ValueError(f"terms: loss term {term.name!r} is given twice")
+        resolved[term.name] = term.make_options(values)
+    return resolved
+
+
+def _list_entry(index: int, entry: Any) -> tuple[str, dict]:
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"terms[{index}]: expected a mapping with 'path' (or 'name') and options, got "
+                        f"{type(entry).__name__}")
+    keys = [k for k in ("path", "name") if k in entry]
+    if len(keys) != 1:
+        raise ValueError(f"terms[{index}]: expected exactly one of 'path' or 'name', got keys {sorted(entry)}")
+    return entry[keys[0]], {k: v for k, v in entry.items() if k != keys[0]}
