@@ -357,7 +357,7 @@ def test_registry_lists_all_and_accepts_third_party():
 
 def test_error_messages():
     batch = make_batch(0)
-    with pytest.raises(ValueError, match="unknown advantage estimator 'gpro'; valid names are .*'grpo'"):
+    with pytest.raises(ValueError, match="unknown estimator 'gpro'; valid estimators are .*'grpo'"):
         compute_advantages("gpro", **batch)
     with pytest.raises(ValueError, match=r"grpo: unknown option\(s\) \['epsilon'\]; valid options are \['eps', 'gamma'\]"):
         compute_advantages("grpo", **batch, epsilon=1.0)

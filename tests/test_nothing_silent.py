@@ -117,11 +117,11 @@ def test_no_valid_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_failed_checkpoint_write_leaves_nothing_and_names_the_path(tmp_path, monkeypatch):
-    import safetensors.torch
+    import creditrl.trainer.checkpoint as checkpoint
 
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    monkeypatch.setattr(checkpoint, "save_file", full_disk)
     with pytest.raises(OSError, match=r"checkpoint: could not write .*step_000003.*No space left"):
         _save(tmp_path, 3)
     assert list((tmp_path / "checkpoints").iterdir()) == []
@@ -165,7 +165,7 @@ def test_log_rewrite_is_atomic(tmp_path, monkeypatch):
     ("loss.kl_coef=.nan", "loss.kl_coef"), ("rollout.top_p=inf", "rollout.top_p")])
 def test_non_finite_numbers_are_rejected(override, key):
     with pytest.raises(ConfigError, match=rf"{key}: expected a finite number"):
-        load_config(None, [override])
+        resolve_config(load_config(None, [override]))
 
 
 @pytest.mark.parametrize("value", ["1e-9", "0", "0.01", "11", "-1"])
@@ -177,8 +177,8 @@ def test_temperature_has_a_documented_range(value):
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo", "otb", "opo"])
 def test_group_size_one_is_an_error_that_says_why(estimator):
     with pytest.raises(ConfigError, match=r"rollout.group_size: 1 response per prompt .* nothing would be learned"):
-        load_config(None, ["rollout.group_size=1", f"algorithm.estimator={estimator}"])
-    load_config(None, ["rollout.group_size=1", "algorithm.estimator=reinforce"])   # learns from one response
+        resolve_config(load_config(None, ["rollout.group_size=1", f"algorithm.estimator={estimator}"]))
+    resolve_config(load_config(None, ["rollout.group_size=1", "algorithm.estimator=reinforce"]))  # learns from one
 
 
 # ----------------------------------------------------------------------------- rewards
@@ -266,8 +266,7 @@ def test_cli_reports_a_stopped_run_without_a_traceback(tmp_path, monkeypatch, ca
 
     def stop(*a, **k):
         raise loop.TrainingStopped("training stopped at step 3: the loss or gradient was NaN/inf")
-    monkeypatch.setattr(loop, "train", stop)
-    monkeypatch.setattr("creditrl.trainer.train", stop)
+    monkeypatch.setattr("creditrl.cli.train", stop)
     assert main(["train", "--no-progress", f"train.output_dir={tmp_path}"]) == 2
     assert "training stopped at step 3" in capsys.readouterr().err
     assert Path(tmp_path).exists()

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from creditrl.config import ConfigError, load_config
+from creditrl.runtime.setup import resolve_config
 from creditrl.runtime.models import load_policy
 from creditrl.runtime.sampling import cut_at_stop, stop_token_ids
 from creditrl.tasks import get_task
@@ -280,7 +281,7 @@ def test_micro_batches_give_the_whole_batch_gradient(chat_model_dir, agg, extra)
 
 def test_micro_batches_refuse_stapo():
     with pytest.raises(ConfigError, match="optim.micro_batch_size: STAPO"):
-        load_config(None, ["optim.micro_batch_size=4", "loss.stapo.enabled=true"])
+        resolve_config(load_config(None, ["optim.micro_batch_size=4", "loss.stapo.enabled=true"]))
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(chat_model_dir):

@@ -139,7 +139,7 @@ def cmd_estimators(args) -> int:
 
 
 def cmd_config(args) -> int:
-    print(reference.markdown())
+    sys.stdout.write(reference.markdown())
     return 0
 
 

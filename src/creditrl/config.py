@@ -240,11 +240,12 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    loss: dict[str, Any] = opt({}, "The loss terms' options (`creditrl config` lists every one): the clipped "
+    loss: dict[str, Any] = opt({"clip_high": 0.28}, "The loss terms' options (`creditrl config` lists every one): the clipped "
                                    "surrogate, aggregation, KL and rollout correction flat (`loss.clip_low`, "
                                    "`loss.agg`, `loss.kl_coef`, ...), optional terms as sections "
                                    "(`loss.stapo.enabled=true`, `loss.trace.lam=0.99`), your own terms by import "
-                                   "path in `loss.terms`; checked when the run starts.")
+                                   "path in `loss.terms`; checked when the run starts. The trainer's recipe sets "
+                                   "`clip_high: 0.28` (DAPO's clip-higher) over the library's default.")
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -348,7 +349,10 @@ def load_saved_config(path: str | Path) -> Config:
     """A run's ``config.yaml``, strictly: every section must be present (a truncated or empty
     file is an error, never filled in with defaults)."""
     path = Path(path)
-    data = read_yaml(path)
+    try:
+        data = read_yaml(path)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: unreadable saved config ({err}); it is not filled in with defaults") from None
     expected = [f.name for f in dataclasses.fields(Config)]
     missing = [k for k in expected if not isinstance(data, dict) or k not in data]
     if missing:

@@ -59,7 +59,8 @@ def config_section() -> str:
     for f in dataclasses.fields(Config):
         value = getattr(Config(), f.name)
         if not dataclasses.is_dataclass(value):
-            out.append(f"## {f.name}\n\n{f.metadata.get('help', '')}\n")
+            row = f"| `{f.name}` | {_value(value)} | mapping | {_cell(f.metadata.get('help', ''))} |"
+            out.append(f"## {f.name}\n\n" + "\n".join(TABLE_HEAD + [row]) + "\n")
             continue
         rows = [f"| `{f.name}.{key}` | {_value(default)} | | {_cell(text)} |" for key, default, text in flat_items(value)]
         out.append(f"## {f.name}\n\n" + "\n".join(TABLE_HEAD + rows) + "\n")
@@ -104,7 +105,7 @@ def tasks_section() -> str:
 
 def markdown() -> str:
     """The whole reference (docs/config.md)."""
-    return "\n".join([INTRO, config_section(), estimators_section(), loss_section(), tasks_section()])
+    return "\n".join([INTRO, config_section(), estimators_section(), loss_section(), tasks_section()]).rstrip() + "\n"
 
 
 def help_lines() -> list[str]:

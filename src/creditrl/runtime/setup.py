@@ -21,9 +21,9 @@ from creditrl.core.estimators import compute_advantages
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
 from creditrl.runtime.models import is_chat_model, load_policy
-from creditrl.tasks import get_task
+from creditrl.tasks import get_task, task_options
 from creditrl.tasks.base import ProceduralTask
-from creditrl.utils.options import build, coerce, options_of
+from creditrl.utils.options import build, coerce, instantiate, options_of
 
 DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
 
@@ -76,7 +76,10 @@ def load_configured_policy(cfg: Config, task, device, progress: bool, name: str 
 
 def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
     """(estimator name, its options with defaults filled, whether it needs energies)."""
-    spec = get_estimator(cfg.algorithm.estimator)
+    try:
+        spec = get_estimator(cfg.algorithm.estimator)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.estimator: {str(err).removeprefix('name: ')}") from None
     specs = spec.option_specs
     options = dict(cfg.algorithm.options) if specs is None else build("algorithm.options", specs,
                                                                        cfg.algorithm.options)
@@ -101,6 +104,20 @@ def _check_estimator(cfg: Config, options: dict) -> None:
         raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "
                           f"every token (it compares responses within a group), so nothing would be learned; use "
                           f"rollout.group_size >= 2 or algorithm.estimator=reinforce")
+
+
+def _check_task(cfg: Config) -> None:
+    """The task's name and options against its declaration (its parameters), before any data is read."""
+    try:
+        declared = task_options(cfg.task.name)
+    except ValueError as err:
+        raise ConfigError(f"task.name: {str(err).removeprefix('task: ').removeprefix('task.name: ')}") from None
+    if declared is None:                          # a user's factory taking **kwargs: anything goes
+        return
+    unknown = sorted(set(cfg.task.options) - set(declared))
+    if unknown:
+        raise ConfigError(f"task.options: unknown option(s) {unknown} for task {cfg.task.name!r}; valid options are "
+                          f"{sorted(declared)}")
 
 
 def _check_combinations(cfg: Config, loss: dict) -> None:
@@ -128,6 +145,7 @@ def resolve_config(cfg: Config) -> Config:
     naming the key). Raises before any model or data is loaded."""
     _, options, _ = estimator_from_config(cfg)
     _check_estimator(cfg, options)
+    _check_task(cfg)
     loss = resolve_loss(cfg.loss)
     _check_combinations(cfg, loss)
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
@@ -143,8 +161,9 @@ def builtin_loss_terms() -> list:
 
 
 def _term_values(where: str, term, values: dict) -> dict:
-    """One term's options from ``values``, typed and filled with the term's defaults."""
-    return build(where, options_of(term.options), values)
+    """One term's options from ``values``: typed, filled with the term's defaults and checked by
+    the term's own options class (its ``__post_init__``), errors naming ``where``."""
+    return dataclasses.asdict(instantiate(where, term.options, values))
 
 
 def resolve_loss(loss: dict) -> dict:

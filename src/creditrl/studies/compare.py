@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from creditrl.config import load_config
+from creditrl.runtime.setup import resolve_config
 from creditrl.studies import reporting
 from creditrl.trainer import train
 
@@ -80,9 +81,9 @@ def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool
         for seed in spec.seeds:
             target = run_dir(out, name, seed)
             recipe = {"config": spec.config, "overrides": [*spec.overrides, *overrides, f"train.seed={seed}"]}
-            configs[name, seed] = recipe, load_config(spec.config, [
+            configs[name, seed] = recipe, resolve_config(load_config(spec.config, [
                 *recipe["overrides"], f"train.output_dir={target.parent}", f"train.run_name={target.name}",
-                f"logging.progress={str(progress).lower()}"])
+                f"logging.progress={str(progress).lower()}"]))
     dirs: dict[str, list[Path]] = {name: [] for name in spec.runs}
     for (name, seed), (recipe, cfg) in configs.items():
         target = run_dir(out, name, seed)

@@ -144,7 +144,8 @@ def optimizer_step(optimizer, params: list[Tensor], max_grad_norm: float, finite
         scaler.update()
     elif ok:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if not ok:                                  # no non-finite gradient is left lying around
+        optimizer.zero_grad(set_to_none=True)
     return float(grad_norm), not ok
 
 
@@ -234,6 +235,7 @@ class Learner:
             order = torch.arange(batch.size) if single_pass else torch.randperm(batch.size, generator=generator)
             for rows in order.to(batch.mask.device).split(mb):
                 chunks = first if single_pass else micro_batches(rows, micro, None)
+                self.optimizer.zero_grad(set_to_none=True)
                 metrics = self.accumulate(batch, chunks, live if single_pass else [None] * len(chunks),
                                           old, adv, ref_logp, halves)
                 grad_norm, skip = optimizer_step(self.optimizer, self.params, cfg.optim.max_grad_norm,

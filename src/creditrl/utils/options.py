@@ -222,9 +222,13 @@ def build(where: str, specs: list[OptionSpec], values: dict | None) -> dict:
 
 def instantiate(where: str, cls: Callable, values: dict | None) -> Any:
     """``cls(**build(where, options_of(cls), values))`` with its own checks' errors naming ``where``."""
+    specs = options_of(cls)
     try:
-        return cls(**build(where, options_of(cls), values))
+        return cls(**build(where, specs, values))
     except (TypeError, ValueError) as err:
         if isinstance(err, OptionError):
             raise
+        field_name, _, rest = str(err).partition(": ")
+        if field_name in {s.name for s in specs}:      # the class names its field: name it in full
+            raise OptionError(f"{where}.{field_name}: {rest}") from None
         raise OptionError(f"{where}: {err}") from None

@@ -174,5 +174,5 @@ def get_estimator(name: str) -> EstimatorSpec:
                 return spec
         raise ValueError(f"estimator {name!r}: {fn!r} is not a registered estimator; decorate it with "
                          f"@creditrl.register_estimator('my_name') so its options and needs are declared")
-    raise ValueError(f"name: unknown advantage estimator {name!r}; valid names are {list_estimators()} "
+    raise ValueError(f"name: unknown estimator {name!r}; valid estimators are {list_estimators()} "
                      f"or an import path 'package.module:function'")
