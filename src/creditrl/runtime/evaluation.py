@@ -63,14 +63,13 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
 def completion_records(batch, count: int) -> list[dict]:
     """The first ``count`` responses of a RolloutBatch as dicts: prompt (as rendered), completion,
     reward, advantage (mean over its trained tokens; None before an update), length, stopped."""
-    p, out = batch.prompt_len, []
-    for b in range(min(count, len(batch.response_texts))):
-        mask = batch.response_mask[b, p:]
-        length = int(mask.sum())
-        advantage = None
-        if batch.advantages is not None:
-            advantage = float((batch.advantages[b, p:] * mask).sum() / max(length, 1))
-        out.append({"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
-                    "reward": float(batch.rewards[b]), "advantage": advantage, "length": length,
-                    "stopped": bool(batch.stopped[b])})
-    return out
+    p, count = batch.prompt_len, min(count, len(batch.response_texts))
+    mask = batch.response_mask[:count, p:]
+    lengths = mask.sum(-1)
+    advantages = [None] * count
+    if batch.advantages is not None:        # on the learner's device: only these rows' means come back
+        adv = batch.advantages[:count, p:]
+        advantages = ((adv * mask.to(adv.device)).sum(-1) / lengths.clamp(min=1).to(adv.device)).tolist()
+    return [{"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
+             "reward": float(batch.rewards[b]), "advantage": advantages[b], "length": int(lengths[b]),
+             "stopped": bool(batch.stopped[b])} for b in range(count)]

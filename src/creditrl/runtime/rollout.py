@@ -32,7 +32,7 @@ class RolloutBatch:
     stopped:        [B] bool, ended at a stop token/string (False: clipped at max_new_tokens)
     prompt_texts:   [len(problems)] the rendered prompts (chat template included)
     reward_invalid: [B] bool, the task's reward was NaN/inf (counted as 0)
-    advantages:     [B,L] float32, filled in by the learner's update (None before)
+    advantages:     [B,L] float32 on the learner's device, filled in by its update (None before)
     """
 
     input_ids: Tensor

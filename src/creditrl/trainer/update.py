@@ -113,7 +113,7 @@ class Learner:
 
     def update(self, batch: RolloutBatch, generator: torch.Generator) -> dict:
         """One train step on ``batch``; returns the step's metrics (floats) and stores the
-        advantages [B,L] on ``batch.advantages``."""
+        advantages [B,L] on ``batch.advantages`` (on the learner's device)."""
         from creditrl import compute_advantages, policy_loss, power_proxy
         from creditrl.core.losses.diagnostics import adam_moment_variance
 
@@ -191,7 +191,7 @@ class Learner:
         out.pop("agg_count", None)
         adv_mean, adv_std = masked_mean_std(advantages, mask)
         lengths = mask.sum(-1)
-        batch.advantages = torch.nn.functional.pad(advantages.cpu(), (p, 0))
+        batch.advantages = torch.nn.functional.pad(advantages, (p, 0))   # stays on the device (completion log)
         out.update(
             reward_mean=float(rewards.mean()), reward_std=float(rewards.std(unbiased=False)),
             accuracy=float(batch.correct.float().mean()), response_len=float(lengths.float().mean()),
