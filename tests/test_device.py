@@ -25,8 +25,9 @@ from creditrl.runtime.scoring import response_stats
 from host_transfers import HostTransfers
 from test_estimators import ALL as ESTIMATORS
 from test_estimators import make_batch as estimator_batch
-from test_losses import COMBOS, OPTIONS
-from test_losses import make_batch as loss_batch
+from test_losses import COMBOS
+from test_policy_gradients import option_batch
+from test_resume import records, train_cmd
 
 QWEN_VOCAB = 151936          # Qwen2.5's vocabulary: the size the issue asks token_stats to hold at
 MAXK = {"maxpo": 2, "maxk_bon": 2, "passk_chen": 2, "pkpo": 2, "ei": 2}
@@ -169,14 +170,7 @@ def test_token_stats_at_qwen_vocab_matches_float64(device, dtype, temperature):
 # ------------------------------------------------------------------------------- policy_loss
 
 def loss_inputs(combo, token_adv: bool):
-    logp, old, adv, mask = loss_batch(7, rows=6, length=200, token_adv=token_adv, spread=1.0)
-    gen = torch.Generator().manual_seed(12)
-    kwargs = dict(ref_logp=old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen),
-                  rollout_logp=old + 0.5 * torch.randn(old.shape, generator=gen),
-                  entropy=torch.rand(old.shape, generator=gen))
-    for name in combo:
-        kwargs.update(OPTIONS[name])
-    return logp, old, adv, mask, kwargs
+    return option_batch(combo, token_adv, length=200)      # rows long enough for several trace blocks
 
 
 def loss_and_grad(logp, old, adv, mask, kwargs, device):
@@ -367,11 +361,6 @@ TINY_RUN = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.
             "model.warm_start.target_accuracy=0.3", "model.warm_start.lr=3e-3", "task.options.digits=1",
             "train.eval_problems=8", "train.eval_samples=4", "train.pass_k=[1,4]", "logging.progress=false",
             "train.device=cuda", "algorithm.estimator=otb", "loss.stapo.enabled=true"]
-TIMING = {"tokens_per_s", "time_rollout", "time_update", "time_eval"}
-
-
-def records(path):
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in path.read_text().splitlines()]
 
 
 @pytest.mark.cuda
@@ -400,10 +389,6 @@ def test_train_three_steps_on_cuda(tmp_path, variant):
     after = dict(trainer.model.named_parameters())
     assert any(not torch.equal(v, after[k].detach()) for k, v in trainable.items())
     assert (tmp_path / "run" / "summary.md").is_file() and (tmp_path / "run" / "final").is_dir()
-
-
-def train_cmd(*args):
-    return [sys.executable, "-m", "creditrl.cli", "train", "--no-progress", *args]
 
 
 @pytest.mark.cuda
