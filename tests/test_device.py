@@ -349,7 +349,8 @@ def test_learner_update_moves_no_token_tensors_to_the_host(device):
     learner.update(batches[0], gen)                # the first step creates the optimizer state
     batch = batches[1]
     with HostTransfers() as rec:
-        metrics = learner.update(batch, gen)
+        result = learner.update(batch, gen)
+    metrics = getattr(result, "metrics", result)   # a dict, or main's Update(metrics, advantages)
     assert math.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     check_transfers(rec, device, largest=batch.input_ids.shape[0], scalars=64, copies=16, name="Learner.update")
 
