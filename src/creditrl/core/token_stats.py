@@ -54,13 +54,16 @@ class TokenStats:
 
 def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float,
                    scratch: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
-    """rows [n, V] any float dtype -> (logp, entropy, sum_p2, energy, log_normaliser) float32 [n]
-    and whether a row held -inf logits (a masked vocabulary: 0 log 0 counts as 0).
+    """rows [n, V] any float dtype -> (logp, entropy, sum_p2, energy, log_normaliser) float32 [n].
 
     With z the tempered logits, m = max z, e = exp(z - m), s = sum e:
     log pi(y) = z_y - m - log s,  H = log s - sum e (z - m) / s,  sum pi^2 = sum e^2 / s^2,
     energy = (r / s)^2 + q / s^2 with r = sum_{v != y} e, q = sum_{v != y} e^2, summed with e_y
-    zeroed (no cancellation for pi(y) -> 1). ``scratch``: two float32 buffers of at least
+    zeroed (no cancellation for pi(y) -> 1). z - m is clamped at the float32 minimum first, so
+    -inf logits (a masked vocabulary, e = 0) add 0 log 0 = 0 without a check or a host sync.
+    Every sum over V is an elementwise product then ``sum`` (pairwise on the CPU, a tree on
+    CUDA): a float32 dot product (bmm) accumulates sequentially on the CPU, loses ~1e-4
+    relative at V = 152k, and is slower there. ``scratch``: two float32 buffers of at least
     rows.shape reused across chunks (fresh 16 MiB buffers per chunk cost page faults).
     """
     shifted, e = (None, None) if scratch is None else (buf[: rows.shape[0]] for buf in scratch)
@@ -73,33 +76,28 @@ def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float,
     e = torch.exp(shifted, out=e)
     s = e.sum(-1)
     log_s = s.log()
-    dot = torch.bmm(e.unsqueeze(1), shifted.unsqueeze(2)).flatten()        # sum e (z - m), no temp
-    masked = torch.isnan(dot)            # a -inf logit: 0 * -inf; the rows are rare, fix only them
-    has_masked = bool(masked.any())
-    if has_masked:
-        fix = shifted[masked].clamp_(min=torch.finfo(torch.float32).min)   # 0 * log 0 = 0
-        dot[masked] = (e[masked] * fix).sum(-1)
     logp = shifted.gather(1, targets[:, None]).squeeze(1) - log_s
-    entropy = log_s - dot / s
+    shifted.clamp_(min=torch.finfo(torch.float32).min)                     # 0 * -inf would be NaN
+    entropy = log_s - shifted.mul_(e).sum(-1) / s                           # shifted is scratch from here on
     e_y = e.gather(1, targets[:, None]).squeeze(1)
-    e.scatter_(1, targets[:, None], 0.0)                                    # e is scratch from here on
-    others = torch.bmm(e.unsqueeze(1), e.unsqueeze(2)).flatten() / (s * s)  # sum_{v != y} pi^2
+    e.scatter_(1, targets[:, None], 0.0)
+    others = torch.mul(e, e, out=shifted).sum(-1) / (s * s)                # sum_{v != y} pi^2
     not_y = e.sum(-1) / s                                                   # 1 - pi(y)
-    return logp, entropy, others + (e_y / s).square(), not_y.square() + others, m.squeeze(1) + log_s, has_masked
+    return logp, entropy, others + (e_y / s).square(), not_y.square() + others, m.squeeze(1) + log_s
 
 
 def _chunk_backward(rows: Tensor, targets: Tensor, log_norm: Tensor, entropy: Tensor,
                     grad_logp: Tensor, grad_entropy: Tensor, temperature: float,
-                    scratch: tuple[Tensor, Tensor] | None = None, masked_vocab: bool = False) -> Tensor:
+                    scratch: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """d/dlogits of sum(g_logp * logp + g_H * H) for one chunk, float32 [n, V]:
-    dlogp/dz = e_y - pi,  dH/dz = -pi (log pi + H),  dz/dlogits = 1 / temperature."""
+    dlogp/dz = e_y - pi,  dH/dz = -pi (log pi + H),  dz/dlogits = 1 / temperature; log pi is
+    clamped at the float32 minimum (-inf logits: pi = 0, and so is their gradient)."""
     log_pi, pi = (None, None) if scratch is None else (buf[: rows.shape[0]] for buf in scratch)
     log_pi = torch.sub(rows, (log_norm * temperature)[:, None], out=log_pi)  # upcasts to float32
     if temperature != 1.0:
         log_pi.div_(temperature)
     pi = torch.exp(log_pi, out=pi)
-    if masked_vocab:                     # -inf logits: pi = 0 there, and so is its gradient
-        log_pi.clamp_(min=torch.finfo(torch.float32).min)
+    log_pi.clamp_(min=torch.finfo(torch.float32).min)
     grad = log_pi.add_(entropy[:, None]).mul_(pi).mul_(-grad_entropy[:, None])
     grad.addcmul_(pi, grad_logp[:, None], value=-1.0)
     grad[torch.arange(rows.shape[0], device=rows.device), targets] += grad_logp
@@ -119,12 +117,11 @@ def _chunks(index: Tensor, chunk: int) -> list[tuple[slice, Tensor | slice]]:
     if not starts:
         return []
     ends = [min(s + chunk, n) for s in starts]
-    first = index[torch.tensor(starts, device=index.device)]
-    last = index[torch.tensor(ends, device=index.device) - 1]
-    spans = (last - first + 1).tolist()
-    firsts = first.tolist()
-    return [(slice(s, e), slice(f, f + e - s) if span == e - s else index[s:e])
-            for s, e, f, span in zip(starts, ends, firsts, spans)]
+    bounds = torch.stack([index[torch.tensor(starts, device=index.device)],
+                          index[torch.tensor(ends, device=index.device) - 1]])
+    firsts, lasts = bounds.tolist()                        # the one host copy (a sync on CUDA) per call
+    return [(slice(s, e), slice(f, f + e - s) if last - f + 1 == e - s else index[s:e])
+            for s, e, f, last in zip(starts, ends, firsts, lasts)]
 
 
 class _TokenStatsFn(torch.autograd.Function):
@@ -136,10 +133,8 @@ class _TokenStatsFn(torch.autograd.Function):
         n = index.numel()
         outs = [flat_logits.new_zeros(n, dtype=torch.float32) for _ in range(5)]
         scratch = _scratch(flat_logits, min(chunk, n))
-        masked_vocab = False
         for rows, source in _chunks(index, chunk):
-            *results, has_masked = _chunk_forward(flat_logits[source], targets[rows], temperature, scratch)
-            masked_vocab |= has_masked
+            results = _chunk_forward(flat_logits[source], targets[rows], temperature, scratch)
             for out, res in zip(outs, results):
                 out[rows] = res
         logp, entropy, sum_p2, energy, log_norm = outs
@@ -150,7 +145,6 @@ class _TokenStatsFn(torch.autograd.Function):
                                  f"e.g. rows {rows[:10]}")
         ctx.save_for_backward(flat_logits, index, targets, log_norm, entropy)
         ctx.temperature, ctx.chunk = temperature, chunk
-        ctx.masked_vocab = masked_vocab
         ctx.mark_non_differentiable(sum_p2, energy)
         return logp, entropy, sum_p2, energy
 
@@ -163,8 +157,8 @@ class _TokenStatsFn(torch.autograd.Function):
         scratch = _scratch(flat_logits, min(ctx.chunk, index.numel()))
         for rows, source in _chunks(index, ctx.chunk):
             grad[source] = _chunk_backward(flat_logits[source], targets[rows], log_norm[rows], entropy[rows],
-                                           grad_logp[rows], grad_entropy[rows], ctx.temperature, scratch,
-                                           ctx.masked_vocab).to(grad.dtype)
+                                           grad_logp[rows], grad_entropy[rows], ctx.temperature,
+                                           scratch).to(grad.dtype)
         return grad, None, None, None, None, None
 
 

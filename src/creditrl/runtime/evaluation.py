@@ -63,15 +63,14 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
 def completion_records(batch, count: int, advantages=None) -> list[dict]:
     """The first ``count`` responses of a RolloutBatch as dicts: prompt (as rendered), completion,
     reward, advantage (mean over its trained tokens of ``advantages`` [B,R]; None without them),
-    length, stopped."""
-    p, out = batch.prompt_len, []
-    for b in range(min(count, len(batch.response_texts))):
-        mask = batch.response_mask[b, p:]
-        length = int(mask.sum())
-        advantage = None
-        if advantages is not None:
-            advantage = float((advantages[b].cpu() * mask).sum() / max(length, 1))
-        out.append({"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
-                    "reward": float(batch.rewards[b]), "advantage": advantage, "length": length,
-                    "stopped": bool(batch.stopped[b])})
-    return out
+    length, stopped. One device-to-host copy of the advantages' row means."""
+    p, n = batch.prompt_len, min(count, len(batch.response_texts))
+    mask = batch.response_mask[:n, p:]
+    lengths = mask.sum(-1)
+    means = [None] * n
+    if advantages is not None and n:
+        means = ((advantages[:n].float() * mask.to(advantages.device)).sum(-1)
+                 / lengths.to(advantages.device).clamp(min=1)).tolist()
+    return [{"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
+             "reward": float(batch.rewards[b]), "advantage": means[b], "length": int(lengths[b]),
+             "stopped": bool(batch.stopped[b])} for b in range(n)]

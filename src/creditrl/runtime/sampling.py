@@ -16,7 +16,9 @@ reaches ``max_new_tokens`` sampled tokens first is *clipped* (``stopped`` False)
 
 Sampling runs on the model's device: only one uniform number per row comes from the (CPU,
 checkpointed) generator, and the token is drawn by inverse CDF, so runs are reproducible on
-any device and no [N,V] logits cross to the host.
+any device and no [N,V] logits cross to the host. Per decoding step the sampled tokens and
+their log-probs ([live rows] each) come back to the host, two copies and the step's one host
+sync: the stop, tool and bookkeeping logic runs there (tests/test_device.py counts them).
 
 Layout: prompts are left-padded to a common length P, responses follow from column P and are
 right-padded, so every response starts at column P and ``position_ids`` = cumsum(attention_mask)

@@ -52,14 +52,16 @@ def length_buckets(lengths: Tensor, overhead: int = 32, max_buckets: int = 4) ->
     forward per bucket computes, padding included) + overhead·buckets (a forward's fixed cost, in
     tokens). Returns each bucket's row indices, shortest first, longest row last."""
     order = lengths.argsort(stable=True)
-    n = len(order)
-    best, best_cost = [order], None
+    ordered = lengths[order].tolist()      # one copy of [B] to the host: the choice is host arithmetic
+    n = len(ordered)
+    best_k, best_cost = 1, None
     for k in range(1, min(max_buckets, n) + 1):
-        parts = [p for p in order.tensor_split(k) if len(p)]
-        cost = sum(len(p) * int(lengths[p[-1]]) for p in parts) + overhead * len(parts)
+        sizes = [n // k + (i < n % k) for i in range(k)]                  # as tensor_split(k) cuts
+        ends = [sum(sizes[:i + 1]) for i in range(k)]
+        cost = sum(size * ordered[end - 1] for size, end in zip(sizes, ends)) + overhead * k
         if best_cost is None or cost < best_cost:
-            best, best_cost = parts, cost
-    return best
+            best_k, best_cost = k, cost
+    return list(order.tensor_split(best_k)) if n else [order]
 
 
 def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import random
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ def set_determinism(cfg: Config) -> None:
     if threads:
         torch.set_num_threads(threads)
     if cfg.train.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace, read when CUDA first uses it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)

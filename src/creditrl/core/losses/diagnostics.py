@@ -110,16 +110,17 @@ def adam_moment_variance(optimizer: torch.optim.Optimizer) -> float:
     the sum runs over every parameter with Adam state. 0.0 before the first step.
 
     Logged every step, so it runs as two reductions per tensor, Σv / c₂ − ‖m‖² / c₁² with
-    c = 1 − β^t, accumulated in float64 without a float64 copy of the moments."""
-    total = 0.0
+    c = 1 − β^t, accumulated in float64 without a float64 copy of the moments, on the moments'
+    device: one host read per device in all (not three per tensor: on CUDA each is a sync)."""
+    terms: dict[torch.device, list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             state = optimizer.state.get(p, {})
             if "exp_avg" not in state:
                 continue
-            t = float(state["step"])
-            v_sum = float(state["exp_avg_sq"].sum(dtype=torch.float64))
-            m_sq = float(torch.linalg.vector_norm(state["exp_avg"], dtype=torch.float64)) ** 2
-            total += v_sum / (1.0 - beta2 ** t) - m_sq / (1.0 - beta1 ** t) ** 2
-    return total
+            t = torch.as_tensor(state["step"], dtype=torch.float64)   # a CPU or device (fused) tensor
+            v_sum = state["exp_avg_sq"].sum(dtype=torch.float64)
+            m_sq = torch.linalg.vector_norm(state["exp_avg"], dtype=torch.float64).square()
+            terms.setdefault(v_sum.device, []).append(v_sum / (1.0 - beta2 ** t) - m_sq / (1.0 - beta1 ** t).square())
+    return sum((float(torch.stack(parts).sum()) for parts in terms.values()), 0.0)
