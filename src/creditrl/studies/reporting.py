@@ -16,6 +16,8 @@ from typing import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from creditrl.utils.stats import t_quantile
+
 
 Row = dict[str, object]
 
@@ -150,10 +152,6 @@ def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
 
 OUTCOMES = ("reproduces", "partly", "does not reproduce", "inconclusive")
 
-# two-sided 95% Student-t quantiles t_{0.975, df}, df = 1..30 (beyond: the normal 1.96)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
 POWER_FACTOR = 2.8  # z_{0.975} + z_{0.80}: an effect of 2.8 SE is detected with 80% power at α = 0.05
 
 
@@ -168,11 +166,6 @@ def tail_index(x: Sequence[float] | Tensor, fraction: float = 0.1) -> float:
         raise ValueError(f"x, fraction: expected more than {k} positive samples with 0 < fraction < 1, got "
                          f"{v.numel()} positive samples and fraction={fraction}")
     return float(k / (v[:k] / v[k]).log().sum())
-
-
-def t_quantile(df: int) -> float:
-    """t_{0.975, df} (two-sided 95%); inf for df < 1 (no interval from one sample)."""
-    return math.inf if df < 1 else _T975[df - 1] if df <= len(_T975) else 1.96
 
 
 @dataclass(frozen=True)
