@@ -273,3 +273,16 @@ def test_count_sketch_matches_its_definition_and_is_unbiased():
     assert torch.equal(sketch([None, y[1]]), CountSketch(shapes, 4, 0)([torch.zeros(3, 4, dtype=torch.float64), y[1]]))
     with pytest.raises(ValueError, match=r"tensors: expected shape \[5\], got \[4\]"):
         sketch([x[0], torch.zeros(4)])
+
+
+def test_an_exact_multiple_is_added_without_a_gradient():
+    """dr_grpo = (N−1)/N · rloo: appended from rloo's statistics, equal to measuring it."""
+    draws = torch.randn(12, 2, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
+    measured = torch.cat([draws, draws[:, :1] * 0.75], 1)
+    units = [k // 2 for k in range(12)]
+    got = moments_from_draws(("rloo", "b"), draws, units, folds=3).with_multiple("dr", "rloo", 0.75)
+    want = moments_from_draws(("rloo", "b", "dr"), measured, units, folds=3)
+    for key in ("second", "within", "cross"):
+        torch.testing.assert_close(getattr(got, key), getattr(want, key))
+    q = gradient_quality(got)
+    assert q["dr"].scale.value == pytest.approx(0.75) and q["dr"].efficiency.value == pytest.approx(1.0)

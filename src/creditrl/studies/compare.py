@@ -22,8 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
+from creditrl.config import load_config
 from creditrl.studies import reporting
+from creditrl.trainer import train
 
 PANELS = (  # (metric, x axis) of the report figure
     ("reward_mean", "step"), ("reward_mean", "tokens_total"), ("accuracy", "step"), ("accuracy", "tokens_total"),
@@ -45,8 +48,6 @@ class CompareSpec:
 
 def load_spec(path: Path) -> CompareSpec:
     """Read a YAML spec; errors name the key and the expected form."""
-    import yaml
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--spec: file not found: {path}")
@@ -74,9 +75,6 @@ def run_dir(out: Path, name: str, seed: int) -> Path:
 
 def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict[str, list[Path]]:
     """Train every run × seed (sequentially; each run already uses every core); returns dirs by run."""
-    from creditrl.config import load_config
-    from creditrl.trainer import train
-
     configs = {}
     for name, overrides in spec.runs.items():  # validate every config before the first long run
         for seed in spec.seeds:

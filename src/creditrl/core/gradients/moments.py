@@ -58,6 +58,20 @@ class GradientStats:
         return GradientStats(self.names, self.draws[keep], self.same_unit[keep], self.second[keep],
                              self.within[keep], self.cross[keep][:, keep])
 
+    def with_multiple(self, name: str, source: str, factor: float) -> "GradientStats":
+        """These statistics plus an estimator ``name`` whose every draw is exactly ``factor`` × ``source``'s
+        (e.g. ``dr_grpo`` = (N−1)/N · ``rloo``): its rows and columns of Q, S and C follow without a gradient."""
+        e = self.index(source)
+        scale = torch.ones(len(self.names) + 1, dtype=torch.float64)
+        scale[-1] = factor
+        pick = torch.tensor([*range(len(self.names)), e])
+
+        def grow(x: Tensor) -> Tensor:                    # [..., E, E] -> [..., E+1, E+1]
+            return x[..., pick, :][..., :, pick] * scale[:, None] * scale[None, :]
+
+        return GradientStats((*self.names, name), self.draws, self.same_unit, grow(self.second), grow(self.within),
+                             grow(self.cross))
+
     def index(self, name: str) -> int:
         if name not in self.names:
             raise ValueError(f"name: expected one of the measured estimators {list(self.names)}, got {name!r}")

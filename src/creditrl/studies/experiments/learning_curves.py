@@ -35,7 +35,9 @@ from pathlib import Path
 
 from creditrl.studies import reporting
 from creditrl.studies import trainer_runs as studies
-from creditrl.studies.experiments.grad_variance import PAPER_MAXPO_VARIANCE_RATIO
+from creditrl.studies.compare import mean_std_table
+from creditrl.studies.experiments.registry import Experiment, register_experiment
+from creditrl.studies.papers import PAPER_MAXPO_VARIANCE_RATIO
 
 PAPER_LAMBDA_GAP = 0.20          # GRPO-λ §4.2: training accuracy 20–50% above GRPO's (the low end, relative)
 PAPER_PASS16_GAIN = 0.009        # MaxPO Table 2: pass@16 +0.9 to +5.0 points (the low end)
@@ -197,8 +199,6 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
 
 
 def report(out_dir: Path, figure_path: str) -> str:
-    from creditrl.studies.compare import mean_std_table
-
     out_dir = Path(out_dir)
     summary = reporting.read_json(out_dir / "summary.json")
     cfg = summary["config"]
@@ -219,3 +219,6 @@ def report(out_dir: Path, figure_path: str) -> str:
                             "adam_variance_end", "tokens") if c in members[0]]
         lines += [f"### {name}\n", mean_std_table(members, cols)]
     return "\n".join(lines)
+
+
+EXPERIMENT = register_experiment(Experiment("learning-curves", PRESETS, run, verdicts, report))

@@ -38,9 +38,9 @@ from pathlib import Path
 
 from creditrl.studies import reporting
 from creditrl.studies import trainer_runs as studies
+from creditrl.studies.experiments.registry import Experiment, register_experiment
 
-STUDY = {"task": "multiplication", "warm_start": ["model.warm_start.target_accuracy=0.2"],
-         "overrides": ["optim.lr=3e-4", "optim.max_grad_norm=1e6"]}
+STUDY = studies.UNSTABLE_STUDY
 RUNS = {"grpo-n4": ["algorithm.estimator=grpo", "rollout.group_size=4"],
         "otb-n4": ["algorithm.estimator=otb", "rollout.group_size=4"],
         "grpo-n16": ["algorithm.estimator=grpo", "rollout.group_size=16"]}
@@ -182,3 +182,6 @@ def report(out_dir: Path, figure_path: str) -> str:
              reporting.markdown_table(rows, ["run", "seed", "collapsed", "collapse_step", "start_acc", "end_acc",
                                              "mean_change", "max_grad_norm", "tokens", "reason"])]
     return "\n".join(lines)
+
+
+EXPERIMENT = register_experiment(Experiment("otb-stability", PRESETS, run, verdicts, report))
