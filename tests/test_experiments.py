@@ -267,7 +267,8 @@ def test_experiment_registry_checks_the_protocol():
     from creditrl.studies.experiments.registry import Experiment
 
     cfg = experiments.get_experiment("horizon").presets["fast"]
-    with pytest.raises(ValueError, match=r"presets: experiment 'x' needs presets \['fast', 'full'\], missing \['full'\]"):
+    with pytest.raises(ValueError, match=r"presets: experiment 'x' needs presets \['fast', 'full'\], "
+                                         r"missing \['full'\]"):
         Experiment("x", {"fast": cfg}, print, print, print)
     with pytest.raises(ValueError, match="must be a config dataclass with seed and threads"):
         Experiment("x", {"fast": cfg, "full": {"seed": 0}}, print, print, print)

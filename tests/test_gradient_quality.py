@@ -142,7 +142,8 @@ def test_exact_quality_on_the_enumerable_policy(outcomes, eos):
     # unbiased forms have c = 1 and point along ∇J; dr_grpo is (N−1)/N·rloo: c = 2/3, efficiency exactly 1
     grad = true_gradient(THETA, eos)
     for name in ("rloo", "otb_loo", "otb_isolated_loo", "ogb_loo", "opo_loo"):
-        assert exact[name].scale.value == pytest.approx(1.0, abs=1e-9) and exact[name].cosine.value == pytest.approx(1.0, abs=1e-9)
+        assert exact[name].scale.value == pytest.approx(1.0, abs=1e-9)
+        assert exact[name].cosine.value == pytest.approx(1.0, abs=1e-9)
     assert exact["dr_grpo"].scale.value == pytest.approx(2 / 3, rel=1e-10)
     assert exact["dr_grpo"].efficiency.value == pytest.approx(1.0, rel=1e-10)
     assert exact["dr_grpo"].raw_ratio.value == pytest.approx(4 / 9, rel=1e-10)
@@ -265,9 +266,11 @@ def test_count_sketch_matches_its_definition_and_is_unbiased():
             loop[int(bucket[i])] += int(sign[i]) * v
     torch.testing.assert_close(sketch(x), loop)
     flat_x, flat_y = torch.cat([t.reshape(-1) for t in x]), torch.cat([t.reshape(-1) for t in y])
-    dots = torch.tensor([float(CountSketch(shapes, 4, seed)(x) @ CountSketch(shapes, 4, seed)(y)) for seed in range(4000)])
+    dots = torch.tensor([float(CountSketch(shapes, 4, seed)(x) @ CountSketch(shapes, 4, seed)(y))
+                         for seed in range(4000)])
     exact = float(flat_x @ flat_y)
-    var = (float(flat_x @ flat_x) * float(flat_y @ flat_y) + exact ** 2 - 2 * float((flat_x ** 2 * flat_y ** 2).sum())) / 4
+    var = (float(flat_x @ flat_x) * float(flat_y @ flat_y) + exact ** 2
+           - 2 * float((flat_x ** 2 * flat_y ** 2).sum())) / 4
     assert abs(float(dots.mean()) - exact) < 4 * math.sqrt(var / 4000)
     assert float(dots.var()) == pytest.approx(var, rel=0.1)
     assert torch.equal(sketch([None, y[1]]), CountSketch(shapes, 4, 0)([torch.zeros(3, 4, dtype=torch.float64), y[1]]))

@@ -134,7 +134,8 @@ class GradientMoments:
         named = [ids[k] for k in starts]
         repeated = set(named) & self._seen if units is not None else set()
         if len(set(named)) != len(named) or repeated:
-            raise ValueError(f"units: expected each unit's draws one after another, got ids {sorted(map(str, repeated)) or named}")
+            raise ValueError("units: expected each unit's draws one after another, got ids "
+                             f"{sorted(map(str, repeated)) or named}")
         if units is not None:
             self._seen.update(named)
         first = torch.zeros(len(ids), dtype=torch.int64)

@@ -74,8 +74,8 @@ def _statistics(second: Tensor, signal: Tensor, r: int, b: int) -> dict[str, Ten
     ref_norm = own[:, r:r + 1]
     nan = torch.full_like(ref, math.nan)
     scale = torch.where(ref_norm > 0, ref / ref_norm, nan)
-    product = own * ref_norm
-    cosine = torch.where(product > 0, ref / product.clamp(min=0).sqrt(), nan)
+    defined = (own > 0) & (ref_norm > 0)
+    cosine = torch.where(defined, ref / (own * ref_norm).clamp(min=0).sqrt(), nan)
     matched = variance / scale.square()
     return {"variance": variance, "scale": scale, "cosine": cosine, "matched_variance": matched,
             "efficiency": matched[:, b:b + 1] / matched, "raw_ratio": variance / variance[:, b:b + 1],
@@ -141,7 +141,8 @@ def exact_quality(names: tuple[str, ...] | list[str], grads: Tensor, probs: Tens
     g, p = grads.to(torch.float64), probs.to(torch.float64)
     mean = torch.einsum("m,med->ed", p, g)
     second = torch.einsum("m,med,mfd->ef", p, g, g)
-    values = _statistics(second[None], (mean @ mean.T)[None], names.index(reference), names.index(baseline or reference))
+    r, b = names.index(reference), names.index(baseline or reference)
+    values = _statistics(second[None], (mean @ mean.T)[None], r, b)
     out = {}
     for e, name in enumerate(names):
         exact = {k: Interval(float(values[k][0, e]), float(values[k][0, e]), float(values[k][0, e]), 0)

@@ -32,7 +32,8 @@ class CountSketch:
     def __call__(self, tensors: Sequence[Tensor | None]) -> Tensor:
         """S x for x the concatenation of ``tensors`` (None: zeros of that shape, e.g. an unused parameter)."""
         if len(tensors) != len(self.shapes):
-            raise ValueError(f"tensors: expected {len(self.shapes)} tensors (one per sketched shape), got {len(tensors)}")
+            raise ValueError(f"tensors: expected {len(self.shapes)} tensors (one per sketched shape), "
+                             f"got {len(tensors)}")
         out = torch.zeros(self.dim, dtype=torch.float64)
         for x, shape, bucket, sign in zip(tensors, self.shapes, self.buckets, self.signs):
             if x is None:

@@ -80,7 +80,8 @@ def validate(cfg: GradVarianceConfig) -> None:
     if {"maxpo", "ei"} & set(cfg.estimators) and not 2 <= cfg.k <= cfg.group_size - 1:
         raise ValueError(f"k: maxpo/ei need 2 <= k <= group_size-1 (={cfg.group_size - 1}), got {cfg.k}")
     if REFERENCE not in cfg.estimators:
-        raise ValueError(f"estimators: expected {REFERENCE!r} among them (the unbiased reference), got {cfg.estimators}")
+        raise ValueError(f"estimators: expected {REFERENCE!r} among them (the unbiased reference), "
+                         f"got {cfg.estimators}")
     if cfg.checkpoints < 1:
         raise ValueError(f"checkpoints: expected an int >= 1, got {cfg.checkpoints}")
     if len(set(cfg.digits)) != len(cfg.digits):  # rows are keyed by digits: a repeat would merge two lengths
@@ -166,7 +167,8 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
 
 def load_stats(out_dir: Path) -> list[dict]:
     """The saved per-checkpoint records, each with its ``GradientStats`` rebuilt."""
-    return [{**r, "stats": GradientStats.from_dict(r["stats"])} for r in reporting.read_json(Path(out_dir) / "stats.json")]
+    records = reporting.read_json(Path(out_dir) / "stats.json")
+    return [{**r, "stats": GradientStats.from_dict(r["stats"])} for r in records]
 
 
 def efficiencies(records: list[dict], e: str, b: str, reference: str = REFERENCE) -> dict[int, list[float]]:
@@ -328,11 +330,13 @@ def report(out_dir: Path, figure_path: str) -> str:
              f"Setting: `builtin:tiny` ({summary['parameters']:,} parameters) warm-started on `{cfg['task']}` with a "
              f"scratchpad at digits {list(cfg['digits'])} to sampled accuracy {list(cfg['warm_start_accuracy'])} "
              f"(warm start capped at {cfg['warm_start_max_steps']} steps) and held fixed, {cfg['checkpoints']} "
-             f"independent warm starts (seeds {cfg['seed']}, {cfg['seed']} + 1, …) per length; N = {cfg['group_size']}, "
+             f"independent warm starts (seeds {cfg['seed']}, {cfg['seed']} + 1, …) per length; "
+             f"N = {cfg['group_size']}, "
              f"{list(cfg['groups'])} groups per length (an equal share per checkpoint), each group's exact gradient "
              "of all parameters (sum over tokens, mean over responses) under every estimator on the same responses. "
              f"`+loo` rows are the `leave_one_out=True` forms; `dr_grpo` is exactly (N−1)/N × RLOO; max@K rows with "
-             f"K = {cfg['k']} against EI. Intervals: 95% t over the checkpoints.\n", f"![grad variance]({figure_path})\n",
+             f"K = {cfg['k']} against EI. Intervals: 95% t over the checkpoints.\n",
+             f"![grad variance]({figure_path})\n",
              "Against RLOO (efficiency > 1: fewer groups for the same signal-to-noise; c: scale of the mean gradient "
              "along RLOO's, 1 = unbiased; the raw ratio is not a quality measure):\n",
              quality_table(rows, REFERENCE), "\nmax@K estimators against EI:\n", quality_table(

@@ -13,20 +13,13 @@ from it, so runs pair up by seed and the spread over seeds includes the checkpoi
     training: the paper's Adam-moment variance proxy Σ(v̂ − m̂²) (``adam_variance``; claim: 77.4%
     lower for MaxPO at the end of training) and held-out pass@1 / pass@16 with CIs.
 
-Rules (fixed before the full run): paired differences over seeds with a 95% t-interval; the claimed
-direction reproduces when the interval excludes 0 on its side, does not reproduce when it excludes 0
-on the other, else inconclusive. The Adam-proxy ratio (mean over the last 10% of steps) uses a
+Rules (fixed before the full run; their revision: docs/evidence-history.md): paired differences over
+seeds with a 95% t-interval; the claimed direction reproduces when the interval excludes 0 on its
+side, does not reproduce when it excludes 0 on the other, else inconclusive. The Adam-proxy ratio (mean over the last 10% of steps) uses a
 paired bootstrap CI over seeds: high end < 1 reproduces, low end > 1 does not. Where the paper
 states the effect's size, an interval that stops short of it also does not reproduce (at the
 paper's size; ``reporting.interval_outcome``): GRPO-λ's gap 20% of GRPO's accuracy (the low end of
 20–50%), MaxPO's proxy ratio 0.226 (77.4% lower), pass@16 +0.009 (the low end of +0.9 to +5.0 points).
-
-Revision (after the first two seed sets, before the ones reported now): every seed then started from
-one checkpoint per task, so each interval held for that checkpoint only; the two seed sets put the
-Adam-proxy ratio at 1.07 [0.90, 1.28] and 1.20 [1.06, 1.37] (inconclusive / does not). A checkpoint
-per seed puts the checkpoint's variation into every interval here; the paper-size clause of the rules
-was added at the same time (after the first two seed sets and the new design's first, before the
-check set).
 """
 from __future__ import annotations
 

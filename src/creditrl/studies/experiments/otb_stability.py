@@ -8,7 +8,7 @@ learning rate (3e-4; on the pilot seed GRPO N = 4 lost all accuracy within 10 st
 halved it at 3e-4, and stayed flat at 1e-4) and no gradient clipping. Runs: GRPO N=4, OTB N=4,
 GRPO N=16; seed s warm-starts its own checkpoint and all three runs of seed s start from it.
 
-Rules (fixed before the full runs; revised once, see below):
+Rules (fixed before the full runs; their revision: docs/evidence-history.md):
 - collapse of one run: held-out sampled accuracy ≥ 0.15 below its running max for 2 consecutive
   evals, or a gradient norm > 10× the median of its first 10 steps (``studies.collapse``);
 - stability claim: inconclusive if GRPO N=4 collapses in fewer than 3 seeds (the condition the
@@ -22,13 +22,6 @@ Rules (fixed before the full runs; revised once, see below):
   bootstrap CI over seeds; reproduces if its low end ≥ 0.9 with ≤ 0.5× the tokens, does not
   reproduce if its high end < 0.9; inconclusive if GRPO N=16's own gain is not above 0 (no gain to
   match) or the CI covers 0.9.
-
-Revision (after the first two seed sets, before the seed sets reported now): the first design
-shared one checkpoint by all seeds and compared collapse counts without an interval (OTB N=4 in at
-most half as many seeds reproduces). Its two seed sets disagreed: 3/5 vs 4/5 collapses (does not)
-and 4/5 vs 1/5 (reproduces); the mean accuracy change above was −0.002 and +0.059 [+0.005, +0.112]
-— each conditional on its own checkpoint (start accuracy 0.30 and 0.22). A checkpoint per seed puts
-the checkpoint's variation into the interval, and the count rule had no interval at all.
 """
 from __future__ import annotations
 

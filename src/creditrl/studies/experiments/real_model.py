@@ -58,15 +58,16 @@ class RealModelConfig:
     folds: int = 20                      # jackknife folds of groups (b)
     max_new_tokens: int = 48             # 0: the trainer's default (24 here, which cuts a third of the answers)
     temperature: float = 1.0
+    warm_start_max_steps: int = 25       # builtin:tiny only (the fast preset); SmolLM2 is not warm-started
     bootstrap: int = 2000
     threads: int = 2
     seed: int = 0
 
 
 PRESETS = {
-    "fast": RealModelConfig(model="builtin:tiny", digits=2, length_groups=4, variance_groups=6, group_size=4,
-                            estimators=("rloo", "otb", "otb+loo"), sketch_dim=512, folds=3, max_new_tokens=8,
-                            bootstrap=100, threads=1),
+    "fast": RealModelConfig(model="builtin:tiny", digits=1, length_groups=4, variance_groups=24, group_size=4,
+                            estimators=("rloo", "otb", "otb+loo"), sketch_dim=512, folds=4, max_new_tokens=8,
+                            warm_start_max_steps=300, bootstrap=100, threads=1),
     "full": RealModelConfig(),
 }
 
@@ -75,7 +76,7 @@ def load(cfg: RealModelConfig):
     """(task, model, tokenizer, params, max_new_tokens) configured exactly as ``creditrl train`` does."""
     task, model, tokenizer, params, default_max = load_configured([
         f"model.name={cfg.model}", f"task.name={cfg.task}", f"task.options.digits={cfg.digits}",
-        f"train.seed={cfg.seed}", "model.warm_start.max_steps=25"])
+        f"train.seed={cfg.seed}", f"model.warm_start.max_steps={cfg.warm_start_max_steps}"])
     return task, model, tokenizer, params, cfg.max_new_tokens or default_max
 
 

@@ -103,7 +103,8 @@ def reproducibility_section(first: dict, checks: list[tuple[Path, dict]]) -> str
                 continue
             compared += 1
             same += o.outcome == row["this run"]
-            row[path.name] = (o.outcome if o.outcome == row["this run"] else f"**{o.outcome} (differs)**") + f": {o.ours}"
+            outcome = o.outcome if o.outcome == row["this run"] else f"**{o.outcome} (differs)**"
+            row[path.name] = f"{outcome}: {o.ours}"
         envs = sorted(path.glob("*/environment.json"))
         where = reporting.environment_line(reporting.read_json(envs[0])) if envs else ""
         ran = "all experiments" if set(second) == set(first) else "only " + ", ".join(f"`{n}`" for n in second)
