@@ -54,6 +54,8 @@ def flat(grads, params):
 def test_group_gradients_match_a_per_response_loop(tiny_rollouts):
     model, params, batch = tiny_rollouts
     got = group_gradients(model, batch, ESTIMATORS, temperature=1.0)
+    plain = group_gradients(model, batch, ESTIMATORS, temperature=1.0, shared_prompts=False)
+    torch.testing.assert_close(plain.grads, got.grads, atol=1e-6, rtol=1e-5)
     mask = batch.response_mask[:, batch.prompt_len:] > 0
     energy = torch.zeros(mask.shape)
     for r in range(6):

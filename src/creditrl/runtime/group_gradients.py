@@ -76,9 +76,12 @@ def _flat(grads: Sequence[Tensor | None], params: Sequence[Tensor], sketch: Coun
 
 
 def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, temperature: float,
-                    params: Sequence[Tensor] | None = None, sketch: CountSketch | None = None) -> GroupDraws:
+                    params: Sequence[Tensor] | None = None, sketch: CountSketch | None = None,
+                    shared_prompts: bool = True) -> GroupDraws:
     """Every group's gradient under every estimator (module docstring). Groups are the batch's
-    contiguous blocks of rows (as ``generate_rollouts`` lays them out)."""
+    contiguous blocks of rows (as ``generate_rollouts`` lays them out). ``shared_prompts=False``
+    scores a group's rows in one plain forward (faster for tiny models, where a forward's fixed cost
+    outweighs the prompt's FLOPs)."""
     params = list(params) if params is not None else select_parameters(model)
     sizes = torch.unique_consecutive(batch.group, return_counts=True)[1].tolist()
     if len(sizes) != len(torch.unique(batch.group)):
@@ -87,7 +90,7 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
     draws, energies, start = [], [], 0
     for size in sizes:                       # one Monte-Carlo draw per group: a forward, E backwards
         rows = slice(start, start + size)
-        stats = rollout_token_stats(model, batch, rows, temperature, shared_prompts=True)
+        stats = rollout_token_stats(model, batch, rows, temperature, shared_prompts=shared_prompts)
         energy = stats.energy.detach()
         energies.append(torch.where(mask[rows], energy.double(), 0.0).sum(1))
         cotangents = group_advantages(batch, rows, energy, estimators) / size

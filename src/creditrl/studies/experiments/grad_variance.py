@@ -109,7 +109,7 @@ def measure_checkpoint(cfg: GradVarianceConfig, digits: int, groups: int, seed: 
     for _ in range(groups // cfg.batch_groups):
         batch = sample_groups(task, model, tokenizer, cfg.batch_groups, cfg.group_size, temperature=cfg.temperature,
                               max_new_tokens=cfg.max_new_tokens, rng=rng, generator=generator)
-        draws = group_gradients(model, batch, specs, temperature=cfg.temperature, params=params)
+        draws = group_gradients(model, batch, specs, temperature=cfg.temperature, params=params, shared_prompts=False)
         moments.add_many(draws.grads)
         add_baseline_sums(sums, draws.rewards.double(), draws.response_energy, draws.lengths)
     print(f"[grad-variance] digits={digits} seed {seed}: {groups} groups in {time.perf_counter() - start:.0f}s",
