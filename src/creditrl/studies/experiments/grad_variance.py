@@ -330,7 +330,7 @@ def report(out_dir: Path, figure_path: str) -> str:
              f"Setting: `builtin:tiny` ({summary['parameters']:,} parameters) warm-started on `{cfg['task']}` with a "
              f"scratchpad at digits {list(cfg['digits'])} to sampled accuracy {list(cfg['warm_start_accuracy'])} "
              f"(warm start capped at {cfg['warm_start_max_steps']} steps) and held fixed, {cfg['checkpoints']} "
-             f"independent warm starts (seeds {cfg['seed']}, {cfg['seed']} + 1, …) per length; "
+             f"independent warm starts (seeds {cfg['seed']}–{cfg['seed'] + cfg['checkpoints'] - 1}) per length; "
              f"N = {cfg['group_size']}, "
              f"{list(cfg['groups'])} groups per length (an equal share per checkpoint), each group's exact gradient "
              "of all parameters (sum over tokens, mean over responses) under every estimator on the same responses. "
