@@ -179,7 +179,7 @@ def test_experiment_cli_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         experiments.main(["no-such-experiment"])
     with pytest.raises(ValueError, match="valid names"):
-        experiments.experiment_module("nope")
+        experiments.get_experiment("nope")
 
 
 def test_experiment_cli_runs_with_overrides(tmp_path):
@@ -204,64 +204,7 @@ def test_bootstrap_ci_and_slope():
     assert reporting.markdown_table([{"a": "|x| change"}]).splitlines()[2] == "| \\|x\\| change |"
 
 
-# ---------------------------------------------------------------- grad-variance / proxy-fidelity: exact gradients
-@pytest.fixture(scope="module")
-def tiny_rollouts():
-    """A random (not warm-started) tiny policy and one rollout batch: 2 groups x 3 responses."""
-    import random
-
-    from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
-    from creditrl.tasks import get_task
-    from creditrl.runtime.rollout import generate_rollouts
-
-    torch.manual_seed(0)
-    task = get_task("multiplication", digits=1)
-    tokenizer = char_tokenizer(task.alphabet())
-    model = tiny_model(tokenizer, TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64))
-    model.eval()
-    problems = [task.sample(random.Random(i)) for i in (1, 2)]  # different prompt lengths -> left padding
-    batch = generate_rollouts(model, tokenizer, task, problems, group_size=3, max_new_tokens=6,
-                              generator=torch.Generator().manual_seed(0))
-    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # non-degenerate groups
-    params = [p for p in model.parameters() if p.requires_grad]
-    return model, params, batch
-
-
-def row_logp(model, batch, row):
-    """Response log-probs of one row from its own unpadded forward (independent of the batch layout)."""
-    keep = batch.attention_mask[row] > 0
-    ids = batch.input_ids[row][keep][None]
-    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-    logp = torch.log_softmax(logits.double(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-    resp = batch.response_mask[row][keep][1:] > 0
-    return logp, resp
-
-
-def test_block_gradients_match_per_response_loop(tiny_rollouts):
-    from creditrl.studies.experiments import grad_variance as gv
-
-    model, params, batch = tiny_rollouts
-    cfg = gv.GradVarianceConfig(estimators=("reinforce", "rloo", "otb", "maxpo"), k=2, temperature=1.0)
-    got, response_energy = gv.block_gradients(model, params, batch, cfg)  # [E, G, P], [B]
-    with torch.no_grad():
-        energy = gv.response_tokens(model, batch, slice(None), 1.0).energy
-    mask = batch.response_mask[:, batch.prompt_len:] > 0
-    torch.testing.assert_close(response_energy, (energy.double() * mask).sum(1))
-    adv = gv.estimator_advantages(batch, energy, mask, cfg.estimators, cfg.k)
-    for e in range(len(cfg.estimators)):
-        for g in range(2):
-            total = None
-            rows = range(3 * g, 3 * g + 3)
-            norm = sum(int(mask[r].sum()) for r in rows)
-            for r in rows:  # Σ_t A_t log π(y_t) of each response separately, then its gradient
-                logp, resp = row_logp(model, batch, r)
-                a = adv[e, r][mask[r]].double()
-                grads = torch.autograd.grad((a * logp[resp]).sum() / norm, params, allow_unused=True)
-                flat = torch.cat([(torch.zeros_like(p) if x is None else x).reshape(-1) for p, x in zip(params, grads)])
-                total = flat if total is None else total + flat
-            assert torch.allclose(got[e, g].double(), total.double(), atol=1e-5, rtol=1e-4), cfg.estimators[e]
-
-
+# ---------------------------------------------------------------- shared helpers of the measurement experiments
 def test_baseline_summary_is_the_pooled_energy_weighted_mean():
     from creditrl.studies.experiments import grad_variance as gv
     r, w = [1.0, 0.0, 0.0, 1.0], [0.5, 3.0, 4.0, 0.5]
@@ -273,105 +216,126 @@ def test_baseline_summary_is_the_pooled_energy_weighted_mean():
     assert out["energy_wrong_over_correct"] == pytest.approx(3.5 / 0.5)
 
 
-def test_maxk_rows_keep_their_definitions_scale(tiny_rollouts):
-    """MaxPO is compared with the paper's raw EI at scale 1; pkpo keeps PKPO's (K/N)·EI."""
-    from creditrl import compute_advantages
-    from creditrl.studies.experiments import grad_variance as gv
-
-    model, params, batch = tiny_rollouts
-    mask = batch.response_mask[:, batch.prompt_len:] > 0
-    maxpo, ei, pkpo = gv.estimator_advantages(batch, torch.zeros(mask.shape), mask, ("maxpo", "ei", "pkpo"), 2)
-    assert torch.allclose(maxpo, compute_advantages("maxpo", rewards=batch.rewards, mask=mask, group=batch.group, k=2))
-    sizes = torch.bincount(batch.group)[batch.group][:, None]
-    assert torch.allclose(pkpo, ei * 2 / sizes)
-    assert set(gv.MAXK_SCALING) == set(gv.MAXK_ESTIMATORS)
-
-
-@settings(max_examples=25, deadline=None)
-@given(G=st.integers(2, 6), P=st.integers(1, 5), seed=st.integers(0, 1000))
-def test_within_block_variance_matches_loop(G, P, seed):
-    from creditrl.studies.experiments import grad_variance as gv
-
-    grads = torch.randn(2, G, P, generator=torch.Generator().manual_seed(seed))
-    got = gv.within_block_variance(grads)
-    for e in range(2):
-        mean = [sum(grads[e, g, p].item() for g in range(G)) / G for p in range(P)]
-        expect = sum((grads[e, g, p].item() - mean[p]) ** 2 for g in range(G) for p in range(P)) / (G - 1)
-        assert math.isclose(got[e].item(), expect, rel_tol=1e-6, abs_tol=1e-9)
-
-
-def test_per_token_grad_norms_match_loop(tiny_rollouts):
-    from creditrl.studies.experiments import proxy_fidelity as pf
-
-    model, params, batch = tiny_rollouts
-    for row in (0, 4):
-        got, seq = pf.per_token_grad_sq_norms(model, params, batch, row, 1.0)
-        logp, resp = row_logp(model, batch, row)
-        cols = torch.nonzero(batch.response_mask[row, batch.prompt_len:] > 0).flatten().tolist()
-        total = 0
-        for t, lp in zip(cols, logp[resp]):
-            grads = torch.autograd.grad(lp, params, retain_graph=True, allow_unused=True)
-            flat = torch.cat([(torch.zeros_like(p) if x is None else x).reshape(-1) for p, x in zip(params, grads)])
-            assert math.isclose(got[t].item(), flat.pow(2).sum().item(), rel_tol=1e-4)
-            total = total + flat
-        assert math.isclose(seq.item(), total.pow(2).sum().item(), rel_tol=1e-4)
+def test_estimator_labels():
+    from creditrl.studies import gradient_evidence as ge
+    assert ge.estimator_specs(["rloo", "otb+loo", "ei"], k=3) == {
+        "rloo": ("rloo", {}), "otb+loo": ("otb", {"leave_one_out": True}), "ei": ("ei", {"k": 3})}
 
 
 @settings(max_examples=40, deadline=None)
 @given(xs=st.lists(st.integers(0, 4), min_size=2, max_size=12))
 def test_ranks_average_ties(xs):
-    from creditrl.studies.experiments import proxy_fidelity as pf
-
-    got = pf.ranks(torch.tensor(xs, dtype=torch.float64)).tolist()
+    got = reporting.ranks(torch.tensor(xs, dtype=torch.float64)).tolist()
     for i, x in enumerate(xs):  # average rank = (# smaller) + (# equal - 1) / 2
         expect = sum(v < x for v in xs) + (sum(v == x for v in xs) - 1) / 2
         assert got[i] == expect
 
 
 def test_pearson_spearman_reference():
-    from creditrl.studies.experiments import proxy_fidelity as pf
-
     x = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert math.isclose(pf.pearson(x, 2 * x + 1), 1.0, rel_tol=1e-12)
-    assert math.isclose(pf.spearman(x, x.exp()), 1.0, rel_tol=1e-12)
-    assert math.isclose(pf.spearman(x, -x ** 3), -1.0, rel_tol=1e-12)
-    assert math.isnan(pf.pearson(x, torch.ones(5)))
+    assert math.isclose(reporting.pearson(x, 2 * x + 1), 1.0, rel_tol=1e-12)
+    assert math.isclose(reporting.spearman(x, x.exp()), 1.0, rel_tol=1e-12)
+    assert math.isclose(reporting.spearman(x, -x ** 3), -1.0, rel_tol=1e-12)
+    assert math.isnan(reporting.pearson(x, torch.ones(5)))
+
+
+def test_experiments_share_code_only_through_lower_modules():
+    """No experiment module imports another experiment module or a creditrl.trainer internal, and
+    every import sits at the top of its file (issue 23)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(experiments.__file__).parent
+    siblings = {p.stem for p in folder.glob("*.py")} - {"__init__", "registry"}
+    for path in folder.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        tree = ast.parse(path.read_text())
+        top = set(map(id, tree.body))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                assert id(node) in top, f"{path.name}: import inside a function at line {node.lineno}"
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                for name in names:
+                    assert not name.startswith("creditrl.trainer"), f"{path.name} imports {name}"
+                    if path.stem != "runner":
+                        assert not any(name == f"creditrl.studies.experiments.{s}" for s in siblings), \
+                            f"{path.name} imports {name}"
+
+
+def test_experiment_registry_checks_the_protocol():
+    from creditrl.studies.experiments.registry import Experiment
+
+    cfg = experiments.get_experiment("horizon").presets["fast"]
+    with pytest.raises(ValueError, match=r"presets: experiment 'x' needs presets \['fast', 'full'\], "
+                                         r"missing \['full'\]"):
+        Experiment("x", {"fast": cfg}, print, print, print)
+    with pytest.raises(ValueError, match="must be a config dataclass with seed and threads"):
+        Experiment("x", {"fast": cfg, "full": {"seed": 0}}, print, print, print)
+    with pytest.raises(ValueError, match="already registered"):
+        experiments.register_experiment(Experiment("horizon", {"fast": cfg, "full": cfg}, print, print, print))
+    assert experiments.get_experiment("grad-variance").figure == "grad_variance.png"
 
 
 def test_grad_variance_fast_preset(fast_root, tmp_path):
-    """Every estimator's variance estimate is finite, CIs bracket it, and a seed reproduces it."""
+    """Every estimator's quality row is finite where defined, dr_grpo is exactly (N−1)/N × RLOO, the
+    verdicts come with intervals, bad configs are refused, and a seed reproduces the statistics."""
     import dataclasses
 
     from creditrl.studies.experiments import grad_variance as gv
 
-    (tmp_path / "a").symlink_to(fast_run(fast_root, "grad-variance"))
-    rows = reporting.read_csv(tmp_path / "a" / "variance.csv")
-    assert {r["estimator"] for r in rows} == set(gv.PRESETS["fast"].estimators)
+    out = fast_run(fast_root, "grad-variance")
+    rows = reporting.read_csv(out / "quality.csv")
+    cfg = gv.PRESETS["fast"]
+    assert {r["estimator"] for r in rows if r["reference"] == "rloo"} == {*cfg.estimators, "dr_grpo"}
     for r in rows:
-        assert math.isfinite(r["variance"]) and r["variance"] >= 0
-        assert r["variance_low"] - 1e-12 <= r["variance"] <= r["variance_high"] + 1e-12
-        if r["estimator"] == "rloo":
-            assert r["ratio_to_rloo"] == 1.0
-    assert any(r["variance"] > 0 for r in rows)  # the checkpoint gives non-degenerate groups
-    assert "dr_grpo" in gv.report(tmp_path / "a", "figures/grad_variance.png")
-    claims = {v.claim: v for v in gv.verdicts(tmp_path / "a")}
-    assert "OTB lowers the exact gradient variance versus DR_GRPO/RLOO" in claims
-    otb = claims["OTB lowers the exact gradient variance versus DR_GRPO/RLOO"]
-    assert "Tail index of the per-block variances" in otb.note
-    assert all(v.outcome in reporting.OUTCOMES and "[" in v.ours for v in claims.values())
+        assert r["variance"] >= 0 and math.isfinite(r["variance"])
+        if r["estimator"] == "dr_grpo":
+            assert r["scale"] == pytest.approx(3 / 4) and r["efficiency"] == pytest.approx(1.0)
+            assert r["raw_ratio"] == pytest.approx(9 / 16)
+    assert {r["estimator"] for r in rows if r["reference"] == "ei"} == {"maxpo", "ei"}
+    text = gv.report(out, "figures/grad_variance.png")
+    assert "otb+loo" in text and "raw tr Cov ratio (raw)" in text
+    claims = {v.claim: v for v in gv.verdicts(out)}
+    assert "OTB is more efficient than RLOO/Dr.GRPO and OGB at matched signal" in claims
+    assert all(v.outcome in reporting.OUTCOMES and "[" in v.ours and "raw" in v.ours for v in claims.values())
     with pytest.raises(ValueError, match=r"warm_start_accuracy: expected one entry per digits entry \(2\), got 1"):
-        gv.run(dataclasses.replace(gv.PRESETS["fast"], digits=(1, 2)), tmp_path / "x")
+        gv.run(dataclasses.replace(cfg, digits=(1, 2)), tmp_path / "x")
     with pytest.raises(ValueError, match=r"digits: expected distinct entries, got \(1, 1\)"):
-        gv.run(dataclasses.replace(gv.PRESETS["fast"], digits=(1, 1), warm_start_accuracy=(0.3, 0.3),
-                                   groups=(12, 24)), tmp_path / "x")
-    with pytest.raises(ValueError, match=r"groups: expected one entry per digits entry \(1\), got 2"):
-        gv.run(dataclasses.replace(gv.PRESETS["fast"], groups=(12, 12)), tmp_path / "x")
-    with pytest.raises(ValueError, match=r"block: expected 2 <= block and block × checkpoints <= groups"):
-        gv.run(dataclasses.replace(gv.PRESETS["fast"], groups=(5,)), tmp_path / "x")
-    small = dataclasses.replace(gv.PRESETS["fast"], groups=(4,), block=2, estimators=("rloo", "otb"))
+        gv.run(dataclasses.replace(cfg, digits=(1, 1), warm_start_accuracy=(0.3, 0.3), groups=(16, 16)), tmp_path / "x")
+    with pytest.raises(ValueError, match=r"estimators: expected 'rloo' among them"):
+        gv.run(dataclasses.replace(cfg, estimators=("otb",)), tmp_path / "x")
+    with pytest.raises(ValueError, match=r"groups: expected at least 2 × checkpoints × batch_groups"):
+        gv.run(dataclasses.replace(cfg, groups=(8,)), tmp_path / "x")
+    small = dataclasses.replace(cfg, groups=(16,), checkpoints=1, batch_groups=2, estimators=("rloo", "otb"))
     gv.run(small, tmp_path / "b")
     gv.run(small, tmp_path / "c")
-    assert (tmp_path / "b" / "blocks.csv").read_text() == (tmp_path / "c" / "blocks.csv").read_text()
+    assert (tmp_path / "b" / "stats.json").read_text() == (tmp_path / "c" / "stats.json").read_text()
+
+
+def test_horizon_fast_preset(fast_root, tmp_path):
+    import dataclasses
+
+    from creditrl.studies.experiments import horizon as hz
+
+    out = fast_run(fast_root, "horizon")
+    rows = reporting.read_csv(out / "quality.csv")
+    cfg = hz.PRESETS["fast"]
+    assert {(r["mode"], r["group_size"], r["horizon"]) for r in rows} == {
+        (m, n, t) for m in cfg.modes for n in cfg.group_sizes for t in cfg.horizons}
+    for r in rows:
+        if r["estimator"] in ("rloo", "otb+loo", "otb_isolated+loo"):   # unbiased: c ≈ 1 within its interval
+            assert r["scale_low"] <= 1.0 <= r["scale_high"] or abs(r["scale"] - 1) < 0.15, r
+        if r["estimator"] == "dr_grpo":
+            n = r["group_size"]
+            assert r["efficiency"] == pytest.approx(1.0) and r["raw_ratio"] == pytest.approx(((n - 1) / n) ** 2)
+    assert len(hz.verdicts(out)) == 2 and "efficiency" in hz.report(out, "figures/horizon.png")
+    with pytest.raises(ValueError, match=r"modes: expected a non-empty subset of \['fixed', 'eos'\]"):
+        hz.run(dataclasses.replace(cfg, modes=("nope",)), tmp_path / "x")
+    small = dataclasses.replace(cfg, horizons=(8,), instances=1, groups=32)
+    hz.run(small, tmp_path / "b")
+    hz.run(small, tmp_path / "c")
+    assert (tmp_path / "b" / "stats.json").read_text() == (tmp_path / "c" / "stats.json").read_text()
 
 
 def test_proxy_fidelity_fast_preset(fast_root):
@@ -431,14 +395,14 @@ def test_otb_stability_and_stapo_census_fast_presets(fast_root):
 def test_results_report_from_fast_runs(fast_root, tmp_path):
     """docs/results.md is assembled from the CSVs: the summary table lists every verdict, figures
     are copied, a second run's verdicts are listed beside, missing experiments are named."""
-    for name in experiments.EXPERIMENTS:
+    for name in experiments.experiment_names():
         fast_run(fast_root, name)
     partial = tmp_path / "partial"  # a check run of one experiment only
     partial.mkdir()
     (partial / "grad-variance").symlink_to(fast_root / "grad-variance")
     path = experiments.write_report(fast_root, tmp_path / "docs", checks=[fast_root, partial])
     text = path.read_text()
-    for name in experiments.EXPERIMENTS:
+    for name in experiments.experiment_names():
         png = name.replace("-", "_") + ".png"
         assert f"figures/{png}" in text and (tmp_path / "docs" / "figures" / png).stat().st_size > 0
         assert (fast_root / name / "environment.json").exists()
@@ -446,7 +410,7 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     head = text.split("## Reproducibility")[0]
     assert all(f"| {v.claim} ({v.source}) |" in head for v in verdicts)
     assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same run checked against itself
-    partial_count = len(experiments.experiment_module("grad-variance").verdicts(partial / "grad-variance"))
+    partial_count = len(experiments.get_experiment("grad-variance").verdicts(partial / "grad-variance"))
     assert f"`{partial}` (only `grad-variance`)" in text
     assert f"{partial_count} of {partial_count} verdicts agree" in text and "(not run)" in text
     with pytest.raises(ValueError, match="--check: expected a directory holding finished experiments"):
@@ -457,45 +421,25 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     assert text.count("Rule: ") == len(verdicts) and text.count("Power: ") == len(verdicts)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "## Not run" in experiments.write_report(empty, tmp_path / "docs2").read_text()
+    (tmp_path / "docs2").mkdir()
+    (tmp_path / "docs2" / "results.md").write_text("published")
+    with pytest.raises(ValueError, match="--runs: expected a directory holding finished experiments"):
+        experiments.write_report(empty, tmp_path / "docs2")
+    assert (tmp_path / "docs2" / "results.md").read_text() == "published"   # refused: nothing overwritten
+    some = tmp_path / "some"
+    some.mkdir()
+    (some / "horizon").symlink_to(fast_root / "horizon")
+    assert "## Not run" in experiments.write_report(some, tmp_path / "docs5").read_text()
 
 
 def test_real_model_fast_preset(fast_root):
     from creditrl.studies.experiments import real_model as rm
 
     out = fast_run(fast_root, "real-model")
-    pairs = reporting.read_csv(out / "pairs.csv")
-    by = reporting.group_rows(pairs, "estimator")
-    assert set(by) == {"rloo", "otb", "dr_grpo"}
-    for a, b in zip(by["dr_grpo"], by["rloo"]):  # derived exactly: ((N-1)/N)^2 x RLOO's per pair
-        assert a["variance"] == pytest.approx(b["variance"] * (3 / 4) ** 2, rel=1e-12)
-    assert all(r["variance"] >= 0 for r in pairs)
-    assert len(rm.verdicts(out)) == 2
-    with pytest.raises(ValueError, match="variance_groups: expected an even number"):
-        rm.run(rm.RealModelConfig(variance_groups=3), out / "x")
-
-
-def test_pair_difference_matches_separate_group_gradients(tiny_rollouts):
-    """real-model's one-backward ‖g₁ − g₂‖²/2 equals the difference of the two groups' own gradients."""
-    from creditrl.studies.experiments import grad_variance as gv
-    from creditrl.studies.experiments import real_model as rm
-
-    model, params, batch = tiny_rollouts
-    names = ("rloo", "ogb", "otb", "otb_isolated")
-    grads, _ = gv.block_gradients(model, params, batch, gv.GradVarianceConfig(estimators=names))  # [E, 2, P]
-    expected = (grads[:, 0].double() - grads[:, 1].double()).pow(2).sum(-1) / 2
-    got = torch.tensor(rm.pair_difference_sq(model, params, batch, names, 1.0), dtype=torch.float64)
-    assert float(expected.min()) > 0
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-9)
-
-
-def test_dr_grpo_gradient_is_scaled_rloo(tiny_rollouts):
-    """dr_grpo's advantage R − mean is exactly (N−1)/N × RLOO's, so are their group gradients."""
-    from creditrl.studies.experiments import grad_variance as gv
-
-    model, params, batch = tiny_rollouts
-    cfg = gv.GradVarianceConfig(estimators=("dr_grpo", "rloo"))
-    grads, _ = gv.block_gradients(model, params, batch, cfg)
-    assert torch.allclose(grads[0], grads[1] * 2 / 3, atol=1e-7)
-    assert gv.within_block_variance(grads)[0] == pytest.approx(float(gv.within_block_variance(grads)[1]) * 4 / 9,
-                                                                rel=1e-5)
+    quality = {r["estimator"]: r for r in reporting.read_csv(out / "quality.csv")}
+    assert set(quality) == {"rloo", "otb", "otb+loo", "dr_grpo"}
+    assert quality["dr_grpo"]["scale"] == pytest.approx(3 / 4) and quality["dr_grpo"]["efficiency"] == pytest.approx(1)
+    assert all(r["variance"] >= 0 for r in quality.values())
+    assert len(rm.verdicts(out)) == 2 and "sketch" in rm.report(out, "figures/real_model.png")
+    with pytest.raises(ValueError, match="variance_groups: expected at least max"):
+        rm.run(rm.RealModelConfig(variance_groups=3, folds=4), out / "x")

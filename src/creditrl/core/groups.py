@@ -77,3 +77,35 @@ class GroupIndex:
         """Group mean broadcast to members, [B, ...]."""
         sizes = self.sizes.to(x.dtype).reshape((-1,) + (1,) * (x.dim() - 1))
         return self.gather(self.sum(x) / sizes)
+
+    def exclusive_sum(self, x: Tensor) -> Tensor:
+        """out[i] = sum of ``x`` [B, ...] over the *other* members of i's group, [B, ...] (0 for singletons).
+
+        Summed from the others' values alone (an exclusive prefix plus an exclusive suffix sum
+        within each group), never as ``group total − x[i]``: the result does not depend on x[i]
+        even in rounding, and a member holding almost all of a non-negative total leaves the
+        others' small sum exact instead of a cancellation residue."""
+        if self.block is not None:
+            return _exclusive_sums(x.reshape(self.num_groups, self.block, *x.shape[1:])).reshape(x.shape)
+        rank = self._rank_in_group()
+        padded = x.new_zeros((self.num_groups, int(self.sizes.max())) + tuple(x.shape[1:]))
+        padded[self.dense, rank] = x
+        return _exclusive_sums(padded)[self.dense, rank]
+
+    def _rank_in_group(self) -> Tensor:
+        """[B] int64: each member's position among its group's members (in row order)."""
+        order = torch.sort(self.dense, stable=True).indices
+        starts = torch.cumsum(self.sizes, 0) - self.sizes
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device) - starts[self.dense[order]]
+        return rank
+
+
+def _exclusive_sums(grouped: Tensor) -> Tensor:
+    """[G, N, ...] -> [G, N, ...]: for each member the sum over the other N − 1 along dim 1, as its
+    exclusive prefix sum plus its exclusive suffix sum (neither ever holds the member itself)."""
+    out = torch.empty_like(grouped)
+    out[:, 0] = 0
+    torch.cumsum(grouped[:, :-1], 1, out=out[:, 1:])
+    out[:, :-1] += grouped[:, 1:].flip(1).cumsum(1).flip(1)
+    return out

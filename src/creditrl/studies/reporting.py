@@ -9,12 +9,17 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor
+
+from creditrl.utils.stats import t_quantile
 
 
 Row = dict[str, object]
@@ -59,25 +64,18 @@ def read_json(path: Path) -> object:
 
 
 def figure(ncols: int = 1, nrows: int = 1, *, width: float = 4.2, height: float = 3.2):
-    """A matplotlib figure on the non-interactive backend (safe in tests and on servers)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
-    return fig, axes.ravel()
+    """A matplotlib ``Figure`` and its axes, without pyplot: no global backend or figure registry is
+    touched (safe in tests, on servers and inside a user's notebook)."""
+    fig = Figure(figsize=(width * ncols, height * nrows))
+    return fig, fig.subplots(nrows, ncols, squeeze=False).ravel()
 
 
 def save_figure(fig, path: Path, dpi: int = 100) -> Path:
-    """Save small PNGs (dpi 100) and close the figure so long sweeps do not leak memory."""
-    import matplotlib.pyplot as plt
-
+    """Save a small PNG (dpi 100)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
-    plt.close(fig)
     return path
 
 
@@ -140,6 +138,25 @@ def bootstrap_ci(statistic: Callable[[Tensor], Tensor], n: int, *, n_boot: int =
     return low, high
 
 
+def ranks(x: Tensor) -> Tensor:
+    """Ranks 0..n-1 of a 1-D tensor, ties get their average rank."""
+    values, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
+    start = counts.cumsum(0) - counts
+    return (start.double() + (counts.double() - 1) / 2)[inverse]
+
+
+def pearson(x: Tensor, y: Tensor) -> float:
+    """Pearson correlation of two 1-D samples; NaN when one is constant."""
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = (x.norm() * y.norm()).item()
+    return float((x * y).sum() / denom) if denom > 0 else float("nan")
+
+
+def spearman(x: Tensor, y: Tensor) -> float:
+    """Spearman rank correlation (Pearson of the average ranks)."""
+    return pearson(ranks(x), ranks(y))
+
+
 def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
     """Least-squares slope of log y against log x (e.g. -0.5 for an M^-1/2 decay)."""
     lx = torch.log(torch.tensor(x, dtype=torch.float64))
@@ -150,10 +167,6 @@ def loglog_slope(x: Sequence[float], y: Sequence[float]) -> float:
 
 OUTCOMES = ("reproduces", "partly", "does not reproduce", "inconclusive")
 
-# two-sided 95% Student-t quantiles t_{0.975, df}, df = 1..30 (beyond: the normal 1.96)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
 POWER_FACTOR = 2.8  # z_{0.975} + z_{0.80}: an effect of 2.8 SE is detected with 80% power at α = 0.05
 
 
@@ -168,11 +181,6 @@ def tail_index(x: Sequence[float] | Tensor, fraction: float = 0.1) -> float:
         raise ValueError(f"x, fraction: expected more than {k} positive samples with 0 < fraction < 1, got "
                          f"{v.numel()} positive samples and fraction={fraction}")
     return float(k / (v[:k] / v[k]).log().sum())
-
-
-def t_quantile(df: int) -> float:
-    """t_{0.975, df} (two-sided 95%); inf for df < 1 (no interval from one sample)."""
-    return math.inf if df < 1 else _T975[df - 1] if df <= len(_T975) else 1.96
 
 
 @dataclass(frozen=True)
@@ -300,13 +308,15 @@ def ratios_below_one(estimates: Sequence[Estimate], paper: float | None = None) 
     return combined_outcome([interval_outcome(e, "<", null=1.0, paper=paper) for e in estimates])
 
 
-def pooled_ratio_outcome(per_setting: Sequence[Estimate], pooled: Estimate, paper: float | None = None) -> str:
-    """One comparison "ratio < 1" measured in several settings (e.g. response lengths) and pooled over
-    them (``pooled``, e.g. ``cluster_ratio_contrast``): a loss anywhere (a CI above 1, or above the
-    paper's ratio ``paper``, see ``interval_outcome``) does not reproduce; otherwise the pooled CI
-    decides (below 1 reproduces, else inconclusive). Pooling gives a small common effect the power
-    that each setting alone lacks, while a setting where the effect reverses still counts against it."""
-    outcomes = [interval_outcome(e, "<", null=1.0, paper=paper) for e in (*per_setting, pooled)]
+def pooled_ratio_outcome(per_setting: Sequence[Estimate], pooled: Estimate, paper: float | None = None,
+                         claimed: str = "<") -> str:
+    """One comparison "ratio < 1" (``claimed`` '>': "ratio > 1", e.g. an efficiency) measured in several
+    settings (e.g. response lengths) and pooled over them (``pooled``, e.g. ``cluster_ratio_contrast``):
+    a loss anywhere (a CI on the wrong side of 1, or one that excludes the paper's ratio ``paper``, see
+    ``interval_outcome``) does not reproduce; otherwise the pooled CI decides (on the claimed side of 1
+    reproduces, else inconclusive). Pooling gives a small common effect the power that each setting
+    alone lacks, while a setting where the effect reverses still counts against it."""
+    outcomes = [interval_outcome(e, claimed, null=1.0, paper=paper) for e in (*per_setting, pooled)]
     return "does not reproduce" if "does not reproduce" in outcomes else outcomes[-1]
 
 
@@ -343,9 +353,6 @@ def summary_table(verdicts: Sequence[Verdict]) -> str:
 
 def environment(threads: int, seeds: Sequence[int]) -> dict:
     """Machine, library versions, threads and seeds of a run (recorded next to its results)."""
-    import os
-    import platform
-
     return {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "system": platform.system(), "python": platform.python_version(),
             "torch": torch.__version__, "threads": int(threads), "seeds": [int(s) for s in seeds]}

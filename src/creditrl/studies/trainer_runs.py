@@ -15,20 +15,22 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from creditrl.studies import reporting
+from creditrl.config import load_config
+from creditrl.runtime.models import load_policy, tiny_cache_path
+from creditrl.studies import compare, reporting
+from creditrl.tasks import get_task
 from creditrl.utils.threads import torch_threads
 
-
 WARM_START_THREADS = 2   # a warm start is a long SFT run: both cores (1.5× faster than one here)
+# The unstable regime of ``otb-stability`` (OTB §6.3), shared by ``stapo-census``: builtin:tiny warm-started
+# to ~20% on 2-digit multiplication with a scratchpad, lr 3e-4, no gradient clipping.
+UNSTABLE_STUDY = {"task": "multiplication", "warm_start": ["model.warm_start.target_accuracy=0.2"],
+                  "overrides": ["optim.lr=3e-4", "optim.max_grad_norm=1e6"]}
 
 
 def seed_checkpoint(task_name: str, warm_start: list[str], seed: int, threads: int) -> Path:
     """Warm-start ``builtin:tiny`` on ``task_name`` with ``seed`` once (cached per machine) and
     return its dir."""
-    from creditrl.config import load_config
-    from creditrl.runtime.models import load_policy, tiny_cache_path
-    from creditrl.tasks import get_task
-
     model = load_config(None, warm_start).model
     task = get_task(task_name)
     with torch_threads(threads):
@@ -49,8 +51,6 @@ def run_study(cfg, study: dict, runs: dict[str, list[str]], seeds: list[int], ou
               title: str) -> dict[str, list[Path]]:
     """Train ``runs`` × ``seeds`` of ``study``, seed s from its own checkpoint (warm-start seed s);
     write the compare report."""
-    from creditrl.studies import compare
-
     dirs: dict[str, list[Path]] = {name: [] for name in runs}
     for seed in seeds:
         checkpoint = seed_checkpoint(study["task"], warm_start_overrides(cfg, study), seed, cfg.threads)
@@ -70,9 +70,7 @@ def warm_start_overrides(cfg, study: dict) -> list[str]:
 
 def read_history(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """(held-out evals, training metrics) of one run, oldest first."""
-    from creditrl.studies.compare import read_jsonl
-
-    return read_jsonl(Path(run_dir) / "eval.jsonl"), read_jsonl(Path(run_dir) / "metrics.jsonl")
+    return compare.read_jsonl(Path(run_dir) / "eval.jsonl"), compare.read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 def by_seed(rows: list[reporting.Row], run: str, key: str) -> dict[int, float]:

@@ -127,6 +127,8 @@ class Trainer:
             if state.get("optimizer") is not None:
                 trainer.learner.optimizer.load_state_dict(state["optimizer"])
             trainer.learner.scheduler.load_state_dict(state["scheduler"])
+            if trainer.learner.noise is not None and state.get("noise_scale") is not None:
+                trainer.learner.noise.load_state_dict(state["noise_scale"])
             ckpt.set_rng_state(state["rng"], trainer.generator, trainer.task_rng)
             trainer.step, trainer.tokens_total, trainer.elapsed = state["step"], state["tokens_total"], state["elapsed"]
         # else: killed before the first checkpoint -> the freshly seeded trainer IS the state at step 0
@@ -138,7 +140,8 @@ class Trainer:
         optimizer = self.learner.optimizer.state_dict() if self.cfg.train.save_optimizer else None
         state = {"optimizer": optimizer, "scheduler": self.learner.scheduler.state_dict(),
                  "rng": ckpt.rng_state(self.generator, self.task_rng),
-                 "tokens_total": self.tokens_total, "elapsed": self.elapsed}
+                 "tokens_total": self.tokens_total, "elapsed": self.elapsed,
+                 "noise_scale": None if self.learner.noise is None else self.learner.noise.state_dict()}
         return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
                                     self.cfg.train.keep_last)
 

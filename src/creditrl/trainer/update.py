@@ -25,7 +25,7 @@ from torch import Tensor
 
 from creditrl.config import Config
 from creditrl.core.estimators import compute_advantages
-from creditrl.core.gradients.noise_scale import NoiseScale, half_batch_moments, simple_noise_scale
+from creditrl.core.gradients.noise_scale import NoiseScale
 from creditrl.core.losses import power_proxy
 from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
 from creditrl.core.token_stats import TokenStats
@@ -277,19 +277,21 @@ class Learner:
             if halves is not None and int(rows[-1]) + 1 == halves:
                 first_half = ([None if p.grad is None else p.grad.detach().clone() for p in self.params], total)
         if first_half is not None:
-            self.observe_noise(*first_half, total, int(batch.group.unique().numel()))
+            self.observe_noise(*first_half, total, batch.group, halves)
         if len(chunks) > 1:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(total)
         return {k: v / total for k, v in weighted.items()}
 
-    def observe_noise(self, first: list, count_a: float, total: float, groups: int) -> None:
+    def observe_noise(self, first: list, count_a: float, total: float, group: Tensor, halves: int) -> None:
         """Feed the noise scale with the two halves' mean gradients g_A = S_A/c_A and
-        g_B = (S − S_A)/c_B, S the accumulated Σ count_i ∇loss_i (loss-scaled under fp16)."""
+        g_B = (S − S_A)/c_B, S the accumulated Σ count_i ∇loss_i (loss-scaled under fp16), as means
+        over their n_A and n_B groups."""
         scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         count_b = total - count_a
-        grads_a = (None if s is None else s / (count_a * scale) for s in first)
-        grads_b = (None if p.grad is None else (p.grad - (0 if s is None else s)) / (count_b * scale)
-                   for p, s in zip(self.params, first))
-        self.noise.update(*simple_noise_scale(*half_batch_moments(grads_a, grads_b), groups))
+        pairs = [(p, s) for p, s in zip(self.params, first) if p.grad is not None or s is not None]
+        grads_a = [torch.zeros_like(p) if s is None else s / (count_a * scale) for p, s in pairs]
+        grads_b = [(p.grad - (0 if s is None else s)) / (count_b * scale) for p, s in pairs]
+        n_a, n_b = group[:halves].unique().numel(), group[halves:].unique().numel()
+        self.noise.update(grads_a, grads_b, n_a, n_b)

@@ -4,9 +4,20 @@ Per group g of size N, with R the response's sequence reward. Each function retu
 (``compute_advantages`` broadcasts it to the response's valid tokens), except ``reinforce``,
 which returns the returns-to-go [B,T]. A singleton group carries no baseline information:
 every estimator here gives it 0, except ``reinforce``. Group statistics run in float64.
+
+Leave-in and leave-one-out. A weighted group baseline sum_j u_j R_j / sum_j u_j counts response
+i in its own baseline. With omega_i = u_i / sum_j u_j its own share of the weights, exactly
+
+    R_i - sum_j u_j R_j / sum_j u_j = (1 - omega_i) (R_i - sum_{j!=i} u_j R_j / sum_{j!=i} u_j),
+
+i.e. A = (1 - omega) A^LOO. A^LOO's baseline does not depend on response i, so its policy gradient
+is unbiased; the leave-in form (the papers') shrinks it toward zero by a factor that depends on the
+response itself (for energy weights: on its own tokens), which changes the gradient's scale and,
+unless omega is constant, its direction. ``leave_one_out=True`` gives A^LOO.
 """
 from __future__ import annotations
 
+from typing import Annotated
 
 from typing import Annotated
 
@@ -33,6 +44,30 @@ def weighted_baseline(values: Tensor, weights: Tensor, groups: GroupIndex) -> Te
     count = groups.sizes.to(values.dtype)
     return groups.gather(weighted_mean_or_plain(groups.sum(weights * values), groups.sum(weights),
                                                 groups.sum(values), count))
+
+
+# The one declaration of the option (its help is the annotation the front ends read).
+LeaveOneOut = Annotated[bool, "leave each response out of its own baseline (unbiased, A^LOO); False keeps the "
+                        "paper's leave-in form A = (1 - omega) A^LOO, biased toward zero by the response's own "
+                        "weight share omega"]
+
+
+def loo_weighted_baseline(values: Tensor, weights: Tensor, groups: GroupIndex) -> Tensor:
+    """Per-member baseline from the *other* members, sum_{j!=i} u_j v_j / sum_{j!=i} u_j, [B] float64.
+
+    Where the others' weights sum to 0, the plain mean of the others' values. Sums come from the
+    others alone (``GroupIndex.exclusive_sum``), so nothing is divided by a cancellation residue.
+    Singletons get 0 (no other member; ``drop_singletons`` zeroes their advantage)."""
+    values, weights = values.to(torch.float64), weights.to(torch.float64)
+    others = groups.exclusive_sum(torch.stack([weights * values, weights, values], -1))
+    weighted, weight_sum, plain = others.unbind(-1)
+    count = (groups.member_sizes() - 1).clamp(min=1).to(torch.float64)
+    return weighted_mean_or_plain(weighted, weight_sum, plain, count)
+
+
+def group_weighted_baseline(values: Tensor, weights: Tensor, groups: GroupIndex, leave_one_out: bool) -> Tensor:
+    """``loo_weighted_baseline`` or the leave-in ``weighted_baseline``."""
+    return (loo_weighted_baseline if leave_one_out else weighted_baseline)(values, weights, groups)
 
 
 def drop_singletons(adv: Tensor, groups: GroupIndex) -> Tensor:
@@ -86,25 +121,30 @@ def rloo(batch: AdvantageBatch) -> Tensor:
 
 
 @register_estimator("opo")
-def opo(batch: AdvantageBatch) -> Tensor:
+def opo(batch: AdvantageBatch, *, leave_one_out: LeaveOneOut = False) -> Tensor:
     """OPO (Hao et al. 2025): A = R - sum_i L_i R_i / sum_i L_i, L = number of valid tokens, [B].
 
-    A group of empty responses (sum L = 0) uses the plain mean.
+    A group of empty responses (sum L = 0) uses the plain mean. ``leave_one_out``: the baseline
+    sums over j != i only (the others' plain mean where their lengths sum to 0). The leave-in form
+    is A = (1 - L_i / sum_j L_j) A^LOO (module docstring): biased toward zero, more for longer responses.
     """
     r = batch.rewards.to(torch.float64)
     lengths = batch.lengths.to(torch.float64)
-    return drop_singletons(r - weighted_baseline(r, lengths, batch.groups), batch.groups)
+    return drop_singletons(r - group_weighted_baseline(r, lengths, batch.groups, leave_one_out), batch.groups)
 
 
 @register_estimator("ogb", needs_energy=True)
-def ogb(batch: AdvantageBatch) -> Tensor:
+def ogb(batch: AdvantageBatch, *, leave_one_out: LeaveOneOut = False) -> Tensor:
     """OGB, the sequence-level optimal baseline (OTB paper App. A.2, eq. 21), [B]:
 
         A = R - sum_i W_i R_i / sum_i W_i,   W_i = sum_t w_t of response i (w = rho_bar^2 w off-policy).
 
-    Groups whose energies sum to 0 use the plain mean of R.
+    Groups whose energies sum to 0 use the plain mean of R. ``leave_one_out``: the baseline sums over
+    j != i only (the others' plain mean where their energies sum to 0). The leave-in form is
+    A = (1 - W_i / sum_j W_j) A^LOO (module docstring): biased toward zero by a factor that depends on
+    the response's own energy, so high-energy responses lose most of their credit.
     """
     r = batch.rewards.to(torch.float64)
     # sum over valid tokens as a batched dot product: no masked [B,T] copy
     total_energy = torch.bmm(batch.raw_energy.unsqueeze(1), batch.valid.unsqueeze(2)).view(-1).to(torch.float64)
-    return drop_singletons(r - weighted_baseline(r, total_energy, batch.groups), batch.groups)
+    return drop_singletons(r - group_weighted_baseline(r, total_energy, batch.groups, leave_one_out), batch.groups)

@@ -1,75 +1,90 @@
-"""The simple gradient noise scale B_simple = tr(Σ) / ‖G‖² (McCandlish et al. 2018, "An Empirical
-Model of Large-Batch Training", §2.2 and App. A).
+"""The simple gradient noise scale B_simple = tr(Sigma) / ||G||^2 (McCandlish et al. 2018, "An Empirical
+Model of Large-Batch Training", App. A), from two independent half-batches of one step.
 
-Σ is the per-example gradient covariance and G the true gradient; here an example is a group
-(one prompt's N responses). B_simple is the batch size, in groups, at which the batch gradient's
-noise equals its signal: doubling the batch raises the signal-to-noise ‖G‖²/E‖g − G‖² by about
-2× while it is below B_simple and by little beyond.
+Sigma is the per-draw (per-group) gradient covariance and G the true gradient. With g_A, g_B the mean
+gradients of two independent halves of n_A and n_B draws:
 
-From one step's two independent half-batches of b/2 groups, with mean gradients g_A and g_B:
-    ‖G‖²  ≈ ⟨g_A, g_B⟩                    (unbiased: E⟨g_A, g_B⟩ = ⟨G, G⟩)
-    tr Σ  ≈ (b/4) · ‖g_A − g_B‖²          (unbiased: E‖g_A − g_B‖² = 2 tr Σ / (b/2))
-Both estimates are unbiased but their ratio is noisy step to step, so (as McCandlish et al. do)
-numerator and denominator are smoothed separately by exponential moving averages before dividing.
+    ||G||^2    ~  <g_A, g_B>                                   (unbiased: the halves are independent)
+    tr(Sigma)  ~  ||g_A - g_B||^2 / (1/n_A + 1/n_B)             (unbiased: E||g_A - g_B||^2 = tr Sigma (1/n_A + 1/n_B))
+
+(for n_A = n_B = b/2: (b/4) ||g_A - g_B||^2). B_simple is the batch size (in draws) at which the
+batch gradient's noise equals its signal; a step's ratio is noisy, so ``NoiseScale`` smooths the
+numerator and the denominator separately with exponential moving averages before dividing, as
+McCandlish et al. do. Both averages start at 0 with the same decay, so their start-up bias is the
+same factor (1 - beta^t) and cancels in the ratio.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from creditrl.utils.validate import check_range
 
-def half_batch_moments(grads_a: list[Tensor | None], grads_b: list[Tensor | None]) -> tuple[float, float]:
-    """(⟨g_A, g_B⟩, ‖g_A − g_B‖²) of two gradients given as per-parameter tensors (None = zero),
-    accumulated in float64 without a flattened copy."""
+Vector = Tensor | Sequence[Tensor]   # a flat gradient, or one tensor per parameter
+
+
+def _products(a: Vector, b: Vector) -> tuple[float, float]:
+    """(<a, b>, ||a - b||^2) in float64 over matching tensors (the difference taken directly: no
+    cancellation when a ~ b)."""
+    a, b = ([a], [b]) if isinstance(a, Tensor) else (list(a), list(b))
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+        raise ValueError(f"g_a, g_b: expected gradients of the same shapes, got {[tuple(x.shape) for x in a]} "
+                         f"and {[tuple(y.shape) for y in b]}")
     dot = diff = 0.0
-    for a, b in zip(grads_a, grads_b):
-        if a is None and b is None:
-            continue
-        a = torch.zeros_like(b) if a is None else a
-        b = torch.zeros_like(a) if b is None else b
-        dot += float(torch.dot(a.reshape(-1).double(), b.reshape(-1).double()))
-        diff += float(torch.linalg.vector_norm((a - b).reshape(-1), dtype=torch.float64)) ** 2
+    for x, y in zip(a, b):
+        x, y = x.detach().reshape(-1).double(), y.detach().reshape(-1).double()
+        dot += float(torch.dot(x, y))
+        diff += float((x - y).square().sum())
     return dot, diff
 
 
-def simple_noise_scale(dot_ab: float, diff_sq: float, groups: int) -> tuple[float, float]:
-    """Unbiased (tr Σ, ‖G‖²) from two half-batches of ``groups``/2 groups each (module docstring):
-    tr Σ = (groups/4)·‖g_A − g_B‖², ‖G‖² = ⟨g_A, g_B⟩. ``groups`` >= 2."""
-    if groups < 2:
-        raise ValueError(f"groups: expected >= 2 groups (two halves), got {groups}")
-    return groups / 4.0 * diff_sq, dot_ab
+def noise_scale_terms(g_a: Vector, g_b: Vector, n_a: float, n_b: float) -> tuple[float, float]:
+    """(tr Sigma, ||G||^2) estimated without bias from the mean gradients of two independent halves
+    of ``n_a`` and ``n_b`` draws (module docstring). ||G||^2 may come out negative when noise dominates."""
+    check_range("n_a", n_a, 0.0, low_inclusive=False)
+    check_range("n_b", n_b, 0.0, low_inclusive=False)
+    dot, diff = _products(g_a, g_b)
+    return diff / (1 / n_a + 1 / n_b), dot
 
 
-@dataclass
 class NoiseScale:
-    """Exponential moving averages of tr Σ and ‖G‖² over steps, and B_simple = their ratio.
+    """Exponential moving averages of tr Sigma and ||G||^2 and their ratio B_simple (module docstring).
 
-    ``beta`` is the EMA decay; the averages are bias-corrected as Adam's are, so the first step
-    reports its own estimates. B_simple is NaN until the smoothed ‖G‖² is positive (the true
-    gradient is then too small to separate from noise: no batch size is "enough")."""
-    beta: float = 0.9
-    trace: float = 0.0
-    grad_sq: float = 0.0
-    steps: int = 0
-    last: dict = field(default_factory=dict)
+    ``update`` returns the smoothed B_simple, NaN while the averaged ||G||^2 is not positive."""
 
-    def update(self, trace_sigma: float, grad_sq: float) -> None:
+    def __init__(self, decay: float = 0.9):
+        check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
+        self.decay = float(decay)
+        self.trace = 0.0
+        self.grad_sq = 0.0
+        self.steps = 0
+        self.last = (math.nan, math.nan)      # this step's unsmoothed (tr Sigma, ||G||^2)
+
+    def update(self, g_a: Vector, g_b: Vector, n_a: float, n_b: float) -> float:
+        return self.add(*noise_scale_terms(g_a, g_b, n_a, n_b))
+
+    def add(self, trace: float, grad_sq: float) -> float:
+        """Fold one step's unbiased (tr Sigma, ||G||^2) into the averages; returns B_simple."""
+        self.trace = self.decay * self.trace + (1 - self.decay) * trace
+        self.grad_sq = self.decay * self.grad_sq + (1 - self.decay) * grad_sq
         self.steps += 1
-        self.trace = self.beta * self.trace + (1 - self.beta) * trace_sigma
-        self.grad_sq = self.beta * self.grad_sq + (1 - self.beta) * grad_sq
-        self.last = {"trace_sigma": trace_sigma, "grad_sq": grad_sq}
+        self.last = (trace, grad_sq)
+        return self.value
+
+    def metrics(self) -> dict[str, float]:
+        """The smoothed B_simple and this step's raw estimates, for a trainer's log."""
+        return {"noise_scale": self.value, "noise_trace_sigma": self.last[0], "noise_grad_sq": self.last[1]}
 
     @property
     def value(self) -> float:
-        correction = 1 - self.beta ** self.steps
-        if self.steps == 0 or self.grad_sq / correction <= 0:
-            return math.nan
-        return self.trace / self.grad_sq
+        return self.trace / self.grad_sq if self.grad_sq > 0 else math.nan
 
-    def metrics(self) -> dict[str, float]:
-        """This step's raw estimates and the smoothed B_simple, for the trainer's log."""
-        return {"noise_scale": self.value, "noise_trace_sigma": self.last.get("trace_sigma", math.nan),
-                "noise_grad_sq": self.last.get("grad_sq", math.nan)}
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "trace": self.trace, "grad_sq": self.grad_sq, "steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.decay, self.trace, self.grad_sq, self.steps = (float(state["decay"]), float(state["trace"]),
+                                                            float(state["grad_sq"]), int(state["steps"]))

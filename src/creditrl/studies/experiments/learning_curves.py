@@ -13,20 +13,13 @@ from it, so runs pair up by seed and the spread over seeds includes the checkpoi
     training: the paper's Adam-moment variance proxy Σ(v̂ − m̂²) (``adam_variance``; claim: 77.4%
     lower for MaxPO at the end of training) and held-out pass@1 / pass@16 with CIs.
 
-Rules (fixed before the full run): paired differences over seeds with a 95% t-interval; the claimed
-direction reproduces when the interval excludes 0 on its side, does not reproduce when it excludes 0
-on the other, else inconclusive. The Adam-proxy ratio (mean over the last 10% of steps) uses a
+Rules (fixed before the full run; their revision: docs/evidence-history.md): paired differences over
+seeds with a 95% t-interval; the claimed direction reproduces when the interval excludes 0 on its
+side, does not reproduce when it excludes 0 on the other, else inconclusive. The Adam-proxy ratio (mean over the last 10% of steps) uses a
 paired bootstrap CI over seeds: high end < 1 reproduces, low end > 1 does not. Where the paper
 states the effect's size, an interval that stops short of it also does not reproduce (at the
 paper's size; ``reporting.interval_outcome``): GRPO-λ's gap 20% of GRPO's accuracy (the low end of
 20–50%), MaxPO's proxy ratio 0.226 (77.4% lower), pass@16 +0.009 (the low end of +0.9 to +5.0 points).
-
-Revision (after the first two seed sets, before the ones reported now): every seed then started from
-one checkpoint per task, so each interval held for that checkpoint only; the two seed sets put the
-Adam-proxy ratio at 1.07 [0.90, 1.28] and 1.20 [1.06, 1.37] (inconclusive / does not). A checkpoint
-per seed puts the checkpoint's variation into every interval here; the paper-size clause of the rules
-was added at the same time (after the first two seed sets and the new design's first, before the
-check set).
 """
 from __future__ import annotations
 
@@ -35,7 +28,9 @@ from pathlib import Path
 
 from creditrl.studies import reporting
 from creditrl.studies import trainer_runs as studies
-from creditrl.studies.experiments.grad_variance import PAPER_MAXPO_VARIANCE_RATIO
+from creditrl.studies.compare import mean_std_table
+from creditrl.studies.experiments.registry import Experiment, register_experiment
+from creditrl.studies.papers import PAPER_MAXPO_VARIANCE_RATIO
 
 PAPER_LAMBDA_GAP = 0.20          # GRPO-λ §4.2: training accuracy 20–50% above GRPO's (the low end, relative)
 PAPER_PASS16_GAIN = 0.009        # MaxPO Table 2: pass@16 +0.9 to +5.0 points (the low end)
@@ -197,8 +192,6 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
 
 
 def report(out_dir: Path, figure_path: str) -> str:
-    from creditrl.studies.compare import mean_std_table
-
     out_dir = Path(out_dir)
     summary = reporting.read_json(out_dir / "summary.json")
     cfg = summary["config"]
@@ -219,3 +212,6 @@ def report(out_dir: Path, figure_path: str) -> str:
                             "adam_variance_end", "tokens") if c in members[0]]
         lines += [f"### {name}\n", mean_std_table(members, cols)]
     return "\n".join(lines)
+
+
+EXPERIMENT = register_experiment(Experiment("learning-curves", PRESETS, run, verdicts, report))

@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from creditrl.core.estimators.maxk import maxk_quantities
 from creditrl.studies import reporting
+from creditrl.studies.experiments.registry import Experiment, register_experiment
 from creditrl.utils.threads import torch_threads
 
 ESTIMATORS = ("EI", "EI+L2O", "EI+L1O")
@@ -78,8 +80,6 @@ def gradient_estimates(rewards: Tensor, logits: Tensor, actions: Tensor, k: int)
     rewards, logits: [S, n]; actions: [S, M, N] int64 (M batches of N actions per instance).
     Returns {estimator: [S, M, n] float64}.
     """
-    from creditrl.core.estimators.maxk import maxk_quantities
-
     S, M, N = actions.shape
     n = rewards.shape[-1]
     r = rewards.gather(-1, actions.reshape(S, M * N)).reshape(-1)
@@ -345,3 +345,6 @@ def report(out_dir: Path, figure_path: str) -> str:
         lines.append(reporting.pivot_table(reporting.read_csv(Path(out_dir) / file), key, "estimator", "ratio_to_ei"))
         lines.append("")
     return "\n".join(lines)
+
+
+EXPERIMENT = register_experiment(Experiment("maxk-bandit", PRESETS, run, verdicts, report))

@@ -8,7 +8,7 @@ learning rate (3e-4; on the pilot seed GRPO N = 4 lost all accuracy within 10 st
 halved it at 3e-4, and stayed flat at 1e-4) and no gradient clipping. Runs: GRPO N=4, OTB N=4,
 GRPO N=16; seed s warm-starts its own checkpoint and all three runs of seed s start from it.
 
-Rules (fixed before the full runs; revised once, see below):
+Rules (fixed before the full runs; their revision: docs/evidence-history.md):
 - collapse of one run: held-out sampled accuracy ≥ 0.15 below its running max for 2 consecutive
   evals, or a gradient norm > 10× the median of its first 10 steps (``studies.collapse``);
 - stability claim: inconclusive if GRPO N=4 collapses in fewer than 3 seeds (the condition the
@@ -22,13 +22,6 @@ Rules (fixed before the full runs; revised once, see below):
   bootstrap CI over seeds; reproduces if its low end ≥ 0.9 with ≤ 0.5× the tokens, does not
   reproduce if its high end < 0.9; inconclusive if GRPO N=16's own gain is not above 0 (no gain to
   match) or the CI covers 0.9.
-
-Revision (after the first two seed sets, before the seed sets reported now): the first design
-shared one checkpoint by all seeds and compared collapse counts without an interval (OTB N=4 in at
-most half as many seeds reproduces). Its two seed sets disagreed: 3/5 vs 4/5 collapses (does not)
-and 4/5 vs 1/5 (reproduces); the mean accuracy change above was −0.002 and +0.059 [+0.005, +0.112]
-— each conditional on its own checkpoint (start accuracy 0.30 and 0.22). A checkpoint per seed puts
-the checkpoint's variation into the interval, and the count rule had no interval at all.
 """
 from __future__ import annotations
 
@@ -38,9 +31,9 @@ from pathlib import Path
 
 from creditrl.studies import reporting
 from creditrl.studies import trainer_runs as studies
+from creditrl.studies.experiments.registry import Experiment, register_experiment
 
-STUDY = {"task": "multiplication", "warm_start": ["model.warm_start.target_accuracy=0.2"],
-         "overrides": ["optim.lr=3e-4", "optim.max_grad_norm=1e6"]}
+STUDY = studies.UNSTABLE_STUDY
 RUNS = {"grpo-n4": ["algorithm.estimator=grpo", "rollout.group_size=4"],
         "otb-n4": ["algorithm.estimator=otb", "rollout.group_size=4"],
         "grpo-n16": ["algorithm.estimator=grpo", "rollout.group_size=16"]}
@@ -182,3 +175,6 @@ def report(out_dir: Path, figure_path: str) -> str:
              reporting.markdown_table(rows, ["run", "seed", "collapsed", "collapse_step", "start_acc", "end_acc",
                                              "mean_change", "max_grad_norm", "tokens", "reason"])]
     return "\n".join(lines)
+
+
+EXPERIMENT = register_experiment(Experiment("otb-stability", PRESETS, run, verdicts, report))

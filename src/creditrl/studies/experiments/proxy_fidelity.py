@@ -17,11 +17,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
+from creditrl.runtime.group_gradients import per_token_grad_sq_norms, rollout_token_stats
 from creditrl.studies import reporting
+from creditrl.studies.experiments.registry import Experiment, register_experiment
+from creditrl.studies.fixed_policy import load_tiny_checkpoint, sample_groups
+from creditrl.studies.reporting import pearson, spearman
 from creditrl.utils.threads import torch_threads
-from creditrl.studies.experiments.grad_variance import load_checkpoint, response_tokens, sample_groups
 
 
 @dataclass(frozen=True)
@@ -45,52 +47,13 @@ PRESETS = {
 }
 
 
-def ranks(x: Tensor) -> Tensor:
-    """Ranks 0..n-1 along the last dim of a 1-D tensor, ties get their average rank."""
-    values, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
-    start = counts.cumsum(0) - counts
-    return (start.double() + (counts.double() - 1) / 2)[inverse]
-
-
-def pearson(x: Tensor, y: Tensor) -> float:
-    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
-    denom = (x.norm() * y.norm()).item()
-    return float((x * y).sum() / denom) if denom > 0 else float("nan")
-
-
-def spearman(x: Tensor, y: Tensor) -> float:
-    return pearson(ranks(x), ranks(y))
-
-
-def per_token_grad_sq_norms(model, params: list[Tensor], batch, row: int, temperature: float) -> tuple[Tensor, Tensor]:
-    """Exact ‖∇θ log π(y_t)‖² [R] for every response token of ``row`` and ‖Σ_t ∇θ log π(y_t)‖².
-
-    One forward of the row, then one vmapped backward over one-hot cotangents (one per token).
-    The log-probs come from a plain log-softmax: token_stats' fused backward has no vmap rule,
-    and the char vocabulary (~20) makes the [1, R, V] tensor negligible."""
-    p = batch.prompt_len
-    rows = slice(row, row + 1)
-    logits = model(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
-                   position_ids=batch.position_ids[rows], use_cache=False).logits[:, p - 1:-1]
-    tokens = batch.input_ids[rows, p:]
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]  # [1, R]
-    valid = torch.nonzero(batch.response_mask[row, p:] > 0).flatten()
-    if valid.numel() == 0:
-        return torch.zeros(0), torch.zeros(())
-    onehot = torch.zeros(valid.numel(), *logp.shape)
-    onehot[torch.arange(valid.numel()), 0, valid] = 1.0
-    grads = torch.autograd.grad(logp, params, grad_outputs=onehot, is_grads_batched=True)
-    flat = torch.cat([g.reshape(valid.numel(), -1) for g in grads], dim=1).double()  # [T_valid, P]
-    full = torch.zeros(logp.shape[1], dtype=torch.float64).index_put((valid,), flat.pow(2).sum(-1))
-    return full, flat.sum(0).pow(2).sum()
-
-
 def measure(cfg: ProxyFidelityConfig, model, params, task, tokenizer) -> tuple[list[reporting.Row], list[reporting.Row]]:
     rng = random.Random(f"proxy-fidelity-{cfg.seed}")
     generator = torch.Generator().manual_seed(cfg.seed)
-    batch = sample_groups(task, model, tokenizer, cfg.groups, cfg.group_size, cfg, rng, generator)
+    batch = sample_groups(task, model, tokenizer, cfg.groups, cfg.group_size, temperature=cfg.temperature,
+                          max_new_tokens=cfg.max_new_tokens, rng=rng, generator=generator)
     with torch.no_grad():
-        stats = response_tokens(model, batch, slice(None), cfg.temperature)
+        stats = rollout_token_stats(model, batch, slice(None), cfg.temperature)
     mask = batch.response_mask[:, batch.prompt_len:] > 0
     token_rows, response_rows = [], []
     for row in range(batch.input_ids.shape[0]):  # one exact per-token gradient pass per response
@@ -136,8 +99,8 @@ def correlations(token_rows: list[reporting.Row], response_rows: list[reporting.
 def run(cfg: ProxyFidelityConfig, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     with torch.random.fork_rng(devices=[]), torch_threads(cfg.threads):
-        task, model, tokenizer, params = load_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy, cfg.seed,
-                                                         cfg.warm_start_max_steps)
+        task, model, tokenizer, params = load_tiny_checkpoint(cfg.task, cfg.digits, cfg.warm_start_accuracy,
+                                                              cfg.seed, cfg.warm_start_max_steps)
         torch.manual_seed(cfg.seed)
         token_rows, response_rows = measure(cfg, model, params, task, tokenizer)
     reporting.write_csv(out_dir / "tokens.csv", token_rows)
@@ -228,3 +191,6 @@ def floor_note(out_dir: Path, floor: float = 1e-6) -> str:
     return (f"Note: {len(low)} near-certain tokens have ŵ_t ≤ {floor:g}; among them alone the Spearman correlation "
             f"of ŵ_t with the true squared norm is {rho:.2f} (their largest true norm is "
             f"{max(r['true_sq_norm'] for r in low):.3g}, against {max(r['true_sq_norm'] for r in rows):.3g} overall).\n")
+
+
+EXPERIMENT = register_experiment(Experiment("proxy-fidelity", PRESETS, run, verdicts, report))

@@ -29,11 +29,19 @@ from pathlib import Path
 
 import torch
 
+from creditrl.core.estimators import compute_advantages
+from creditrl.core.losses import spurious_token_mask
+from creditrl.runtime.group_gradients import per_token_grad_sq_norms, rollout_token_stats
+from creditrl.runtime.models import load_policy
+from creditrl.runtime.rollout import generate_rollouts
 from creditrl.studies import reporting
-from creditrl.utils.threads import torch_threads
 from creditrl.studies import trainer_runs as studies
-from creditrl.studies.experiments.otb_stability import STUDY as UNSTABLE
-from creditrl.studies.experiments.proxy_fidelity import per_token_grad_sq_norms
+from creditrl.studies.compare import mean_std_table
+from creditrl.studies.experiments.registry import Experiment, register_experiment
+from creditrl.tasks import get_task
+from creditrl.utils.threads import torch_threads
+
+UNSTABLE = studies.UNSTABLE_STUDY
 
 PAPER_RATIO = 1e-4        # ~0.01% of tokens (STAPO §5.5.1)
 RUNS = {"grpo": ["algorithm.estimator=grpo"], "grpo+stapo": ["algorithm.estimator=grpo", "loss.stapo.enabled=true"]}
@@ -71,12 +79,6 @@ PRESETS = {
 
 def census(cfg: StapoCensusConfig, out_dir: Path) -> None:
     """Sample, mask and measure; writes batches.csv (per batch counts) and tokens.csv (exact norms)."""
-    from creditrl import compute_advantages, spurious_token_mask
-    from creditrl.studies.experiments.grad_variance import response_tokens
-    from creditrl.runtime.models import load_policy
-    from creditrl.tasks import get_task
-    from creditrl.runtime.rollout import generate_rollouts
-
     checkpoint = studies.seed_checkpoint(UNSTABLE["task"], studies.warm_start_overrides(cfg, UNSTABLE), cfg.seed,
                                            cfg.threads)
     task = get_task(UNSTABLE["task"])
@@ -91,7 +93,7 @@ def census(cfg: StapoCensusConfig, out_dir: Path) -> None:
         batch = generate_rollouts(model, tokenizer, task, problems, group_size=cfg.group_size, temperature=1.0,
                                   max_new_tokens=cfg.max_new_tokens, generator=gen)
         with torch.no_grad():
-            stats = response_tokens(model, batch, slice(None), 1.0)
+            stats = rollout_token_stats(model, batch, slice(None), 1.0)
         mask = batch.response_mask[:, batch.prompt_len:] > 0
         adv = compute_advantages("grpo", rewards=batch.rewards, mask=mask, group=batch.group)
         per = cfg.prompts_per_batch * cfg.group_size
@@ -231,8 +233,6 @@ def verdicts(out_dir: Path) -> list[reporting.Verdict]:
 def report(out_dir: Path, figure_path: str) -> str:
     out_dir = Path(out_dir)
     cfg = reporting.read_json(out_dir / "summary.json")["config"]
-    from creditrl.studies.compare import mean_std_table
-
     training = reporting.read_csv(out_dir / "training.csv")
     return "\n".join([
         "## STAPO: census of spurious tokens and entropy under an unstable learning rate (STAPO §3.2, §5.5)\n",
@@ -246,3 +246,6 @@ def report(out_dir: Path, figure_path: str) -> str:
         f"![stapo census]({figure_path})\n", mean_std_table(training, ["entropy_start", "entropy_end",
                                                                       "entropy_change", "silenced_ratio",
                                                                       "start_acc", "end_acc"])])
+
+
+EXPERIMENT = register_experiment(Experiment("stapo-census", PRESETS, run, verdicts, report))

@@ -1,0 +1,152 @@
+"""Gradient quality at matched signal: variance, scale, alignment and relative efficiency of several
+estimators measured on the same draws (definitions: ../shared/notes/gradient-quality.md).
+
+With mu_e = E[g_e] the mean gradient of estimator e and r an unbiased *reference* (``rloo``, any
+leave-one-out form, or the exact gradient given as a constant pseudo-estimator), per draw:
+
+    V_e      = E||g_e - mu_e||^2 = tr Cov(g_e)                   raw variance
+    c_e      = <mu_e, mu_r> / ||mu_r||^2                         scale along the true gradient (c_r = 1)
+    cos_e    = <mu_e, mu_r> / (||mu_e|| ||mu_r||)                alignment
+    V_e/c_e^2                                                    variance at matched signal
+    eff_e    = (V_b / c_b^2) / (V_e / c_e^2)                      relative efficiency against the baseline b
+
+eff_e > 1: e needs eff_e times fewer draws than b for the same signal-to-noise. Adam-type optimizers
+are invariant to a constant gradient scale, so this, not the raw ratio V_e / V_b, is what they feel:
+a raw ratio below 1 can come entirely from c_e < 1 (a shrunken gradient).
+
+Estimates from ``GradientStats`` (``moments``), all unbiased in their numerators and denominators:
+<mu_e, mu_f> from every ordered pair of draws in *different* units (a U-statistic; ||mean||^2 would be
+biased upward by V/n), E[g_e g_f^T] from the draws themselves. Ratios are ratios of these. Intervals:
+delete-one-fold jackknife over the K folds of units (t with K - 1 df; variance, matched variance,
+efficiency and raw ratio on the log scale, scale and cosine on the linear scale), every ratio
+recomputed in each replicate from the same folds. NaN where a denominator's estimate is not positive
+(too few draws to see the mean gradient above the noise).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from creditrl.core.gradients.moments import GradientStats
+from creditrl.utils.stats import t_quantile
+from creditrl.utils.validate import check_tensor
+
+LOG_SCALE = ("variance", "matched_variance", "efficiency", "raw_ratio")
+STATISTICS = ("variance", "scale", "cosine", "matched_variance", "efficiency", "raw_ratio", "signal")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its 95% interval over ``folds`` resampling units (0: exact, no interval)."""
+    value: float
+    low: float
+    high: float
+    folds: int
+
+    def __str__(self) -> str:
+        return f"{self.value:.3g} [{self.low:.3g}, {self.high:.3g}]"
+
+
+@dataclass(frozen=True)
+class EstimatorQuality:
+    """One estimator's quality against ``reference`` (scale, cosine) and ``baseline`` (efficiency,
+    raw ratio). ``signal`` is ||mu_e||^2 (no interval: ``cosine`` carries it)."""
+    name: str
+    reference: str
+    baseline: str
+    variance: Interval
+    scale: Interval
+    cosine: Interval
+    matched_variance: Interval
+    efficiency: Interval
+    raw_ratio: Interval
+    signal: float
+
+
+def _statistics(second: Tensor, signal: Tensor, r: int, b: int) -> dict[str, Tensor]:
+    """Every statistic for R replicates from E[g_e g_f] and <mu_e, mu_f> estimates [R, E, E] -> name -> [R, E]."""
+    variance = torch.diagonal(second - signal, dim1=1, dim2=2)
+    own = torch.diagonal(signal, dim1=1, dim2=2)                      # ||mu_e||^2
+    ref = signal[:, :, r]                                             # <mu_e, mu_r>
+    ref_norm = own[:, r:r + 1]
+    nan = torch.full_like(ref, math.nan)
+    scale = torch.where(ref_norm > 0, ref / ref_norm, nan)
+    defined = (own > 0) & (ref_norm > 0)
+    cosine = torch.where(defined, ref / (own * ref_norm).clamp(min=0).sqrt(), nan)
+    matched = variance / scale.square()
+    return {"variance": variance, "scale": scale, "cosine": cosine, "matched_variance": matched,
+            "efficiency": matched[:, b:b + 1] / matched, "raw_ratio": variance / variance[:, b:b + 1],
+            "signal": own}
+
+
+def _replicates(stats: GradientStats) -> tuple[Tensor, Tensor]:
+    """(E[g g^T], <mu, mu^T>) estimates [K+1, E, E] for the full sample (row 0) and each delete-one-fold
+    jackknife replicate (rows 1..K): per-draw second moments, and the cross products of draws in
+    different units over their number of ordered pairs n^2 - sum_u n_u^2."""
+    K = stats.draws.numel()
+    keep = torch.cat([torch.ones(1, K, dtype=torch.float64), 1 - torch.eye(K, dtype=torch.float64)])  # [K+1, K]
+    draws, same_unit = keep @ stats.draws, keep @ stats.same_unit
+    second = torch.einsum("rk,kef->ref", keep, stats.second) / draws[:, None, None]
+    cross = torch.einsum("rk,rh,khef->ref", keep, keep, stats.cross) - torch.einsum("rk,kef->ref", keep, stats.within)
+    return second, cross / (draws * draws - same_unit)[:, None, None]
+
+
+def _interval(full: float, replicates: Tensor, log: bool) -> Interval:
+    """Jackknife t-interval around ``full`` from the K delete-one-fold values: NaN bounds when K < 2
+    or a value is not finite (or, on the log scale, not positive)."""
+    K = replicates.numel()
+    if log:
+        if not full > 0 or not bool((replicates > 0).all()):
+            return Interval(full, math.nan, math.nan, K)
+        x, centre = replicates.log(), math.log(full)
+    else:
+        x, centre = replicates, full
+    if K < 2 or not math.isfinite(centre) or not bool(torch.isfinite(x).all()):
+        return Interval(full, math.nan, math.nan, K)
+    half = t_quantile(K - 1) * math.sqrt((K - 1) / K * float((x - x.mean()).square().sum()))
+    low, high = centre - half, centre + half
+    return Interval(full, math.exp(low), math.exp(high), K) if log else Interval(full, low, high, K)
+
+
+def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: str | None = None
+                     ) -> dict[str, EstimatorQuality]:
+    """Per estimator of ``stats``: V, c, cos, V/c², efficiency and raw ratio against ``baseline``
+    (default: ``reference``), with jackknife intervals over the folds (module docstring)."""
+    r = stats.index(reference)
+    b = stats.index(baseline or reference)
+    pairs = float(stats.draws.sum() ** 2 - stats.same_unit.sum())
+    if not pairs > 0:
+        raise ValueError("stats: expected draws from at least 2 independent units (the mean gradient is "
+                         f"cross-fitted between units), got {float(stats.draws.sum()):.0f} draw(s) in one unit")
+    values = _statistics(*_replicates(stats.nonempty()), r, b)
+    out = {}
+    for e, name in enumerate(stats.names):
+        fields = {key: _interval(float(values[key][0, e]), values[key][1:, e], key in LOG_SCALE)
+                  for key in STATISTICS if key != "signal"}
+        out[name] = EstimatorQuality(name, reference, baseline or reference, signal=float(values["signal"][0, e]),
+                                     **fields)
+    return out
+
+
+def exact_quality(names: tuple[str, ...] | list[str], grads: Tensor, probs: Tensor, reference: str = "rloo",
+                  baseline: str | None = None) -> dict[str, EstimatorQuality]:
+    """Population values (no sampling) from every outcome of a draw: grads [M, E, D] with
+    probabilities probs [M] (e.g. every outcome of a group on an enumerable policy)."""
+    check_tensor("grads", grads, ndim=3)
+    check_tensor("probs", probs, shape=[grads.shape[0]])
+    names = tuple(names)
+    g, p = grads.to(torch.float64), probs.to(torch.float64)
+    mean = torch.einsum("m,med->ed", p, g)
+    second = torch.einsum("m,med,mfd->ef", p, g, g)
+    r, b = names.index(reference), names.index(baseline or reference)
+    values = _statistics(second[None], (mean @ mean.T)[None], r, b)
+    out = {}
+    for e, name in enumerate(names):
+        exact = {k: Interval(float(values[k][0, e]), float(values[k][0, e]), float(values[k][0, e]), 0)
+                 for k in STATISTICS if k != "signal"}
+        out[name] = EstimatorQuality(name, reference, baseline or reference, signal=float(values["signal"][0, e]),
+                                     **exact)
+    return out

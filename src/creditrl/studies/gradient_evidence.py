@@ -1,0 +1,85 @@
+"""Shared by the gradient-quality experiments (grad-variance, horizon, real-model): estimator labels,
+the exact multiples added without a gradient, per-estimator quality rows from ``GradientStats``, and
+the matched-signal rule every cross-estimator verdict uses.
+
+Labels: a registered estimator name, ``+loo`` for its ``leave_one_out=True`` form (``otb+loo``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from creditrl.core.gradients import GradientStats, gradient_quality
+from creditrl.studies import reporting
+
+LOO = "+loo"
+MAXK = ("maxpo", "ei", "pkpo")
+# statistic -> column name in the quality tables (the raw ratio is labelled as raw everywhere)
+COLUMNS = {"efficiency": "efficiency", "scale": "scale c", "cosine": "cosine", "raw_ratio": "raw tr Cov ratio",
+           "variance": "tr Cov"}
+EFFICIENCY_RULE = ("relative efficiency at matched signal (V_b/c_b²)/(V_e/c_e²), c against {reference}; per "
+                   "comparison at each setting and its geometric mean over the settings (95% t-intervals over "
+                   "{units}, log scale): a CI below 1{paper} anywhere is a loss, else the geometric mean's CI above "
+                   "1 a win, else a tie")
+
+
+def estimator_specs(labels: Sequence[str], k: int | None = None) -> dict[str, tuple[str, dict]]:
+    """label -> (registered name, options): ``+loo`` sets leave_one_out; max@K estimators get ``k``."""
+    out = {}
+    for label in labels:
+        name = label.removesuffix(LOO)
+        options = {"leave_one_out": True} if label.endswith(LOO) else {}
+        if name in MAXK:
+            options["k"] = k
+        out[label] = (name, options)
+    return out
+
+
+def with_derived(stats: GradientStats, group_size: int) -> GradientStats:
+    """Add ``dr_grpo`` = (N−1)/N · ``rloo`` exactly (its advantage is; tested), when rloo was measured."""
+    if "rloo" not in stats.names or "dr_grpo" in stats.names:
+        return stats
+    return stats.with_multiple("dr_grpo", "rloo", (group_size - 1) / group_size)
+
+
+def quality_rows(stats: GradientStats, reference: str, baseline: str | None = None, **meta) -> list[reporting.Row]:
+    """One row per estimator: every statistic of ``gradient_quality`` with its interval over the folds."""
+    rows = []
+    for name, q in gradient_quality(stats, reference, baseline).items():
+        row = {**meta, "estimator": name, "reference": reference, "baseline": baseline or reference,
+               "signal": q.signal}
+        for key in COLUMNS:
+            iv = getattr(q, key)
+            row.update({key: iv.value, f"{key}_low": iv.low, f"{key}_high": iv.high})
+        rows.append(row)
+    return rows
+
+
+def cluster_efficiency(values: Sequence[float], unit: str) -> reporting.Estimate:
+    """Geometric mean of per-cluster efficiencies with its t-interval over the clusters (log scale)."""
+    return reporting.cluster_ratio_contrast([list(values)], [1.0], unit=unit)
+
+
+def pooled_efficiency(per_setting: dict[object, Sequence[float]], unit: str) -> tuple[dict, reporting.Estimate]:
+    """Per setting and pooled (geometric mean over the settings) efficiency with t-intervals over the
+    clusters of each setting (Welch df)."""
+    settings = list(per_setting)
+    each = {s: cluster_efficiency(per_setting[s], unit) for s in settings}
+    pooled = reporting.cluster_ratio_contrast([list(per_setting[s]) for s in settings],
+                                              [1 / len(settings)] * len(settings), unit=unit)
+    return each, pooled
+
+
+def efficiency_outcome(each: dict, pooled: reporting.Estimate, paper: float | None = None) -> str:
+    """The matched-signal rule (``EFFICIENCY_RULE``): "e is more efficient than b"."""
+    return reporting.pooled_ratio_outcome(list(each.values()), pooled, paper=paper, claimed=">")
+
+
+def efficiency_text(label: str, each: dict, pooled: reporting.Estimate, names: dict) -> str:
+    """"label: <setting> eff [CI], ..., geometric mean eff [CI]" (``names``: setting -> its label)."""
+    text = ", ".join(f"{names[s]} {e}" for s, e in each.items())
+    return f"{label}: {text}" + (f", geometric mean {pooled}" if len(each) > 1 else "")
+
+
+def finite_or_nan(values: Sequence[float]) -> list[float]:
+    return [v if isinstance(v, (int, float)) and math.isfinite(v) else math.nan for v in values]

@@ -1,0 +1,291 @@
+"""creditrl.core.gradients: the streaming statistics against loops, the estimates' unbiasedness by
+enumeration, exact Var / c / efficiency on the enumerable policy, interval coverage, the noise scale
+on a problem with known Σ and G, and the count sketch."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from creditrl.core.gradients import (CountSketch, GradientMoments, NoiseScale, exact_quality, gradient_quality,
+                                     moments_from_draws, noise_scale_terms)
+from enumerable_policy import THETA, outcome_gradients, true_gradient
+
+NAMES = ("rloo", "dr_grpo", "otb", "otb_loo", "otb_isolated", "otb_isolated_loo", "ogb_loo", "opo_loo")
+SPECS = [("rloo", {}), ("dr_grpo", {}), ("otb", {}), ("otb", {"leave_one_out": True}), ("otb_isolated", {}),
+         ("otb_isolated", {"leave_one_out": True}), ("ogb", {"leave_one_out": True}), ("opo", {"leave_one_out": True})]
+
+
+# ---------------------------------------------------------------- the statistics against loops
+
+
+def loop_stats(grads: torch.Tensor, units: list, folds: int):
+    """n, Σ n_u², Σ g gᵀ, Σ s_u s_uᵀ per fold and the folds' cross Grams, by plain loops."""
+    order = list(dict.fromkeys(units))
+    fold_of = {u: i % folds for i, u in enumerate(order)}
+    E, D = grads.shape[1:]
+    n, m = [0.0] * folds, [0.0] * folds
+    second = torch.zeros(folds, E, E, dtype=torch.float64)
+    within = torch.zeros(folds, E, E, dtype=torch.float64)
+    sums = torch.zeros(folds, E, D, dtype=torch.float64)
+    for u in order:
+        f = fold_of[u]
+        rows = [k for k in range(len(units)) if units[k] == u]
+        s = sum(grads[k].double() for k in rows)
+        n[f] += len(rows)
+        m[f] += len(rows) ** 2
+        for k in rows:
+            second[f] += grads[k].double() @ grads[k].double().T
+        within[f] += s @ s.T
+        sums[f] += s
+    cross = torch.stack([torch.stack([sums[f] @ sums[h].T for h in range(folds)]) for f in range(folds)])
+    return n, m, second, within, cross
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(1, 3), min_size=2, max_size=7), folds=st.integers(1, 3), seed=st.integers(0, 999))
+def test_moments_match_loops(sizes, folds, seed):
+    units = [u for u, size in enumerate(sizes) for _ in range(size)]
+    grads = torch.randn(len(units), 3, 5, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    n, m, second, within, cross = loop_stats(grads, units, folds)
+    streamed = GradientMoments(("a", "b", "c"), 5, folds=folds, dtype=torch.float64)
+    for k in range(len(units)):                       # one draw at a time, as a group stream feeds it
+        streamed.add(grads[k], unit=units[k])
+    for got in (moments_from_draws(("a", "b", "c"), grads, units, folds), streamed.stats()):
+        assert got.draws.tolist() == n and got.same_unit.tolist() == m
+        for mine, ref in ((got.second, second), (got.within, within), (got.cross, cross)):
+            torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)
+    again = type(got).from_dict(got.to_dict())
+    torch.testing.assert_close(again.cross, got.cross)
+
+
+def test_moments_refuse_bad_input():
+    moments = GradientMoments(("a", "b"), 4)
+    with pytest.raises(ValueError, match=r"grads: expected shape \[2, 4\], got \[2, 3\]"):
+        moments.add(torch.zeros(2, 3))
+    moments.add(torch.zeros(2, 4), unit="p1")
+    moments.add(torch.zeros(2, 4), unit="p2")
+    with pytest.raises(ValueError, match="unit: expected each unit's draws one after another, got unit 'p1' again"):
+        moments.add(torch.zeros(2, 4), unit="p1")
+    with pytest.raises(ValueError, match="names: expected distinct estimator names"):
+        GradientMoments(("a", "a"), 4)
+    one_unit = moments_from_draws(("a",), torch.ones(3, 1, 2), units=[0, 0, 0])
+    with pytest.raises(ValueError, match="stats: expected draws from at least 2 independent units"):
+        gradient_quality(one_unit, reference="a")
+    with pytest.raises(ValueError, match=r"name: expected one of the measured estimators \['a'\], got 'rloo'"):
+        gradient_quality(moments_from_draws(("a",), torch.ones(3, 1, 2)))
+
+
+# ---------------------------------------------------------------- unbiasedness by enumeration
+
+
+@pytest.mark.parametrize("units", [[0, 1, 2], [0, 0, 1], [0, 1, 1, 2]])
+def test_signal_and_variance_estimates_are_unbiased(units):
+    """Average the estimates over every tuple of draws from a discrete distribution (draws of one
+    unit share their outcome's prompt: a dependence the cross-fit must not see): E[estimate] = truth."""
+    gen = torch.Generator().manual_seed(3)
+    prompts, outcomes = 2, 3                          # a unit draws a prompt, its draws an outcome each
+    grads = torch.randn(prompts, outcomes, 2, 4, generator=gen, dtype=torch.float64)
+    p_prompt, p_out = torch.tensor([0.3, 0.7], dtype=torch.float64), torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    flat = grads.reshape(-1, 2, 4)
+    probs = (p_prompt[:, None] * p_out[None]).flatten()
+    mean = probs @ flat.reshape(6, -1)
+    truth_signal = mean.view(2, 4) @ mean.view(2, 4).T
+    truth_second = torch.einsum("m,med,mfd->ef", probs, flat, flat)
+    unit_ids = list(dict.fromkeys(units))
+    expect = torch.zeros(2, 2, dtype=torch.float64)
+    expect_var = torch.zeros(2, dtype=torch.float64)
+    for chosen_prompts in itertools.product(range(prompts), repeat=len(unit_ids)):
+        prompt_of = dict(zip(unit_ids, chosen_prompts))
+        for chosen in itertools.product(range(outcomes), repeat=len(units)):
+            weight = math.prod(float(p_prompt[p]) for p in chosen_prompts) * math.prod(float(p_out[o]) for o in chosen)
+            draws = torch.stack([grads[prompt_of[u], o] for u, o in zip(units, chosen)])
+            stats = moments_from_draws(("a", "b"), draws, units)
+            pairs = float(stats.draws.sum() ** 2 - stats.same_unit.sum())
+            signal = (stats.cross.sum((0, 1)) - stats.within.sum(0)) / pairs
+            expect += weight * signal
+            expect_var += weight * torch.diagonal(stats.second.sum(0) / stats.draws.sum() - signal)
+    torch.testing.assert_close(expect, truth_signal, atol=1e-12, rtol=0)
+    torch.testing.assert_close(expect_var, torch.diagonal(truth_second - truth_signal), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------- exact values on the enumerable policy
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return {eos: outcome_gradients(THETA, eos, SPECS) for eos in (False, True)}
+
+
+def loop_quality(grads, probs, e, r=0):
+    """V, c and efficiency against rloo (r) straight from the definitions, by loops over outcomes."""
+    mean = [sum(float(probs[m]) * grads[m, k] for m in range(len(probs))) for k in range(grads.shape[1])]
+    var = [sum(float(probs[m]) * float((grads[m, k] - mean[k]).square().sum()) for m in range(len(probs)))
+           for k in range(grads.shape[1])]
+    scale = [float(mean[k] @ mean[r]) / float(mean[r] @ mean[r]) for k in range(grads.shape[1])]
+    return var[e], scale[e], (var[r] / scale[r] ** 2) / (var[e] / scale[e] ** 2)
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["fixed-length", "eos-ended"])
+def test_exact_quality_on_the_enumerable_policy(outcomes, eos):
+    grads, probs = outcomes[eos]
+    exact = exact_quality(NAMES, grads, probs, reference="rloo")
+    for e, name in enumerate(NAMES):
+        var, scale, eff = loop_quality(grads, probs, e)
+        q = exact[name]
+        assert q.variance.value == pytest.approx(var, rel=1e-10)
+        assert q.scale.value == pytest.approx(scale, rel=1e-10)
+        assert q.efficiency.value == pytest.approx(eff, rel=1e-10)
+    # unbiased forms have c = 1 and point along ∇J; dr_grpo is (N−1)/N·rloo: c = 2/3, efficiency exactly 1
+    grad = true_gradient(THETA, eos)
+    for name in ("rloo", "otb_loo", "otb_isolated_loo", "ogb_loo", "opo_loo"):
+        assert exact[name].scale.value == pytest.approx(1.0, abs=1e-9)
+        assert exact[name].cosine.value == pytest.approx(1.0, abs=1e-9)
+    assert exact["dr_grpo"].scale.value == pytest.approx(2 / 3, rel=1e-10)
+    assert exact["dr_grpo"].efficiency.value == pytest.approx(1.0, rel=1e-10)
+    assert exact["dr_grpo"].raw_ratio.value == pytest.approx(4 / 9, rel=1e-10)
+    torch.testing.assert_close(probs @ grads[:, 0], grad, atol=1e-9, rtol=0)
+    assert exact["otb"].scale.value < 1 and exact["otb_isolated"].scale.value < 1   # leave-in shrinks
+
+
+def sample_stats(grads, probs, draws, folds, seed):
+    idx = torch.multinomial(probs, draws, replacement=True, generator=torch.Generator().manual_seed(seed))
+    return moments_from_draws(NAMES, grads[idx], folds=folds)
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["fixed-length", "eos-ended"])
+def test_sampled_quality_brackets_the_exact_values(outcomes, eos):
+    """4000 sampled groups in 20 folds: every estimator's intervals hold the exact V, c, cosine and
+    efficiency (a fixed seed; the coverage test below checks the intervals' rate)."""
+    grads, probs = outcomes[eos]
+    exact = exact_quality(NAMES, grads, probs, reference="rloo")
+    got = gradient_quality(sample_stats(grads, probs, 4000, 20, seed=1), reference="rloo")
+    for name in NAMES:
+        for key in ("variance", "scale", "cosine", "efficiency", "raw_ratio"):
+            est, truth = getattr(got[name], key), getattr(exact[name], key).value
+            if name == "rloo" and key in ("scale", "efficiency", "raw_ratio"):
+                assert est.value == pytest.approx(1.0) and math.isnan(est.low) is False
+                continue
+            assert est.low - 1e-9 <= truth <= est.high + 1e-9, (name, key, est, truth)   # exact ties: rounding
+
+
+def test_efficiency_intervals_cover_at_about_their_rate(outcomes):
+    """200 independent samples of 600 groups: the 95% jackknife intervals of the efficiency and the
+    scale cover the exact values in at least 88% of them (binomial 2.5% quantile at 95% is ~92%)."""
+    grads, probs = outcomes[True]
+    exact = exact_quality(NAMES, grads, probs, reference="rloo")
+    hits = {key: 0 for key in ("efficiency", "scale", "variance")}
+    reps = 200
+    for rep in range(reps):
+        q = gradient_quality(sample_stats(grads, probs, 600, 20, seed=100 + rep), reference="rloo")["otb"]
+        for key in hits:
+            iv = getattr(q, key)
+            hits[key] += iv.low <= getattr(exact["otb"], key).value <= iv.high
+    assert all(h >= 0.88 * reps for h in hits.values()), hits
+
+
+def test_exact_reference_vector_as_a_pseudo_estimator(outcomes):
+    """The exact ∇J appended as a constant draw: c against it equals c against rloo in expectation,
+    its own variance is 0 and ||∇J||² is recovered exactly."""
+    grads, probs = outcomes[True]
+    grad = true_gradient(THETA, True)
+    idx = torch.multinomial(probs, 3000, replacement=True, generator=torch.Generator().manual_seed(5))
+    draws = torch.cat([grads[idx], grad.expand(3000, 1, -1)], 1)
+    q = gradient_quality(moments_from_draws((*NAMES, "exact"), draws, folds=10), reference="exact", baseline="rloo")
+    assert q["exact"].variance.value == pytest.approx(0.0, abs=1e-12)
+    assert q["exact"].signal == pytest.approx(float(grad @ grad), rel=1e-12)
+    exact = exact_quality(NAMES, grads, probs, reference="rloo")
+    for name in ("rloo", "otb", "otb_loo"):
+        assert q[name].scale.low <= exact[name].scale.value <= q[name].scale.high
+
+
+# ---------------------------------------------------------------- noise scale
+
+
+def test_noise_scale_terms_are_unbiased_by_enumeration():
+    """Halves of 1 and 2 draws from a 3-outcome distribution (known Σ and G): E over every tuple = truth."""
+    values = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-1.0, 1.0]], dtype=torch.float64)
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    G = p @ values
+    trace = float(p @ (values - G).square().sum(1))
+    expect_trace = expect_sq = 0.0
+    for a, b1, b2 in itertools.product(range(3), repeat=3):
+        w = float(p[a] * p[b1] * p[b2])
+        t, s = noise_scale_terms(values[a], (values[b1] + values[b2]) / 2, 1, 2)
+        expect_trace += w * t
+        expect_sq += w * s
+    assert expect_trace == pytest.approx(trace, abs=1e-12)
+    assert expect_sq == pytest.approx(float(G @ G), abs=1e-12)
+
+
+def test_noise_scale_recovers_a_known_gaussian_problem():
+    """g ~ N(G, Σ) per draw, halves of 8 draws, 4000 steps smoothed: B_simple → tr Σ / ||G||²."""
+    gen = torch.Generator().manual_seed(0)
+    G = torch.tensor([1.0, -0.5, 0.25, 0.0], dtype=torch.float64)
+    scales = torch.tensor([2.0, 1.0, 0.5, 3.0], dtype=torch.float64)          # Σ = diag(scales²)
+    truth = float(scales.square().sum() / G.square().sum())
+    smoother, steps = NoiseScale(decay=0.999), 4000
+    for _ in range(steps):
+        draws = G + scales * torch.randn(16, 4, generator=gen, dtype=torch.float64)
+        value = smoother.update(draws[:8].mean(0), draws[8:].mean(0), 8, 8)
+    assert value == pytest.approx(truth, rel=0.1)
+    restored = NoiseScale()
+    restored.load_state_dict(smoother.state_dict())
+    assert restored.value == smoother.value
+
+
+def test_noise_scale_smoother_and_errors():
+    s = NoiseScale(decay=0.5)
+    first = s.update(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), 2, 2)
+    assert math.isnan(first)                   # <g_a, g_b> = 0: no signal seen yet, no ratio
+    t, g = noise_scale_terms([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], [torch.tensor([1.0, 1.0]),
+                                                                              torch.tensor([2.0])], 2, 2)
+    assert (t, g) == (pytest.approx(2.0 / 1.0), pytest.approx(1 + 2 + 6))
+    with pytest.raises(ValueError, match="n_a: expected a value in"):
+        noise_scale_terms(torch.ones(2), torch.ones(2), 0, 2)
+    with pytest.raises(ValueError, match="g_a, g_b: expected gradients of the same shapes"):
+        noise_scale_terms(torch.ones(2), torch.ones(3), 1, 1)
+    with pytest.raises(ValueError, match=r"decay: expected a value in \[0, 1\)"):
+        NoiseScale(decay=1.0)
+
+
+# ---------------------------------------------------------------- count sketch
+
+
+def test_count_sketch_matches_its_definition_and_is_unbiased():
+    shapes = [(3, 4), (5,)]
+    x = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    y = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    sketch = CountSketch(shapes, dim=4, seed=0)
+    loop = torch.zeros(4, dtype=torch.float64)
+    for tensor, bucket, sign in zip(x, sketch.buckets, sketch.signs):
+        for i, v in enumerate(tensor.reshape(-1).tolist()):
+            loop[int(bucket[i])] += int(sign[i]) * v
+    torch.testing.assert_close(sketch(x), loop)
+    flat_x, flat_y = torch.cat([t.reshape(-1) for t in x]), torch.cat([t.reshape(-1) for t in y])
+    dots = torch.tensor([float(CountSketch(shapes, 4, seed)(x) @ CountSketch(shapes, 4, seed)(y))
+                         for seed in range(4000)])
+    exact = float(flat_x @ flat_y)
+    var = (float(flat_x @ flat_x) * float(flat_y @ flat_y) + exact ** 2
+           - 2 * float((flat_x ** 2 * flat_y ** 2).sum())) / 4
+    assert abs(float(dots.mean()) - exact) < 4 * math.sqrt(var / 4000)
+    assert float(dots.var()) == pytest.approx(var, rel=0.1)
+    assert torch.equal(sketch([None, y[1]]), CountSketch(shapes, 4, 0)([torch.zeros(3, 4, dtype=torch.float64), y[1]]))
+    with pytest.raises(ValueError, match=r"tensors: expected shape \[5\], got \[4\]"):
+        sketch([x[0], torch.zeros(4)])
+
+
+def test_an_exact_multiple_is_added_without_a_gradient():
+    """dr_grpo = (N−1)/N · rloo: appended from rloo's statistics, equal to measuring it."""
+    draws = torch.randn(12, 2, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
+    measured = torch.cat([draws, draws[:, :1] * 0.75], 1)
+    units = [k // 2 for k in range(12)]
+    got = moments_from_draws(("rloo", "b"), draws, units, folds=3).with_multiple("dr", "rloo", 0.75)
+    want = moments_from_draws(("rloo", "b", "dr"), measured, units, folds=3)
+    for key in ("second", "within", "cross"):
+        torch.testing.assert_close(getattr(got, key), getattr(want, key))
+    q = gradient_quality(got)
+    assert q["dr"].scale.value == pytest.approx(0.75) and q["dr"].efficiency.value == pytest.approx(1.0)

@@ -1,0 +1,164 @@
+"""creditrl.studies.synthetic_policy: the closed-form success rate and its gradient against an enumeration
+of every response, sampling against it, group gradients against a per-response loop, and the horizon
+experiment's sanity checks (T = 1: cumulative = isolated; no shared parameters: the isolated-energy
+baseline is the population per-token optimum, OTB eq. 51 = eq. 30)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from creditrl import compute_advantages
+from creditrl.studies import synthetic_policy as sp
+
+SPECS = {"rloo": ("rloo", {}), "otb": ("otb", {}), "otb+loo": ("otb", {"leave_one_out": True}),
+         "otb_isolated": ("otb_isolated", {})}
+
+
+def responses(policy: sp.SyntheticPolicy):
+    """Every possible response: (tokens, probability as a differentiable function of theta)."""
+    out = []
+
+    def walk(prefix):
+        t = len(prefix)
+        if t == policy.horizon or (prefix and prefix[-1] == sp.EOS):
+            out.append(prefix)
+            return
+        for y in range(sp.VOCAB):
+            if math.isfinite(float(policy.theta[policy.row[t], y])):
+                walk(prefix + (y,))
+
+    walk(())
+    return out
+
+
+def reward_of(policy, seq) -> float:
+    errors = any(y == 1 and int(policy.kind[t]) != sp.FORK for t, y in enumerate(seq))
+    right = sum(1 for t, y in enumerate(seq) if y == 0 and int(policy.kind[t]) == sp.FORK)
+    return float(not errors and right >= policy.need)
+
+
+def log_prob(policy, theta, seq):
+    logp = torch.log_softmax(theta, -1)
+    return sum(logp[policy.row[t], y] for t, y in enumerate(seq))
+
+
+POLICIES = [dict(horizon=6, eos=eos, shared=shared, errors=0.9, stop=1.2, forks=2, need=1)
+            for eos in (False, True) for shared in (True, False)]
+
+
+@pytest.mark.parametrize("kwargs", POLICIES, ids=lambda k: f"eos={k['eos']}-shared={k['shared']}")
+def test_success_probability_and_gradient_match_an_enumeration(kwargs):
+    policy = sp.make_policy(**kwargs)
+    theta = policy.theta.clone().requires_grad_(True)
+    seqs = responses(policy)
+    total = sum(log_prob(policy, theta, s).exp() for s in seqs)
+    J = sum(log_prob(policy, theta, s).exp() * reward_of(policy, s) for s in seqs)
+    assert float(total.detach()) == pytest.approx(1.0, abs=1e-12)
+    assert float(sp.success_probability(policy)) == pytest.approx(float(J), abs=1e-12)
+    (grad,) = torch.autograd.grad(J, theta)
+    grad = torch.where(torch.isfinite(policy.theta), grad, 0.0).reshape(-1)
+    torch.testing.assert_close(sp.true_gradient(policy), grad, atol=1e-12, rtol=0)
+
+
+def test_sampling_matches_the_exact_probabilities():
+    policy = sp.make_policy(6, eos=True, errors=0.9, stop=1.2, forks=2, need=1)
+    tokens, mask, rewards = sp.sample(policy, 200_000, torch.Generator().manual_seed(0))
+    J = float(sp.success_probability(policy))
+    assert abs(float(rewards.mean()) - J) < 4 * math.sqrt(J * (1 - J) / 200_000)
+    for seq in responses(policy)[:6]:
+        want = float(log_prob(policy, policy.theta, seq).exp())
+        row = torch.tensor(list(seq) + [0] * (6 - len(seq)))
+        hit = ((tokens == row).all(1) & (mask.sum(1) == len(seq))).double().mean()
+        assert abs(float(hit) - want) < 4 * math.sqrt(want * (1 - want) / 200_000) + 1e-9
+    assert bool(((tokens == sp.EOS).sum(1) <= 1).all())            # at most one EOS, the last valid token
+    assert not bool(((tokens == sp.EOS) & (policy.kind != sp.TAIL)).any())
+
+
+def test_group_gradients_match_a_per_response_loop():
+    policy = sp.make_policy(8, eos=True, errors=1.5, stop=1.5)
+    tokens, mask, rewards = sp.sample(policy, 12, torch.Generator().manual_seed(1))
+    got = sp.group_gradients(policy, tokens, mask, rewards, 4, SPECS)                 # [3, E, 9]
+    energy = policy.energy_table()[policy.row[None], tokens].float() * mask
+    for e, (name, options) in enumerate(SPECS.values()):
+        adv = compute_advantages(name, rewards=rewards, mask=mask, group=torch.arange(12) // 4, energy=energy,
+                                 **options).double()
+        for g in range(3):
+            total = torch.zeros_like(policy.theta)
+            for b in range(4 * g, 4 * g + 4):
+                theta = policy.theta.clone().requires_grad_(True)
+                logp = torch.log_softmax(theta, -1)
+                obj = sum(adv[b, t] * logp[policy.row[t], tokens[b, t]] for t in range(8) if mask[b, t])
+                if torch.is_tensor(obj):
+                    total = total + torch.nan_to_num(torch.autograd.grad(obj, theta)[0])
+            torch.testing.assert_close(got[g, e], total.reshape(-1) / 4, atol=1e-9, rtol=1e-7)
+
+
+def test_one_token_cumulative_equals_isolated():
+    """T = 1: W_1 = w_1, so otb and otb_isolated give the same advantages exactly (OTB §4)."""
+    policy = sp.make_policy(1, fork_prob=0.6, errors=0.5)
+    tokens, mask, rewards = sp.sample(policy, 64, torch.Generator().manual_seed(2))
+    energy = policy.energy_table()[policy.row[None], tokens].float() * mask
+    group = torch.arange(64) // 8
+    for loo in (False, True):
+        a = compute_advantages("otb", rewards=rewards, mask=mask, group=group, energy=energy, leave_one_out=loo)
+        b = compute_advantages("otb_isolated", rewards=rewards, mask=mask, group=group, energy=energy,
+                               leave_one_out=loo)
+        assert torch.equal(a, b)
+    assert bool((rewards > 0).any() and (rewards == 0).any())
+
+
+def population_baselines(policy: sp.SyntheticPolicy):
+    """By enumerating every response: the variance-optimal per-token constant baseline (OTB eq. 29–30,
+    solving the normal equations of E||Σ_t (G_t − b_t) s_t||² over b), the isolated-energy baseline
+    E[G ||s_t||²] / E[||s_t||²] (eq. 51) and the cumulative one E[G W_t] / E[W_t] (OTB's population form)."""
+    T, P = policy.horizon, policy.theta.numel()
+    M = torch.zeros(T, T, dtype=torch.float64)
+    rhs = torch.zeros(T, dtype=torch.float64)
+    iso_num, iso_den, cum_num, cum_den = (torch.zeros(T, dtype=torch.float64) for _ in range(4))
+    for seq in responses(policy):
+        prob = float(log_prob(policy, policy.theta, seq).exp())
+        G = reward_of(policy, seq)
+        scores = torch.zeros(T, P, dtype=torch.float64)
+        for t, y in enumerate(seq):
+            theta = policy.theta.clone().requires_grad_(True)
+            (g,) = torch.autograd.grad(torch.log_softmax(theta, -1)[policy.row[t], y], theta)
+            scores[t] = torch.nan_to_num(g).reshape(-1)
+        gram = scores @ scores.T
+        M += prob * gram                                                 # E<s_k, s_t>
+        rhs += prob * G * gram.sum(1)                                    # Σ_k E[G_k <s_k, s_t>]
+        w = gram.diagonal()
+        iso_num += prob * G * w
+        iso_den += prob * w
+        cum_num += prob * G * w.cumsum(0)
+        cum_den += prob * w.cumsum(0)
+    return torch.linalg.solve(M, rhs), iso_num / iso_den, cum_num / cum_den
+
+
+@pytest.mark.parametrize("eos", [False, True], ids=["fixed-length", "eos-ended"])
+def test_without_shared_parameters_the_isolated_baseline_is_the_per_token_optimum(eos):
+    """Positions with their own parameters: <s_k, s_t> = 0 for k != t, so eq. 30 reduces to eq. 51 and
+    ||s_t||² is exactly the energy ŵ_t. With shared parameters the optimum differs from both."""
+    private = sp.make_policy(4, forks=2, need=1, errors=1.0, stop=1.2, eos=eos, shared=False)
+    optimum, isolated, cumulative = population_baselines(private)
+    torch.testing.assert_close(optimum, isolated, atol=1e-12, rtol=1e-12)
+    assert float((cumulative - optimum).abs().max()) > 1e-3
+    shared = sp.make_policy(4, forks=2, need=1, errors=1.0, stop=1.2, eos=eos, shared=True)
+    optimum, isolated, _ = population_baselines(shared)
+    assert float((optimum - isolated).abs().max()) > 1e-3
+    for policy in (private, shared):   # ||s_t||² of a softmax row is the logit-gradient energy
+        tokens, mask, _ = sp.sample(policy, 3, torch.Generator().manual_seed(0))
+        w = policy.energy_table()[policy.row[None], tokens]
+        p = policy.probs[policy.row]
+        onehot = torch.nn.functional.one_hot(tokens, sp.VOCAB).double()
+        torch.testing.assert_close(w, (onehot - p[None]).square().sum(-1))
+
+
+def test_bad_policy_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"fork_prob: expected a value in \(0, 1\)"):
+        sp.make_policy(8, fork_prob=1.0)
+    with pytest.raises(ValueError, match="horizon: expected"):
+        sp.make_policy(0)
+    with pytest.raises(ValueError, match=r"stop: expected a value in \[0, "):
+        sp.make_policy(4, eos=True, stop=5.0)
