@@ -17,6 +17,7 @@ jobs on a shared machine hits both sides alike.
     python benchmarks/bench_losses.py                # full, 1 thread
     python benchmarks/bench_losses.py --threads 0    # torch's default thread count
     python benchmarks/bench_losses.py --quick        # small sizes, seconds
+    python benchmarks/bench_losses.py --losses-only --shape 32 32   # the trainer's batch of SmolLM2-addition
 """
 from __future__ import annotations
 
@@ -168,6 +169,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--losses-only", action="store_true", help="skip the apply_trace table")
+    parser.add_argument("--shape", type=int, nargs=2, metavar=("B", "T"), default=None,
+                        help="policy_loss batch shape (default 64 2048; --quick: 8 512)")
     parser.add_argument("--baseline", metavar="SRC", help="a creditrl source tree whose policy_loss to time beside")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 = steadier timings on a shared machine; 0 = torch default)")
@@ -178,11 +181,11 @@ def main(argv=None) -> None:
     if args.quick:
         if not args.losses_only:
             bench_traces([256, 1024], rows=8, repeats=3)
-        bench_policy_loss(rows=8, length=512, repeats=5, baseline=args.baseline)
+        bench_policy_loss(*(args.shape or (8, 512)), repeats=5, baseline=args.baseline)
     else:
         if not args.losses_only:
             bench_traces([512, 2048, 8192], rows=64, repeats=9)
-        bench_policy_loss(rows=64, length=2048, repeats=21, baseline=args.baseline)
+        bench_policy_loss(*(args.shape or (64, 2048)), repeats=21, baseline=args.baseline)
 
 
 if __name__ == "__main__":
