@@ -11,7 +11,9 @@ import torch
 
 from creditrl.core.estimators.maxk import pass_at_k
 from creditrl.tasks.base import Problem, Task
-from creditrl.runtime.rollout import generate_rollouts
+from creditrl.runtime.rollout import dataset_names, generate_rollouts, per_dataset
+
+LOGGED_META = ("dataset", "difficulty")   # Problem.meta keys copied into completions.jsonl
 
 
 def sample_correctness(model, tokenizer, task, problems, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
@@ -34,8 +36,9 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
              max_tool_tokens: int = 16, seed: int = 0, batch_size: int = 512, stop_strings=(),
              keep_samples: int = 0) -> dict:
     """Greedy accuracy + pass@k/avg@k (k in ``ks``) + sampled accuracy on ``problems``
-    (default: the task's held-out test set). With ``keep_samples`` the result's ``"samples"``
-    holds that many greedy completions (``completion_records``)."""
+    (default: the task's held-out test set), and ``greedy_acc/<dataset>`` for each dataset of a
+    mix. With ``keep_samples`` the result's ``"samples"`` holds that many greedy completions
+    (``completion_records``)."""
 
     problems = task.test_set() if problems is None else problems
     if not problems:
@@ -51,6 +54,8 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
                                     generator=generator, **common)
     c = sampled.sum(-1)
     result = {"greedy_acc": float(greedy.float().mean()), "sampled_acc": float(sampled.float().mean())}
+    for name, value in per_dataset(problems, greedy[:, 0], dataset_names(task)).items():
+        result[f"greedy_acc/{name}"] = value
     for k in ks:
         result[f"pass@{k}"] = float(pass_at_k(n, c, k).mean())
         result[f"avg@{k}"] = float(sampled[:, :k].float().mean())
@@ -63,7 +68,8 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
 def completion_records(batch, count: int, advantages=None) -> list[dict]:
     """The first ``count`` responses of a RolloutBatch as dicts: prompt (as rendered), completion,
     reward, advantage (mean over its trained tokens of ``advantages`` [B,R]; None without them),
-    length, stopped."""
+    length, stopped, the problem's dataset and difficulty when it has them (reasoning-gym, verl's
+    ``data_source``) and the values its checker logged besides the reward."""
     p, out = batch.prompt_len, []
     for b in range(min(count, len(batch.response_texts))):
         mask = batch.response_mask[b, p:]
@@ -71,7 +77,10 @@ def completion_records(batch, count: int, advantages=None) -> list[dict]:
         advantage = None
         if advantages is not None:
             advantage = float((advantages[b].cpu() * mask).sum() / max(length, 1))
+        meta = batch.problems[b].meta
+        extras = {k: float(v[b]) if torch.isfinite(v[b]) else None for k, v in (batch.reward_extras or {}).items()}
         out.append({"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
                     "reward": float(batch.rewards[b]), "advantage": advantage, "length": length,
-                    "stopped": bool(batch.stopped[b])})
+                    "stopped": bool(batch.stopped[b]), **{k: meta[k] for k in LOGGED_META if k in meta},
+                    **({"reward_extras": extras} if extras else {})})
     return out
