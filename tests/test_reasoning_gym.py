@@ -94,3 +94,5 @@ def test_trainer_logs_datasets_difficulty_and_per_dataset_accuracy(tiny_chat_mod
     assert all(m["reward_timeouts"] == 0 for m in metrics)
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert {"greedy_acc/basic_arithmetic", "greedy_acc/leg_counting"} <= set(evals[-1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"greedy_acc/basic_arithmetic", "greedy_acc/leg_counting"} <= set(summary["end"])
