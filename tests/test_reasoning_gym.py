@@ -56,6 +56,26 @@ def test_prompts_state_the_answer_format():
     assert own.test_set()[0].prompt.startswith("Reply as <answer>N</answer>.\n\n")
 
 
+def test_prefill_starts_the_answer_and_is_scored_with_it(tiny_chat_model_dir):
+    from transformers import AutoTokenizer
+
+    from creditrl.tasks.chat import render_task_prompts
+
+    task = get_task("reasoning_gym", chat_model=True, dataset="basic_arithmetic", config=ARITHMETIC, test_size=4,
+                    system_prompt="direct", prefill="<answer>")
+    p = task.test_set()[0]
+    assert p.prompt[-1] == {"role": "assistant", "content": "<answer>"}
+    assert task.reward(p, f"{p.answer}</answer>") == 1.0 and task.reward(p, "nothing</answer>") == 0.0
+    assert task.sft_target(p) == f"{p.answer}</answer>"
+    (ids,) = render_task_prompts(AutoTokenizer.from_pretrained(tiny_chat_model_dir), task, [p.prompt])
+    assert AutoTokenizer.from_pretrained(tiny_chat_model_dir).decode(ids).endswith(
+        f"{p.meta['question']}<|im_end|>\n<|im_start|>assistant\n<answer>")
+    compact = get_task("reasoning_gym", dataset="basic_arithmetic", config=ARITHMETIC, test_size=4,
+                       system_prompt=None, prefill="<answer>")
+    q = compact.test_set()[0]
+    assert q.prompt == f"{q.meta['question']}\n<answer>"
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(dataset="no_such_set"), r"dataset: unknown reasoning-gym dataset 'no_such_set'; known datasets: \["),
     (dict(dataset=[{"name": "gcd"}, {"name": "gcd"}]), r"each dataset may appear once in a mix"),

@@ -16,6 +16,9 @@ Options:
 - ``format``: ``natural`` (a chat message with the instruction as the system prompt, rendered
   with the tokenizer's chat template) or ``compact`` (one plain-text prompt: instruction,
   question), ``auto`` picks by the model as for the built-in tasks; ``chat_template`` as elsewhere;
+- ``prefill``: text the answer starts with (e.g. ``<answer>``): the assistant message the prompt
+  ends with, continued by the model (TRL's convention; appended to a compact prompt); the
+  scored text is the prefill followed by the completion;
 - ``checker_timeout``: the time limit of one scoring call (``tasks/rewards.py``).
 
 The reward is reasoning-gym's own: the dataset's ``score_answer`` on ``extract_answer(response)``
@@ -132,7 +135,7 @@ class ReasoningGymTask:
 
     def __init__(self, dataset: Any, config: dict | None = None, *, seed: int = 0, test_size: int = 200,
                  system_prompt: str | None = "default", format: str = "auto", chat_template="auto",
-                 checker_timeout: float | None = DEFAULT_TIMEOUT):
+                 prefill: str | None = None, checker_timeout: float | None = DEFAULT_TIMEOUT):
         rg = import_reasoning_gym()
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
@@ -144,6 +147,9 @@ class ReasoningGymTask:
             raise ValueError(f"system_prompt: expected a key of {sorted(SYSTEM_PROMPTS)}, your own text or null, "
                              f"got {system_prompt!r}")
         check_chat_template(chat_template)
+        if prefill is not None and (not isinstance(prefill, str) or not prefill):
+            raise ValueError(f"prefill: expected a non-empty string or null, got {prefill!r}")
+        self.prefill = prefill or ""
         self.specs = _normalize_mix(dataset, config)
         self.dataset_names = [s["name"] for s in self.specs]
         self.instruction = SYSTEM_PROMPTS.get(system_prompt, system_prompt)
@@ -152,7 +158,7 @@ class ReasoningGymTask:
         self.system_prompt = self.instruction if self.format == "natural" else None
         self.options = {"dataset": dataset, "config": config, "seed": seed, "test_size": test_size,
                         "system_prompt": system_prompt, "format": self.format, "chat_template": chat_template,
-                        "checker_timeout": checker_timeout, "reasoning_gym": getattr(rg, "__version__", None)}
+                        "prefill": prefill, "checker_timeout": checker_timeout, "reasoning_gym": getattr(rg, "__version__", None)}
         self._spec_json = json.dumps(self.specs, sort_keys=True)
         self._test_data = build_dataset(self.specs, seed, test_size)
         self._train_data = build_dataset(self.specs, seed + test_size + len(self.specs) + 1, TRAIN_SIZE)
@@ -163,8 +169,11 @@ class ReasoningGymTask:
 
     def _problem(self, entry: dict) -> Problem:
         question = entry["question"]
-        prompt: Any = ([{"role": "user", "content": question}] if self.format == "natural"
-                       else f"{self.instruction}\n\n{question}\n" if self.instruction else question)
+        if self.format == "natural":
+            prompt: Any = [{"role": "user", "content": question}]
+            prompt += [{"role": "assistant", "content": self.prefill}] if self.prefill else []
+        else:
+            prompt = (f"{self.instruction}\n\n{question}\n" if self.instruction else f"{question}\n") + self.prefill
         metadata = entry.get("metadata", {})
         name = metadata.get("source_dataset", self.dataset_names[0])
         answer = "" if entry.get("answer") is None else str(entry["answer"])
@@ -185,7 +194,7 @@ class ReasoningGymTask:
         return list(self._test)
 
     def score(self, problems: list[Problem], responses: list[str]) -> Scores:
-        return self._reward.score(problems, responses)
+        return self._reward.score(problems, [self.prefill + r for r in responses])
 
     def reward(self, problem: Problem, response: str) -> float:
         if not isinstance(response, str):
@@ -196,7 +205,7 @@ class ReasoningGymTask:
         return None
 
     def sft_target(self, problem: Problem) -> str:
-        return f"<answer>{problem.answer}</answer>"
+        return f"<answer>{problem.answer}</answer>".removeprefix(self.prefill)
 
     def alphabet(self) -> str:
         rng = random.Random(0)
