@@ -15,6 +15,7 @@ trainer's ``torch.Generator`` (both checkpointed); evals use their own seeded ge
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import time
 from pathlib import Path

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import matplotlib.image
 import yaml
 
 from creditrl.config import TRACKERS
@@ -82,8 +83,6 @@ class TensorBoardTracker:
         self.writer.add_text(name, "\n".join(lines), step)
 
     def log_images(self, paths: list[Path], step: int) -> None:
-        import matplotlib.image
-
         for path in paths:
             self.writer.add_image(f"plots/{path.stem}", matplotlib.image.imread(path)[..., :3], step,
                                   dataformats="HWC")
