@@ -40,3 +40,25 @@ def _isolated_model_cache(tmp_path_factory):
         os.environ.pop("CREDITRL_CACHE", None)
     else:
         os.environ["CREDITRL_CACHE"] = old
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory):
+    """A local model directory: a random 1-layer Llama + a character tokenizer over printable
+    ASCII with a ChatML chat template (so it counts as a chat model), context 1024."""
+    import string
+
+    from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-chat-model")
+    tokenizer = char_tokenizer(string.printable, model_max_length=1024)
+    tokenizer.chat_template = CHATML
+    config = TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                             max_position_embeddings=1024)
+    tiny_model(tokenizer, config, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -120,7 +120,7 @@ def test_compare_end_to_end_with_trainer(tmp_path):
     argv = ["compare", "--out", str(tmp_path), "--seeds", "0,1", "--no-progress",
             "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=4", "train.eval_problems=4",
             "train.eval_samples=4", "train.pass_k=[1,4]", "train.save_every=0", "train.threads=1",
-            "model.warm_start.max_steps=25", "logging.tensorboard=false", "logging.plots=false",
+            "model.warm_start.max_steps=25", "logging.report_to=[jsonl]", "logging.plots=false",
             "--run", "grpo", "algorithm.estimator=grpo", "--run", "otb", "algorithm.estimator=otb"]
     assert cli_main(argv) == 0
     final = reporting.read_csv(tmp_path / "final.csv")

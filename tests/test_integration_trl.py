@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -218,3 +219,33 @@ def test_trainer_rejects_trl_only_loss_options(model_dir, tmp_path):
         CreditGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=count_digits, args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
                           processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+@pytest.mark.slow
+def test_reasoning_gym_example_with_a_trl_reward_function(tmp_path, monkeypatch):
+    """examples/trl_reasoning_gym.py: reasoning-gym data, a TRL-style reward function reading the
+    dataset's ``index`` column, one CreditGRPOTrainer step on the tiny model (CPU, fp32)."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("reasoning_gym")
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl_reasoning_gym.py"
+    spec = importlib.util.spec_from_file_location("trl_reasoning_gym", path)
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)   # its dataclasses look their module up
+    spec.loader.exec_module(example)
+    script = example.ScriptArguments(dataset="basic_arithmetic", num_prompts=8,
+                                     dataset_config='{"min_terms": 2, "max_terms": 2, "max_digits": 1}')
+    dataset, data = example.build_dataset(script, seed=0)
+    reward = example.make_reward(data)
+    right = [[{"role": "assistant", "content": f"<answer>{data[i]['answer']}</answer>"}] for i in (0, 1)]
+    assert reward(dataset["prompt"][:2], right, index=[0, 1]) == [1.0, 1.0]
+    assert reward(dataset["prompt"][:1], [[{"role": "assistant", "content": "no tags"}]], index=[0]) == [0.0]
+    trainer = example.main(["--output_dir", str(tmp_path), "--num_prompts", "8", "--max_steps", "1",
+                            "--dataset_config", '{"min_terms": 2, "max_terms": 2, "max_digits": 1}',
+                            "--per_device_train_batch_size", "4", "--num_generations", "4",
+                            "--max_completion_length", "8", "--use_cpu", "true", "--bf16", "false",
+                            "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1",
+                            "--advantage_estimator", "rloo"])
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert "rewards/reasoning_gym_reward/mean" in logged

@@ -203,6 +203,7 @@ def test_math_checker_reads_the_tail_quietly(tmp_path, capfd):
     path.write_text('{"prompt": "a", "answer": "42"}\n{"prompt": "b", "answer": "2"}\n')
     task = get_task("jsonl", path=str(path), checker="math")
     huge = ("\\frac{" * 20 + "x" + "}" * 20 + " and ") * 4000 + "so the answer is $\\boxed{42}$"   # ~200 KB
+    assert task.reward(Problem("a", "42"), "42") == 1.0   # starts the checker process (not what is timed)
     start = time.perf_counter()
     assert task.reward(Problem("a", "42"), huge) == 1.0
     assert time.perf_counter() - start < 5

@@ -26,7 +26,7 @@ ADVERSARIAL = ["", " ", "\x00", "__import__('os')", "9**9**9", "1e999999", "(" *
 
 
 def test_registry():
-    assert list_tasks() == ["addition", "multiplication", "countdown", "calculator", "jsonl"]
+    assert list_tasks() == ["addition", "multiplication", "countdown", "calculator", "jsonl", "reasoning_gym"]
     with pytest.raises(ValueError, match=r"unknown task 'adition'.*addition.*jsonl"):
         get_task("adition")
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['digit'\].*'digits'"):
@@ -279,7 +279,7 @@ def test_jsonl_errors(tmp_path):
         get_task("jsonl", path=path, answer_key="label")
     with pytest.raises(ValueError, match=r"checker: unknown value 'regex'; valid values are \['exact'"):
         get_task("jsonl", path=path, checker="regex")
-    with pytest.raises(ValueError, match="checker: cannot import 'no_such_mod:f'"):
+    with pytest.raises(ValueError, match="checker: cannot import module .no_such_mod. of .no_such_mod:f."):
         get_task("jsonl", path=path, checker="no_such_mod:f")
     with pytest.raises(ValueError, match="test_fraction"):
         get_task("jsonl", path=path, test_fraction=1.0)
@@ -289,3 +289,89 @@ def test_jsonl_errors(tmp_path):
     one = _write_jsonl(tmp_path / "one.jsonl", ROWS[:1])
     with pytest.raises(ValueError, match="at least 2 rows"):
         get_task("jsonl", path=one)
+
+
+# --- a user's task by import path, chat prefills ----------------------------------------
+
+USER_TASKS = '''
+from creditrl.tasks.arithmetic import Addition
+
+def make(digits=1, seed=0, test_size=20):
+    return Addition(digits=digits, seed=seed, test_size=test_size, format="compact")
+
+class Doubled(Addition):
+    name = "doubled"
+
+    def reward(self, problem, response):
+        return 2 * super().reward(problem, response)
+
+def anything(**options):
+    return make(**options)
+
+def broken(**options):
+    return object()
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def user_tasks(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks.py").write_text(USER_TASKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("my_tasks", None)
+
+
+def test_user_task_by_import_path(user_tasks):
+    from creditrl.config import load_config
+
+    task = get_task("my_tasks:make", digits=2)
+    assert task.name == "addition" and task.options["digits"] == 2
+    assert task_options("my_tasks:make") == {"digits": 1, "seed": 0, "test_size": 20}
+    doubled = get_task("my_tasks:Doubled", digits=1, chat_model=True)       # a class: format=auto resolved
+    p = doubled.test_set()[0]
+    assert doubled.format == "natural" and doubled.reward(p, p.answer) == 2.0
+    assert get_task("my_tasks:anything", digits=1).options["digits"] == 1  # **options: passed on as is
+    with pytest.raises(ValueError, match=r"task 'my_tasks:make': unknown option\(s\) \['nope'\]"):
+        get_task("my_tasks:make", nope=1)
+    with pytest.raises(ValueError, match=r"'my_tasks:broken' returned a object without \['name', .*'sample\(\)'"):
+        get_task("my_tasks:broken")
+    with pytest.raises(ValueError, match=r"task.name: 'my_tasks:NOT_CALLABLE' is a int"):
+        get_task("my_tasks:NOT_CALLABLE")
+    with pytest.raises(ValueError, match=r"task.name: cannot import module 'no_such_tasks'"):
+        get_task("no_such_tasks:make")
+    assert load_config(None, ["task.name=my_tasks:make"]).task.name == "my_tasks:make"
+    with pytest.raises(ValueError, match=r"unknown task 'my_tasks'; valid tasks are .* or a user's task as 'package"):
+        get_task("my_tasks")
+
+
+def test_user_task_trains(user_tasks, tiny_chat_model_dir, tmp_path):
+    from creditrl.config import load_config
+    from creditrl.trainer import train
+
+    cfg = load_config(None, [f"model.name={tiny_chat_model_dir}", "task.name=my_tasks:Doubled", "train.steps=1",
+                             "rollout.group_size=2", "rollout.prompts_per_step=2", "train.eval_problems=2",
+                             "train.eval_samples=1", "logging.report_to=[jsonl]", "logging.plots=false",
+                             "logging.progress=false", f"train.output_dir={tmp_path}", "algorithm.estimator=grpo"])
+    run = train(cfg)
+    assert run.name.startswith("my_tasks-Doubled-grpo-s0-")
+    assert (run / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_chat_prefill_is_continued(tiny_chat_model_dir):
+    """TRL's convention: a final assistant message is continued, not closed with a new turn opened."""
+    from transformers import AutoTokenizer
+
+    from creditrl.tasks.chat import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    prefill = question + [{"role": "assistant", "content": "Let me think step by step:"}]
+    opened = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(render_prompt(tok, question)) == opened
+    assert tok.decode(render_prompt(tok, prefill)) == opened + "Let me think step by step:"
+    assert tok.decode(render_prompt(tok, prefill, system_prompt="Be brief.")) == \
+        "<|im_start|>system\nBe brief.<|im_end|>\n" + opened + "Let me think step by step:"
+    trl = pytest.importorskip("trl")
+    assert trl.apply_chat_template({"prompt": prefill}, tok)["prompt"] == opened + "Let me think step by step:"

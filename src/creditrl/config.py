@@ -31,6 +31,7 @@ TEMPERATURE_RANGE = (0.05, 10.0)
 DTYPES = ("float32", "bfloat16")
 # pre-0.2 saved configs and command lines: algorithm.<option> is algorithm.options.<option>
 LEGACY_ALGORITHM_KEYS = ("gamma", "eps", "k", "normalize")
+TRACKERS = ("jsonl", "tensorboard", "trackio", "wandb")
 
 
 @dataclass(frozen=True)
@@ -224,11 +225,20 @@ class TrainConfig:
 @dataclass
 class LoggingConfig:
     """What a run records besides metrics.jsonl and eval.jsonl."""
-    tensorboard: bool = opt(True, "Write TensorBoard events to `<run>/tensorboard` when tensorboard is installed.")
+    report_to: list[Literal[TRACKERS]] = opt(["jsonl", "tensorboard"], "Trackers, any of `jsonl` (always on), "
+                                             "`tensorboard` (`<run>/tensorboard`), `trackio` (its database in "
+                                             "`<run>/trackio`; extra `creditrl[trackio]`), `wandb` (`<run>/wandb`, "
+                                             "offline unless `WANDB_MODE` is set; extra `creditrl[wandb]`). Each gets "
+                                             "the config, the metrics and eval records, the completion samples as "
+                                             "tables and the plots; a missing package is named with its extra "
+                                             "before the model loads. The old `logging.tensorboard: true/false` "
+                                             "reads as `[jsonl, tensorboard]` / `[jsonl]`.")
     progress: bool = opt(True, "Rich progress bar with ETA and headline metrics.")
     plots: bool = opt(True, "Write `plots/*.png` at the end.")
     completions: int = opt(4, "Samples per step and per eval written to `completions.jsonl` (step, kind, prompt as "
-                              "rendered, completion, reward, advantage, length, stopped); 0 = none.")
+                              "rendered, completion, reward, advantage, length, stopped; the problem's `dataset` "
+                              "and `difficulty` when it has them; `reward_extras` when a checker returns a dict) "
+                              "and to each tracker as a table; 0 = none.")
     grad_noise_scale: bool = opt(False, "Log the gradient noise scale B_simple = tr(Σ)/‖G‖² (McCandlish et al. "
                                         "2018), estimated without bias from two independent half-batches of groups "
                                         "each step (one extra gradient buffer); plotted in `plots/train.png`.")
@@ -272,7 +282,16 @@ def parse_override(text: str) -> dict:
 
 def migrate(data: Any) -> Any:
     """Older layouts read into today's: ``algorithm.<k|eps|gamma|normalize>`` becomes
-    ``algorithm.options.<...>`` (a null there meant "the estimator's default" and is dropped)."""
+    ``algorithm.options.<...>`` (a null there meant "the estimator's default" and is dropped);
+    ``logging.tensorboard: true/false`` becomes ``logging.report_to: [jsonl, tensorboard] / [jsonl]``."""
+    if isinstance(data, dict) and isinstance(data.get("logging"), dict) and "tensorboard" in data["logging"]:
+        logging = dict(data["logging"])
+        flag = logging.pop("tensorboard")
+        if not isinstance(flag, bool):
+            raise ConfigError(f"logging.tensorboard: expected true or false (now logging.report_to), got {flag!r}")
+        if "report_to" in logging:
+            raise ConfigError("logging.tensorboard: set together with logging.report_to; keep only report_to")
+        data = {**data, "logging": {**logging, "report_to": ["jsonl", "tensorboard"] if flag else ["jsonl"]}}
     if not isinstance(data, dict) or not isinstance(data.get("algorithm"), dict):
         return data
     algorithm = dict(data["algorithm"])

@@ -7,11 +7,15 @@ moves the training RNG (periodic eval keeps resume exact).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from creditrl.core.estimators.maxk import pass_at_k
 from creditrl.tasks.base import Problem, Task
-from creditrl.runtime.rollout import generate_rollouts
+from creditrl.runtime.rollout import dataset_names, generate_rollouts, per_dataset
+
+LOGGED_META = ("dataset", "difficulty")   # Problem.meta keys copied into completions.jsonl
 
 
 def sample_correctness(model, tokenizer, task, problems, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
@@ -34,8 +38,9 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
              max_tool_tokens: int = 16, seed: int = 0, batch_size: int = 512, stop_strings=(),
              keep_samples: int = 0) -> dict:
     """Greedy accuracy + pass@k/avg@k (k in ``ks``) + sampled accuracy on ``problems``
-    (default: the task's held-out test set). With ``keep_samples`` the result's ``"samples"``
-    holds that many greedy completions (``completion_records``)."""
+    (default: the task's held-out test set), and ``greedy_acc/<dataset>`` for each dataset of a
+    mix. With ``keep_samples`` the result's ``"samples"`` holds that many greedy completions
+    (``completion_records``)."""
 
     problems = task.test_set() if problems is None else problems
     if not problems:
@@ -51,6 +56,8 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
                                     generator=generator, **common)
     c = sampled.sum(-1)
     result = {"greedy_acc": float(greedy.float().mean()), "sampled_acc": float(sampled.float().mean())}
+    for name, value in per_dataset(problems, greedy[:, 0], dataset_names(task)).items():
+        result[f"greedy_acc/{name}"] = value
     for k in ks:
         result[f"pass@{k}"] = float(pass_at_k(n, c, k).mean())
         result[f"avg@{k}"] = float(sampled[:, :k].float().mean())
@@ -63,7 +70,9 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
 def completion_records(batch, count: int, advantages=None) -> list[dict]:
     """The first ``count`` responses of a RolloutBatch as dicts: prompt (as rendered), completion,
     reward, advantage (mean over its trained tokens of ``advantages`` [B,R]; None without them),
-    length, stopped. One device-to-host copy of the advantages' row means."""
+    length, stopped, the problem's dataset and difficulty when it has them (reasoning-gym, verl's
+    ``data_source``) and the values its checker logged besides the reward. One device-to-host copy of
+    the advantages' row means."""
     p, n = batch.prompt_len, min(count, len(batch.response_texts))
     mask = batch.response_mask[:n, p:]
     lengths = mask.sum(-1)
@@ -71,6 +80,13 @@ def completion_records(batch, count: int, advantages=None) -> list[dict]:
     if advantages is not None and n:
         means = ((advantages[:n].float() * mask.to(advantages.device)).sum(-1)
                  / lengths.to(advantages.device).clamp(min=1)).tolist()
-    return [{"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
-             "reward": float(batch.rewards[b]), "advantage": means[b], "length": int(lengths[b]),
-             "stopped": bool(batch.stopped[b])} for b in range(n)]
+    extras = {k: v[:n].tolist() for k, v in (batch.reward_extras or {}).items()}
+    out = []
+    for b in range(n):
+        meta = batch.problems[b].meta
+        logged = {k: x[b] if math.isfinite(x[b]) else None for k, x in extras.items()}
+        out.append({"prompt": batch.prompt_texts[int(batch.group[b])], "completion": batch.response_texts[b],
+                    "reward": float(batch.rewards[b]), "advantage": means[b], "length": int(lengths[b]),
+                    "stopped": bool(batch.stopped[b]), **{k: meta[k] for k in LOGGED_META if k in meta},
+                    **({"reward_extras": logged} if logged else {})})
+    return out

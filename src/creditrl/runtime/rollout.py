@@ -15,6 +15,7 @@ from torch import Tensor
 from creditrl.runtime.sampling import decode_responses, generate, position_ids_from_mask
 from creditrl.tasks.base import Problem, Task
 from creditrl.tasks.chat import render_task_prompts
+from creditrl.tasks.rewards import score_responses
 
 
 @dataclass
@@ -32,6 +33,8 @@ class RolloutBatch:
     stopped:        [B] bool, ended at a stop token/string (False: clipped at max_new_tokens)
     prompt_texts:   [len(problems)] the rendered prompts (chat template included)
     reward_invalid: [B] bool, the task's reward was NaN/inf (counted as 0)
+    reward_timeouts: [B] bool, a checker call ran past its time limit (also counted invalid)
+    reward_extras:  name -> [B] float64, values a checker logged besides its reward (NaN where none)
     """
 
     input_ids: Tensor
@@ -48,6 +51,8 @@ class RolloutBatch:
     stopped: Tensor
     prompt_texts: list[str]
     reward_invalid: Tensor | None = None
+    reward_timeouts: Tensor | None = None
+    reward_extras: dict[str, Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,7 +83,8 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     p = out.prompt_len
     texts = decode_responses(tokenizer, out.input_ids[:, p:], out.attention_mask[:, p:], stop_strings)
     flat = [q for q in problems for _ in range(group_size)]
-    raw = torch.tensor([float(task.reward(q, r)) for q, r in zip(flat, texts)], dtype=torch.float64)
+    scores = score_responses(task, flat, texts)
+    raw = torch.tensor(scores.rewards, dtype=torch.float64)
     invalid = ~torch.isfinite(raw)                     # a checker's NaN/inf counts as 0 (and is logged)
     rewards = torch.where(invalid, 0.0, raw).float()
     return RolloutBatch(
@@ -86,4 +92,37 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
         position_ids=position_ids_from_mask(out.attention_mask), response_mask=out.response_mask,
         rollout_logp=out.rollout_logp, rewards=rewards, group=torch.arange(len(problems)).repeat_interleave(group_size),
         correct=rewards >= 1.0, response_texts=texts, problems=flat, prompt_len=p, stopped=out.stopped,
-        prompt_texts=tokenizer.batch_decode(prompt_ids), reward_invalid=invalid)
+        prompt_texts=tokenizer.batch_decode(prompt_ids), reward_invalid=invalid,
+        reward_timeouts=torch.tensor(scores.timed_out, dtype=torch.bool),
+        reward_extras={k: torch.tensor(v, dtype=torch.float64) for k, v in scores.extras.items()})
+
+
+def dataset_names(task) -> list[str]:
+    """The datasets a task mixes (``task.dataset_names``; [] for a single-source task)."""
+    return list(getattr(task, "dataset_names", []) or [])
+
+
+def per_dataset(problems: list[Problem], correct: Tensor, names: list[str]) -> dict[str, float]:
+    """Accuracy of each dataset of a mix (``Problem.meta["dataset"]``) present in ``problems``;
+    ``correct`` is [len(problems)] bool. Empty for a single dataset."""
+    if len(names) < 2:
+        return {}
+    which = [p.meta.get("dataset") for p in problems]
+    out = {}
+    for name in names:
+        rows = torch.tensor([w == name for w in which])
+        if bool(rows.any()):
+            out[name] = float(correct[rows].float().mean())
+    return out
+
+
+def rollout_metrics(batch: RolloutBatch, task) -> dict[str, float]:
+    """A step's reward bookkeeping besides the learner's: ``reward_timeouts`` (count), the mean
+    of each value a checker logged (``reward/<name>``) and ``accuracy/<dataset>`` for a mix."""
+    out = {"reward_timeouts": int(batch.reward_timeouts.sum()) if batch.reward_timeouts is not None else 0}
+    for key, values in (batch.reward_extras or {}).items():
+        finite = values[torch.isfinite(values)]
+        out[f"reward/{key}"] = float(finite.mean()) if finite.numel() else None
+    for name, value in per_dataset(batch.problems, batch.correct, dataset_names(task)).items():
+        out[f"accuracy/{name}"] = value
+    return out

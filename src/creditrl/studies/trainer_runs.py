@@ -44,7 +44,7 @@ def common_overrides(cfg) -> list[str]:
             f"train.eval_problems={cfg.eval_problems}", f"train.eval_samples={cfg.eval_samples}",
             f"train.eval_every={cfg.eval_every}", f"train.pass_k=[{','.join(str(k) for k in cfg.pass_k)}]",
             "train.save_every=0", "train.keep_last=1", f"train.threads={cfg.threads}",
-            "logging.tensorboard=false", "logging.plots=false", "logging.completions=2"]
+            "logging.report_to=[jsonl]", "logging.plots=false", "logging.completions=2"]
 
 
 def run_study(cfg, study: dict, runs: dict[str, list[str]], seeds: list[int], out: Path,

@@ -3,13 +3,17 @@
 A prompt is either *standard* (a string) or *conversational* (a list of ``{"role", "content"}``
 messages, TRL's convention). ``chat_template``:
 
-- ``"auto"`` (default): apply the tokenizer's chat template with ``add_generation_prompt``
-  when the prompt is conversational or a ``system_prompt`` is set; a plain string otherwise;
+- ``"auto"`` (default): apply the tokenizer's chat template when the prompt is conversational
+  or a ``system_prompt`` is set; a plain string otherwise;
 - ``True``: always (a string prompt becomes one user message);
 - ``False``: never (a conversational prompt is then an error).
 
-A templated prompt is tokenized without extra special tokens (the template writes them),
-a plain one with the tokenizer's own (e.g. BOS), as TRL does.
+As in TRL (``trl.data_utils.apply_chat_template``), a conversation ending with a user or tool
+message gets the template's generation prompt (a new assistant turn), and one ending with an
+assistant message (a prefill, e.g. "Let me think step by step:") is continued: that message is
+left open (``continue_final_message``) and the completion extends it. The checker sees the
+completion only. A templated prompt is tokenized without extra special tokens (the template
+writes them), a plain one with the tokenizer's own (e.g. BOS), as TRL does.
 """
 from __future__ import annotations
 
@@ -64,7 +68,9 @@ def render_prompt(tokenizer, prompt, *, chat_template="auto", system_prompt: str
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prefill = messages[-1]["role"] == "assistant"
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                         continue_final_message=prefill)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -1,111 +1,38 @@
-"""The user's own data: a local JSONL or Parquet file with prompt/answer columns.
+"""The user's own data: a local JSONL or Parquet file, TRL's or verl's layout read as is.
 
 A ``prompt`` is a string (standard) or a list of ``{"role", "content"}`` messages
 (conversational), TRL's conventions; ``chat_template`` / ``system_prompt`` decide how it is
 rendered (``tasks/chat.py``). An ``answer`` is a string or a number. Bad rows are reported
 before training with the file name and up to 10 row numbers.
 
+Columns are addressed by name or, inside nested columns, by a dotted key
+(``answer_key=reward_model.ground_truth``). A file in verl's RL layout (``prompt`` as messages,
+``reward_model: {style, ground_truth}``, ``data_source``, ``extra_info``) is recognised without
+options: with no ``answer`` column and ``answer_key`` unset, the answer is
+``reward_model.ground_truth``. Every column but the prompt stays with its row
+(``Problem.meta["columns"]``): TRL-style checkers receive them as keyword arguments, verl-style
+ones the ``data_source`` and ``extra_info``; ``data_source`` also names the row's dataset
+(per-dataset accuracy when there are several).
+
 JSON lines are read row by row with one clear error per problem (file and line); Parquet via
-``datasets``. Rows are split into train/test deterministically by
-``seed``. Checkers: ``exact`` (string equality up to surrounding whitespace), ``numeric``
-(the last number of the response equals the answer: exactly by default, within the absolute
-``tolerance`` when one is set; "1,234" counts as 1234 only with separators every 3 digits, so
-"1,2,3" is read as 3), ``math`` (math-verify parse + verify of the last ``MATH_TAIL_CHARS``
-characters, for LaTeX/boxed answers; quiet, 5 s timeout) or ``"pkg.module:function"`` called as
-``fn(prompt, response, answer) -> float``. A checker never raises on model output: errors inside
-a user function are reported once as a warning and give NaN, which the rollout counts as reward
-0 and logs as ``reward_invalid_frac``.
+``datasets``. Rows are split into train/test deterministically by ``seed``. Checkers, reward
+terms and their time limit: ``tasks/rewards.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
-import io
 import json
-import logging
-import math
 import random
-import re
-import threading
-import warnings
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from creditrl.utils.validate import check_range
 from creditrl.tasks.base import Problem
 from creditrl.tasks.chat import check_chat_template, check_prompt
+from creditrl.tasks.rewards import DEFAULT_TIMEOUT, Scores, reward_terms, score_terms
 
-CHECKERS = ("exact", "numeric", "math")
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
-MATH_TAIL_CHARS = 2000   # math-verify reads this tail of a response: where the final answer is
-
-
-def check_exact(prompt: str, response: str, answer: str) -> float:
-    return float(response.strip() == answer.strip())
-
-
-def _last_number(text: str) -> Decimal | None:
-    """The last number written in ``text``, exactly (thousands separators in valid places only)."""
-    found = _NUMBER.findall(text)
-    try:
-        value = Decimal(found[-1].replace(",", "")) if found else None
-    except InvalidOperation:
-        return None
-    return value if value is not None and value.is_finite() else None
-
-
-def make_numeric(tolerance: float) -> Callable[[str, str, str], float]:
-    def check_numeric(prompt: str, response: str, answer: str) -> float:
-        got, want = _last_number(response), _last_number(answer)
-        if got is None or want is None:
-            return 0.0
-        return float(got == want if tolerance == 0 else abs(got - want) <= Decimal(repr(tolerance)))
-    return check_numeric
-
-
-def check_math(prompt: str, response: str, answer: str) -> float:
-    """math-verify: parse both sides (LaTeX, ``\\boxed{}``, plain expressions) and compare."""
-    from math_verify import parse, verify
-
-    # math-verify's timeouts use SIGALRM, which only works on the main thread.
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
-    quiet = logging.getLogger("math_verify")
-    level, quiet.level = quiet.level, logging.CRITICAL   # it logs the whole response on a timeout
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            return float(verify(parse(gold, parsing_timeout=timeout),
-                                parse(response[-MATH_TAIL_CHARS:], parsing_timeout=timeout), timeout_seconds=timeout))
-    except Exception:  # noqa: BLE001 - malformed model output is reward 0, never a crash
-        return 0.0
-    finally:
-        quiet.level = level
-
-
-def resolve_checker(checker: str, tolerance: float) -> Callable[[str, str, str], float]:
-    """A checker name or ``"pkg.module:function"`` -> ``fn(prompt, response, answer)``."""
-    if not isinstance(checker, str):
-        raise TypeError(f"checker: expected a str, got {type(checker).__name__}")
-    if checker == "exact":
-        return check_exact
-    if checker == "numeric":
-        return make_numeric(tolerance)
-    if checker == "math":
-        return check_math
-    if ":" not in checker:
-        raise ValueError(f"checker: unknown value {checker!r}; valid values are {list(CHECKERS)} "
-                         "or 'package.module:function'")
-    module_name, _, attr = checker.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"checker: cannot import {checker!r} ({err})") from err
-    if not callable(fn):
-        raise TypeError(f"checker: {checker!r} is not callable")
-    return fn
+VERL_ANSWER_KEY = "reward_model.ground_truth"
 
 
 MAX_LINE_BYTES = 1 << 20   # one JSONL row (1 MiB): larger lines are refused, never read whole
@@ -173,15 +100,39 @@ def read_parquet(file: Path) -> dict[str, list]:
     return {k: data[k] for k in data.column_names}
 
 
-def rows_to_problems(file_name: str, prompts: list, answers: list) -> list[Problem]:
-    """Problems from the prompt/answer columns; one error listing the bad rows (1-based)."""
+def column_values(columns: dict[str, list], key: str, arg: str, file_name: str) -> list:
+    """The values of column ``key``, or of a field inside a nested column by dotted key
+    (``reward_model.ground_truth``); a missing one is an error naming ``arg`` and the row."""
+    if key in columns:
+        return columns[key]
+    head, _, rest = key.partition(".")
+    if not rest or head not in columns:
+        raise ValueError(f"{arg}: column {key!r} not in {file_name}; columns are {list(columns)}")
+    values = []
+    for row, value in enumerate(columns[head], start=1):
+        for part in rest.split("."):
+            if not isinstance(value, dict) or part not in value:
+                raise ValueError(f"{arg}: row {row} of {file_name} has no {key!r} (its {head!r} is "
+                                 f"{str(columns[head][row - 1])[:80]!r})")
+            value = value[part]
+        values.append(value)
+    return values
+
+
+def rows_to_problems(file_name: str, prompts: list, answers: list, rows: list[dict] | None = None) -> list[Problem]:
+    """Problems from the prompt/answer columns (``rows``: each row's other columns, kept in
+    ``meta["columns"]``); one error listing the bad rows (1-based)."""
     problems, bad = [], []
     for row, (prompt, answer) in enumerate(zip(prompts, answers), start=1):
         try:
             prompt = check_prompt(prompt, "prompt")
             if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
                 raise ValueError(f"answer: expected a string or a number, got {str(answer)[:40]!r}")
-            problems.append(Problem(prompt, answer if isinstance(answer, str) else repr(answer)))
+            columns = rows[row - 1] if rows else {}
+            meta = {"columns": columns, "ground_truth": answer}
+            if isinstance(columns.get("data_source"), str):
+                meta["dataset"] = columns["data_source"]
+            problems.append(Problem(prompt, answer if isinstance(answer, str) else repr(answer), meta))
         except ValueError as err:
             bad.append(f"row {row}: {err}")
     if bad:
@@ -189,29 +140,43 @@ def rows_to_problems(file_name: str, prompts: list, answers: list) -> list[Probl
     return problems
 
 
+def read_problems(file: Path, prompt_key: str, answer_key: str | None) -> list[Problem]:
+    """Every row of ``file`` as a Problem; ``answer_key=None`` is ``answer``, or verl's
+    ``reward_model.ground_truth`` in a file without an ``answer`` column."""
+    columns = read_parquet(file) if FORMATS[file.suffix.lower()] == "parquet" else read_json_rows(file)
+    if answer_key is None:
+        answer_key = VERL_ANSWER_KEY if "answer" not in columns and "reward_model" in columns else "answer"
+    prompts = column_values(columns, prompt_key, "prompt_key", file.name)
+    answers = column_values(columns, answer_key, "answer_key", file.name)
+    others = [k for k in columns if k != prompt_key]
+    rows = [{k: columns[k][i] for k in others} for i in range(len(prompts))]
+    return rows_to_problems(file.name, prompts, answers, rows)
+
+
 class JsonlTask:
-    """Prompt/answer pairs from a local file; ``sample`` draws from the train split."""
+    """Prompt/answer pairs from a local file; ``sample`` draws from the train split. Options of
+    the reward (``checker``, ``checker_convention``, ``checker_timeout``, ``rewards``,
+    ``tolerance``): ``tasks/rewards.py``."""
 
     name = "jsonl"
     max_tool_calls = 0
     tool_stop = None
 
     def __init__(self, path: str, checker: str = "exact", prompt_key: str = "prompt",
-                 answer_key: str = "answer", test_fraction: float = 0.1, tolerance: float = 0.0,
+                 answer_key: str | None = None, test_fraction: float = 0.1, tolerance: float = 0.0,
                  *, seed: int = 0, test_size: int | None = None, chat_template="auto",
-                 system_prompt: str | None = None, truncate_prompts: bool = False):
+                 system_prompt: str | None = None, truncate_prompts: bool = False, checker_convention: str = "auto",
+                 checker_timeout: float | None = DEFAULT_TIMEOUT, rewards: list | None = None):
         file = Path(path).expanduser()
         if not file.is_file():
             raise FileNotFoundError(f"path: no such file {str(file)!r} (expected a local .jsonl/.json/.parquet file)")
-        fmt = FORMATS.get(file.suffix.lower())
-        if fmt is None:
+        if file.suffix.lower() not in FORMATS:
             raise ValueError(f"path: expected a file ending in {sorted(FORMATS)}, got {file.name!r}")
         check_range("test_fraction", test_fraction, 0, 1, low_inclusive=False, high_inclusive=False)
         check_range("tolerance", tolerance, 0)
         check_chat_template(chat_template)
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt: expected a string or null, got {system_prompt!r}")
-        self._check = resolve_checker(checker, tolerance)
         if not isinstance(truncate_prompts, bool):
             raise ValueError(f"truncate_prompts: expected true or false, got {truncate_prompts!r}")
         self.chat_template, self.system_prompt = chat_template, system_prompt
@@ -220,16 +185,16 @@ class JsonlTask:
         self.options = {"path": str(file), "checker": checker, "prompt_key": prompt_key, "answer_key": answer_key,
                         "test_fraction": test_fraction, "tolerance": tolerance, "seed": seed, "test_size": test_size,
                         "chat_template": chat_template, "system_prompt": system_prompt,
-                        "truncate_prompts": truncate_prompts}
+                        "truncate_prompts": truncate_prompts, "checker_convention": checker_convention,
+                        "checker_timeout": checker_timeout, "rewards": rewards or []}
         self._digest = hashlib.sha256(file.read_bytes()).hexdigest()
-
-        columns = read_parquet(file) if fmt == "parquet" else read_json_rows(file)
-        for arg, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
-            if key not in columns:
-                raise ValueError(f"{arg}: column {key!r} not in {file.name}; columns are {list(columns)}")
-        problems = rows_to_problems(file.name, columns[prompt_key], columns[answer_key])
+        problems = read_problems(file, prompt_key, answer_key)
         if len(problems) < 2:
             raise ValueError(f"path: expected at least 2 rows to split into train/test, got {len(problems)}")
+        columns = list(dict.fromkeys(k for p in problems for k in p.meta["columns"]))
+        self.dataset_names = sorted({p.meta["dataset"] for p in problems if "dataset" in p.meta})   # data_source
+        self._terms = reward_terms(checker, rewards or [], convention=checker_convention, tolerance=tolerance,
+                                   timeout=checker_timeout, columns=columns)
         order = list(range(len(problems)))
         random.Random(seed).shuffle(order)
         n_test = min(len(problems) - 1, max(1, round(test_fraction * len(problems))))
@@ -237,7 +202,6 @@ class JsonlTask:
             n_test = min(n_test, test_size)
         self._test = [problems[i] for i in order[:n_test]]
         self._train = [problems[i] for i in order[n_test:]]
-        self._warned = False
 
     def sample(self, rng: random.Random) -> Problem:
         return rng.choice(self._train)
@@ -248,17 +212,14 @@ class JsonlTask:
     def train_set(self) -> list[Problem]:
         return list(self._train)
 
+    def score(self, problems: list[Problem], responses: list[str]) -> Scores:
+        """The rewards of a batch of responses (NaN where invalid; see ``tasks/rewards.py``)."""
+        return score_terms(self._terms, problems, responses)
+
     def reward(self, problem: Problem, response: str) -> float:
         if not isinstance(response, str):
             return 0.0
-        try:
-            value = float(self._check(problem.prompt, response, problem.answer))
-        except Exception as err:  # noqa: BLE001 - a user checker bug must not kill training
-            value = math.nan
-            if not self._warned:
-                warnings.warn(f"checker {self.options['checker']!r} raised {err!r}; counting reward 0", stacklevel=2)
-                self._warned = True
-        return value   # NaN/inf (or a checker error) is counted as 0 and logged by the rollout
+        return self.score([problem], [response]).rewards[0]   # NaN/inf is counted as 0 and logged by the rollout
 
     def tool_output(self, response_so_far: str) -> str | None:
         return None

@@ -1,4 +1,5 @@
-"""Run outputs while training: JSONL per step, TensorBoard when installed, a rich progress bar.
+"""Run outputs while training: JSONL per step (always), the trackers of ``logging.report_to``
+(TensorBoard, trackio, wandb: ``trainer/trackers.py``), a rich progress bar.
 
 On resume the JSONL files are cut back to the checkpoint's step first, so a run killed
 after logging steps the checkpoint does not cover re-logs them exactly once.
@@ -9,6 +10,9 @@ import json
 import math
 from pathlib import Path
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from creditrl.trainer.trackers import TRACKER_CLASSES, check_trackers
 from creditrl.utils.io import atomic_write_text
 
 HEADLINE = ("reward_mean", "accuracy", "entropy", "response_len")
@@ -47,22 +51,20 @@ def _clean(value):
 
 
 class RunLogger:
-    """``log(name, record)`` appends to ``<name>.jsonl`` and mirrors scalars to TensorBoard."""
+    """``log(name, record)`` appends to ``<name>.jsonl`` and sends the scalars to each tracker;
+    ``log_completions`` and ``log_images`` send samples and plots to them as well."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, progress: bool = True, total_steps: int = 0,
-                 start_step: int = 0):
+    def __init__(self, run_dir: Path, *, report_to: list[str] = ("jsonl",), config: dict | None = None,
+                 progress: bool = True, total_steps: int = 0, start_step: int = 0):
         self.run_dir = run_dir
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
-            except ImportError:  # tensorboard is optional
-                self.writer = None
-        self.progress = None
+        self.trackers, self.progress = [], None
+        try:
+            for name in check_trackers(list(report_to)):   # one failing closes those already open
+                self.trackers.append(TRACKER_CLASSES[name](run_dir, config or {}, start_step))
+        except BaseException:
+            self.close()
+            raise
         if progress:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                      TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
                                      TextColumn("{task.fields[headline]}"), transient=False)
@@ -72,32 +74,28 @@ class RunLogger:
     def log(self, name: str, record: dict) -> None:
         record = {k: _clean(v) for k, v in record.items()}
         with open(self.run_dir / f"{name}.jsonl", "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(f"{name}/{key}", value, step)
+            fh.write(json.dumps(record, default=str) + "\n")
+        for tracker in self.trackers:
+            tracker.log(name, record, record["step"])
         if self.progress is not None and name == "metrics":
             headline = "  ".join(f"{k}={record[k]:.3g}" for k in HEADLINE if record.get(k) is not None)
             self.progress.update(self.bar, completed=record["step"], headline=headline)
 
     def log_completions(self, step: int, kind: str, samples: list[dict]) -> None:
         """Append samples to ``completions.jsonl`` (with ``step`` and ``kind``: train/eval) and
-        show them as a Markdown table in TensorBoard's text tab."""
+        send them to each tracker as a table ``completions/<kind>``."""
         if not samples:
             return
         with open(self.run_dir / "completions.jsonl", "a") as fh:
             for sample in samples:
-                fh.write(json.dumps({"step": step, "kind": kind, **sample}) + "\n")
-        if self.writer is not None:
-            def cell(text) -> str:
-                return str(text).replace("|", "\\|").replace("\n", "\\n")
-            rows = ["| prompt | completion | reward | advantage | length | stopped |", "|---|---|---|---|---|---|"]
-            rows += [f"| {cell(x['prompt'][-200:])} | {cell(x['completion'])} | {x['reward']:.3g} | "
-                     f"{'' if x['advantage'] is None else format(x['advantage'], '.3g')} | {x['length']} | "
-                     f"{x['stopped']} |" for x in samples]
-            self.writer.add_text(f"completions/{kind}", "\n".join(rows), step)
+                fh.write(json.dumps({"step": step, "kind": kind, **sample}, default=str) + "\n")
+        for tracker in self.trackers:
+            tracker.log_table(f"completions/{kind}", samples, step)
+
+    def log_images(self, paths: list[Path], step: int) -> None:
+        """Send the run's plots (PNG files) to each tracker."""
+        for tracker in self.trackers:
+            tracker.log_images(paths, step)
 
     def message(self, text: str) -> None:
         if self.progress is not None:
@@ -106,7 +104,8 @@ class RunLogger:
             print(text, flush=True)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self.progress is not None:
             self.progress.stop()

@@ -3,7 +3,7 @@
 Run directory (``train.output_dir/<run_name>``)::
 
     config.yaml      resolved config        metrics.jsonl   one record per step
-    eval.jsonl       held-out evals          tensorboard/    event files (when installed)
+    eval.jsonl       held-out evals          tensorboard/ trackio/ wandb/  (logging.report_to)
     completions.jsonl  sample completions per step and eval (prompt as rendered, reward, ...)
     checkpoints/     step_*/ (atomic, last K; none when save_every=0)
     final/           save_pretrained model (LoRA: adapters) + tokenizer
@@ -24,17 +24,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditrl.config import Config, eval_settings, load_saved_config, save_config
+from creditrl.config import Config, config_to_dict, eval_settings, load_saved_config, save_config
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import plot_run, write_summary
 from creditrl.runtime.models import tiny_cache_path, warm_start_info
-from creditrl.runtime.rollout import generate_rollouts
+from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
 from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_configured_policy, resolve_config,
                                    resolve_device)
 from creditrl.trainer.rundir import RunLock, prepare_new_run
+from creditrl.trainer.trackers import check_trackers
 from creditrl.trainer.update import Learner, autocast
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
@@ -81,7 +82,8 @@ def precision_notes(model, cfg: Config) -> list[str]:
 
 
 def run_name(cfg: Config) -> str:
-    return cfg.train.run_name or f"{cfg.task.name}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    task = cfg.task.name.replace(":", "-")   # a user task by import path
+    return cfg.train.run_name or f"{task}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class Trainer:
@@ -89,6 +91,7 @@ class Trainer:
     continues an interrupted run from its newest checkpoint."""
 
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
+        check_trackers(cfg.logging.report_to)   # a missing tracker package is named before any work
         cfg = resolve_config(cfg)                 # every library-declared option checked before loading
         set_determinism(cfg)
         self.device = resolve_device(cfg.train.device)
@@ -173,7 +176,7 @@ class Trainer:
         t2 = time.perf_counter()
         self.step += 1
         self.tokens_total += batch.num_tokens
-        metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics,
+        metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics, **rollout_metrics(batch, self.task),
                    "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
         return metrics, completion_records(batch, self.cfg.logging.completions, update.advantages)
 
@@ -207,8 +210,8 @@ class Trainer:
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(c, self.run_dir / "config.yaml")
-        logger = RunLogger(self.run_dir, tensorboard=c.logging.tensorboard, progress=self.progress,
-                           total_steps=c.train.steps, start_step=self.step)
+        logger = RunLogger(self.run_dir, report_to=c.logging.report_to, config=config_to_dict(c),
+                           progress=self.progress, total_steps=c.train.steps, start_step=self.step)
         started = time.perf_counter() - self.elapsed
         for note in self.notes:
             logger.message(note)
@@ -235,20 +238,22 @@ class Trainer:
             evals = read_jsonl(self.run_dir / "eval.jsonl")
             if not evals or evals[-1]["step"] != self.step:
                 self.log_eval(logger)
+            self.elapsed = time.perf_counter() - started
+            self.finish(logger)
         finally:
             logger.close()
-        self.elapsed = time.perf_counter() - started
-        self.finish()
         return self.run_dir
 
-    def finish(self) -> dict:
+    def finish(self, logger: RunLogger | None = None) -> dict:
         final = self.run_dir / "final"
         self.model.save_pretrained(final)
         self.tokenizer.save_pretrained(final)
         metrics, evals = read_jsonl(self.run_dir / "metrics.jsonl"), read_jsonl(self.run_dir / "eval.jsonl")
         completions = [x for x in read_jsonl(self.run_dir / "completions.jsonl") if x.get("kind") == "train"]
         if self.cfg.logging.plots:
-            plot_run(self.run_dir, metrics, evals)
+            plots = plot_run(self.run_dir, metrics, evals)
+            if logger is not None:
+                logger.log_images(plots, self.step)
         c = self.cfg
         title = f"creditrl run: {c.task.name} / {c.model.name} / {c.algorithm.estimator}"
         extra = {"run_dir": str(self.run_dir)}

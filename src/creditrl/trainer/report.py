@@ -64,7 +64,7 @@ def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list
     """summary.json + summary.md (with ``shown`` train completions of the first and the last
     step, when given); returns the summary dict."""
     start, end = (evals[0], evals[-1]) if evals else ({}, {})
-    keys = [k for k in end if k in ("greedy_acc", "sampled_acc") or k.startswith(("pass@", "avg@"))]
+    keys = [k for k in end if k in ("greedy_acc", "sampled_acc") or k.startswith(("pass@", "avg@", "greedy_acc/"))]
     summary = {
         "title": title, "steps": metrics[-1]["step"] if metrics else 0,
         "tokens_total": metrics[-1]["tokens_total"] if metrics else 0, "wall_time_s": round(wall_time, 1),
