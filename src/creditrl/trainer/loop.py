@@ -40,7 +40,7 @@ from creditrl.runtime.rollout import generate_rollouts
 from creditrl.runtime.setup import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
                                    resolve_config, resolve_device)
 from creditrl.trainer.rundir import RunLock, prepare_new_run
-from creditrl.utils.io import atomic_directory, write_manifest
+from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
 from creditrl.trainer.update import Learner, autocast
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
@@ -347,6 +347,8 @@ def final_problem(path: Path) -> str | None:
     """What is wrong with a run's ``final/`` (None when it is absent or complete)."""
     if not path.exists():
         return None
+    if (path / MANIFEST).is_file():
+        return manifest_problem(path)
     try:
         check_model_dir(path, "final")
     except ModelDirError as err:
