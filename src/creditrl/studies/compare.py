@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
 from creditrl.config import load_config, read_yaml
 from creditrl.runtime.setup import resolve_config
