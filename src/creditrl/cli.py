@@ -88,7 +88,8 @@ def cmd_train(args) -> int:
     if args.resume:
         if args.config or args.overrides or args.overwrite:
             raise ValueError("--resume: a resumed run uses its saved config.yaml; drop --config, --overwrite and "
-                             "key=value")
+                             "key=value (to change a key that may change mid-run, such as optim.lr or train.steps, "
+                             "edit DIR/config.yaml)")
         run_dir = resume(args.resume, progress=not args.no_progress)
     else:
         cfg = load_config(args.config, args.overrides)

@@ -509,6 +509,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {r.top_p!r}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {o.betas!r}")
+    batch = r.prompts_per_step * r.group_size
+    for key, value, limit, what in (("optim.minibatch_size", o.minibatch_size, batch, "responses per step"),
+                                    ("optim.micro_batch_size", o.micro_batch_size, o.minibatch_size or batch,
+                                     "responses per mini-batch")):
+        if value is not None and value > limit:
+            raise ConfigError(f"{key}: expected at most {limit} ({what}: rollout.prompts_per_step × "
+                              f"rollout.group_size{', or optim.minibatch_size' if 'micro' in key else ''}), got {value}")
     for key, seed in (("train.seed", t.seed), ("model.warm_start.seed", cfg.model.warm_start.seed)):
         if not 0 <= seed < 2**32:
             raise ConfigError(f"{key}: expected an integer in [0, 2**32 - 1] (numpy's seed range), got {seed}")

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditrl.config import (Config, check_complete, config_from_dict, config_to_dict, eval_settings,
+from creditrl.config import (Config, ConfigError, check_complete, config_from_dict, config_to_dict, eval_settings,
                              read_saved_config, resume_changes, save_config)
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
@@ -100,6 +100,10 @@ class Trainer:
         set_determinism(cfg)
         self.device = resolve_device(cfg.train.device)
         self.task = build_task(cfg)
+        held_out = len(self.task.test_set())
+        if cfg.train.eval_problems is not None and cfg.train.eval_problems > held_out:
+            raise ConfigError(f"train.eval_problems: expected at most {held_out} (the task's held-out set), got "
+                              f"{cfg.train.eval_problems}")
         show = cfg.logging.progress if progress is None else progress
         self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
         if cfg.rollout.max_new_tokens is None:
