@@ -1,9 +1,12 @@
 """creditrl's trainer vs TRL's GRPOTrainer: the same model, task, batch and loss.
 
 Both sides: task ``addition`` (2 digits), GRPO advantages, token-mean ("dapo") loss with
-clip 0.2/0.28, no KL (beta 0), one optimizer step per batch, fp32 on CPU, the same torch
-thread count. TRL is timed twice: with its defaults (gradient checkpointing on) and with
-gradient checkpointing off (its fastest setting here). A step = sampling + update.
+clip 0.2/0.28, no KL (beta 0), one optimizer step per batch, float32 weights on CPU, the same
+torch thread count, in each precision of ``--precision``: ``fp32``, or ``bf16`` autocast
+(creditrl's ``train.precision=bf16`` for sampling and update; TRL's ``bf16=True``, its default,
+through accelerate). TRL is timed twice per precision: with its defaults (gradient checkpointing
+on) and with gradient checkpointing off (its fastest setting here). A step = sampling + update.
+The ratios compare each precision side by side and then each trainer at its best precision.
 
 ``--model builtin:tiny`` (default): the builtin:tiny architecture (fresh init, seed 0) with the
 char tokenizer, compact prompts, 8 prompts x 8 = 64 completions per step, temperature 1.
@@ -15,6 +18,7 @@ x 8 = 16 completions per step, <= 32 new tokens, temperature 0.7; both stop at `
     python benchmarks/bench_trainer.py --quick        # 4 timed steps each, 1 repeat
     python benchmarks/bench_trainer.py --threads 1 2  # one table per thread count
     python benchmarks/bench_trainer.py --model builtin:smollm2-135m --threads 2 --steps 6
+    python benchmarks/bench_trainer.py --precision fp32  # one precision only
     python benchmarks/bench_trainer.py --trl-overhead [--model ...]  # CreditGRPOTrainer vs GRPOTrainer
 
 Prints the median steps/s and completion tokens/s of interleaved repeats and the ratio
@@ -38,7 +42,8 @@ from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_m
 from creditrl.tasks import get_task
 from creditrl.tasks.base import Problem
 from creditrl.runtime.rollout import generate_rollouts
-from creditrl.trainer.update import Learner
+from creditrl.runtime.setup import resolve_config
+from creditrl.trainer.update import Learner, autocast
 
 SETTINGS = {  # model -> prompts per step, completions per prompt, temperature, default max new tokens
     "builtin:tiny": {"prompts": 8, "group": 8, "temperature": 1.0, "max_len": 16},
@@ -58,22 +63,24 @@ def setup(seed: int = 0):
     return task, tok, model
 
 
-def bench_creditrl(steps: int, warmup: int, max_len: int) -> dict:
+def bench_creditrl(steps: int, warmup: int, max_len: int, precision: str) -> dict:
     task, tok, model = setup()
     s = SETTINGS[MODEL]
     prompts, group = s["prompts"], s["group"]
-    cfg = load_config(None, ["algorithm.estimator=grpo", "loss.agg=token-mean", "loss.clip_low=0.2",
-                             "loss.clip_high=0.28", "loss.kl_coef=0", f"rollout.max_new_tokens={max_len}",
-                             f"rollout.group_size={group}", f"rollout.prompts_per_step={prompts}", "optim.lr=2e-5",
-                             f"rollout.temperature={s['temperature']}"])
+    cfg = resolve_config(load_config(None, [
+        "algorithm.estimator=grpo", "loss.agg=token-mean", "loss.clip_low=0.2", "loss.clip_high=0.28",
+        "loss.kl_coef=0", f"rollout.max_new_tokens={max_len}", f"rollout.group_size={group}",
+        f"rollout.prompts_per_step={prompts}", "optim.lr=2e-5", f"rollout.temperature={s['temperature']}",
+        f"train.precision={precision}"]))
     learner = Learner(model, cfg)
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
     tokens, start = 0, None
     for i in range(warmup + steps):
         if i == warmup:
             start, tokens = time.perf_counter(), 0
-        batch = generate_rollouts(model, tok, task, [task.sample(rng) for _ in range(prompts)], group_size=group,
-                                  max_new_tokens=max_len, generator=gen, temperature=s["temperature"])
+        with autocast(model, precision):          # sampling as the trainer does it (the update sets its own)
+            batch = generate_rollouts(model, tok, task, [task.sample(rng) for _ in range(prompts)], group_size=group,
+                                      max_new_tokens=max_len, generator=gen, temperature=s["temperature"])
         learner.update(batch, gen)
         tokens += batch.num_tokens
     elapsed = time.perf_counter() - start
@@ -81,7 +88,8 @@ def bench_creditrl(steps: int, warmup: int, max_len: int) -> dict:
             "mean_len": tokens / steps / (prompts * group)}
 
 
-def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool, estimator: str | None = None) -> dict:
+def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool, estimator: str | None = None,
+              precision: str = "fp32") -> dict:
     """TRL's GRPOTrainer, or creditrl's CreditGRPOTrainer with ``estimator`` (same settings)."""
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -113,7 +121,8 @@ def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool, estima
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=prompts * group, num_generations=group,
                           max_completion_length=max_len, learning_rate=2e-5, beta=0.0, loss_type="dapo",
-                          epsilon=0.2, epsilon_high=0.28, num_iterations=1, temperature=s["temperature"], bf16=False,
+                          epsilon=0.2, epsilon_high=0.28, num_iterations=1, temperature=s["temperature"],
+                          bf16=precision == "bf16",
                           use_cpu=True,
                           report_to=[], logging_steps=1, max_steps=steps + warmup, save_strategy="no",
                           gradient_checkpointing=checkpointing, seed=0, dataloader_num_workers=0, disable_tqdm=True,
@@ -128,9 +137,16 @@ def bench_trl(steps: int, warmup: int, max_len: int, checkpointing: bool, estima
             "mean_len": mean_len}
 
 
-TRAINERS = (("creditrl", lambda steps, warmup, max_len: bench_creditrl(steps, warmup, max_len)),
-            ("TRL GRPOTrainer (defaults, grad ckpt on)", lambda *a: bench_trl(*a, checkpointing=True)),
-            ("TRL GRPOTrainer (grad ckpt off)", lambda *a: bench_trl(*a, checkpointing=False)))
+def trainers(precisions: list[str]) -> tuple:
+    """(name, bench) of creditrl and TRL (gradient checkpointing on, its default, and off) in each precision."""
+    out = []
+    for p in precisions:
+        out += [(f"creditrl {p}", lambda *a, p=p: bench_creditrl(*a, precision=p)),
+                (f"TRL GRPOTrainer {p} (defaults, grad ckpt on)", lambda *a, p=p: bench_trl(*a, checkpointing=True,
+                                                                                             precision=p)),
+                (f"TRL GRPOTrainer {p} (grad ckpt off)", lambda *a, p=p: bench_trl(*a, checkpointing=False,
+                                                                                    precision=p))]
+    return tuple(out)
 
 
 OVERHEAD = (("TRL GRPOTrainer", lambda *a: bench_trl(*a, checkpointing=False)),
@@ -149,6 +165,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1], help="torch CPU threads for both trainers; "
                         "several values give one table each (default 1, creditrl's default for builtin:tiny)")
     parser.add_argument("--repeats", type=int, help="interleaved runs per trainer; medians are reported (default 3)")
+    parser.add_argument("--precision", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
+                        help="precisions timed for both trainers (default both; the ratios take each trainer's best)")
     parser.add_argument("--trl-overhead", action="store_true", help="time CreditGRPOTrainer (grpo, otb) against "
                         "plain GRPOTrainer with identical settings (gradient checkpointing off) instead")
     args = parser.parse_args()
@@ -161,12 +179,12 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     warmup = 2
     # interleave trainers and thread counts so a load change on a shared machine hits all alike
-    trainers = OVERHEAD if args.trl_overhead else TRAINERS
-    runs = {(threads, name): [] for threads in args.threads for name, _ in trainers}
+    benches = OVERHEAD if args.trl_overhead else trainers(args.precision)
+    runs = {(threads, name): [] for threads in args.threads for name, _ in benches}
     for _ in range(repeats):
         for threads in args.threads:
             torch.set_num_threads(threads)
-            for name, bench in trainers:
+            for name, bench in benches:
                 runs[threads, name].append(bench(steps, warmup, args.max_len))
     s = SETTINGS[MODEL]
     print(f"trainer benchmark: {MODEL} ({sum(p.numel() for p in setup()[2].parameters()) / 1e6:.2f}M params), "
@@ -174,12 +192,12 @@ def main() -> None:
           f"tokens, temperature {s['temperature']}, {steps} timed steps, median of {repeats} interleaved runs")
     for threads in args.threads:
         med = {name: {k: statistics.median(r[k] for r in runs[threads, name]) for k in runs[threads, name][0]}
-               for name, _ in trainers}  # per-metric medians
+               for name, _ in benches}  # per-metric medians
         print(f"\ntorch threads {threads}")
-        print(f"{'':<42}{'steps/s':>9}{'tokens/s':>10}{'mean len':>10}   steps/s of each run")
+        print(f"{'':<48}{'steps/s':>9}{'tokens/s':>10}{'mean len':>10}   steps/s of each run")
         for name, r in med.items():
             each = " ".join(f"{x['steps_per_s']:.2f}" for x in runs[threads, name])
-            print(f"{name:<42}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}{r['mean_len']:>10.2f}"
+            print(f"{name:<48}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}{r['mean_len']:>10.2f}"
                   f"   {each}")
         if args.trl_overhead:
             plain = med["TRL GRPOTrainer"]["steps_per_s"]
@@ -187,11 +205,23 @@ def main() -> None:
                 ratio = plain / med[name]["steps_per_s"]
                 print(f"time per step {name} / TRL GRPOTrainer: {ratio:.3f}x  (target <= {target}x)")
             continue
-        ours = med["creditrl"]
-        for name, r in list(med.items())[1:]:
-            target = 1.5 if MODEL == "builtin:tiny" else 2.0
-            print(f"ratio creditrl / {name}: steps/s {ours['steps_per_s'] / r['steps_per_s']:.2f}x, "
-                  f"tokens/s {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x  (target >= {target}x)")
+        print_ratios(med, args.precision)
+
+
+def print_ratios(med: dict, precisions: list[str]) -> None:
+    """creditrl / TRL in each precision side by side, then each trainer at its best precision."""
+    target = 1.5 if MODEL == "builtin:tiny" else 2.0
+    for p in precisions:
+        ours = med[f"creditrl {p}"]
+        for name, r in med.items():
+            if name.startswith("TRL") and f" {p} " in name:
+                print(f"ratio creditrl {p} / {name}: steps/s {ours['steps_per_s'] / r['steps_per_s']:.2f}x, "
+                      f"tokens/s {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x")
+    best_ours = max((n for n in med if n.startswith("creditrl")), key=lambda n: med[n]["steps_per_s"])
+    best_trl = max((n for n in med if n.startswith("TRL")), key=lambda n: med[n]["steps_per_s"])
+    print(f"best against best: {best_ours} / {best_trl}: steps/s "
+          f"{med[best_ours]['steps_per_s'] / med[best_trl]['steps_per_s']:.2f}x, tokens/s "
+          f"{med[best_ours]['tokens_per_s'] / med[best_trl]['tokens_per_s']:.2f}x  (target >= {target}x)")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def test_saved_config_round_trips(tmp_path):
     ("loss.clip_c=0.5", "loss.clip_c: expected a value in (1, inf], got 0.5"),
     ("loss.stapo.pool=all", "loss.stapo.pool: unknown value 'all'"),
     ("loss.trace.lam=2", "loss.trace.lam: expected a value in [0, 1]"),
-    ("model.tiny.num_heads=3", "model.tiny: num_heads: expected a divisor of hidden_size"),
+    ("model.tiny.num_heads=3", "model.tiny.num_heads: expected a divisor of hidden_size"),
     ("train.pass_k=[1,16]", "train.pass_k: each k must be in [1, train.eval_samples=8], got 16"),
     ("task.name=sudoku", "task.name: unknown task 'sudoku'; valid tasks are ['addition'"),
     ("algorithm.estimator=ppo", "algorithm.estimator: unknown estimator 'ppo'; valid estimators are"),

@@ -162,7 +162,7 @@ def test_load_local_hf_dir(tmp_path):
     loaded, loaded_tok = load_policy(str(tmp_path / "m"), task=None, progress=False)
     assert all(torch.equal(x, y) for x, y in zip(model.parameters(), loaded.parameters()))
     assert loaded_tok.encode("1+2") == tok.encode("1+2") and loaded_tok.padding_side == "left"
-    with pytest.raises(FileNotFoundError, match=r"model: '.*nope' is not a local directory"):
+    with pytest.raises(FileNotFoundError, match=r"model.name: '.*nope' is not a local directory"):
         load_policy(str(tmp_path / "nope"), task=None)
     with pytest.raises(ValueError, match=r"unknown built-in 'builtin:huge'; valid built-ins are \['builtin:tiny', 'builtin:smollm2-135m'\]"):
         load_policy("builtin:huge", task=None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -510,3 +511,473 @@ def test_estimator_options_are_declared_once_and_agree_everywhere():
             resolve_config(load_config(None, ["algorithm.estimator=scaled_test_only", "algorithm.options.k=2"]))
     finally:
         _REGISTRY.pop("scaled_test_only", None)
+
+
+# ============================================================================= second layer (issue 22)
+
+def _tiny_policy(seed=0, lora=None):
+    from creditrl.config import LoraSettings
+    from creditrl.runtime.models import _with_adapters
+    from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+    task = get_task("addition", digits=1)
+    tok = char_tokenizer(task.alphabet())
+    model = tiny_model(tok, TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64), seed=seed)
+    if lora:
+        model = _with_adapters(model, None, LoraSettings(r=4, target_modules=["q_proj", "v_proj", "o_proj"]))
+    return task, tok, model
+
+
+def _spread_batch(task, tok, model, seed=0):
+    """A real rollout batch with mixed rewards (an untrained model earns 0 everywhere)."""
+    import random as pyrandom
+    from creditrl.runtime.rollout import generate_rollouts
+    problems = [task.sample(pyrandom.Random(seed + i)) for i in range(2)]
+    batch = generate_rollouts(model, tok, task, problems, group_size=4, max_new_tokens=4,
+                              generator=torch.Generator().manual_seed(seed))
+    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    batch.correct = batch.rewards >= 1
+    return batch
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+@pytest.mark.parametrize("precision, lora", [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True),
+                                             pytest.param("fp16", False, marks=pytest.mark.cuda),
+                                             pytest.param("fp16", True, marks=pytest.mark.cuda)])
+def test_every_trainable_tensor_moves_at_a_tiny_lr_in_every_precision(precision, lora):
+    """At lr 1e-6 a bf16 weight would round every AdamW step away; float32 master weights under
+    autocast keep each one: after 3 steps every trainable tensor has changed (LoRA's B starts at 0,
+    so A moves from the second step on)."""
+    from creditrl.trainer.loop import precision_notes
+    from creditrl.trainer.update import Learner
+    task, tok, model = _tiny_policy(lora=lora)
+    device = "cuda" if precision == "fp16" else "cpu"
+    model = model.to(device)
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4",
+                             "algorithm.estimator=grpo", "optim.lr=1e-6", f"train.precision={precision}",
+                             f"train.device={device}"] + (["model.lora.enabled=true"] if lora else []))
+    cfg = resolve_config(cfg)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert all(p.dtype == torch.float32 for p in trainable.values()) and not precision_notes(model, cfg)
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    learner = Learner(model, cfg)
+    for step in range(3):
+        metrics = learner.update(_spread_batch(task, tok, model, seed=step), torch.Generator().manual_seed(step)).metrics
+        assert metrics["skipped_updates"] == 0
+    frozen = [n for n, p in trainable.items() if torch.equal(p.detach(), before[n])]
+    assert not frozen, f"{len(frozen)} of {len(trainable)} trainable tensors never changed: {frozen[:5]}"
+
+
+def test_low_precision_trainable_weights_get_a_warning_that_names_the_effect():
+    from creditrl.trainer.loop import precision_notes
+    _, _, model = _tiny_policy()
+    model = model.to(torch.bfloat16)
+    (note,) = precision_notes(model, load_config(None, ["model.dtype=bfloat16", "optim.lr=1e-6"]))
+    assert "stored in torch.bfloat16" in note and "rounded away" in note and "train.precision=bf16" in note
+
+
+def _weight_bytes(*modules) -> int:
+    """Bytes of the distinct storages behind the modules' parameters and buffers."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for m in modules for t in [*m.parameters(), *m.buffers()]}
+    return sum(storages.values())
+
+
+def _modules(obj) -> list:
+    return [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)]
+
+
+def test_lora_kl_reference_is_the_base_model_with_adapters_off_and_no_copy():
+    """LoRA + KL: the reference log-probs are the base model's (adapters disabled); the learner
+    holds the weights once (a full-model KL run holds them twice), and reading the reference
+    allocates less than one model."""
+    from creditrl.trainer.loop import reference_model
+    from creditrl.trainer.update import Batch, Learner, statistics_no_grad
+    from creditrl.utils.memory import PeakMemory
+    task, tok, model = _tiny_policy(lora=True)
+    _, _, base = _tiny_policy()                                     # the same weights without adapters
+    cfg = resolve_config(load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=2",
+                                            "rollout.max_new_tokens=4", "algorithm.estimator=grpo", "optim.lr=1e-2",
+                                            "loss.kl_coef=0.1", "model.lora.enabled=true"]))
+    model_bytes = _weight_bytes(model)
+    learner = Learner(model, cfg, ref_model=reference_model(model, cfg))
+    assert learner.ref_model is None and _weight_bytes(*_modules(learner)) == model_bytes
+    full_cfg = resolve_config(load_config(None, ["loss.kl_coef=0.1", "rollout.group_size=4"]))
+    full = Learner(base, full_cfg, ref_model=reference_model(base, full_cfg))     # the count sees a copy
+    assert _weight_bytes(*_modules(full)) >= 2 * _weight_bytes(base) - 1
+    for step in range(2):                                           # the adapters move away from the base
+        learner.update(_spread_batch(task, tok, model, seed=step), torch.Generator().manual_seed(step))
+    batch = Batch.from_rollout(_spread_batch(task, tok, model, seed=5), torch.device("cpu"))
+    with PeakMemory() as reading:
+        ref = learner.reference_logp(batch)
+    assert reading.peak < model_bytes
+    torch.testing.assert_close(ref, statistics_no_grad(base, batch, cfg).logp)
+    assert not torch.allclose(ref, statistics_no_grad(model, batch, cfg).logp)   # the policy itself differs
+
+
+# ----------------------------------------------------------------------------- resume never lies
+
+def _finished_run(tmp_path, *extra, name="r", steps=2):
+    from creditrl.trainer import train
+    cfg = load_config(None, TINY + [f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}",
+                                    f"train.run_name={name}", f"train.steps={steps}", *extra])
+    return train(cfg, progress=False)
+
+
+def _edit(run, **changes):
+    """Set dotted keys of run/config.yaml (a None value deletes the key)."""
+    import yaml
+    data = yaml.safe_load((run / "config.yaml").read_text())
+    for key, value in changes.items():
+        *parents, last = key.replace("__", ".").split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        if value is None:
+            del node[last]
+        else:
+            node[last] = value
+    (run / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def test_resume_applies_a_changed_lr_and_records_it(tmp_path):
+    from creditrl.trainer import resume
+    from creditrl.trainer.loop import Trainer
+    run = _finished_run(tmp_path, "optim.lr=1e-4", "optim.schedule=cosine", "optim.weight_decay=0.0")
+    _edit(run, optim__lr=3e-4, train__steps=4, optim__weight_decay=0.01)
+    trainer = Trainer.resume(run, progress=False)
+    opt, sched = trainer.learner.optimizer, trainer.learner.scheduler
+    factor = __import__("creditrl.trainer.update", fromlist=["lr_lambda"]).lr_lambda(trainer.cfg)(2)
+    assert sched.base_lrs == [3e-4] and opt.param_groups[0]["lr"] == pytest.approx(3e-4 * factor)
+    assert opt.param_groups[0]["weight_decay"] == 0.01 and trainer.step == 2
+    (run / ".lock").unlink(missing_ok=True)
+    resume(run, progress=False)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert metrics[1]["lr"] < 1e-4 < metrics[2]["lr"]                       # the new rate from step 3 on
+    records = [json.loads(line) for line in (run / "resumes.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 2 and records[-1]["changes"]["optim.lr"] == [1e-4, 3e-4]
+    assert "resumed at step 2 with config changes optim.lr 0.0001 -> 0.0003" in (run / "summary.md").read_text()
+    assert load_saved_config(run / "config.yaml").optim.lr == 3e-4       # true from step 3 on, and recorded
+
+
+@pytest.mark.parametrize("key, value", [("model__lora__r", 4), ("rollout__group_size", 4),
+                                        ("algorithm__estimator", "rloo"), ("train__seed", 7), ("loss__kl_coef", 0.1),
+                                        ("model__name", "builtin:smollm2-135m"), ("train__precision", "bf16"),
+                                        ("task__options__digits", 2), ("rollout__max_new_tokens", 9),
+                                        ("algorithm__options__eps", 0.01)])
+def test_resume_refuses_a_key_that_cannot_change_mid_run_by_name(tmp_path, key, value):
+    from creditrl.trainer import resume
+    run = _finished_run(tmp_path)
+    _edit(run, **{key: value}, **({"algorithm__options": {"gamma": 1.0}} if key == "algorithm__estimator" else {}))
+    text = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=rf"cannot change in the middle of a run \(.*{key.replace('__', '.')}: .*"
+                                          r"a resumed run may change only optim.lr"):
+        resume(run, progress=False)
+    assert (run / "config.yaml").read_text() == text and not (run / "resumes.jsonl").exists()
+
+
+def test_resume_refuses_fewer_steps_than_done_and_an_incomplete_config(tmp_path):
+    from creditrl.trainer import resume
+    run = _finished_run(tmp_path)
+    _edit(run, train__steps=1)
+    with pytest.raises(ConfigError, match=r"train.steps: the run has already trained 2 steps; expected a value >= 2"):
+        resume(run, progress=False)
+    _edit(run, train__steps=2, loss__clip_high=None)
+    with pytest.raises(ConfigError, match=r"incomplete saved config \(missing loss.clip_high\).*not filled in"):
+        resume(run, progress=False)
+    _edit(run, loss__clip_high=0.28, optim__lr=None)
+    with pytest.raises(ConfigError, match=r"incomplete saved config \(missing optim.lr\)"):
+        resume(run, progress=False)
+
+
+def test_resume_without_a_checkpoint_starts_again_and_says_so(tmp_path):
+    from creditrl.trainer import resume
+    run = _finished_run(tmp_path, "train.save_every=0")
+    _edit(run, model__tiny__hidden_size=64, train__steps=1)             # nothing trained is kept: any edit goes
+    (run / "summary.json").unlink()
+    resume(run, progress=False)
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [json.loads(x)["step"] for x in (run / "eval.jsonl").read_text().splitlines()] == [0, 1]
+    assert "started again from step 0" in (run / "summary.md").read_text()
+
+
+def test_resume_changes_are_computed_on_resolved_configs():
+    from creditrl.config import config_to_dict, resume_changes
+    before = config_to_dict(resolve_config(load_config(None, [])))
+    after = config_to_dict(resolve_config(load_config(None, ["optim.lr=1e-3", "logging.plots=false"])))
+    assert resume_changes(before, after, 5) == {"logging.plots": [True, False], "optim.lr": [5e-05, 1e-3]}
+    assert resume_changes(before, before, 5) == {}
+    changed = config_to_dict(resolve_config(load_config(None, ["algorithm.options.gamma=0.9"])))
+    with pytest.raises(ConfigError, match=r"algorithm.options.gamma: 1.0 -> 0.9"):
+        resume_changes(before, changed, 5)
+
+
+# ----------------------------------------------------------------------------- final/ and model directories
+
+def test_final_is_written_atomically_with_a_manifest(tmp_path, monkeypatch):
+    from creditrl.trainer.loop import Trainer, final_problem
+    from creditrl.utils.io import manifest_problem
+    run = _finished_run(tmp_path)
+    final = run / "final"
+    assert manifest_problem(final) is None and final_problem(final) is None
+    listed = json.loads((final / "manifest.json").read_text())["files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(listed)
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    trainer = Trainer.resume(run, progress=False)
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt        # a kill in the middle of the save
+    monkeypatch.setattr(trainer.tokenizer, "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_final()
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before      # the old final/ is untouched
+    assert not list(run.glob(".tmp-final-*"))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finished")
+    return _finished_run(root), _finished_run(root, "model.lora.enabled=true", "model.lora.r=4", name="lora")
+
+
+def _damaged(tmp_path, source, damage):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    damage(copy)
+    return copy
+
+
+def _cut(path):
+    path.write_bytes(path.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("what, damage, message", [
+    ("full", lambda d: _cut(d / "final" / "model.safetensors"), r"model.safetensors has 100 bytes, the manifest says"),
+    ("full", lambda d: (d / "final" / "tokenizer.json").unlink(), r"tokenizer.json missing"),
+    ("full", lambda d: (d / "final" / "config.json").write_text((d / "final" / "config.json").read_text().replace(
+        '"hidden_size": 32', '"hidden_size": 64')), r"is damaged: config.json does not match its SHA-256"),
+    ("lora", lambda d: (d / "final" / "adapter_model.safetensors").unlink(), r"adapter_model.safetensors missing"),
+    ("full", lambda d: __import__("shutil").rmtree(d / "final"), r"final' not found: the run has not finished"),
+])
+def test_eval_tells_a_damaged_final_from_a_complete_one(finished, tmp_path, capsys, what, damage, message):
+    from creditrl.cli import main
+    run = _damaged(tmp_path, finished[0] if what == "full" else finished[1], damage)
+    assert main(["eval", "--no-progress", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err and "Repo id" not in err, err
+
+
+def _no_manifest(d):
+    (d / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: [p.unlink() for p in d.glob("tokenizer*")], r"has no tokenizer files"),
+    (lambda d: (d / "config.json").unlink(), r"has no config.json"),
+    (lambda d: (d / "config.json").write_text("{{"), r"config.json in .* is not valid JSON"),
+    (lambda d: _cut(d / "model.safetensors"), r"model.safetensors in .* is damaged or cut short"),
+    (lambda d: (d / "model.safetensors").unlink(), r"has no weights file"),
+    (lambda d: (d / "config.json").write_text((d / "config.json").read_text().replace('"hidden_size": 32',
+                                                                                      '"hidden_size": 64')),
+     r"the weights in .* do not match its config.json"),
+])
+def test_a_plain_model_directory_with_a_bad_file_gets_an_error_naming_it(finished, tmp_path, damage, message):
+    from creditrl.runtime.models import ModelDirError, load_policy
+    model_dir = _damaged(tmp_path, finished[0] / "final", lambda d: (_no_manifest(d), damage(d)))
+    with pytest.raises(ModelDirError, match=message):
+        load_policy(str(model_dir), task=None, progress=False)
+
+
+def test_a_lora_adapter_without_a_local_base_or_weights_is_named(finished, tmp_path):
+    from creditrl.runtime.models import ModelDirError, load_policy
+    lora = finished[1] / "final"
+    no_base = _damaged(tmp_path / "a", lora, lambda d: (_no_manifest(d), (d / "adapter_config.json").write_text(
+        (d / "adapter_config.json").read_text().replace(json.loads((d / "adapter_config.json").read_text())[
+            "base_model_name_or_path"], "/nowhere"))))
+    with pytest.raises(ModelDirError, match=r"names base model '/nowhere' in adapter_config.json"):
+        load_policy(str(no_base), task=None, progress=False)
+    no_weights = _damaged(tmp_path / "b", lora, lambda d: (_no_manifest(d), (d / "adapter_model.safetensors").unlink()))
+    with pytest.raises(ModelDirError, match=r"has no weights file \(expected one of \['adapter_model.safetensors'"):
+        load_policy(str(no_weights), task=None, progress=False)
+
+
+def test_a_run_directory_given_as_a_model_points_to_its_final(finished):
+    from creditrl.runtime.models import ModelDirError, load_policy
+    with pytest.raises(ModelDirError, match=r"is a creditrl run directory, not a model directory; its model is .*final"):
+        load_policy(str(finished[0]), task=None, progress=False)
+
+
+# ----------------------------------------------------------------------------- creditrl eval
+
+def test_eval_takes_a_run_or_a_model_directory_positionally(finished, capsys):
+    from creditrl.cli import main
+    run = finished[0]
+    assert main(["eval", "--no-progress", str(run), "--n", "1", "--problems", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == str(run / "final") and out["n_problems"] == 2 and out["n_samples"] == 1
+    assert main(["eval", "--no-progress", "--n", "1", "--problems", "2", str(run / "final"), "task.options.digits=1",
+                 "train.eval_samples=1"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(run / "final")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--n", "0"], r"--n: expected a positive number of samples per problem, got 0"),
+    (["--n", "-3"], r"--n: expected a positive number"),
+    (["--k", "0"], r"--k: expected distinct values in \[1, n=2\]"),
+    (["--k", "3"], r"--k: expected distinct values in \[1, n=2\]"),
+    (["--k", "1", "1"], r"--k: expected distinct values"),
+    (["--problems", "0"], r"--problems: expected a value in \[1, \d+\]"),
+    (["--problems", "-1"], r"--problems: expected a value in \[1, \d+\]"),
+    (["--problems", "100000"], r"--problems: expected a value in \[1, \d+\] \(the task's held-out set has"),
+    (["model.name=builtin:tiny"], r"model.name: given twice"),
+    (["RUN", "RUN"], r"RUN_OR_MODEL: expected one run or model directory"),
+    (["--config", "default"], r"--config: a run directory is evaluated with its own config.yaml"),
+])
+def test_eval_checks_every_argument_before_the_model_loads(finished, monkeypatch, capsys, args, message):
+    import creditrl.cli as cli
+    monkeypatch.setattr(cli, "load_configured_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    run = str(finished[0])
+    assert cli.main(["eval", "--no-progress", run, *[run if a == "RUN" else a for a in args]]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_eval_of_something_that_is_not_a_directory_says_what_it_expects(capsys):
+    from creditrl.cli import main
+    assert main(["eval", "--no-progress", "no/such/run"]) == 2
+    assert "RUN_OR_MODEL: 'no/such/run' is not a directory; expected a creditrl run directory" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- stop strings, LoRA, seeds, YAML
+
+@pytest.mark.parametrize("stop", ['[""]', '["</s>", ""]'])
+def test_an_empty_stop_string_is_refused_by_name(stop):
+    with pytest.raises(ConfigError, match=r"rollout.stop\[\d\]: expected a non-empty string, got ''.*cut each one"):
+        load_config(None, [f"rollout.stop={stop}"])
+    from creditrl.runtime.sampling import decode_responses, generate
+    task, tok, model = _tiny_policy()
+    with pytest.raises(ValueError, match=r"stop_strings\[0\]: expected a non-empty string"):
+        generate(model, tok, [tok.encode("1+1=")], max_new_tokens=2, stop_strings=[""])
+    with pytest.raises(ValueError, match=r"stop_strings\[0\]: expected a non-empty string"):
+        decode_responses(tok, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2), [""])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.lora.target_modules=[]", r"model.lora.target_modules: expected a non-empty list of module names"),
+    ("model.lora.r=0", r"model.lora.r: expected a positive int"),
+    ("model.lora.dropout=1", r"model.lora.dropout: expected a value in \[0, 1\)"),
+    ("train.seed=-1", r"train.seed: expected an integer in \[0, 2\*\*32 - 1\]"),
+    ("model.warm_start.seed=4294967296", r"model.warm_start.seed: expected an integer in \[0, 2\*\*32 - 1\]"),
+])
+def test_lora_settings_and_seeds_are_checked_by_name(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.lora.enabled=true", override])
+
+
+def test_unknown_lora_target_modules_name_the_key_and_the_model_modules():
+    from creditrl.config import LoraSettings
+    from creditrl.runtime.models import _with_adapters
+    _, _, model = _tiny_policy()
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules: .*\['nope'\]; this model's linear modules "
+                                          r"are \[.*'q_proj'"):
+        _with_adapters(model, None, LoraSettings(target_modules=["nope"]))
+
+
+def test_a_lora_final_as_model_name_needs_lora_on_with_its_own_settings(finished):
+    from creditrl.runtime.setup import check_lora_source
+    final = str(finished[1] / "final")
+    base = ["model.tiny.hidden_size=32", f"model.name={final}"]
+    with pytest.raises(ConfigError, match=r"model.lora.enabled: model.name .* is a LoRA adapter directory.*"
+                                          r"model.lora.enabled=true and its settings \(model.lora.r=4"):
+        check_lora_source(load_config(None, base))
+    with pytest.raises(ConfigError, match=r"model.lora.r=16 but the adapter has 4"):
+        check_lora_source(load_config(None, base + ["model.lora.enabled=true"]))
+    check_lora_source(load_config(None, base + ["model.lora.enabled=true", "model.lora.r=4"]))
+
+
+def test_a_yaml_key_given_twice_is_refused(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 1.0e-5\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML: key 'lr' appears twice"):
+        load_config(path)
+
+
+# ----------------------------------------------------------------------------- creditrl compare / experiment
+
+@pytest.mark.parametrize("spec, args, message", [
+    ("runs:\n  a: [train.steps=1]\n  a: [train.steps=2]\n", [], r"key 'a' appears twice"),
+    ("runs:\n  a: [train.steps=1]\nseeds: []\n", [], r"seeds: expected a non-empty list of integers"),
+    ("runs:\n  a: [train.steps=1]\nseeds: [0, 0]\n", [], r"seeds: expected distinct seeds"),
+    ("runs:\n  a/b: [train.steps=1]\n", [], r"expected a run name of letters, digits"),
+    ("runs:\n  a: [train.seed=3]\n", [], r"compare sets train.seed, train.output_dir, train.run_name itself"),
+    ("- 1\n", [], r"expected a mapping with runs"),
+    (None, ["--run", "a", "train.steps=1", "--run", "a", "train.steps=2"], r"--run: duplicate run name 'a'"),
+    (None, ["--run", "a", "train.steps=1", "--seeds", ""], r"--seeds: expected comma-separated integers"),
+    (None, ["--run", "a", "train.steps=1", "--seeds", "0,-1"], r"--seeds: expected a non-empty list of integers"),
+    (None, ["--run", "a", "train.steps=1", "--smooth", "0"], r"--smooth: expected a moving-average window"),
+    (None, ["--report-only", "--run", "a", "x=1"], r"--report-only: redraws the report from OUT/runs alone"),
+])
+def test_compare_checks_its_specs_before_training(tmp_path, monkeypatch, capsys, spec, args, message):
+    from creditrl.studies import compare
+    monkeypatch.setattr(compare, "train", lambda *a, **k: pytest.fail("a run was trained"))
+    if spec is not None:
+        (tmp_path / "spec.yaml").write_text(spec)
+        args = ["--spec", str(tmp_path / "spec.yaml"), *args]
+    assert compare.main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["maxk-bandit", "seed=-1"], r"seed: expected an integer in \[0, 2\*\*32 - 1\] for experiment maxk-bandit"),
+    (["maxk-bandit", "seeds=0"], r"seeds: expected > 0 for experiment maxk-bandit, got 0"),
+    (["maxk-bandit", "k_sweep=[]"], r"k_sweep: expected at least one value"),
+    (["learning-curves", "eval_every=-1"], r"eval_every: expected >= 0"),
+    (["maxk-bandit", "bogus=1"], r"bogus: unknown key"),
+    (["report", "seed=3"], r"report does not use key=value"),
+    (["report", "--preset", "full"], r"report does not use --preset"),
+    (["maxk-bandit", "--check", "x"], r"maxk-bandit does not use --check"),
+    (["maxk-bandit", "--docs", "x"], r"maxk-bandit does not use --docs"),
+])
+def test_experiment_arguments_are_checked_before_anything_runs(monkeypatch, capsys, args, message):
+    from creditrl.studies import experiments
+    monkeypatch.setattr(experiments, "run_experiment", lambda *a, **k: pytest.fail("an experiment ran"))
+    monkeypatch.setattr(experiments, "write_report", lambda *a, **k: pytest.fail("a report was written"))
+    assert experiments.main(args) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- a run that learns nothing
+
+def test_learned_nothing_names_invalid_and_zero_spread_rewards():
+    from creditrl.trainer.report import learned_nothing, streak_warning
+    invalid = [{"step": s, "reward_invalid_frac": 1.0, "zero_spread_frac": 1.0, "reward_mean": 0.0, "adv_mean": 0.0,
+                "adv_std": 0.0} for s in range(1, 7)]
+    assert "every reward was invalid" in learned_nothing(invalid, "grpo")
+    flat = [{**m, "reward_invalid_frac": 0.0, "reward_mean": 1.0} for m in invalid]
+    text = learned_nothing(flat, "grpo")
+    assert "every group's rewards were equal" in text and "advantages were 0 at every step" in text
+    assert "reinforce still gave advantages" in learned_nothing([{**m, "adv_mean": 0.5} for m in flat], "reinforce")
+    assert learned_nothing(flat[:-1] + [{**flat[-1], "zero_spread_frac": 0.5}], "grpo") is None
+    assert learned_nothing([], "grpo") is None
+    assert streak_warning(flat[4], 5).startswith("warning: no reward signal for 5 steps in a row (step 5)")
+    assert streak_warning(flat[4], 4) is None and streak_warning(flat[5], 6) is None   # once per streak
+
+
+def test_a_run_whose_checker_always_raises_says_so(tmp_path, capsys, monkeypatch):
+    from creditrl.cli import main
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "bad_checker.py").write_text("def check(prompt, response, answer):\n    raise RuntimeError('boom')\n")
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                              for i in range(20)))
+    args = [a for a in TINY if not a.startswith("task.options.digits")]
+    assert main(["train", "--no-progress", *args, "task.name=jsonl", f"task.options.path={tmp_path / 'd.jsonl'}",
+                 "task.options.checker=bad_checker:check", "rollout.max_new_tokens=4", "train.steps=5",
+                 "train.save_every=0", f"model.cache_dir={tmp_path / 'cache'}", "model.warm_start.max_steps=1",
+                 f"train.output_dir={tmp_path}", "train.run_name=r"]) == 0
+    captured = capsys.readouterr()
+    err = captured.out + captured.err
+    assert "warning: no reward signal for 5 steps in a row" in err
+    assert "warning: this run learned nothing from its task. At all 5 steps every reward was invalid" in err
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "this run learned nothing from its task" in summary and "the task's checker raised" in summary

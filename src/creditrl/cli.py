@@ -26,7 +26,10 @@ from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_con
 from creditrl.studies import compare
 from creditrl.studies import experiments
 from creditrl.trainer import resume, train
-from creditrl.trainer.loop import TrainingStopped
+from creditrl.trainer.checkpoint import list_checkpoints
+from creditrl.trainer.loop import TrainingStopped, final_problem
+from creditrl.trainer.rundir import check_writable
+from creditrl.trainer.update import autocast
 
 SUBCOMMANDS = {  # subcommands that parse their own arguments: name -> (main(argv) -> int, help)
     "compare": (compare.main, "run several configs x seeds and write one comparison report"),
@@ -61,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_p.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same "
                          "train.run_name and start again (without it an existing run is refused)")
     eval_p = sub.add_parser("eval", help="held-out greedy accuracy and pass@k / avg@k", formatter_class=raw,
-                            description="Evaluate a run's final model (--run DIR) or any model given by config keys "
+                            usage="creditrl eval [RUN_OR_MODEL] [key=value ...] [options]",
+                            description="Evaluate a run's final model (`creditrl eval runs/NAME`, or --run DIR), a "
+                            "model directory (`creditrl eval path/to/model`) or any model given by config keys "
                             "(model.name, task.name, ...). Prints JSON.", epilog=epilog)
     _config_args(eval_p)
     eval_p.add_argument("--run", metavar="DIR", help="a finished run: DIR/config.yaml and the model in DIR/final")
@@ -83,7 +88,8 @@ def cmd_train(args) -> int:
     if args.resume:
         if args.config or args.overrides or args.overwrite:
             raise ValueError("--resume: a resumed run uses its saved config.yaml; drop --config, --overwrite and "
-                             "key=value")
+                             "key=value (to change a key that may change mid-run, such as optim.lr or train.steps, "
+                             "edit DIR/config.yaml)")
         run_dir = resume(args.resume, progress=not args.no_progress)
     else:
         cfg = load_config(args.config, args.overrides)
@@ -94,37 +100,88 @@ def cmd_train(args) -> int:
     return 0
 
 
+def eval_target(args) -> tuple[Path | None, list[str]]:
+    """(the run or model directory given as the positional RUN_OR_MODEL or --run, the key=value
+    overrides); at most one directory."""
+    targets = [item for item in args.overrides if "=" not in item]
+    overrides = [item for item in args.overrides if "=" in item]
+    if len(targets) + bool(args.run) > 1:
+        raise ValueError(f"RUN_OR_MODEL: expected one run or model directory (positional or --run), got "
+                         f"{targets + ([args.run] if args.run else [])}")
+    target = args.run or (targets[0] if targets else None)
+    if target is None:
+        return None, overrides
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"RUN_OR_MODEL: {target!r} is not a directory; expected a creditrl run directory "
+                                f"(config.yaml + final/) or a model directory (or no positional argument and "
+                                f"model.name=...)")
+    if args.run and not (path / "config.yaml").is_file():
+        raise FileNotFoundError(f"--run: {target!r} has no config.yaml; expected a creditrl run directory")
+    return path, overrides
+
+
 def eval_config(args):
-    """(config, model directory or None) of ``creditrl eval``'s arguments."""
-    if not args.run:
-        return resolve_config(load_config(args.config, args.overrides)), None
-    run = Path(args.run)
-    if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"--run: {str(run)!r} has no config.yaml; expected a creditrl run directory")
-    if not (run / "final").is_dir():
-        raise FileNotFoundError(f"--run: {str(run / 'final')!r} not found; the run has not finished")
+    """(config, model directory or None) of ``creditrl eval``'s arguments: a run directory's saved
+    config and its complete ``final/``, a model directory as ``model.name``, or the config keys."""
+    path, overrides = eval_target(args)
+    if path is not None and any(o.split("=", 1)[0].strip() == "model.name" for o in overrides):
+        raise ValueError(f"model.name: given twice, as the directory {str(path)!r} and as model.name=...; drop one")
+    if path is None or not (path / "config.yaml").is_file():
+        named = [f"model.name={path}"] if path is not None else []
+        return resolve_config(load_config(args.config, [*overrides, *named])), None
+    final = path / "final"
+    if not final.is_dir():
+        found = list_checkpoints(path)
+        raise FileNotFoundError(f"RUN_OR_MODEL: {str(final)!r} not found: the run has not finished"
+                                + (f" (its newest checkpoint is {found[-1].name}; `creditrl train --resume {path}` "
+                                   f"finishes it)" if found else ""))
+    problem = final_problem(final)
+    if problem:
+        raise ValueError(f"RUN_OR_MODEL: {str(final)!r} is damaged: {problem}")
+    if args.config:
+        raise ValueError("--config: a run directory is evaluated with its own config.yaml; drop --config (key=value "
+                         "overrides still apply)")
     # the task keeps the format of the run's model.name (a LoRA final/ is an adapter on the same base)
-    return resolve_config(apply_overrides(load_saved_config(run / "config.yaml"), args.overrides)), str(run / "final")
+    return resolve_config(apply_overrides(load_saved_config(path / "config.yaml"), overrides)), str(final)
+
+
+def eval_sizes(args, cfg, task) -> tuple[int, list[int], list]:
+    """(samples per problem, ks, problems) of ``creditrl eval``: its flags checked against the
+    config and the held-out set before the model loads."""
+    limit, samples, ks = eval_settings(cfg)
+    n = samples if args.n is None else args.n
+    if n < 1:
+        raise ValueError(f"--n: expected a positive number of samples per problem, got {n}")
+    ks = args.k if args.k is not None else [k for k in ks if k <= n]
+    bad = [k for k in ks if not 1 <= k <= n]
+    if bad or len(set(ks)) != len(ks):
+        raise ValueError(f"--k: expected distinct values in [1, n={n}] (n: --n or train.eval_samples), got {ks}")
+    held_out = task.test_set()
+    wanted = args.problems if args.problems is not None else limit
+    if args.problems is not None and not 1 <= args.problems <= len(held_out):
+        raise ValueError(f"--problems: expected a value in [1, {len(held_out)}] (the task's held-out set has "
+                         f"{len(held_out)} problems), got {args.problems}")
+    return n, ks, held_out[:wanted] if wanted else held_out
 
 
 def cmd_eval(args) -> int:
     cfg, weights = eval_config(args)
     task = build_task(cfg)
+    n, ks, problems = eval_sizes(args, cfg, task)
+    if args.out:
+        check_writable(Path(args.out).expanduser().resolve().parent, "--out")
     model, tokenizer = load_configured_policy(cfg, task, resolve_device(cfg.train.device), not args.no_progress,
                                               name=weights)
-    limit, samples, ks = eval_settings(cfg)
-    n = args.n or samples
-    problems = task.test_set()
-    problems = problems[:args.problems or limit] if (args.problems or limit) else problems
     r = cfg.rollout
-    result = evaluate(model, tokenizer, task, problems, n=n, ks=args.k or [k for k in ks if k <= n],
-                      temperature=r.temperature, top_p=r.top_p,
-                      max_new_tokens=r.max_new_tokens or default_max_new_tokens(task, tokenizer),
-                      max_tool_tokens=r.max_tool_tokens, seed=cfg.train.seed, stop_strings=tuple(r.stop))
+    with autocast(model, cfg.train.precision):
+        result = evaluate(model, tokenizer, task, problems, n=n, ks=ks, temperature=r.temperature, top_p=r.top_p,
+                          max_new_tokens=r.max_new_tokens or default_max_new_tokens(task, tokenizer),
+                          max_tool_tokens=r.max_tool_tokens, seed=cfg.train.seed, stop_strings=tuple(r.stop))
     text = json.dumps({"model": weights or cfg.model.name, "task": cfg.task.name, **result}, indent=2)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).expanduser().write_text(text + "\n")
     return 0
 
 
@@ -154,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     # key=value may come before or after options (argparse ends a subcommand's positionals at the first option)
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if not hasattr(args, "overrides") or any(item.startswith("-") or "=" not in item for item in extra):
+        positional = args.command == "eval"        # eval's RUN_OR_MODEL may come after its options
+        if not hasattr(args, "overrides") or any(item.startswith("-") or ("=" not in item and not positional)
+                                                 for item in extra):
             parser.parse_args(argv)  # exits with argparse's own message
         args.overrides = [*args.overrides, *extra]
     if args.command is None:

@@ -50,6 +50,9 @@ class LoraSettings:
             raise ValueError(f"alpha: expected a value > 0, got {self.alpha!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout: expected a value in [0, 1), got {self.dropout!r}")
+        if self.target_modules is not None and (not self.target_modules or not all(self.target_modules)):
+            raise ValueError(f"target_modules: expected a non-empty list of module names (e.g. [q_proj, v_proj]) or "
+                             f"null for peft's default, got {self.target_modules!r}")
 
 
 @dataclass(frozen=True)
@@ -320,10 +323,25 @@ def resolve_config_path(path: str | Path) -> Path:
     raise ConfigError(f"config file: no such file {str(path)!r}; packaged configs are {packaged_configs()}")
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader refusing a mapping that names a key twice (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> Any:
-    """A YAML file's data; an unreadable or invalid file is a ConfigError naming it."""
+    """A YAML file's data; an unreadable or invalid file, or a mapping with a key given twice, is a
+    ConfigError naming it."""
     try:
-        return yaml.safe_load(Path(path).read_text())
+        return yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader)
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"config file {str(path)!r}: unreadable ({err})") from None
     except yaml.YAMLError as err:
@@ -364,20 +382,87 @@ def save_config(cfg: Config, path: str | Path) -> None:
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
-def load_saved_config(path: str | Path) -> Config:
-    """A run's ``config.yaml``, strictly: every section must be present (a truncated or empty
-    file is an error, never filled in with defaults)."""
+def read_saved_config(path: str | Path) -> dict:
+    """A run's ``config.yaml`` as read (legacy layouts migrated), strictly: every key of the config
+    tree must be present (a truncated, emptied or partly deleted file is an error naming the
+    missing keys, never filled in with defaults)."""
     path = Path(path)
     try:
-        data = read_yaml(path)
+        data = migrate(read_yaml(path))
     except ConfigError as err:
         raise ConfigError(f"{path}: unreadable saved config ({err}); it is not filled in with defaults") from None
-    expected = [f.name for f in dataclasses.fields(Config)]
-    missing = [k for k in expected if not isinstance(data, dict) or k not in data]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: incomplete saved config (expected a mapping of the config's sections, got "
+                          f"{type(data).__name__}); it is not filled in with defaults. Restore it or start a new run")
+    check_complete(path, data, config_to_dict(Config()))
+    return data
+
+
+def check_complete(path: str | Path, data: dict, complete: dict) -> None:
+    """Raise naming the keys of ``complete`` (a full config as a dict) that ``data`` lacks."""
+    missing = missing_keys(data, complete)
     if missing:
-        raise ConfigError(f"{path}: incomplete saved config (missing sections {missing}); it is not filled in with "
+        shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+        raise ConfigError(f"{path}: incomplete saved config (missing {shown}); it is not filled in with "
                           f"defaults. Restore it or start a new run")
-    return config_from_dict(data)
+
+
+def load_saved_config(path: str | Path) -> Config:
+    """A run's ``config.yaml`` (``read_saved_config``: complete or refused) as a validated Config."""
+    return config_from_dict(read_saved_config(path))
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"optim.lr": 1e-5, "loss.stapo.enabled": False, ...}``: the leaves of nested mappings by
+    dotted key (lists and scalars are leaves; an empty mapping has none)."""
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def missing_keys(data: dict, complete: dict) -> list[str]:
+    """The dotted keys of ``complete`` that ``data`` lacks."""
+    return sorted(set(flatten(complete)) - set(flatten(data)))
+
+
+# ----------------------------------------------------------------------------- resume
+
+# what a resumed run may change (by editing its config.yaml; output_dir / run_name follow a run
+# directory that was moved); every other key is fixed for the run's life: the model, LoRA, task,
+# sampling, estimator, loss, seed, precision and the eval set define it
+RESUME_CHANGEABLE = ("optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio",
+                     "optim.max_grad_norm", "train.steps", "train.eval_every", "train.save_every", "train.keep_last",
+                     "train.save_optimizer", "train.output_dir", "train.run_name", "logging.*")
+
+
+def changeable_on_resume(key: str) -> bool:
+    return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in RESUME_CHANGEABLE)
+
+
+def resume_changes(before: dict, after: dict, step: int) -> dict[str, list]:
+    """``{key: [before, after]}`` for each key of the resolved configs ``before`` (what the run
+    trained with up to ``step``) and ``after`` (its edited config.yaml) that differs. A change of a
+    key not in ``RESUME_CHANGEABLE``, or ``train.steps`` below ``step``, is a ConfigError naming
+    every such key with both values."""
+    old, new = flatten(before), flatten(after)
+    absent = "<absent>"
+    changes = {k: [old.get(k, absent), new.get(k, absent)] for k in sorted(set(old) | set(new))
+               if old.get(k, absent) != new.get(k, absent)}
+    fixed = {k: v for k, v in changes.items() if not changeable_on_resume(k)}
+    if fixed:
+        shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fixed.items())
+        raise ConfigError(f"config.yaml: {len(fixed)} key(s) changed that cannot change in the middle of a run "
+                          f"({shown}). Restore them, or start a new run with them; a resumed run may change only "
+                          f"{', '.join(RESUME_CHANGEABLE)}")
+    steps = new.get("train.steps")
+    if isinstance(steps, int) and steps < step:
+        raise ConfigError(f"train.steps: the run has already trained {step} steps; expected a value >= {step}, got "
+                          f"{steps}")
+    return changes
 
 
 def config_from_dict(data: dict) -> Config:
@@ -443,6 +528,20 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {r.top_p!r}")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {o.betas!r}")
+    batch = r.prompts_per_step * r.group_size
+    for key, value, limit, what in (("optim.minibatch_size", o.minibatch_size, batch, "responses per step"),
+                                    ("optim.micro_batch_size", o.micro_batch_size, o.minibatch_size or batch,
+                                     "responses per mini-batch")):
+        if value is not None and value > limit:
+            raise ConfigError(f"{key}: expected at most {limit} ({what}: rollout.prompts_per_step × "
+                              f"rollout.group_size{', or optim.minibatch_size' if 'micro' in key else ''}), got {value}")
+    for key, seed in (("train.seed", t.seed), ("model.warm_start.seed", cfg.model.warm_start.seed)):
+        if not 0 <= seed < 2**32:
+            raise ConfigError(f"{key}: expected an integer in [0, 2**32 - 1] (numpy's seed range), got {seed}")
+    for i, stop in enumerate(r.stop):
+        if not stop:
+            raise ConfigError(f"rollout.stop[{i}]: expected a non-empty string, got {stop!r} (an empty stop string "
+                              f"matches at the start of every response and would cut each one to nothing)")
     samples = eval_settings(cfg)[1]
     for k in t.pass_k or []:
         if not 1 <= k <= samples:

@@ -68,6 +68,17 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+def check_stop_strings(stop_strings) -> tuple[str, ...]:
+    """``stop_strings`` as a tuple of non-empty strings, or a ValueError naming the bad one (an
+    empty string matches at position 0 of every text)."""
+    strings = tuple(stop_strings)
+    for i, s in enumerate(strings):
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop_strings[{i}]: expected a non-empty string, got {s!r} (an empty stop string would "
+                             f"cut every response to nothing)")
+    return strings
+
+
 def cut_at_stop(text: str, stop_strings) -> str:
     """``text`` up to and including the earliest stop string (unchanged when none occurs)."""
     ends = [i + len(s) for s in stop_strings if (i := text.find(s)) >= 0]
@@ -198,7 +209,7 @@ class _Stops:
 
 
 def _stops(model, tokenizer, task, stop_strings, max_new_tokens: int) -> _Stops:
-    strings = tuple(s for s in stop_strings if s)
+    strings = check_stop_strings(stop_strings)
     calls = int(getattr(task, "max_tool_calls", 0) or 0)
     tool_stop = (torch.tensor(tokenizer(task.tool_stop, add_special_tokens=False)["input_ids"], dtype=torch.long)
                  if calls and task.tool_stop else None)
@@ -290,6 +301,7 @@ def _queue_tool_outputs(tokenizer, task, generated: Tensor, candidates: Tensor,
 def decode_responses(tokenizer, response_ids: Tensor, response_attn: Tensor, stop_strings=()) -> list[str]:
     """Response texts without padding/EOS, cut right after a stop string (tool outputs
     included: the reward sees them)."""
+    stop_strings = check_stop_strings(stop_strings)
     texts = tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(response_ids, response_attn)],
                                    skip_special_tokens=True)
     return [cut_at_stop(t, stop_strings) for t in texts] if stop_strings else texts

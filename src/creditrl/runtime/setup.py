@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,10 +21,10 @@ from creditrl.config import Config, ConfigError
 from creditrl.core.estimators import compute_advantages
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
-from creditrl.runtime.models import is_chat_model, load_policy
+from creditrl.runtime.models import adapter_settings, default_lora_modules, is_chat_model, load_policy
 from creditrl.tasks import get_task, task_options
 from creditrl.tasks.base import ProceduralTask
-from creditrl.utils.options import build, coerce, instantiate, options_of
+from creditrl.utils.options import build, coerce, instantiate
 
 DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
 
@@ -73,6 +74,31 @@ def load_configured_policy(cfg: Config, task, device, progress: bool, name: str 
 
 
 # ----------------------------------------------------------------------------- checks
+
+def check_lora_source(cfg: Config) -> None:
+    """Training from a LoRA adapter directory (a LoRA run's ``final/``) as ``model.name`` continues
+    its adapters: that needs ``model.lora.enabled=true`` with the adapter's own settings (a
+    ConfigError names each one that differs; ``target_modules: null`` means peft's default)."""
+    name = cfg.model.name
+    path = Path(name).expanduser()
+    saved = None if name.startswith("builtin:") or not path.is_dir() else adapter_settings(path)
+    if saved is None:
+        return
+    base = saved.pop("base")
+    lora = cfg.model.lora
+    wanted = " ".join(f"model.lora.{k}={'[' + ','.join(v) + ']' if isinstance(v, list) else v}"
+                      for k, v in saved.items())
+    if not lora.enabled:
+        raise ConfigError(f"model.lora.enabled: model.name {name!r} is a LoRA adapter directory; training goes on "
+                          f"with its adapters, which needs model.lora.enabled=true and its settings ({wanted}). To "
+                          f"train the full model, give its base model {base!r} as model.name")
+    modules = sorted(lora.target_modules) if lora.target_modules else default_lora_modules(Path(base).expanduser())
+    ours = {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": modules}
+    differ = [f"model.lora.{k}={ours[k]!r} but the adapter has {saved[k]!r}" for k in saved if ours[k] != saved[k]]
+    if differ:
+        raise ConfigError(f"model.lora: model.name {name!r} is a LoRA adapter directory whose settings differ from "
+                          f"the config: {'; '.join(differ)}. Set {wanted} to go on training these adapters")
+
 
 def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
     """(estimator name, its options with defaults filled, whether it needs energies)."""

@@ -16,18 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 
-from creditrl.config import load_config
+from creditrl.config import load_config, read_yaml
 from creditrl.runtime.setup import resolve_config
 from creditrl.studies import reporting
 from creditrl.trainer import train
+from creditrl.trainer.loop import TrainingStopped
 
 PANELS = (  # (metric, x axis) of the report figure
     ("reward_mean", "step"), ("reward_mean", "tokens_total"), ("accuracy", "step"), ("accuracy", "tokens_total"),
@@ -36,6 +38,7 @@ PANELS = (  # (metric, x axis) of the report figure
 FINAL_TRAIN = ("reward_mean", "accuracy", "entropy", "grad_norm", "power_proxy", "adam_variance", "spurious_ratio",
                "response_len")
 EVAL_METRICS = ("greedy_acc",)
+COMPARE_OWNS = ("train.seed", "train.output_dir", "train.run_name")
 RECIPE_FILE = "compare_recipe.json"  # base config + overrides a run was trained with (reuse check)  # held-out metrics whose curve is read from eval.jsonl
 
 
@@ -47,12 +50,37 @@ class CompareSpec:
     overrides: list[str] = field(default_factory=list)
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def check_run(where: str, name: object, items: object) -> None:
+    """One run of a spec: a name usable as a directory name and a list of ``key=value`` strings."""
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
+        raise ValueError(f"{where}: expected a run name of letters, digits and _ . + - (it names the run's "
+                         f"directory), got {name!r}")
+    if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
+        raise ValueError(f"{where} {name}: expected a list of 'key=value' strings, got {items!r}")
+
+
+def check_seeds(where: str, seeds: object) -> list[int]:
+    """A non-empty list of distinct integer seeds in [0, 2**32)."""
+    if (not isinstance(seeds, list) or not seeds
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)):
+        raise ValueError(f"{where}: expected a non-empty list of integers in [0, 2**32 - 1], got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"{where}: expected distinct seeds (each trains into its own directory), got {seeds}")
+    return seeds
+
+
 def load_spec(path: Path) -> CompareSpec:
-    """Read a YAML spec; errors name the key and the expected form."""
+    """Read a YAML spec; errors name the key and the expected form (a key given twice included)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--spec: file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping with runs (and optionally seeds, config, overrides), got "
+                         f"{type(data).__name__}")
     allowed = {"runs", "seeds", "config", "overrides"}
     unknown = sorted(set(data) - allowed)
     if unknown:
@@ -61,13 +89,15 @@ def load_spec(path: Path) -> CompareSpec:
     if not isinstance(runs, dict) or not runs:
         raise ValueError(f"{path}: runs: expected a mapping name -> list of key=value overrides, got {runs!r}")
     for name, items in runs.items():
-        if not isinstance(items, list) or not all(isinstance(i, str) and "=" in i for i in items):
-            raise ValueError(f"{path}: runs.{name}: expected a list of 'key=value' strings, got {items!r}")
-    seeds = data.get("seeds", [0])
-    if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
-        raise ValueError(f"{path}: seeds: expected a list of integers, got {seeds!r}")
-    return CompareSpec(runs={str(k): list(v) for k, v in runs.items()}, seeds=seeds, config=data.get("config"),
-                       overrides=list(data.get("overrides") or []))
+        check_run(f"{path}: runs", name, items)
+    seeds = check_seeds(f"{path}: seeds", data.get("seeds", [0]))
+    overrides = data.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(i, str) and "=" in i for i in overrides):
+        raise ValueError(f"{path}: overrides: expected a list of 'key=value' strings, got {overrides!r}")
+    config = data.get("config")
+    if config is not None and not isinstance(config, str):
+        raise ValueError(f"{path}: config: expected a YAML file path or a packaged config's name, got {config!r}")
+    return CompareSpec(runs=dict(runs), seeds=seeds, config=config, overrides=list(overrides))
 
 
 def run_dir(out: Path, name: str, seed: int) -> Path:
@@ -77,6 +107,11 @@ def run_dir(out: Path, name: str, seed: int) -> Path:
 def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict[str, list[Path]]:
     """Train every run × seed (sequentially; each run already uses every core); returns dirs by run."""
     configs = {}
+    for name, overrides in {"(every run)": spec.overrides, **spec.runs}.items():
+        owned = [o for o in overrides if o.split("=", 1)[0].strip() in COMPARE_OWNS]
+        if owned:
+            raise ValueError(f"{name}: {owned}: compare sets {', '.join(COMPARE_OWNS)} itself (seeds from --seeds or "
+                             f"the spec's seeds, directories OUT/runs/NAME-sSEED); drop them")
     for name, overrides in spec.runs.items():  # validate every config before the first long run
         for seed in spec.seeds:
             target = run_dir(out, name, seed)
@@ -263,16 +298,18 @@ def spec_from_args(args) -> CompareSpec:
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ValueError(f"--run {name}: expected KEY=VALUE overrides after the name, got {bad}")
+        check_run("--run", name, overrides)
         if name in spec.runs:
-            raise ValueError(f"--run: duplicate run name {name!r}")
+            raise ValueError(f"--run: duplicate run name {name!r} (each run needs its own name)")
         spec.runs[name] = overrides
     if not spec.runs:
         raise ValueError("--run/--spec: expected at least one run, got none (e.g. --run otb algorithm.estimator=otb)")
     if args.seeds is not None:
         try:
-            spec.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+            seeds = [int(s) for s in args.seeds.split(",")]
         except ValueError:
-            raise ValueError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+            raise ValueError(f"--seeds: expected comma-separated integers such as 0,1,2, got {args.seeds!r}") from None
+        spec.seeds = check_seeds("--seeds", seeds)
     if args.config:
         spec.config = args.config
     spec.overrides = [*spec.overrides, *args.overrides]
@@ -282,12 +319,19 @@ def spec_from_args(args) -> CompareSpec:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after options
     try:
+        if args.smooth is not None and args.smooth < 1:
+            raise ValueError(f"--smooth: expected a moving-average window of at least 1 step, got {args.smooth}")
         if args.report_only:
+            if args.run or args.spec or args.seeds is not None or args.force or args.overrides or args.config:
+                raise ValueError("--report-only: redraws the report from OUT/runs alone; drop --run, --spec, --seeds, "
+                                 "--config, --force and key=value")
             runs = find_runs(args.out)
         else:
             runs = run_all(spec_from_args(args), args.out, force=args.force, progress=not args.no_progress)
         path = write_report(runs, args.out, window=args.smooth)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError, ImportError, TrainingStopped) as err:
+        if os.environ.get("CREDITRL_DEBUG"):
+            raise
         print(f"creditrl compare: error: {err}", file=sys.stderr)
         return 2
     print(f"[creditrl compare] report: {path}")

@@ -15,8 +15,6 @@ A failed write (disk full, permissions) removes its temporary directory and name
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
 import re
@@ -28,37 +26,18 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from creditrl.utils.io import atomic_directory
+from creditrl.utils.io import MANIFEST as MANIFEST  # noqa: F401 - a checkpoint's file names in one place
+from creditrl.utils.io import atomic_directory, manifest_problem, write_manifest
 
 PATTERN = re.compile(r"step_(\d+)$")
-WEIGHTS, STATE, MANIFEST = "weights.safetensors", "state.pt", "manifest.json"
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+WEIGHTS, STATE = "weights.safetensors", "state.pt"
 
 
 def verify(path: Path) -> None:
     """Raise ValueError saying what is wrong with checkpoint directory ``path``."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        raise ValueError("no manifest.json")
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"unreadable manifest.json ({err})") from None
-    for name in (WEIGHTS, STATE):
-        entry, file = files.get(name), path / name
-        if entry is None or not file.is_file():
-            raise ValueError(f"{name} missing")
-        if file.stat().st_size != entry["size"]:
-            raise ValueError(f"{name} has {file.stat().st_size} bytes, the manifest says {entry['size']}")
-        if _digest(file) != entry["sha256"]:
-            raise ValueError(f"{name} does not match its SHA-256")
+    problem = manifest_problem(path, required=(WEIGHTS, STATE))
+    if problem:
+        raise ValueError(problem)
 
 
 def rng_state(generator: torch.Generator, task_rng: random.Random) -> dict:
@@ -120,9 +99,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict, state: dict, 
         with atomic_directory(path, replace=True) as tmp:
             save_file({k: v.cpu() for k, v in weights.items()}, tmp / WEIGHTS)
             atomic_save({**state, "step": step}, tmp / STATE)
-            files = {name: {"size": (tmp / name).stat().st_size, "sha256": _digest(tmp / name)}
-                     for name in (WEIGHTS, STATE)}
-            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+            write_manifest(tmp, step=step)
     except OSError as err:
         raise OSError(f"checkpoint: could not write {str(path)!r}: {err.strerror or err} (nothing partial was "
                       f"left behind)") from err

@@ -16,26 +16,32 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import random
+import shutil
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from creditrl.config import Config, config_to_dict, eval_settings, load_saved_config, save_config
+from creditrl.config import (Config, ConfigError, check_complete, config_from_dict, config_to_dict, eval_settings,
+                             read_saved_config, resume_changes, save_config)
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
-from creditrl.trainer.report import plot_run, write_summary
-from creditrl.runtime.models import tiny_cache_path, warm_start_info
+from creditrl.trainer.report import learned_nothing, no_signal, plot_run, streak_warning, write_summary
+from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
+from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
-from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_configured_policy, resolve_config,
-                                   resolve_device)
+from creditrl.runtime.setup import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
+                                   resolve_config, resolve_device)
 from creditrl.trainer.rundir import RunLock, prepare_new_run
 from creditrl.trainer.trackers import check_trackers
+from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
 from creditrl.trainer.update import Learner, autocast
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
@@ -93,9 +99,14 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
         check_trackers(cfg.logging.report_to)   # a missing tracker package is named before any work
         cfg = resolve_config(cfg)                 # every library-declared option checked before loading
+        check_lora_source(cfg)
         set_determinism(cfg)
         self.device = resolve_device(cfg.train.device)
         self.task = build_task(cfg)
+        held_out = len(self.task.test_set())
+        if cfg.train.eval_problems is not None and cfg.train.eval_problems > held_out:
+            raise ConfigError(f"train.eval_problems: expected at most {held_out} (the task's held-out set), got "
+                              f"{cfg.train.eval_problems}")
         show = cfg.logging.progress if progress is None else progress
         self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
         if cfg.rollout.max_new_tokens is None:
@@ -106,7 +117,6 @@ class Trainer:
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
             cfg.rollout.max_new_tokens)
         self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg))
-        self.notes = precision_notes(self.model, cfg)
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.task_rng = random.Random(cfg.train.seed)
         self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
@@ -115,35 +125,69 @@ class Trainer:
         self.eval_problems, self.eval_samples, self.pass_k = eval_settings(cfg)
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
-        self.clipped_streak = self.skipped_streak = 0
+        self.clipped_streak = self.skipped_streak = self.signal_streak = 0
+        self.notes = precision_notes(self.model, cfg)
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":
+        """The run in ``run_dir`` at its newest valid checkpoint, with its config.yaml as it is now:
+        an edit of a key in ``RESUME_CHANGEABLE`` is applied (and recorded), any other edit is
+        refused naming the keys, an incomplete file is refused. Without a checkpoint the run starts
+        again from step 0 with config.yaml as it is (its earlier logs are dropped)."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"resume: {str(run_dir)!r} has no config.yaml; expected a creditrl run directory")
-        cfg = load_saved_config(run_dir / "config.yaml")
+        data = read_saved_config(run_dir / "config.yaml")
+        cfg = resolve_config(config_from_dict(data))
+        check_complete(run_dir / "config.yaml", data, config_to_dict(cfg))
+        cfg = located(cfg, run_dir)
+        weights, state = ckpt.load_latest(run_dir) if ckpt.list_checkpoints(run_dir) else (None, None)
+        step = state["step"] if state else 0
+        changes = resume_changes(state["config"], config_to_dict(cfg), step) if state and "config" in state else {}
         trainer = cls(cfg, run_dir, progress=progress)
-        if ckpt.list_checkpoints(run_dir):
-            weights, state = ckpt.load_latest(run_dir)
-            ckpt.load_trainable_state(trainer.model, weights)
-            if state.get("optimizer") is not None:
-                trainer.learner.optimizer.load_state_dict(state["optimizer"])
-            trainer.learner.scheduler.load_state_dict(state["scheduler"])
-            if trainer.learner.noise is not None and state.get("noise_scale") is not None:
-                trainer.learner.noise.load_state_dict(state["noise_scale"])
-            ckpt.set_rng_state(state["rng"], trainer.generator, trainer.task_rng)
-            trainer.step, trainer.tokens_total, trainer.elapsed = state["step"], state["tokens_total"], state["elapsed"]
-        # else: killed before the first checkpoint -> the freshly seeded trainer IS the state at step 0
-        for name in ("metrics", "eval", "completions"):
-            truncate_jsonl(run_dir / f"{name}.jsonl", trainer.step)
+        if state is not None:
+            trainer.load_state(weights, state)
+        trainer.record_resume(changes, state)
         return trainer
+
+    def load_state(self, weights: dict, state: dict) -> None:
+        """A checkpoint's weights, optimizer, scheduler, RNG and counters; the learning-rate
+        schedule then follows this run's config (a resumed run's edited optim.* keys)."""
+        ckpt.load_trainable_state(self.model, weights)
+        if state.get("optimizer") is not None:
+            self.learner.optimizer.load_state_dict(state["optimizer"])
+        self.learner.scheduler.load_state_dict(state["scheduler"])
+        self.learner.follow_config()
+        if self.learner.noise is not None and state.get("noise_scale") is not None:
+            self.learner.noise.load_state_dict(state["noise_scale"])
+        ckpt.set_rng_state(state["rng"], self.generator, self.task_rng)
+        self.step, self.tokens_total, self.elapsed = state["step"], state["tokens_total"], state["elapsed"]
+
+    def record_resume(self, changes: dict, state: dict | None) -> None:
+        """Cut the logs back to the resumed step and record the resume (step, applied config
+        changes) in resumes.jsonl; its note is printed when the run starts."""
+        run_dir = self.run_dir
+        if state is None:       # killed before the first checkpoint: a fresh start, nothing earlier kept
+            shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+        for name in ("metrics", "eval", "completions"):
+            truncate_jsonl(run_dir / f"{name}.jsonl", self.step if state is not None else -1)
+        truncate_jsonl(run_dir / "resumes.jsonl", self.step - 1)
+        record = {"step": self.step, "changes": changes, "checkpoint": state is not None}
+        with open(run_dir / "resumes.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.notes.append(resume_note(record, run_dir))
+        if state is not None and "config" not in state:
+            self.notes.append("warning: the checkpoint predates config records, so config.yaml could not be checked "
+                              "against what the run trained with")
+        problem = final_problem(run_dir / "final")
+        if problem:
+            self.notes.append(f"note: {run_dir / 'final'} is damaged ({problem}); it is written again when the run ends")
 
     def save(self) -> Path:
         optimizer = self.learner.optimizer.state_dict() if self.cfg.train.save_optimizer else None
         state = {"optimizer": optimizer, "scheduler": self.learner.scheduler.state_dict(),
                  "rng": ckpt.rng_state(self.generator, self.task_rng),
-                 "tokens_total": self.tokens_total, "elapsed": self.elapsed,
+                 "tokens_total": self.tokens_total, "elapsed": self.elapsed, "config": config_to_dict(self.cfg),
                  "noise_scale": None if self.learner.noise is None else self.learner.noise.state_dict()}
         return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
                                     self.cfg.train.keep_last)
@@ -226,9 +270,11 @@ class Trainer:
                 logger.log_completions(self.step, "train", samples)
                 logger.log("metrics", metrics)
                 self.check_skipped(metrics)
-                warning = self.clipped_warning(metrics["clipped_frac"])
-                if warning:
-                    logger.message(warning)
+                self.signal_streak = self.signal_streak + 1 if no_signal(metrics) else 0
+                for warning in (self.clipped_warning(metrics["clipped_frac"]),
+                                streak_warning(metrics, self.signal_streak)):
+                    if warning:
+                        logger.message(warning)
                 self.elapsed = time.perf_counter() - started
                 last = self.step == c.train.steps
                 if c.train.eval_every and self.step % c.train.eval_every == 0 and not last:
@@ -245,9 +291,9 @@ class Trainer:
         return self.run_dir
 
     def finish(self, logger: RunLogger | None = None) -> dict:
-        final = self.run_dir / "final"
-        self.model.save_pretrained(final)
-        self.tokenizer.save_pretrained(final)
+        """final/ (atomic, with a manifest), plots, summary.md/json; a run that had no reward signal
+        at any step says so there and in a warning."""
+        self.save_final()
         metrics, evals = read_jsonl(self.run_dir / "metrics.jsonl"), read_jsonl(self.run_dir / "eval.jsonl")
         completions = [x for x in read_jsonl(self.run_dir / "completions.jsonl") if x.get("kind") == "train"]
         if self.cfg.logging.plots:
@@ -257,6 +303,13 @@ class Trainer:
         c = self.cfg
         title = f"creditrl run: {c.task.name} / {c.model.name} / {c.algorithm.estimator}"
         extra = {"run_dir": str(self.run_dir)}
+        warning = learned_nothing(metrics, c.algorithm.estimator)
+        if warning:
+            extra["warning"] = warning
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        resumes = read_jsonl(self.run_dir / "resumes.jsonl")
+        if resumes:
+            extra["resumed"] = "; ".join(resume_note(r) for r in resumes)
         if self.truncated_prompts:
             extra["truncated_prompts"] = self.truncated_prompts
         if c.model.name.startswith("builtin:"):
@@ -267,6 +320,52 @@ class Trainer:
                                        f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
                              extra=extra, completions=completions)
+
+    def save_final(self) -> Path:
+        """``final/``: the model (LoRA: its adapters) and tokenizer with a manifest (size + SHA-256
+        of every file), written into a temporary directory and renamed into place, so a kill
+        leaves the previous final/ or none, never a partial one."""
+        final = self.run_dir / "final"
+        for stale in self.run_dir.glob(".tmp-final-*"):      # a write killed earlier
+            shutil.rmtree(stale, ignore_errors=True)
+        with atomic_directory(final, replace=True) as tmp:
+            self.model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            write_manifest(tmp, step=self.step)
+        return final
+
+
+def located(cfg: Config, run_dir: Path) -> Config:
+    """``cfg`` naming ``run_dir`` as its train.output_dir / run_name (a run directory moved or
+    copied elsewhere is resumed where it is, and its config says so)."""
+    t = cfg.train
+    if (Path(t.output_dir) / (t.run_name or "")).resolve() == run_dir.resolve():
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=str(run_dir.parent), run_name=run_dir.name))
+
+
+def resume_note(record: dict, run_dir: Path | None = None) -> str:
+    """A resumes.jsonl record in words."""
+    if not record.get("checkpoint"):
+        where = f" {run_dir}" if run_dir else ""
+        return (f"resume:{where} had no checkpoint (train.save_every=0, or killed before the first one), so the run "
+                f"started again from step 0 with config.yaml as it was; its earlier logs were dropped")
+    changes = record.get("changes") or {}
+    applied = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+    return f"resumed at step {record['step']}" + (f" with config changes {applied}" if changes else ", config unchanged")
+
+
+def final_problem(path: Path) -> str | None:
+    """What is wrong with a run's ``final/`` (None when it is absent or complete)."""
+    if not path.exists():
+        return None
+    if (path / MANIFEST).is_file():
+        return manifest_problem(path)
+    try:
+        check_model_dir(path, "final")
+    except ModelDirError as err:
+        return str(err).removeprefix("final: ")
+    return None
 
 
 def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | None = None,

@@ -99,3 +99,48 @@ def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list
                              f"{'stopped' if c['stopped'] else 'CLIPPED'}: `…{prompt}` → `{c['completion']}`")
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
     return summary
+
+
+NO_SIGNAL_STEPS = 5   # consecutive steps without a reward signal before the live warning
+
+
+def no_signal(metrics: dict) -> str | None:
+    """Why a step's rewards could not tell its responses apart: ``"invalid"`` (every reward
+    NaN/inf or a checker error, counted as 0), ``"zero_spread"`` (every group's rewards equal), or
+    None when some group had a spread."""
+    if (metrics.get("reward_invalid_frac") or 0) >= 1:
+        return "invalid"
+    if (metrics.get("zero_spread_frac") or 0) >= 1:
+        return "zero_spread"
+    return None
+
+
+def _reason(kind: str | None, metrics: dict) -> str:
+    if kind == "invalid":
+        return ("every reward was invalid (NaN/inf, or the task's checker raised) and counted as 0: check the "
+                "checker (task.options.checker) against the completions in completions.jsonl")
+    mean = metrics.get("reward_mean")
+    return (f"every group's rewards were equal (zero spread; mean reward {mean:.3g}: every response scored the same, "
+            f"e.g. a task too hard or too easy for the model, or a reward that ignores the response)")
+
+
+def streak_warning(metrics: dict, streak: int) -> str | None:
+    """The live warning once ``NO_SIGNAL_STEPS`` steps in a row had no reward signal."""
+    if streak != NO_SIGNAL_STEPS:
+        return None
+    return (f"warning: no reward signal for {streak} steps in a row (step {metrics['step']}): "
+            f"{_reason(no_signal(metrics), metrics)}; a run like this learns nothing from its task")
+
+
+def learned_nothing(metrics: list[dict], estimator: str) -> str | None:
+    """The end-of-run warning when no step of the run had a reward signal, saying why and whether
+    the advantages (hence the policy gradient's reward part) were zero throughout."""
+    kinds = [no_signal(m) for m in metrics]
+    if not metrics or None in kinds:
+        return None
+    kind = "invalid" if all(k == "invalid" for k in kinds) else "zero_spread"
+    zero = all(m.get("adv_mean") == 0 and m.get("adv_std") == 0 for m in metrics)
+    effect = ("the advantages were 0 at every step, so nothing was learned from the rewards" if zero else
+              f"{estimator} still gave advantages, but the rewards never said which responses were better")
+    return (f"this run learned nothing from its task. At all {len(metrics)} steps "
+            f"{_reason(kind, metrics[-1])}; {effect}")

@@ -21,16 +21,16 @@ class RunDirError(ValueError):
     """A run directory that cannot be used as asked; the message says what to do instead."""
 
 
-def check_writable(folder: Path) -> None:
-    """Create ``folder`` if needed and prove a file can be written in it."""
+def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
+    """Create ``folder`` if needed and prove a file can be written in it (errors name ``arg``)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as err:
-        raise RunDirError(f"train.output_dir: cannot write in {str(folder)!r} ({err.strerror or err}); "
-                          f"choose a writable train.output_dir") from None
+        raise RunDirError(f"{arg}: cannot write in {str(folder)!r} ({err.strerror or err}); "
+                          f"choose a writable {arg}") from None
 
 
 def prepare_new_run(run_dir: Path, *, overwrite: bool = False) -> None:

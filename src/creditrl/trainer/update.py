@@ -25,6 +25,7 @@ from torch import Tensor
 
 from creditrl.config import Config
 from creditrl.core.estimators import compute_advantages
+from creditrl.core.groups import GroupIndex
 from creditrl.core.gradients.noise_scale import NoiseScale
 from creditrl.core.losses import power_proxy
 from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
@@ -171,12 +172,23 @@ def masked_mean_std(x: Tensor, mask: Tensor) -> tuple[float, float]:
     return float(mean), float(masked_mean((x - mean).square(), keep).sqrt())
 
 
+def zero_spread_frac(rewards: Tensor, group: Tensor) -> float:
+    """Fraction of the groups whose rewards [B] are all equal (group ids [B]): no difference
+    between responses for a group-relative estimator to learn from."""
+    index = GroupIndex.from_ids(group)
+    high = rewards.new_zeros(index.num_groups).scatter_reduce(0, index.dense, rewards, "amax", include_self=False)
+    low = rewards.new_zeros(index.num_groups).scatter_reduce(0, index.dense, rewards, "amin", include_self=False)
+    return float((high == low).float().mean())
+
+
 def batch_metrics(rollout: RolloutBatch, batch: Batch, old: TokenStats, adv: Tensor) -> dict[str, float]:
-    """What the step sampled: rewards, accuracy, lengths, entropy, advantages, power proxy."""
+    """What the step sampled: rewards (with the share of invalid ones and of groups whose rewards
+    are all equal), accuracy, lengths, entropy, advantages, power proxy."""
     mask = batch.mask
     adv_mean, adv_std = masked_mean_std(adv, mask)
     invalid = rollout.reward_invalid
     return dict(reward_mean=float(rollout.rewards.mean()), reward_std=float(rollout.rewards.std(unbiased=False)),
+                zero_spread_frac=zero_spread_frac(batch.rewards, batch.group),
                 accuracy=float(rollout.correct.float().mean()), response_len=float(mask.sum(-1).float().mean()),
                 clipped_frac=float(1.0 - rollout.stopped.float().mean()),
                 reward_invalid_frac=0.0 if invalid is None else float(invalid.float().mean()),
@@ -199,6 +211,15 @@ class Learner:
         self.estimator, self.estimator_options, self.needs_energy = estimator_from_config(cfg)
         self.loss = policy_loss_from_config(cfg)
         self.noise = NoiseScale() if cfg.logging.grad_noise_scale else None
+
+    def follow_config(self) -> None:
+        """Point the optimizer and the schedule at this config's ``optim.lr``, ``weight_decay`` and
+        schedule at the scheduler's step (after loading a checkpoint, whose states carry the values
+        they were saved with)."""
+        lr, factor = self.cfg.optim.lr, lr_lambda(self.cfg)(self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=lr, lr=lr * factor, weight_decay=self.cfg.optim.weight_decay)
 
     def reference_logp(self, batch: Batch) -> Tensor | None:
         """log π_ref [B,R] for the KL term (None without one)."""

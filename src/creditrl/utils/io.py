@@ -1,6 +1,9 @@
-"""Atomic writes shared by the config, the run logs, checkpoints and the model cache."""
+"""Atomic writes shared by the config, the run logs, checkpoints, final/ and the model cache, and
+the manifest (size + SHA-256 of every file) that tells a complete directory from a damaged one."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -45,3 +48,57 @@ def atomic_directory(path: Path, *, replace: bool = False, complete_marker: str 
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, **extra) -> None:
+    """``folder/manifest.json``: size and SHA-256 of every file in ``folder`` (written last, inside
+    an ``atomic_directory``, so a complete manifest means a complete directory)."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(Path(folder).iterdir()) if p.is_file() and p.name != MANIFEST}
+    (Path(folder) / MANIFEST).write_text(json.dumps({**extra, "files": files}, indent=1))
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The ``files`` entry of ``folder/manifest.json`` (None without one); ValueError when unreadable."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        if not isinstance(files, dict):
+            raise TypeError(f"files is a {type(files).__name__}")
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise ValueError(f"unreadable {MANIFEST} ({err})") from None
+    return files
+
+
+def manifest_problem(folder: Path, required: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with ``folder`` against its manifest (a file missing, of another size or
+    another SHA-256; no manifest at all), or None when every listed file is intact. ``required``:
+    names the manifest must list."""
+    try:
+        files = read_manifest(folder)
+    except ValueError as err:
+        return str(err)
+    if files is None:
+        return f"no {MANIFEST}"
+    for name in dict.fromkeys([*required, *files]):
+        entry, file = files.get(name), Path(folder) / name
+        if entry is None or not file.is_file():
+            return f"{name} missing"
+        if file.stat().st_size != entry["size"]:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {entry['size']}"
+        if sha256_file(file) != entry["sha256"]:
+            return f"{name} does not match its SHA-256"
+    return None

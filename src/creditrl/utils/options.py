@@ -196,6 +196,9 @@ def merge(obj: Any, data: Any, prefix: str = "") -> Any:
     except (TypeError, ValueError) as err:  # the class's own __post_init__ check
         if isinstance(err, OptionError):
             raise
+        field_name, _, rest = str(err).partition(": ")
+        if field_name in names:                         # the class names its field: name it in full
+            raise OptionError(f"{prefix + '.' if prefix else ''}{field_name}: {rest}") from None
         raise OptionError(f"{where}: {err}") from None
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from typing import Annotated
 
 import torch
 from torch import Tensor

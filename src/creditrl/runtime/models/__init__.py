@@ -16,15 +16,17 @@ import hashlib
 import json
 import os
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
-from creditrl.config import DTYPES, LoraSettings, TinyModelConfig, WarmStartConfig
+from creditrl.config import DTYPES, ConfigError, LoraSettings, TinyModelConfig, WarmStartConfig
 from creditrl.utils.io import atomic_directory
+from creditrl.runtime.models.files import (ModelDirError, adapter_settings, check_model_dir, has_tokenizer,
+                                           load_failure)
 from creditrl.runtime.models.pretrained import SMOLLM2, smollm2_dir
 from creditrl.runtime.models.tiny import char_tokenizer, tiny_model
 from creditrl.runtime.models.warm_start import WarmStartResult, warm_start
@@ -130,21 +132,18 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
     else:
         path = Path(spec).expanduser()
         if not path.is_dir():
-            raise FileNotFoundError(f"model: {spec!r} is not a local directory; expected a Hugging Face "
+            raise FileNotFoundError(f"model.name: {spec!r} is not a local directory; expected a Hugging Face "
                                     f"causal-LM directory (config.json + weights + tokenizer) or one of {list(BUILTINS)}")
+        check_model_dir(path)
         if (path / "adapter_config.json").is_file():
-            adapter = path
-            base = _adapter_base(path)
-            if not base or not Path(base).is_dir():
-                raise FileNotFoundError(f"model: the LoRA adapter in {spec!r} names base model {base!r}, which is "
-                                        f"not a local directory")
-            path = Path(base)
-    tokenizer = AutoTokenizer.from_pretrained(adapter or path)
+            adapter, path = path, Path(_adapter_base(path)).expanduser()
+    tokenizer = _loaded(adapter if adapter is not None and has_tokenizer(adapter) else path, "tokenizer",
+                        AutoTokenizer.from_pretrained)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     with _hf_progress(progress):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+        model = _loaded(path, "model", AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype)).to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -152,6 +151,14 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
         model = _with_adapters(model, adapter, lora)
     model.eval()
     return model, tokenizer
+
+
+def _loaded(path: Path, part: str, load, **kwargs):
+    """``load(path, **kwargs)``; what transformers raises becomes an error naming the directory."""
+    try:
+        return load(path, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the library's many error types, reported with the directory
+        raise load_failure(path, part, err) from err
 
 
 def _with_adapters(model, adapter: Path | None, lora: LoraSettings | None):
@@ -162,10 +169,24 @@ def _with_adapters(model, adapter: Path | None, lora: LoraSettings | None):
         raise ImportError("model.lora / a LoRA adapter directory needs peft: pip install peft "
                           "(or pip install 'creditrl[lora]')") from None
     if adapter is not None:
-        return peft.PeftModel.from_pretrained(model, adapter, is_trainable=lora is not None)
+        return _loaded(adapter, "LoRA adapter", lambda path: peft.PeftModel.from_pretrained(
+            model, path, is_trainable=lora is not None))
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=lora.target_modules, task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, config)
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as err:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"model.lora.target_modules: {err} Got {lora.target_modules!r}; this model's linear "
+                          f"modules are {linear} (null = peft's default for the architecture)") from None
+
+
+def default_lora_modules(base: Path) -> list[str] | None:
+    """peft's default LoRA target modules for the architecture of model directory ``base``."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+    model_type = json.loads((Path(base) / "config.json").read_text()).get("model_type")
+    modules = DEFAULTS.get(model_type)
+    return sorted(modules) if modules else None
 
 
 def warm_start_info(path: str | os.PathLike) -> dict | None:
@@ -174,6 +195,6 @@ def warm_start_info(path: str | os.PathLike) -> dict | None:
     return json.loads(meta.read_text()) if meta.is_file() else None
 
 
-__all__ = ["BUILTINS", "DTYPES", "LoraSettings", "SMOLLM2", "TinyModelConfig", "WarmStartConfig", "WarmStartResult",
+__all__ = ["BUILTINS", "DTYPES", "LoraSettings", "ModelDirError", "SMOLLM2", "adapter_settings", "default_lora_modules", "TinyModelConfig", "WarmStartConfig", "WarmStartResult",
            "build_tiny", "cache_root", "char_tokenizer", "is_chat_model", "load_policy", "tiny_cache_path", "tiny_model", "warm_start",
            "warm_start_info"]

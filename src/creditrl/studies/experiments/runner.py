@@ -14,6 +14,8 @@ parsed as YAML (``group_sizes=[4,8]``, ``seed=3``), unknown keys named and types
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import shutil
 import sys
 import time
@@ -62,7 +64,43 @@ def experiment_config(name: str, preset: str = "fast", config_file: str | Path |
     if preset not in experiment.presets:
         raise ValueError(f"--preset: unknown preset {preset!r} for {name}; valid presets are "
                          f"{sorted(experiment.presets)}")
-    return merge_layers(experiment.presets[preset], config_file, overrides)
+    cfg = merge_layers(experiment.presets[preset], config_file, overrides)
+    check_numbers(name, cfg, experiment.presets[preset])
+    return cfg
+
+
+def check_numbers(name: str, cfg, preset) -> None:
+    """Every number of an experiment's config (sizes, counts, rates) must be > 0, or >= 0 where the
+    preset holds 0 (a documented "off"/"automatic" such as ``eval_every=0``); seeds lie in
+    [0, 2**32); a tuple holds at least one value."""
+    for f in dataclasses.fields(cfg):
+        value, default = getattr(cfg, f.name), getattr(preset, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if isinstance(value, tuple) and not value:
+            raise ValueError(f"{f.name}: expected at least one value for experiment {name}, got ()")
+        for v in (v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)):
+            zero_ok = f.name == "seed" or default == 0
+            if not (v >= 0 if zero_ok else v > 0) or (f.name == "seed" and v >= 2**32):
+                expected = "an integer in [0, 2**32 - 1]" if f.name == "seed" else ">= 0" if zero_ok else "> 0"
+                raise ValueError(f"{f.name}: expected {expected} for experiment {name}, got {value!r}")
+
+
+def check_arguments(args) -> None:
+    """Options that the chosen command would ignore are refused, naming them."""
+    if args.name == "report":
+        unused = [flag for flag, given in (("key=value", args.overrides), ("--config", args.config),
+                                           ("--preset", args.preset), ("--out", args.out)) if given]
+        if unused:
+            raise ValueError(f"report does not use {', '.join(unused)} (it reads finished experiments: --runs, "
+                             f"--docs, --check)")
+        return
+    unused = [flag for flag, given in (("--runs", args.runs), ("--check", args.check)) if given]
+    if args.docs is not None and (args.name != "all" or args.preset != "full" or args.out is not None):
+        unused.append("--docs (only `all --preset full` without --out writes results.md there; otherwise it goes "
+                      "into the output directory)")
+    if unused:
+        raise ValueError(f"{args.name} does not use {', '.join(unused)}; --runs and --check are options of "
+                         f"`creditrl experiment report`")
 
 
 def run_experiment(name: str, preset: str = "fast", out: Path | None = None, cfg=None) -> tuple[Path, dict]:
@@ -177,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="experiments: " + ", ".join(experiment_names()) + "; 'all' runs them all then the report")
     parser.add_argument("name", choices=[*experiment_names(), "all", "report"],
                         help="experiment to run, 'all', or 'report'")
-    parser.add_argument("--preset", default="fast", choices=["fast", "full"],
+    parser.add_argument("--preset", default=None, choices=["fast", "full"],
                         help="fast: < 1 min each (used by the tests); full: the published figures (default: fast)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"output dir (default: {DEFAULT_RUNS}/<preset>/<name>; for 'all': the parent dir)")
@@ -187,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="FILE", help="YAML merged over the preset before the overrides")
     parser.add_argument("--runs", type=Path, default=None,
                         help=f"report: directory holding the experiments' outputs (default: {DEFAULT_RUNS}/full)")
-    parser.add_argument("--docs", type=Path, default=Path("docs"), help="report: where results.md and figures/ go")
+    parser.add_argument("--docs", type=Path, default=None,
+                        help="report: where results.md and figures/ go (default: docs)")
     parser.add_argument("--check", type=Path, action="append", default=[],
                         help="report: another run's directory (another seed set or machine; repeatable) whose "
                         "verdicts are listed beside these")
@@ -197,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after options
     try:
+        check_arguments(args)
+        args.preset, args.docs = args.preset or "fast", args.docs or Path("docs")
         if args.name == "report":
             print(f"[creditrl] wrote {write_report(args.runs or DEFAULT_RUNS / 'full', args.docs, args.check)}")
             return 0
@@ -210,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.name == "all":  # only the full preset in its default place may overwrite docs/results.md
             docs = args.docs if args.preset == "full" and args.out is None else root
             print(f"[creditrl] wrote {write_report(root, docs)}")
-    except ValueError as err:
+    except (ValueError, OSError, ImportError) as err:
+        if os.environ.get("CREDITRL_DEBUG"):
+            raise
         print(f"creditrl experiment: error: {err}", file=sys.stderr)
         return 2
     return 0
