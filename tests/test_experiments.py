@@ -329,7 +329,7 @@ def test_horizon_fast_preset(fast_root, tmp_path):
         if r["estimator"] == "dr_grpo":
             n = r["group_size"]
             assert r["efficiency"] == pytest.approx(1.0) and r["raw_ratio"] == pytest.approx(((n - 1) / n) ** 2)
-    assert len(hz.verdicts(out)) == 2 and "efficiency" in hz.report(out, "figures/horizon.png")
+    assert len(hz.verdicts(out)) == 2 and "Efficiency against RLOO at matched signal" in hz.report(out, "figures/horizon.png")
     with pytest.raises(ValueError, match=r"modes: expected a non-empty subset of \['fixed', 'eos'\]"):
         hz.run(dataclasses.replace(cfg, modes=("nope",)), tmp_path / "x")
     small = dataclasses.replace(cfg, horizons=(8,), instances=1, groups=32)

@@ -972,7 +972,7 @@ def test_a_run_whose_checker_always_raises_says_so(tmp_path, capsys, monkeypatch
                                               for i in range(20)))
     args = [a for a in TINY if not a.startswith("task.options.digits")]
     assert main(["train", "--no-progress", *args, "task.name=jsonl", f"task.options.path={tmp_path / 'd.jsonl'}",
-                 "task.options.checker=bad_checker:check", "rollout.max_new_tokens=4", "train.steps=5",
+                 "task.options.checker=bad_checker:check", "rollout.max_new_tokens=4", "train.steps=5", "train.eval_problems=2",
                  "train.save_every=0", f"model.cache_dir={tmp_path / 'cache'}", "model.warm_start.max_steps=1",
                  f"train.output_dir={tmp_path}", "train.run_name=r"]) == 0
     captured = capsys.readouterr()

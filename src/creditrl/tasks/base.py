@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from creditrl.tasks.chat import check_chat_template
+
 
 FORMATS = ("auto", "compact", "natural")
 _INTEGER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
@@ -76,8 +78,6 @@ class ProceduralTask:
 
     def __init__(self, *, seed: int = 0, test_size: int = 200, format: str = "auto", chat_template="auto",
                  system_prompt: str | None = None, **options: Any):
-        from creditrl.tasks.chat import check_chat_template
-
         if not isinstance(test_size, int) or test_size < 1:
             raise ValueError(f"test_size: expected a positive int, got {test_size!r}")
         if format not in FORMATS:
