@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import pathlib
 from dataclasses import dataclass, field
@@ -364,3 +365,19 @@ def test_public_names():
     for name in ("PolicyLoss", "register_loss_term", "get_loss_term", "list_loss_terms", "LossState", "ClipOptions",
                  "AggregationOptions", "KLOptions", "RolloutCorrectionOptions", "StapoOptions", "TraceOptions"):
         assert getattr(creditrl, name) is getattr(creditrl.core.losses, name)
+
+
+def test_a_user_term_from_creditrl_train(plugins, tmp_path):
+    """The worked example end to end: `creditrl train loss.terms=[{path: ...}]`, creditrl not edited."""
+    from creditrl.cli import main
+    tiny = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+            "model.warm_start.max_steps=20", "task.options.digits=1", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "rollout.max_new_tokens=6", "train.steps=1", "train.eval_problems=4",
+            "train.threads=1", "train.save_every=0", "logging.progress=false", "logging.plots=false"]
+    term = '[{path: "length_penalty_term:length_penalty", coef: 0.05}]'
+    assert main(["train", "--no-progress", *tiny, f"loss.terms={term}", f"model.cache_dir={tmp_path / 'cache'}",
+                 f"train.output_dir={tmp_path}", "train.run_name=lp"]) == 0
+    (step,) = [json.loads(line) for line in (tmp_path / "lp" / "metrics.jsonl").read_text().splitlines()]
+    share = step["response_len"] / 6          # mean n_b / max_new_tokens <= mean n_b / T (T: the batch's width)
+    assert 0.05 * share - 1e-7 <= step["length_penalty"] <= 0.05 + 1e-7 and step["length_penalty"] > 0
+    assert "length_penalty_term:length_penalty" in (tmp_path / "lp" / "config.yaml").read_text()
