@@ -169,6 +169,11 @@ def test_config_rejects_bad_options(tmp_path):
     with pytest.raises(ValueError, match="loss term: unknown name 'nope'"):
         CreditGRPOConfig(output_dir=str(tmp_path), loss_terms=json.dumps([{"name": "nope"}]), use_cpu=True,
                          bf16=False)
+    with pytest.raises(ValueError, match=r"k: maxpo needs 1 <= k < num_generations \(=4\)"):
+        CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="maxpo", maxk_k=4, num_generations=4,
+                         per_device_train_batch_size=4, use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=r"clip_c: expected a value in \(1, inf\]"):
+        CreditGRPOConfig(output_dir=str(tmp_path), clip_c=1.0, use_cpu=True, bf16=False)
 
 
 def test_config_fields_come_from_the_loss_term_registry(tmp_path):

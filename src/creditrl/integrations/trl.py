@@ -33,7 +33,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from creditrl.utils.validate import check_choice
-from creditrl.core.estimators import compute_advantages, list_estimators
+from creditrl.core.estimators import check_group_size, compute_advantages, list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
@@ -80,6 +80,9 @@ class _CreditGRPOFields(GRPOConfig):
             raise ValueError(f"maxk_k: an alias of estimator_options['k'], both set ({self.maxk_k} and "
                              f"{self.estimator_options['k']}); set one")
         check_estimator_options(self.advantage_estimator, self.estimator_kwargs())
+        for key in ("num_generations", "num_generations_eval"):   # each mode's group size, now, not at step 1
+            if getattr(self, key, None) is not None:
+                check_group_size(self.advantage_estimator, self.estimator_kwargs(), getattr(self, key), key=key)
         self.policy_loss_terms()                # checks every loss option now
 
     def estimator_kwargs(self) -> dict:

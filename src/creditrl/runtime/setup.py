@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from creditrl.config import Config, ConfigError
-from creditrl.core.estimators import compute_advantages
+from creditrl.core.estimators import check_group_size
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
 from creditrl.runtime.models import adapter_settings, default_lora_modules, is_chat_model, load_policy
@@ -116,17 +116,13 @@ def _check_estimator(cfg: Config, options: dict) -> None:
     """Run the estimator on one dummy group of ``rollout.group_size`` so any option/size combination
     it rejects fails now, naming the config keys; a group of 1 that learns nothing is refused."""
     name, g = cfg.algorithm.estimator, cfg.rollout.group_size
-    if get_estimator(name).name == "maxpo" and not 1 <= options["k"] < g:
-        raise ConfigError(f"algorithm.options.k: maxpo needs 1 <= k < rollout.group_size (={g}) for its "
-                          f"leave-two-out baseline, got k={options['k']}")
     try:
-        compute_advantages(name, rewards=(torch.arange(g) % 2).float(), mask=torch.ones(g, 2),
-                           group=torch.zeros(g, dtype=torch.long), energy=torch.ones(g, 2), **options)
-        alone = compute_advantages(name, rewards=torch.ones(1), mask=torch.ones(1, 2),
-                                   group=torch.zeros(1, dtype=torch.long), energy=torch.ones(1, 2), **options)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"algorithm (estimator={name!r}, options={options}, rollout.group_size={g}): {err}") from None
-    if g == 1 and not bool(alone.abs().sum() > 0):
+        singles_learn = check_group_size(name, options, g, key="rollout.group_size")
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(f"algorithm.options.{message}" if message.startswith("k: maxpo") else
+                          f"algorithm (estimator={name!r}, options={options}): {message}") from None
+    if g == 1 and not singles_learn:
         raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "
                           f"every token (it compares responses within a group), so nothing would be learned; use "
                           f"rollout.group_size >= 2 or algorithm.estimator=reinforce")

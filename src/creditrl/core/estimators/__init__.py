@@ -20,7 +20,7 @@ from creditrl.core.groups import GroupIndex
 from creditrl.core.estimators import baselines, maxk, otb  # noqa: F401,E402  (register the built-ins)
 
 __all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch",
-           "build_batch", "prepare", "estimate", "returns_to_go"]
+           "build_batch", "prepare", "estimate", "returns_to_go", "check_group_size"]
 
 # Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
 ENERGY_TOLERANCE = 8.0
@@ -175,3 +175,22 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
         raise ValueError(f"estimator {name!r} returned non-finite advantages in rows "
                          f"{bad_rows(~torch.isfinite(out.reshape(out.shape[0], -1)))}")
     return batch.broadcast(out) if out.dim() == 1 else out * batch.valid  # exactly 0 on masked tokens
+
+
+def check_group_size(name: str, options: dict, group_size: int, key: str = "group_size") -> bool:
+    """Raise ValueError (naming ``key``) unless estimator ``name`` with ``options`` accepts groups of
+    ``group_size`` responses: it runs on one dummy group of that size, so any option/size combination
+    it rejects (e.g. max@K's k >= N) fails before training instead of at the first batch. Returns
+    whether a group of one gets a nonzero advantage (False: such groups learn nothing)."""
+    if get_estimator(name).name == "maxpo" and not 1 <= options.get("k", 1) < group_size:
+        raise ValueError(f"k: maxpo needs 1 <= k < {key} (={group_size}) for its leave-two-out baseline, got "
+                         f"k={options['k']}")
+    try:
+        compute_advantages(name, rewards=(torch.arange(group_size) % 2).float(), mask=torch.ones(group_size, 2),
+                           group=torch.zeros(group_size, dtype=torch.long), energy=torch.ones(group_size, 2),
+                           **options)
+        alone = compute_advantages(name, rewards=torch.ones(1), mask=torch.ones(1, 2),
+                                   group=torch.zeros(1, dtype=torch.long), energy=torch.ones(1, 2), **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{key}={group_size} with estimator {name!r} and options {options}: {err}") from None
+    return bool(alone.abs().sum() > 0)
