@@ -140,7 +140,7 @@ def test_get_loss_term_by_name_or_import_path(plugins):
         get_loss_term("nope")
     with pytest.raises(ValueError, match="loss term: cannot import module 'no_such_module'"):
         get_loss_term("no_such_module:fn")
-    with pytest.raises(ValueError, match="is not a registered loss term; decorate it with"):
+    with pytest.raises(ValueError, match="is not registered; decorate it with @creditrl.register_loss_term"):
         get_loss_term("length_penalty_term:dataclass")
 
 

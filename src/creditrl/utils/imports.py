@@ -43,3 +43,18 @@ def load_object(path: str, *, what: str = "object") -> Any:
             raise ValueError(f"{what}: module {module_name!r} has no attribute {attribute!r} (from {path!r})")
         value = getattr(value, part)
     return value
+
+
+def registered_entry(registry: dict[str, Any], name: str, *, what: str, unknown: str, unregistered: str) -> Any:
+    """The entry of ``registry`` (name -> entry with an ``fn``) named ``name``, or the one whose ``fn``
+    is the function at the import path ``name`` (importing its module registers it). ``unknown`` is
+    the error for a name that is neither; ``unregistered`` for a path to an undecorated function."""
+    if name in registry:
+        return registry[name]
+    if not is_import_path(name):
+        raise ValueError(unknown)
+    fn = load_object(name, what=what)
+    for entry in registry.values():
+        if entry.fn is fn:
+            return entry
+    raise ValueError(f"{what} {name!r}: {fn!r} is not registered; {unregistered}")

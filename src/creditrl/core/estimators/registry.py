@@ -17,7 +17,7 @@ from torch import Tensor
 
 from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
-from creditrl.utils.imports import is_import_path, load_object
+from creditrl.utils.imports import registered_entry
 from creditrl.utils.options import OptionSpec, options_of
 
 
@@ -165,14 +165,8 @@ def list_estimators() -> list[str]:
 def get_estimator(name: str) -> EstimatorSpec:
     """The spec of a registered estimator, by name or by the import path ``"pkg.module:function"``
     of a function registered with ``register_estimator`` (importing the module registers it)."""
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if is_import_path(name):
-        fn = load_object(name, what="estimator")
-        for spec in _REGISTRY.values():
-            if spec.fn is fn:
-                return spec
-        raise ValueError(f"estimator {name!r}: {fn!r} is not a registered estimator; decorate it with "
-                         f"@creditrl.register_estimator('my_name') so its options and needs are declared")
-    raise ValueError(f"name: unknown estimator {name!r}; valid estimators are {list_estimators()} "
-                     f"or an import path 'package.module:function'")
+    return registered_entry(
+        _REGISTRY, name, what="estimator",
+        unknown=f"name: unknown estimator {name!r}; valid estimators are {list_estimators()} or an import path "
+                "'package.module:function'",
+        unregistered="decorate it with @creditrl.register_estimator('my_name') so its options and needs are declared")

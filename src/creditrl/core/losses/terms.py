@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from torch import Tensor
 
-from creditrl.utils.imports import is_import_path, load_object
+from creditrl.utils.imports import registered_entry
 
 STAGES = ("keep", "ratio", "surrogate", "penalty", "aggregate")
 STAGE_DOCS = {
@@ -192,17 +192,11 @@ def get_loss_term(name: str) -> LossTerm:
     if not isinstance(name, str):
         raise TypeError(f"loss term: expected a registered name or 'package.module:function', got "
                         f"{type(name).__name__}")
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if not is_import_path(name):
-        raise ValueError(f"loss term: unknown name {name!r}; registered terms are {list_loss_terms()}, or give "
-                         f"an import path 'package.module:function'")
-    fn = load_object(name, what="loss term")
-    for term in _REGISTRY.values():
-        if term.fn is fn:
-            return term
-    raise ValueError(f"loss term: {name!r} is not a registered loss term; decorate it with "
-                     f"@creditrl.register_loss_term(name, options=..., stage=...)")
+    return registered_entry(
+        _REGISTRY, name, what="loss term",
+        unknown=f"loss term: unknown name {name!r}; registered terms are {list_loss_terms()}, or give an import "
+                "path 'package.module:function'",
+        unregistered="decorate it with @creditrl.register_loss_term(name, options=..., stage=...)")
 
 
 def resolve_loss_terms(spec: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
