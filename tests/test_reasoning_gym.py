@@ -116,3 +116,18 @@ def test_trainer_logs_datasets_difficulty_and_per_dataset_accuracy(tiny_chat_mod
     assert {"greedy_acc/basic_arithmetic", "greedy_acc/leg_counting"} <= set(evals[-1])
     summary = json.loads((run / "summary.json").read_text())
     assert {"greedy_acc/basic_arithmetic", "greedy_acc/leg_counting"} <= set(summary["end"])
+
+
+def test_a_held_out_set_holding_every_question_is_refused_not_leaked():
+    """1-digit a+b has 100 distinct questions: a held-out set of 300 draws holds (nearly) all of them,
+    so training draws would be held-out questions; sampling says so instead of training on them."""
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
+              "allow_parentheses": False, "allow_negation": False}
+    task = get_task("reasoning_gym", dataset="basic_arithmetic", config=config, test_size=600, seed=0)
+    held_out = {p.meta["question"] for p in task.test_set()}
+    rng = random.Random(0)
+    drawn = []
+    with pytest.raises(ValueError, match="task.options.test_size: 100 draws from the training items all hit"):
+        for _ in range(50):
+            drawn.append(task.sample(rng).meta["question"])
+    assert not set(drawn) & held_out

@@ -188,7 +188,9 @@ class ReasoningGymTask:
             problem = self._problem(self._train_data[rng.randrange(TRAIN_SIZE)])
             if problem.meta["question"] not in self._test_questions:
                 return problem
-        return problem
+        raise ValueError(f"task.options.test_size: 100 draws from the training items all hit the {len(self._test)} "
+                         "held-out questions (the dataset has too few distinct questions for this held-out set); "
+                         "lower task.options.test_size or widen task.options.config")
 
     def test_set(self) -> list[Problem]:
         return list(self._test)
