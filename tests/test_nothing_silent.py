@@ -4,6 +4,7 @@ rewards and updates. Each test would fail on the behaviour before these changes.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -1044,3 +1045,14 @@ def test_prompts_longer_than_the_tiny_context_fail_before_the_warm_start(tmp_pat
     tokenizer = setup.char_tokenizer(task.alphabet())
     longest = max(task.train_set() + task.test_set(), key=lambda p: len(p.prompt))
     assert sft_batch(task, tokenizer, [longest])["input_ids"].shape[1] == 240 + len("301") + 1   # + EOS
+
+
+def test_a_reward_beyond_float32_range_counts_as_invalid_not_a_crash():
+    from creditrl.runtime.rollout import reward_tensor
+    from creditrl.tasks.rewards import RewardFunction
+    reward, _, problem = RewardFunction._value(1e39)
+    assert math.isnan(reward) and "beyond float32's range" in problem
+    assert RewardFunction._value(3e38)[0] == 3e38
+    rewards, invalid = reward_tensor([1.0, 1e39, -1e300, float("nan"), float("inf"), 3e38])
+    assert invalid.tolist() == [False, True, True, True, True, False]
+    assert torch.isfinite(rewards).all() and rewards[:5].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
