@@ -1056,3 +1056,16 @@ def test_a_reward_beyond_float32_range_counts_as_invalid_not_a_crash():
     rewards, invalid = reward_tensor([1.0, 1e39, -1e300, float("nan"), float("inf"), 3e38])
     assert invalid.tolist() == [False, True, True, True, True, False]
     assert torch.isfinite(rewards).all() and rewards[:5].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("estimator, k, message", [
+    ("pkpo", 1, r"algorithm.options.k: pkpo needs 2 <= k <= rollout.group_size \(=4\), got k=1"),
+    ("ei", 5, r"algorithm.options.k: ei needs 2 <= k <= rollout.group_size \(=4\), got k=5"),
+    ("maxpo", 4, r"algorithm.options.k: maxpo needs 1 <= k < rollout.group_size \(=4\)"),
+    ("maxk_bon", 0, r"algorithm.options.k: maxk_bon needs 1 <= k <= rollout.group_size \(=4\), got k=0")])
+def test_a_maxk_k_out_of_range_names_algorithm_options_k(estimator, k, message):
+    from creditrl.core.estimators.maxk import K
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(load_config(None, [f"algorithm.estimator={estimator}", f"algorithm.options.k={k}",
+                                          "rollout.group_size=4"]))
+    assert "ei, pkpo: 2 <= K <= N" in K.__metadata__[0]      # the declared help says what the code checks

@@ -141,7 +141,7 @@ def _check_estimator(cfg: Config, options: dict) -> None:
         singles_learn = check_group_size(name, options, g, key="rollout.group_size")
     except ValueError as err:
         message = str(err)
-        raise ConfigError(f"algorithm.options.{message}" if message.startswith("k: maxpo") else
+        raise ConfigError(f"algorithm.options.{message}" if message.startswith("k: ") else
                           f"algorithm (estimator={name!r}, options={options}): {message}") from None
     if g == 1 and not singles_learn:
         raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "
