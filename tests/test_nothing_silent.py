@@ -998,7 +998,7 @@ def test_experiment_report_states_the_presets_and_experiments_it_covers(tmp_path
     presets = runner.recorded_presets(tmp_path, [names[0], names[1]])
     assert presets == {names[0]: "fast", names[1]: "not recorded"}
     text = " ".join(runner.provenance({names[0]: "fast"}).split())
-    assert "all --preset full`" in text and "This is not the output" in text
+    assert "It is not a complete `creditrl experiment all --preset full` run" in text
     assert f"covers 1 of {len(names)} experiments, preset fast: `{names[0]}`." in text
     assert "within 75 minutes (each" not in text
     assert runner.provenance(dict.fromkeys(names, "full")) == runner.FULL_PROVENANCE
