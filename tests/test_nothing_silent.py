@@ -1069,3 +1069,20 @@ def test_a_maxk_k_out_of_range_names_algorithm_options_k(estimator, k, message):
         resolve_config(load_config(None, [f"algorithm.estimator={estimator}", f"algorithm.options.k={k}",
                                           "rollout.group_size=4"]))
     assert "ei, pkpo: 2 <= K <= N" in K.__metadata__[0]      # the declared help says what the code checks
+
+
+def test_a_model_directory_with_non_finite_weights_is_refused_naming_the_tensor(tmp_path):
+    from creditrl.config import TinyModelConfig
+    from creditrl.runtime.models import ModelDirError, char_tokenizer, load_policy, tiny_model
+    tokenizer = char_tokenizer("0123456789+=")
+    model = tiny_model(tokenizer, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32))
+    model.save_pretrained(tmp_path / "ok")
+    tokenizer.save_pretrained(tmp_path / "ok")
+    assert load_policy(str(tmp_path / "ok"), None, progress=False)[0] is not None
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    model.save_pretrained(tmp_path / "bad")
+    tokenizer.save_pretrained(tmp_path / "bad")
+    with pytest.raises(ModelDirError, match=r"model.name: the weights loaded from '.*bad' are not finite: "
+                                            r"model.layers.0.mlp.up_proj.weight \(32, 16\) holds 1 NaN/inf"):
+        load_policy(str(tmp_path / "bad"), None, progress=False)
