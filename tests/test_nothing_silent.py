@@ -1086,3 +1086,11 @@ def test_a_model_directory_with_non_finite_weights_is_refused_naming_the_tensor(
     with pytest.raises(ModelDirError, match=r"model.name: the weights loaded from '.*bad' are not finite: "
                                             r"model.layers.0.mlp.up_proj.weight \(32, 16\) holds 1 NaN/inf"):
         load_policy(str(tmp_path / "bad"), None, progress=False)
+
+
+@pytest.mark.parametrize("override", ["rollout.stop=[1]", "rollout.stop=[0.5]", "model.lora.target_modules=[1]"])
+def test_a_number_in_a_list_of_strings_is_refused_not_coerced(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}\[0\]: expected a string, got .*quote it"):
+        load_config(None, [override])
+    assert load_config(None, ['rollout.stop=["1"]']).rollout.stop == ["1"]
