@@ -1094,3 +1094,16 @@ def test_a_number_in_a_list_of_strings_is_refused_not_coerced(override):
     with pytest.raises(ConfigError, match=rf"{re.escape(key)}\[0\]: expected a string, got .*quote it"):
         load_config(None, [override])
     assert load_config(None, ['rollout.stop=["1"]']).rollout.stop == ["1"]
+
+
+def test_compare_report_carries_a_runs_learned_nothing_warning(tmp_path):
+    from creditrl.studies import compare
+    for name, warning in (("ok", None), ("flat", "this run learned nothing from its task. At all 2 steps ...")):
+        d = tmp_path / "runs" / f"{name}-s0"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "tokens_total": 10 * s, "reward_mean": 0.0})
+                                                 + "\n" for s in (1, 2)))
+        (d / "summary.json").write_text(json.dumps({"warning": warning} if warning else {}))
+    text = compare.write_report(compare.find_runs(tmp_path), tmp_path, window=1).read_text()
+    assert "## Warnings from the runs" in text
+    assert "- **flat** (`flat-s0`): this run learned nothing from its task" in text and "**ok**" not in text
