@@ -1107,3 +1107,17 @@ def test_compare_report_carries_a_runs_learned_nothing_warning(tmp_path):
     text = compare.write_report(compare.find_runs(tmp_path), tmp_path, window=1).read_text()
     assert "## Warnings from the runs" in text
     assert "- **flat** (`flat-s0`): this run learned nothing from its task" in text and "**ok**" not in text
+
+
+def test_jsonl_errors_name_the_task_options_key_and_a_directory_is_not_missing(tmp_path):
+    from creditrl.runtime.setup import build_task
+    data = _rows_file(tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)])
+    for overrides, message in (([f"task.options.path={tmp_path}"], r"task.options.path: expected a local "
+                                r".jsonl/.json/.parquet file, got the directory"),
+                               ([f"task.options.path={tmp_path / 'no.jsonl'}"], r"task.options.path: no such file"),
+                               ([f"task.options.path={data}", "task.options.answer_key=zz"],
+                                r"task.options.answer_key: column 'zz' not in d.jsonl"),
+                               ([f"task.options.path={data}", "task.options.tolerance=-1"],
+                                r"task.options.tolerance: expected a value in \[0, inf\]")):
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            build_task(load_config(None, ["task.name=jsonl", *overrides]))

@@ -58,8 +58,15 @@ def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
 
 
 def build_task(cfg: Config):
-    """The configured task, its ``format=auto`` resolved for the configured model."""
-    return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
+    """The configured task, its ``format=auto`` resolved for the configured model. An error that
+    names one of the task's options (``path: ...``) names its config key (``task.options.path: ...``)."""
+    try:
+        return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
+    except (ValueError, FileNotFoundError) as err:
+        option = str(err).split(":", 1)[0]
+        if option not in (task_options(cfg.task.name) or cfg.task.options):
+            raise
+        raise type(err)(f"task.options.{err}") from None
 
 
 def load_configured_policy(cfg: Config, task, device, progress: bool, name: str | None = None):
