@@ -1121,3 +1121,14 @@ def test_jsonl_errors_name_the_task_options_key_and_a_directory_is_not_missing(t
                                 r"task.options.tolerance: expected a value in \[0, inf\]")):
         with pytest.raises((ValueError, FileNotFoundError), match=message):
             build_task(load_config(None, ["task.name=jsonl", *overrides]))
+
+
+def test_experiment_all_accepts_only_keys_every_experiment_has(monkeypatch, capsys):
+    from creditrl.studies.experiments import runner
+    monkeypatch.setattr(runner, "run_experiment", lambda *a, **k: pytest.fail("an experiment ran"))
+    assert runner.main(["all", "num_seeds=2"]) == 2
+    err = capsys.readouterr().err
+    assert "num_seeds: `experiment all` accepts only keys every experiment has (['seed', 'threads'])" in err
+    assert "num_seeds belongs to [" in err and "'learning-curves'" in err
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "e.g. `seed=3 threads=1`" in readme and "seed=3 num_seeds=5" not in readme

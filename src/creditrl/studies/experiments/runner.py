@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from creditrl.config import merge_layers
+from creditrl.config import merge_layers, parse_override
 from creditrl.studies import reporting
 from creditrl.studies.experiments.registry import experiment_names, get_experiment
 
@@ -91,6 +91,22 @@ def check_numbers(name: str, cfg, preset) -> None:
             if not (v >= 0 if zero_ok else v > 0) or (f.name == "seed" and v >= 2**32):
                 expected = "an integer in [0, 2**32 - 1]" if f.name == "seed" else ">= 0" if zero_ok else "> 0"
                 raise ValueError(f"{f.name}: expected {expected} for experiment {name}, got {value!r}")
+
+
+def check_common_keys(overrides) -> None:
+    """``experiment all key=value``: only keys every experiment's config has (seed, threads, ...)
+    apply to all of them; any other is refused naming the experiments that have it."""
+    fields = {name: {f.name for f in dataclasses.fields(get_experiment(name).presets["fast"])}
+              for name in experiment_names()}
+    common = set.intersection(*fields.values())
+    for text in overrides:
+        key = next(iter(parse_override(text)))
+        if key not in common:
+            owners = [name for name, keys in fields.items() if key in keys]
+            where = (f"{key} belongs to {owners}: run those one by one (creditrl experiment NAME {text})" if owners
+                     else f"{key} is a key of no experiment")
+            raise ValueError(f"{key}: `experiment all` accepts only keys every experiment has ({sorted(common)}), "
+                             f"got {text!r}; {where}")
 
 
 def check_arguments(args) -> None:
@@ -278,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         names = experiment_names() if args.name == "all" else [args.name]
         # every config is built and checked before the first long experiment starts
+        if args.name == "all":
+            check_common_keys(args.overrides)
         configs = {name: experiment_config(name, args.preset, args.config, args.overrides) for name in names}
         root = args.out if args.out is not None else DEFAULT_RUNS / args.preset
         for name, cfg in configs.items():
