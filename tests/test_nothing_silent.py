@@ -700,7 +700,8 @@ def test_resume_without_a_checkpoint_starts_again_and_says_so(tmp_path):
     resume(run, progress=False)
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert [json.loads(x)["step"] for x in (run / "eval.jsonl").read_text().splitlines()] == [0, 1]
-    assert "started again from step 0" in (run / "summary.md").read_text()
+    assert "restarted from step 0 with config.yaml as it is now (changes not compared" in (run / "summary.md").read_text()
+    assert json.loads((run / "resumes.jsonl").read_text().splitlines()[-1])["changes"] is None
 
 
 def test_resume_changes_are_computed_on_resolved_configs():
@@ -1132,3 +1133,17 @@ def test_experiment_all_accepts_only_keys_every_experiment_has(monkeypatch, caps
     assert "num_seeds belongs to [" in err and "'learning-curves'" in err
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "e.g. `seed=3 threads=1`" in readme and "seed=3 num_seeds=5" not in readme
+
+
+def test_a_skipped_damaged_checkpoint_is_a_resume_note_and_the_warm_start_line_says_mean_reward(tmp_path):
+    from creditrl.trainer import loop
+    ckpt.save_checkpoint(tmp_path, 1, {"w": torch.zeros(2)}, {"step": 1}, keep_last=3)
+    newer = ckpt.save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {"step": 2}, keep_last=3)
+    _cut_file = newer / ckpt.WEIGHTS
+    _cut_file.write_bytes(_cut_file.read_bytes()[:10])
+    skipped = []
+    _, state = ckpt.load_latest(tmp_path, skipped)          # no UserWarning: the trainer prints it as a note
+    assert state["step"] == 1 and len(skipped) == 1 and skipped[0].startswith("step_000002: ")
+    note = loop.resume_note({"step": 1, "changes": {}, "checkpoint": True, "skipped": skipped})
+    assert note.startswith("resumed at step 1 (skipped damaged checkpoint(s): step_000002: ")
+    assert "sampled accuracy" not in Path(loop.__file__).read_text()

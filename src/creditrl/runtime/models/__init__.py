@@ -73,7 +73,7 @@ def build_tiny(task, model_cfg: TinyModelConfig, warm_cfg: WarmStartConfig, seed
     model = tiny_model(tokenizer, model_cfg, seed=seed)
     result = warm_start(model, tokenizer, task, warm_cfg, progress=progress)
     if progress:
-        print(f"builtin:tiny warm start on {task.name}: {result.steps} steps, sampled accuracy "
+        print(f"builtin:tiny warm start on {task.name}: {result.steps} steps, sampled mean reward "
               f"{result.accuracy:.2f}, {result.seconds:.1f}s -> {path}")
     with atomic_directory(path, complete_marker=META_FILE) as tmp:   # another process's entry wins
         model.save_pretrained(tmp)
