@@ -116,7 +116,7 @@ def test_bad_values_name_the_key(override, message):
     (["algorithm.estimator=maxpo", "algorithm.options.k=8"], "maxpo needs 1 <= k < rollout.group_size (=8)"),
     (["algorithm.estimator=maxpo", "algorithm.options.k=4", "rollout.group_size=4"],
      "maxpo needs 1 <= k < rollout.group_size (=4)"),
-    (["algorithm.estimator=pkpo", "algorithm.options.k=9"], "pkpo: k=9 is out of range"),
+    (["algorithm.estimator=pkpo", "algorithm.options.k=9"], r"algorithm.options.k: pkpo needs 2 <= k <= rollout.group_size"),
     (["algorithm.estimator=maxk_bon", "algorithm.options.k=2", "algorithm.options.normalize=std"],
      "algorithm.options: unknown option(s) ['normalize']"),
     (["loss.stapo.enabled=true", "optim.micro_batch_size=4"], "STAPO's silencing threshold is a quantile"),

@@ -176,6 +176,22 @@ def test_config_rejects_bad_options(tmp_path):
         CreditGRPOConfig(output_dir=str(tmp_path), clip_c=1.0, use_cpu=True, bf16=False)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"advantage_estimator": "maxpo", "maxk_k": 4, "num_generations": 4, "per_device_train_batch_size": 4},
+     r"k: maxpo needs 1 <= k < num_generations \(=4\)"),
+    ({"estimator_options": {"gamma": 2.0}}, r"gamma: expected a value in \[0, 1\], got 2.0"),
+    ({"advantage_estimator": "pkpo", "maxk_k": 1}, r"k: pkpo needs 2 <= k <= num_generations \(=8\)"),
+    ({"temperature": 0.0}, r"temperature: expected a value > 0 .*got 0.0"),
+    ({"temperature": -1.0}, r"temperature: expected a value > 0 .*got -1.0"),
+    ({"estimator_options": "{bad"}, r"estimator_options: expected a dict or its JSON text, got '\{bad', which is not"),
+    ({"estimator_options": "[1]"}, r"estimator_options: expected a dict .*\(a JSON list\)"),
+    ({"loss_terms": "[{bad"}, r"loss_terms: expected a list or its JSON text, got '\[\{bad', which is not valid"),
+])
+def test_config_refuses_each_bad_setting_at_construction(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        CreditGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **options)
+
+
 def test_config_fields_come_from_the_loss_term_registry(tmp_path):
     """Every loss option TRL has no name for is a field with the term's default and help; TRL's own
     epsilon/beta/loss_type map through TRL_NATIVE; a term is on when set or when one of its fields is."""
@@ -220,7 +236,14 @@ def test_trainer_rejects_trl_only_loss_options(model_dir, tmp_path):
     args = CreditGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                             max_completion_length=4, use_cpu=True, bf16=False, report_to="none",
                             top_entropy_quantile=0.2)
-    with pytest.raises(ValueError, match="top_entropy_quantile"):
+    with pytest.raises(ValueError, match="top_entropy_quantile: .* which does not implement the entropy mask"):
+        CreditGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=count_digits, args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    args = CreditGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                            max_completion_length=4, use_cpu=True, bf16=False, report_to="none",
+                            rollout_correction="tis")
+    with pytest.raises(ValueError, match="rollout_correction: 'tis' corrects .* set use_vllm=True .*got use_vllm=False"):
         CreditGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=count_digits, args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
                           processing_class=AutoTokenizer.from_pretrained(model_dir))

@@ -92,6 +92,39 @@ def test_energy_estimator_without_actor_energy_names_the_fix():
            index=batch["index"], config=None)
 
 
+def _bad_index(batch, uids):
+    return {**batch, "index": np.array(uids, dtype=object)}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: {**b, "old_log_probs": b["old_log_probs"].exp()}, r"old_log_probs: expected values <= 0"),
+    (lambda b: {**b, "sum_pi_squared": b["sum_pi_squared"] + 1}, r"sum_pi_squared: expected values in \(0, 1\]"),
+    (lambda b: {**b, "sum_pi_squared": b["sum_pi_squared"] * 0}, r"sum_pi_squared: expected values in \(0, 1\]"),
+    (lambda b: _bad_index(b, ["a", "a", "a", 1, 1, 1, "c", "c", "c"]), r"index: expected uids of one type .*\['int', 'str'\]"),
+    (lambda b: _bad_index(b, ["a", "a", "a", float("nan"), None, "b", "c", "c", "c"]),
+     r"index: expected one uid per row, got None/NaN at rows \[3, 4\]"),
+    (lambda b: {**b, "response_mask": b["response_mask"][:, :-1]}, r"response_mask: expected shape \[9, 7\]"),
+])
+def test_bad_actor_stats_uids_and_mask_are_named(change, message):
+    batch = change(verl_batch())
+    fn = core_algos.get_adv_estimator_fn("creditrl_otb")
+    with pytest.raises(ValueError, match=message):
+        fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+           index=batch["index"], config=None, old_log_probs=batch["old_log_probs"],
+           sum_pi_squared=batch["sum_pi_squared"])
+
+
+def test_actor_stats_are_checked_on_response_tokens_only():
+    batch = verl_batch()
+    padded = batch["response_mask"] == 0
+    fn = core_algos.get_adv_estimator_fn("creditrl_otb")
+    advantages, _ = fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+                       index=batch["index"], config=None,
+                       old_log_probs=batch["old_log_probs"].masked_fill(padded, 5.0),
+                       sum_pi_squared=batch["sum_pi_squared"].masked_fill(padded, 0.0))
+    assert torch.isfinite(advantages).all()
+
+
 def verl_otb(batch, **kwargs):
     return core_algos.compute_optimal_token_baseline_advantage(
         token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"], index=batch["index"],

@@ -54,6 +54,21 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attent
                    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
+def parse_json_field(name: str, value, kind: type):
+    """``value`` itself, or the ``kind`` (dict / list) its JSON string holds (from the command line)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name}: expected a {kind.__name__} or its JSON text, got {value!r}, which is not "
+                         f"valid JSON ({err})") from None
+    if not isinstance(parsed, kind):
+        raise ValueError(f"{name}: expected a {kind.__name__} or its JSON text, got {value!r} (a JSON "
+                         f"{type(parsed).__name__})")
+    return parsed
+
+
 @dataclass
 class _CreditGRPOFields(GRPOConfig):
     """``GRPOConfig`` plus creditrl's estimator options; the loss options are added from the
@@ -72,10 +87,11 @@ class _CreditGRPOFields(GRPOConfig):
         super().__post_init__()
         check_choice("advantage_estimator", self.advantage_estimator, list_estimators())
         check_choice("loss_type", self.loss_type, list(AGG_BY_LOSS_TYPE))
-        if isinstance(self.estimator_options, str):
-            self.estimator_options = json.loads(self.estimator_options)
-        if isinstance(self.loss_terms, str):
-            self.loss_terms = json.loads(self.loss_terms)
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: expected a value > 0 (GRPO samples its completions, and the "
+                             f"log-probs are taken at this temperature), got {self.temperature!r}")
+        self.estimator_options = parse_json_field("estimator_options", self.estimator_options, dict)
+        self.loss_terms = parse_json_field("loss_terms", self.loss_terms, list)
         if self.maxk_k is not None and "k" in (self.estimator_options or {}):
             raise ValueError(f"maxk_k: an alias of estimator_options['k'], both set ({self.maxk_k} and "
                              f"{self.estimator_options['k']}); set one")
@@ -131,8 +147,12 @@ class CreditGRPOTrainer(GRPOTrainer):
             raise TypeError(f"args: expected a CreditGRPOConfig, got {type(self.args).__name__}")
         for name, (default, what) in UNSUPPORTED.items():
             if getattr(self.args, name) != default:
-                raise ValueError(f"{name}: CreditGRPOTrainer computes the loss with creditrl, which has no "
-                                 f"{what}; expected {default!r}, got {getattr(self.args, name)!r}")
+                raise ValueError(f"{name}: CreditGRPOTrainer computes the loss with creditrl, which does not "
+                                 f"implement {what}; expected {default!r}, got {getattr(self.args, name)!r}")
+        if self.args.rollout_correction is not None and not self.use_vllm and self.rollout_func is None:
+            raise ValueError(f"rollout_correction: {self.args.rollout_correction!r} corrects for the sampler's "
+                             "log-probs, which TRL returns only from vLLM; set use_vllm=True (or "
+                             "rollout_correction=None), got use_vllm=False")
         if self.args.rollout_correction is not None and self.use_vllm and self.vllm_importance_sampling_correction:
             raise ValueError("rollout_correction: set vllm_importance_sampling_correction=False to use "
                              f"creditrl's {self.args.rollout_correction!r} instead of TRL's correction")

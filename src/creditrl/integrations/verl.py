@@ -47,6 +47,7 @@ from creditrl.core.estimators import estimate, list_estimators, prepare
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
 from creditrl.core.losses import PolicyLoss
+from creditrl.utils.validate import check_tensor
 
 PREFIX = "creditrl_"
 ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")
@@ -62,7 +63,41 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> Tensor:
     index = np.asarray(index)
     if index.shape != (batch_size,):
         raise ValueError(f"index: expected shape [{batch_size}], got {list(index.shape)}")
-    return torch.from_numpy(np.unique(index, return_inverse=True)[1].reshape(-1)).to(device)
+    missing = [i for i, uid in enumerate(index.tolist()) if uid is None or uid != uid]   # None or NaN
+    if missing:
+        raise ValueError(f"index: expected one uid per row, got None/NaN at rows {missing[:8]} "
+                         f"({len(missing)} row(s)); each would otherwise be pooled into one group")
+    try:
+        inverse = np.unique(index, return_inverse=True)[1]
+    except TypeError:
+        kinds = sorted({type(uid).__name__ for uid in index.tolist()})
+        raise ValueError(f"index: expected uids of one type (verl's are str), got a mix of {kinds}") from None
+    return torch.from_numpy(inverse.reshape(-1)).to(device)
+
+
+LOGP_TOLERANCE = 1e-3   # log-softmax rounding can land just above 0 (and sum pi^2 just above 1)
+
+
+def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None) -> None:
+    """The actor's per-token stats on the valid tokens: ``old_log_probs`` <= 0 (log-probabilities)
+    and ``sum_pi_squared`` in (0, 1] (a sum of squared probabilities), each within ``LOGP_TOLERANCE``;
+    anything else (e.g. probabilities passed as log-probs) would give wrong energies silently."""
+    valid = response_mask.bool()
+    for name, x, low, high in (("old_log_probs", old_log_probs, -float("inf"), LOGP_TOLERANCE),
+                               ("sum_pi_squared", sum_pi_squared, 0.0, 1.0 + LOGP_TOLERANCE)):
+        if x is None:
+            continue
+        if not isinstance(x, Tensor) or x.shape != response_mask.shape:
+            got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected a tensor of response_mask's shape {list(response_mask.shape)}, "
+                             f"got {got}")
+        values = x[valid].double()
+        bad = ~((values > low) & (values <= high)) if name == "sum_pi_squared" else ~(values <= high)
+        if bool(bad.any()):
+            want = ("<= 0 (log-probabilities)" if name == "old_log_probs" else
+                    "in (0, 1] (a sum of squared probabilities)")
+            raise ValueError(f"{name}: expected values {want} on the response tokens, got {int(bad.sum())} "
+                             f"outside, e.g. {values[bad][:4].tolist()}")
 
 
 def estimator_options(config: Any) -> dict:
@@ -79,6 +114,9 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                   config: Any = None, *, old_log_probs: Tensor | None = None,
                   sum_pi_squared: Tensor | None = None, rollout_is_weights: Tensor | None = None,
                   **kwargs) -> tuple[Tensor, Tensor]:
+        check_tensor("token_level_rewards", token_level_rewards, ndim=2)
+        check_tensor("response_mask", response_mask, shape=list(token_level_rewards.shape))
+        check_actor_stats(response_mask, old_log_probs, sum_pi_squared)
         energy = None if old_log_probs is None or sum_pi_squared is None else energy_from_logp(
             old_log_probs, sum_pi_squared)
         if needs_energy and energy is None:

@@ -32,7 +32,7 @@ class RolloutBatch:
     group:          [B] long, index of the prompt each response answers
     stopped:        [B] bool, ended at a stop token/string (False: clipped at max_new_tokens)
     prompt_texts:   [len(problems)] the rendered prompts (chat template included)
-    reward_invalid: [B] bool, the task's reward was NaN/inf (counted as 0)
+    reward_invalid: [B] bool, the task's reward was NaN/inf or beyond float32's range (counted as 0)
     reward_timeouts: [B] bool, a checker call ran past its time limit (also counted invalid)
     reward_extras:  name -> [B] float64, values a checker logged besides its reward (NaN where none)
     """
@@ -60,6 +60,14 @@ class RolloutBatch:
         return int(self.response_mask.sum())
 
 
+def reward_tensor(values) -> tuple[Tensor, Tensor]:
+    """([B] float32 rewards, [B] bool invalid) from the scored floats: NaN/inf, or a number float32
+    cannot hold (1e39 would become inf), counts as 0 and is flagged (logged as reward_invalid_frac)."""
+    raw = torch.tensor(values, dtype=torch.float64)
+    invalid = ~torch.isfinite(raw) | (raw.abs() > torch.finfo(torch.float32).max)
+    return torch.where(invalid, 0.0, raw).float(), invalid
+
+
 def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, group_size: int,
                       temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 16,
                       generator: torch.Generator | None = None, max_tool_tokens: int = 16,
@@ -84,9 +92,7 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     texts = decode_responses(tokenizer, out.input_ids[:, p:], out.attention_mask[:, p:], stop_strings)
     flat = [q for q in problems for _ in range(group_size)]
     scores = score_responses(task, flat, texts)
-    raw = torch.tensor(scores.rewards, dtype=torch.float64)
-    invalid = ~torch.isfinite(raw)                     # a checker's NaN/inf counts as 0 (and is logged)
-    rewards = torch.where(invalid, 0.0, raw).float()
+    rewards, invalid = reward_tensor(scores.rewards)
     return RolloutBatch(
         input_ids=out.input_ids, attention_mask=out.attention_mask,
         position_ids=position_ids_from_mask(out.attention_mask), response_mask=out.response_mask,

@@ -22,8 +22,10 @@ from creditrl.core.estimators import check_group_size
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
 from creditrl.runtime.models import adapter_settings, default_lora_modules, is_chat_model, load_policy
+from creditrl.runtime.models.tiny import char_tokenizer
 from creditrl.tasks import get_task, task_options
 from creditrl.tasks.base import ProceduralTask
+from creditrl.tasks.chat import check_prompt_lengths, render_task_prompts
 from creditrl.utils.options import build, coerce, instantiate
 
 DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
@@ -56,8 +58,15 @@ def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
 
 
 def build_task(cfg: Config):
-    """The configured task, its ``format=auto`` resolved for the configured model."""
-    return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
+    """The configured task, its ``format=auto`` resolved for the configured model. An error that
+    names one of the task's options (``path: ...``) names its config key (``task.options.path: ...``)."""
+    try:
+        return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
+    except (ValueError, FileNotFoundError) as err:
+        option = str(err).split(":", 1)[0]
+        if option not in (task_options(cfg.task.name) or cfg.task.options):
+            raise
+        raise type(err)(f"task.options.{err}") from None
 
 
 def load_configured_policy(cfg: Config, task, device, progress: bool, name: str | None = None):
@@ -65,6 +74,8 @@ def load_configured_policy(cfg: Config, task, device, progress: bool, name: str 
     ``train.precision`` bf16/fp16 a LoRA run stores its frozen base in bf16 (autocast computes in
     bf16 anyway); trainable weights stay float32 unless ``model.dtype`` asks otherwise."""
     m = cfg.model
+    if (name or m.name) == "builtin:tiny":
+        check_tiny_prompts(cfg, task)
     lora = m.lora.settings()
     frozen_bf16 = lora is not None and cfg.train.precision != "fp32"
     return load_policy(name or m.name, task, model_cfg=m.tiny, warm_start=m.warm_start, cache_dir=m.cache_dir,
@@ -74,6 +85,23 @@ def load_configured_policy(cfg: Config, task, device, progress: bool, name: str 
 
 
 # ----------------------------------------------------------------------------- checks
+
+def check_tiny_prompts(cfg: Config, task) -> int:
+    """``builtin:tiny``'s character tokenizer is known before its warm start (minutes), so the task's
+    prompts are rendered (one sample; every row of a data set) and their lengths checked against
+    ``model.tiny.max_position_embeddings`` now: a conversational prompt or a system prompt (which need
+    a chat template it lacks) or a prompt too long is a ConfigError before any model work. Returns
+    the number of prompts that ``task.options.truncate_prompts`` will truncate."""
+    context = cfg.model.tiny.max_position_embeddings
+    tokenizer = char_tokenizer(task.alphabet(), model_max_length=context)
+    try:
+        render_task_prompts(tokenizer, task, [task.sample(random.Random(0)).prompt])
+        max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task, tokenizer)
+        return check_prompt_lengths(tokenizer, task, context, max_new)
+    except ValueError as err:
+        raise ConfigError(f"{err}; here model.name='builtin:tiny' (a character tokenizer without a chat template, "
+                          f"context model.tiny.max_position_embeddings={context})") from None
+
 
 def check_lora_source(cfg: Config) -> None:
     """Training from a LoRA adapter directory (a LoRA run's ``final/``) as ``model.name`` continues
@@ -120,7 +148,7 @@ def _check_estimator(cfg: Config, options: dict) -> None:
         singles_learn = check_group_size(name, options, g, key="rollout.group_size")
     except ValueError as err:
         message = str(err)
-        raise ConfigError(f"algorithm.options.{message}" if message.startswith("k: maxpo") else
+        raise ConfigError(f"algorithm.options.{message}" if message.startswith("k: ") else
                           f"algorithm (estimator={name!r}, options={options}): {message}") from None
     if g == 1 and not singles_learn:
         raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "

@@ -253,6 +253,19 @@ def plot_panels(runs: dict[str, list[Path]], panels, path: Path, window: int, nc
     return reporting.save_figure(fig, path)
 
 
+def run_warnings(runs: dict[str, list[Path]]) -> list[str]:
+    """Each run's end-of-run warning (summary.json ``warning``, e.g. "this run learned nothing"),
+    as report lines naming the run and its directory."""
+    lines = []
+    for name, dirs in runs.items():
+        for d in dirs:
+            summary = d / "summary.json"
+            warning = json.loads(summary.read_text()).get("warning") if summary.is_file() else None
+            if warning:
+                lines.append(f"- **{name}** (`{d.name}`): {warning}\n")
+    return lines
+
+
 def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None = None,
                  panels=PANELS, title: str = "creditrl compare") -> Path:
     """report.md + compare.png + final.csv + curves.csv in ``out``; returns report.md's path."""
@@ -264,8 +277,10 @@ def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None =
     reporting.write_csv(out / "curves.csv", curves_rows(runs, FINAL_TRAIN, window))
     plot_panels(runs, panels, out / "compare.png", window)
     eval_cols = [c for c in final[0] if c.startswith(("start_greedy", "greedy", "sampled", "pass@"))]
+    warnings = run_warnings(runs)   # e.g. a run that learned nothing: never averaged away silently
     lines = [f"# {title}\n", f"Runs: {', '.join(f'{k} ({len(v)} seeds)' for k, v in runs.items())}. "
              f"Curves: mean over seeds, band ±1 std, moving average over {window} steps.\n",
+             *(["## Warnings from the runs\n", *warnings] if warnings else []),
              "![curves](compare.png)\n", "## Held-out evaluation at the end (mean ± std over seeds)\n",
              mean_std_table(final, eval_cols) if eval_cols else "_(no eval.jsonl)_\n",
              "## Training metrics over the last 10% of steps (mean ± std over seeds)\n",

@@ -53,18 +53,32 @@ def uses_template(prompt, chat_template="auto", system_prompt: str | None = None
     return bool(chat_template)
 
 
+def missing_template(prompt, chat_template, system_prompt: str | None) -> str:
+    """The error for a prompt that needs a chat template the tokenizer lacks, naming its cause."""
+    fix = "use a model whose tokenizer has a chat template (model.name)"
+    if isinstance(prompt, list):
+        return (f"task.options.chat_template: the prompts are lists of messages (conversational), which need the "
+                f"tokenizer's chat template, but the tokenizer has none (chat_template={chat_template!r}); give "
+                f"string prompts or {fix}")
+    if system_prompt is not None:
+        return (f"task.options.system_prompt: a system prompt needs the tokenizer's chat template, but the tokenizer "
+                f"has none; drop task.options.system_prompt or {fix}")
+    return (f"task.options.chat_template: true needs the tokenizer's chat template, but the tokenizer has none; "
+            f"set task.options.chat_template=auto (or false) or {fix}")
+
+
 def render_prompt(tokenizer, prompt, *, chat_template="auto", system_prompt: str | None = None) -> list[int]:
     """Token ids of ``prompt`` as the policy sees it (see the module docstring)."""
     prompt = check_prompt(prompt)
-    if not uses_template(prompt, chat_template, system_prompt):
+    templated = uses_template(prompt, chat_template, system_prompt)
+    if (templated or isinstance(prompt, list)) and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(missing_template(prompt, chat_template, system_prompt))
+    if not templated:
         if isinstance(prompt, list):
-            raise ValueError("chat_template: the prompt is a list of messages but chat_template is false; "
-                             "set task.options.chat_template=auto (or true)")
+            raise ValueError("task.options.chat_template: the prompt is a list of messages but chat_template is "
+                             "false; set task.options.chat_template=auto (or true)")
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         return list(tokenizer(prompt)["input_ids"]) or [start]
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("chat_template: this prompt needs the tokenizer's chat template, but the tokenizer has "
-                         "none; use string prompts with task.options.chat_template=false")
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}, *messages]
@@ -96,7 +110,9 @@ def check_prompt_lengths(tokenizer, task, context: int | None, max_new_tokens: i
         raise ValueError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
                          f"context of {context} tokens")
     problems = task.train_set() + task.test_set()
-    lengths = [len(x) for x in render_task_prompts(tokenizer, task, [p.prompt for p in problems])]
+    mode, system = getattr(task, "chat_template", "auto"), getattr(task, "system_prompt", None)
+    lengths = [len(render_prompt(tokenizer, p.prompt, chat_template=mode, system_prompt=system))
+               for p in problems]  # untruncated, so a second check (after the model loads) counts the same
     long = [i for i, n in enumerate(lengths) if n > budget]
     if long and not getattr(task, "truncate_prompts", False):
         raise ValueError(f"task: {len(long)} prompt(s) are longer than the {budget} tokens the model's context "

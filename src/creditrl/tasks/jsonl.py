@@ -168,6 +168,8 @@ class JsonlTask:
                  system_prompt: str | None = None, truncate_prompts: bool = False, checker_convention: str = "auto",
                  checker_timeout: float | None = DEFAULT_TIMEOUT, rewards: list | None = None):
         file = Path(path).expanduser()
+        if file.is_dir():
+            raise ValueError(f"path: expected a local .jsonl/.json/.parquet file, got the directory {str(file)!r}")
         if not file.is_file():
             raise FileNotFoundError(f"path: no such file {str(file)!r} (expected a local .jsonl/.json/.parquet file)")
         if file.suffix.lower() not in FORMATS:

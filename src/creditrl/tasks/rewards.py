@@ -23,7 +23,8 @@ Import-path checkers and ``math`` run in a child process (``creditrl.utils.bound
 per-completion call within ``timeout`` seconds, a TRL call within ``timeout`` x its batch size,
 from any thread. A late call is killed, counted as an invalid reward and as a timeout
 (``reward_timeouts``), with one warning. ``timeout=None`` runs them in-process without a limit.
-Invalid rewards (None, NaN, inf, a wrong type, a raise, a timeout) are NaN here; the rollout counts
+Invalid rewards (None, NaN, inf, a number beyond float32's range such as 1e39, a wrong type, a raise,
+a timeout) are NaN here; the rollout counts
 them as 0 and logs ``reward_invalid_frac``. A checker's raise never stops a run (one warning per
 checker); a TRL function returning the wrong number of rewards does (a bug in it, as in TRL).
 """
@@ -65,6 +66,9 @@ def columns_of(problem: Problem) -> dict[str, Any]:
 def ground_truth(problem: Problem) -> Any:
     """The answer as the data holds it (a list, a number, ...); ``problem.answer`` is its text."""
     return problem.meta.get("ground_truth", problem.answer)
+
+
+FLOAT32_MAX = 3.4028234663852886e38   # rewards are float32 tensors: a larger finite number would become inf
 
 
 def _number(value: Any) -> float | None:
@@ -250,6 +254,8 @@ class RewardFunction:
         number = _number(value)
         if number is None:
             return math.nan, extras, f"returned a {type(value).__name__}, not a number"
+        if math.isfinite(number) and abs(number) > FLOAT32_MAX:   # inf once stored as a float32 reward
+            return math.nan, extras, f"returned {number!r}, beyond float32's range (|reward| <= {FLOAT32_MAX:.3g})"
         return number, extras, None
 
     def close(self) -> None:

@@ -108,8 +108,10 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict, state: dict, 
     return path
 
 
-def load_latest(run_dir: str | Path) -> tuple[dict, dict]:
-    """``(weights, state)`` of the newest complete checkpoint of ``run_dir``; a clear error when there is none."""
+def load_latest(run_dir: str | Path, skipped: list[str] | None = None) -> tuple[dict, dict]:
+    """``(weights, state)`` of the newest complete checkpoint of ``run_dir``; a clear error when there is none.
+    Damaged newer checkpoints are skipped: each is appended to ``skipped`` ("step_N: what is wrong")
+    when a list is given (the trainer prints and records them), else a warning names them."""
     found = list_checkpoints(run_dir)
     if not found:
         raise FileNotFoundError(f"resume: no checkpoint in {str(Path(run_dir) / 'checkpoints')!r}; "
@@ -122,7 +124,9 @@ def load_latest(run_dir: str | Path) -> tuple[dict, dict]:
         except Exception as err:  # noqa: BLE001 - any damage means: try the next older one
             problems.append(f"{path.name}: {err}")
             continue
-        if problems:
+        if problems and skipped is not None:
+            skipped.extend(problems)
+        elif problems:
             warnings.warn(f"resume: skipped damaged checkpoint(s) ({'; '.join(problems)}); resuming from "
                           f"{path.name}", stacklevel=2)
         return loaded

@@ -141,13 +141,14 @@ class Trainer:
         cfg = resolve_config(config_from_dict(data))
         check_complete(run_dir / "config.yaml", data, config_to_dict(cfg))
         cfg = located(cfg, run_dir)
-        weights, state = ckpt.load_latest(run_dir) if ckpt.list_checkpoints(run_dir) else (None, None)
+        skipped: list[str] = []
+        weights, state = ckpt.load_latest(run_dir, skipped) if ckpt.list_checkpoints(run_dir) else (None, None)
         step = state["step"] if state else 0
         changes = resume_changes(state["config"], config_to_dict(cfg), step) if state and "config" in state else {}
         trainer = cls(cfg, run_dir, progress=progress)
         if state is not None:
             trainer.load_state(weights, state)
-        trainer.record_resume(changes, state)
+        trainer.record_resume(changes, state, skipped)
         return trainer
 
     def load_state(self, weights: dict, state: dict) -> None:
@@ -163,16 +164,19 @@ class Trainer:
         ckpt.set_rng_state(state["rng"], self.generator, self.task_rng)
         self.step, self.tokens_total, self.elapsed = state["step"], state["tokens_total"], state["elapsed"]
 
-    def record_resume(self, changes: dict, state: dict | None) -> None:
+    def record_resume(self, changes: dict, state: dict | None, skipped: list[str] = ()) -> None:
         """Cut the logs back to the resumed step and record the resume (step, applied config
-        changes) in resumes.jsonl; its note is printed when the run starts."""
+        changes, damaged checkpoints skipped) in resumes.jsonl; its note is printed when the run
+        starts. A restart from step 0 has no checkpoint config to compare with: changes None."""
         run_dir = self.run_dir
         if state is None:       # killed before the first checkpoint: a fresh start, nothing earlier kept
             shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
         for name in ("metrics", "eval", "completions"):
             truncate_jsonl(run_dir / f"{name}.jsonl", self.step if state is not None else -1)
         truncate_jsonl(run_dir / "resumes.jsonl", self.step - 1)
-        record = {"step": self.step, "changes": changes, "checkpoint": state is not None}
+        record = {"step": self.step, "changes": changes if state is not None else None, "checkpoint": state is not None}
+        if skipped:
+            record["skipped"] = list(skipped)
         with open(run_dir / "resumes.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
         self.notes.append(resume_note(record, run_dir))
@@ -316,7 +320,8 @@ class Trainer:
             info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
                                                    c.model.cache_dir)) or {}
             if info:
-                extra["warm_start"] = (f"{info.get('steps')} SFT steps to sampled accuracy "
+                extra["warm_start"] = (f"{info.get('steps')} SFT steps to a sampled mean reward (the accuracy "
+                                       f"for 0/1 rewards) of "
                                        f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
                              extra=extra, completions=completions)
@@ -349,10 +354,13 @@ def resume_note(record: dict, run_dir: Path | None = None) -> str:
     if not record.get("checkpoint"):
         where = f" {run_dir}" if run_dir else ""
         return (f"resume:{where} had no checkpoint (train.save_every=0, or killed before the first one), so the run "
-                f"started again from step 0 with config.yaml as it was; its earlier logs were dropped")
+                f"restarted from step 0 with config.yaml as it is now (changes not compared: no checkpoint recorded "
+                f"the first start's config); its earlier logs were dropped")
     changes = record.get("changes") or {}
     applied = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
-    return f"resumed at step {record['step']}" + (f" with config changes {applied}" if changes else ", config unchanged")
+    skipped = (f" (skipped damaged checkpoint(s): {'; '.join(record['skipped'])})" if record.get("skipped") else "")
+    return (f"resumed at step {record['step']}{skipped}" +
+            (f" with config changes {applied}" if changes else ", config unchanged"))
 
 
 def final_problem(path: Path) -> str | None:

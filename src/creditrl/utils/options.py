@@ -146,6 +146,10 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if origin in (list, tuple):
         value = value if isinstance(value, (list, tuple)) else [value]
         (item,) = typing.get_args(inner)[:1] or (Any,)
+        for i, v in enumerate(value):   # a list of strings takes no numbers: [1] may mean a token id
+            if _unannotated(item)[0] is str and not isinstance(v, str):
+                raise OptionError(f"{key}[{i}]: expected a string, got {v!r} ({type(v).__name__}); quote it, e.g. "
+                                  f"{key}='[\"{v}\"]'")
         items = [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict or inner is dict:

@@ -182,9 +182,13 @@ def check_group_size(name: str, options: dict, group_size: int, key: str = "grou
     ``group_size`` responses: it runs on one dummy group of that size, so any option/size combination
     it rejects (e.g. max@K's k >= N) fails before training instead of at the first batch. Returns
     whether a group of one gets a nonzero advantage (False: such groups learn nothing)."""
-    if get_estimator(name).name == "maxpo" and not 1 <= options.get("k", 1) < group_size:
-        raise ValueError(f"k: maxpo needs 1 <= k < {key} (={group_size}) for its leave-two-out baseline, got "
-                         f"k={options['k']}")
+    known, k = get_estimator(name).name, options.get("k")
+    if known in maxk.K_RANGES and isinstance(k, int) and not isinstance(k, bool):
+        low, offset = maxk.K_RANGES[known]
+        if not low <= k <= group_size + offset:
+            why = " for its leave-two-out baseline" if known == "maxpo" else ""
+            raise ValueError(f"k: {known} needs {low} <= k {'<' if offset else '<='} {key} (={group_size}){why}, "
+                             f"got k={k}")
     try:
         compute_advantages(name, rewards=(torch.arange(group_size) % 2).float(), mask=torch.ones(group_size, 2),
                            group=torch.zeros(group_size, dtype=torch.long), energy=torch.ones(group_size, 2),

@@ -31,7 +31,10 @@ __all__ = ["MaxKStats", "maxk_quantities", "pass_at_k", "max_at_k", "binom_ratio
 
 
 # Option declarations (name, type, help) shared by the max@K estimators' signatures
-K = Annotated[int, "K of max@K / pass@K: attempts scored by their best (1 <= K <= N; maxpo needs K < N)"]
+K = Annotated[int, "K of max@K / pass@K: attempts scored by their best, N the group size (maxpo: 1 <= K < N; "
+                   "ei, pkpo: 2 <= K <= N; maxk_bon, passk_chen: 1 <= K <= N)"]
+# (low, high_offset) of each estimator's K: low <= K <= N + high_offset (check_k_range)
+K_RANGES = {"maxpo": (1, -1), "ei": (2, 0), "pkpo": (2, 0), "maxk_bon": (1, 0), "passk_chen": (1, 0)}
 Normalize = Annotated[Literal["none", "std"], "std: divide by the group's reward std (N-1) + eps"]
 Eps = Annotated[float, "added to the group std before dividing (> 0)"]
 
@@ -236,7 +239,7 @@ def maxpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Ep
     1 <= K <= N-1 per group. ``normalize="std"`` divides by the group's reward std (N-1) + eps
     (GRPO-style heuristic; keeps the centring). Singleton groups: 0.
     """
-    check_k_range("maxpo", batch.groups, _check_k("k", k), 1, -1)
+    check_k_range("maxpo", batch.groups, _check_k("k", k), *K_RANGES["maxpo"])
     return _finish(_maxk_stats(batch.rewards, batch.groups, k).advantage, batch, normalize, eps)
 
 
@@ -248,7 +251,7 @@ def ei(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps =
     baseline, MaxPO eq. 6/11); ``pkpo`` is (K/N)·EI. Non-negative, not centred. 2 <= K <= N.
     ``normalize="std"`` as in ``maxpo``. Singletons: 0.
     """
-    check_k_range("ei", batch.groups, _check_k("k", k), 2, 0)
+    check_k_range("ei", batch.groups, _check_k("k", k), *K_RANGES["ei"])
     return _finish(_maxk_stats(batch.rewards, batch.groups, k).ei, batch, normalize, eps)
 
 
@@ -258,7 +261,7 @@ def pkpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps
 
     Non-negative (not centred). 2 <= K <= N. ``normalize="std"`` as in ``maxpo``. Singletons: 0.
     """
-    check_k_range("pkpo", batch.groups, _check_k("k", k), 2, 0)
+    check_k_range("pkpo", batch.groups, _check_k("k", k), *K_RANGES["pkpo"])
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     return _finish(k / stats.sizes.to(torch.float64) * stats.ei, batch, normalize, eps)
 
@@ -267,7 +270,7 @@ def pkpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps
 def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Bagirov et al. 2025 "BoN mean": z-score within the group of PKPO's s_i = (K/N) mu_i,
     std with N-1 plus eps as in ``grpo`` (MaxPO App. F.6 eq. 103). 1 <= K <= N. Singletons: 0."""
-    check_k_range("maxk_bon", batch.groups, _check_k("k", k), 1, 0)
+    check_k_range("maxk_bon", batch.groups, _check_k("k", k), *K_RANGES["maxk_bon"])
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     s = k / stats.sizes.to(torch.float64) * stats.mu
     s = torch.where(stats.sizes == 1, torch.zeros_like(s), s)  # mu is nan when K > N = 1
@@ -287,7 +290,7 @@ def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """
     check_range("eps", eps, 0.0, low_inclusive=False)
     groups = batch.groups
-    check_k_range("passk_chen", groups, _check_k("k", k), 1, 0)
+    check_k_range("passk_chen", groups, _check_k("k", k), *K_RANGES["passk_chen"])
     r = batch.rewards.to(torch.float64)
     nonbinary = groups.sum(((r != 0) & (r != 1)).to(torch.int64)) > 0
     if bool(nonbinary.any()):

@@ -25,8 +25,8 @@ from transformers.utils import logging as hf_logging
 
 from creditrl.config import DTYPES, ConfigError, LoraSettings, TinyModelConfig, WarmStartConfig
 from creditrl.utils.io import atomic_directory
-from creditrl.runtime.models.files import (ModelDirError, adapter_settings, check_model_dir, has_tokenizer,
-                                           load_failure)
+from creditrl.runtime.models.files import (ModelDirError, adapter_settings, check_finite_weights, check_model_dir,
+                                           has_tokenizer, load_failure)
 from creditrl.runtime.models.pretrained import SMOLLM2, smollm2_dir
 from creditrl.runtime.models.tiny import char_tokenizer, tiny_model
 from creditrl.runtime.models.warm_start import WarmStartResult, warm_start
@@ -73,7 +73,7 @@ def build_tiny(task, model_cfg: TinyModelConfig, warm_cfg: WarmStartConfig, seed
     model = tiny_model(tokenizer, model_cfg, seed=seed)
     result = warm_start(model, tokenizer, task, warm_cfg, progress=progress)
     if progress:
-        print(f"builtin:tiny warm start on {task.name}: {result.steps} steps, sampled accuracy "
+        print(f"builtin:tiny warm start on {task.name}: {result.steps} steps, sampled mean reward "
               f"{result.accuracy:.2f}, {result.seconds:.1f}s -> {path}")
     with atomic_directory(path, complete_marker=META_FILE) as tmp:   # another process's entry wins
         model.save_pretrained(tmp)
@@ -149,6 +149,7 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
         model.config.use_cache = False
     if adapter is not None or lora is not None:
         model = _with_adapters(model, adapter, lora)
+    check_finite_weights(model, spec)
     model.eval()
     return model, tokenizer
 

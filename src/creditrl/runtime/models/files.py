@@ -9,6 +9,7 @@ the file that is missing or damaged.
   whose safetensors headers must be readable and fit the file (a copy cut short fails here), and
   tokenizer files. A LoRA adapter directory (``adapter_config.json``) needs its adapter weights
   and a base model directory, checked the same way.
+- After loading, ``check_finite_weights`` refuses weights holding NaN/inf, naming the tensor.
 - ``load_failure`` turns what transformers or peft raise while loading (e.g. a config.json that
   does not match the weights) into an error naming the directory.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from creditrl.utils.io import MANIFEST, manifest_problem, read_manifest
@@ -29,6 +31,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 class ModelDirError(ValueError):
     """A model directory that cannot be loaded; the message names the file and what is wrong."""
+
+
+def check_finite_weights(model, where: str) -> None:
+    """ModelDirError naming the first parameter holding NaN/inf and the directory ``where`` it came
+    from: such weights give NaN log-probs and every sample garbage (accuracy 0), which would look
+    like a real result. One pass, one ``isfinite`` per tensor."""
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            bad = int((~torch.isfinite(param)).sum())
+            raise ModelDirError(f"model.name: the weights loaded from {where!r} are not finite: {name} "
+                                f"{tuple(param.shape)} holds {bad} NaN/inf value(s); the model is damaged")
 
 
 def _json(path: Path, what: str) -> dict:

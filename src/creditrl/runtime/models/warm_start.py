@@ -38,11 +38,13 @@ def response_mask(task, response: str) -> list[int]:
 
 def sft_batch(task, tokenizer, problems: list[Problem]) -> dict[str, torch.Tensor]:
     """Right-padded ``input_ids``/``attention_mask``/``labels`` (-100 off the loss) for SFT.
-    Character-level: one character of the response is one token, so the mask aligns."""
+    Character-level: one character of the response is one token, so the mask aligns. Prompts keep
+    their last ``task.max_prompt_tokens`` tokens when that is set, as in rollouts."""
     rows, labels = [], []
+    limit = getattr(task, "max_prompt_tokens", None)   # set by task.options.truncate_prompts
     for p in problems:
         target = task.sft_target(p)
-        prompt_ids = tokenizer.encode(p.prompt, add_special_tokens=False)
+        prompt_ids = tokenizer.encode(p.prompt, add_special_tokens=False)[-limit if limit else 0:]
         target_ids = tokenizer.encode(target, add_special_tokens=False) + [tokenizer.eos_token_id]
         mask = response_mask(task, target) + [1]
         if len(mask) != len(target_ids):
