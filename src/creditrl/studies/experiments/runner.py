@@ -246,7 +246,8 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
     sections = [experiment_section(name, runs / name, figures, verdicts[name]) for name in verdicts]
     missing = [name for name in experiment_names() if name not in verdicts]
     if missing:
-        sections.append("## Not run\n\n" + "".join(f"- `{m}`: no results under `{runs / m}`\n" for m in missing))
+        sections.append("## Not run\n\n" + "".join(f"- `{m}`: no results under `{runs / m}`\n" for m in missing)
+                        + "\nEarlier reports' verdicts, with the rules they were decided by: docs/evidence-history.md.\n")
     walls = [float((runs / n / "wall_time.txt").read_text()) for n in verdicts if (runs / n / "wall_time.txt").exists()]
     presets = recorded_presets(runs, verdicts)
     head = [INTRO.format(provenance=provenance(presets)), "## Summary of verdicts\n", coverage_line(presets),
