@@ -125,7 +125,8 @@ class RewardFunction:
         if timeout is not None and (isinstance(timeout, bool) or _number(timeout) is None or not 0 < timeout < math.inf):
             raise ValueError(f"task.options.checker_timeout: expected a positive number of seconds or null, "
                              f"got {timeout!r}")
-        self.name, self.what, self.timeout = checker if isinstance(checker, str) else _callable_name(checker), what, timeout
+        self.name = checker if isinstance(checker, str) else _callable_name(checker)
+        self.what, self.timeout = what, timeout
         self.path, self.fn = (None, checker) if callable(checker) else self._resolve(checker, tolerance)
         if isinstance(checker, str) and checker in BUILTIN_CHECKERS:
             if convention not in ("auto", "creditrl"):

@@ -79,8 +79,8 @@ def recommend(meas: Measurement, table: list[dict]) -> dict:
     pool = [r for r in ranked if r["estimator"] in {best["estimator"], *tied}]
     cheapest = min(pool, key=lambda r: (r["needs_energy"], -r["efficiency_vs_rloo"].value))
     why = "needs no energy; the highest point efficiency of those" if not cheapest["needs_energy"] else "all need energy"
-    text = (f"no estimator is measurably better here; use the cheapest: `{cheapest['estimator']}` ({why}). The highest point efficiency, `{best['estimator']}` ({best['efficiency_vs_rloo']} "
-            f"against rloo), is not separated from {', '.join(f'`{t}`' for t in tied)} by its paired 95% intervals"
+    text = (f"no estimator is measurably better here; use the cheapest: `{cheapest['estimator']}` ({why}). The "
+            f"highest point efficiency, `{best['estimator']}` ({best['efficiency_vs_rloo']} against rloo), is not separated from {', '.join(f'`{t}`' for t in tied)} by its paired 95% intervals"
             + (f"; measurably worse than it: {', '.join(f'`{w}`' for w in worse)}" if worse else ""))
     return {"best": best["estimator"], "separated": False, "tied": tied, "worse": worse,
             "choice": cheapest["estimator"], "text": text}
