@@ -30,7 +30,7 @@ def probe_seconds(model, tokenizer, task, plan: Plan, space: GradientSpace, roll
 def estimate_text(plan: Plan, seconds: float, shrink: str) -> str:
     """"cost estimate: ..." with the setting (``shrink``, e.g. ``diagnose.prompts``) that reduces it."""
     total = seconds * plan.groups
-    half = max(plan.folds, plan.prompts // 2)
+    half = max(2, plan.prompts // 2)
     return (f"cost estimate: {plan.prompts} prompts × {plan.groups_per_prompt} groups × {seconds:.2f} s per group "
             f"(one-group probe) ≈ {total / 60:.1f} min; {shrink}={half} would take about "
             f"{seconds * half * plan.groups_per_prompt / 60:.1f} min (wider intervals)")
