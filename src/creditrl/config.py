@@ -251,7 +251,7 @@ class LoggingConfig:
 class DiagnoseConfig:
     """`creditrl diagnose`: which estimator gives the best gradient on this model and task, and
     whether a larger group pays (read by `creditrl diagnose` only; `train` ignores it)."""
-    prompts: int = opt(32, "P prompts sampled; the intervals are over prompts (the resampling unit). The run's "
+    prompts: int = opt(24, "P prompts sampled; the intervals are over prompts (the resampling unit). The run's "
                            "cost is about P × groups_per_prompt × the probe's time per group (printed up front).")
     groups_per_prompt: int = opt(3, "Independent groups of rollout.group_size responses per prompt (>= 2: two groups "
                                     "of one prompt separate the variance within a prompt from that across prompts).")

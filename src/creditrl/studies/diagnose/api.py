@@ -74,7 +74,7 @@ def plan_for(group_size: int, estimators, k, prompts, groups_per_prompt, folds, 
 
 
 def diagnose(model, tokenizer, dataset, reward_funcs, *, reward_weights: Sequence[float] | None = None,
-             group_size: int = 8, prompts: int = 32, groups_per_prompt: int = 3, estimators: Sequence[str] | None = None,
+             group_size: int = 8, prompts: int = 24, groups_per_prompt: int = 3, estimators: Sequence[str] | None = None,
              k: int | None = None, max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0,
              params: Sequence[str] | None = None, max_memory_gb: float = 2.0, sketch_dim: int = 65536,
              folds: int | None = None, seed: int = 0, estimator: str = "grpo", prompts_per_step: int = 8,

@@ -1,5 +1,6 @@
 """The cost of a diagnose run, estimated up front from a one-group probe: sample one group of N for
-a probe prompt (not part of the measurement) and take its exact gradient under every estimator;
+a probe prompt (not part of the measurement), take its exact gradient under every estimator and
+fold it into gradient statistics;
 the run costs about (groups) × (the probe's seconds per group). The probe also warms the model up."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import torch
 
-from creditrl.core.gradients import CountSketch
+from creditrl.core.gradients import CountSketch, GradientMoments
 from creditrl.runtime.group_gradients import group_gradients
 from creditrl.runtime.rollout import generate_rollouts
 from creditrl.studies.diagnose.measure import SHARED_PROMPT_MIN_PARAMS
@@ -22,8 +23,9 @@ def probe_seconds(model, tokenizer, task, plan: Plan, space: GradientSpace, roll
     start = time.perf_counter()
     batch = generate_rollouts(model, tokenizer, task, [problem], group_size=plan.group_size,
                               generator=torch.Generator().manual_seed(plan.seed + 1), **rollout)
-    group_gradients(model, batch, plan.specs, temperature=rollout["temperature"], params=list(space.params),
-                    sketch=sketch, shared_prompts=space.covered >= SHARED_PROMPT_MIN_PARAMS)
+    draws = group_gradients(model, batch, plan.specs, temperature=rollout["temperature"], params=list(space.params),
+                            sketch=sketch, shared_prompts=space.covered >= SHARED_PROMPT_MIN_PARAMS)
+    GradientMoments(tuple(plan.specs), space.dim).add_many(draws.grads.cpu())     # the statistics' share
     return time.perf_counter() - start
 
 

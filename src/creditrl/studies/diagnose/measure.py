@@ -77,7 +77,7 @@ def start(plan: Plan, dim: int) -> tuple[GradientMoments, Measurement]:
     """Empty statistics over a D = ``dim`` space, folds of prompts, and an empty record."""
     moments = GradientMoments(tuple(plan.specs), dim, folds=plan.folds)
     return moments, Measurement(stats=None, nonzero=dict.fromkeys(plan.specs, 0),
-                                seconds={"sampling": 0.0, "gradients": 0.0,
+                                seconds={"sampling": 0.0, "gradients": 0.0, "statistics": 0.0,
                                          **{f"advantages/{k}": 0.0 for k in plan.timed}})
 
 
@@ -111,7 +111,9 @@ def measure(model, tokenizer, task, plan: Plan, space: GradientSpace, rollout: d
             out.seconds["gradients"] += time.perf_counter() - middle
             for label, seconds in advantage_seconds(batch, plan.timed).items():
                 out.seconds[f"advantages/{label}"] += seconds
+            middle = time.perf_counter()
             add_prompt(moments, out, prompt, draws, plan)
+            out.seconds["statistics"] += time.perf_counter() - middle
             bar.advance(job, plan.groups_per_prompt)
     return finish(moments, out, plan)
 

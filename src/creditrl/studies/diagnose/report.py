@@ -80,7 +80,8 @@ def markdown(result: dict) -> str:
              table(result["estimators"]), *noise_section(result["noise"], s["group_size"]),
              "## Gradient space and cost\n", f"{s['space']}.", result["sketch_error"] or "",
              f"\nProbe: {result['timing']['probe_s_per_group']:.2f} s per group; sampling "
-             f"{result['timing']['sampling_s']:.0f} s, gradients {result['timing']['gradients_s']:.0f} s in all. "
+             f"{result['timing']['sampling_s']:.0f} s, gradients {result['timing']['gradients_s']:.0f} s, gradient "
+             f"statistics {result['timing']['statistics_s']:.0f} s in all. "
              "The energies ŵ_t that otb/ogb/otb_isolated need come from the same fused forward as the log-probs, "
              "so their extra cost is the advantage computation shown.\n"]
     return "\n".join(lines)

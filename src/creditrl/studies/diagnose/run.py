@@ -40,7 +40,8 @@ def diagnose_policy(model, tokenizer, task, plan: Plan, space: GradientSpace, ro
               "sketch_error": SKETCH_NOTE.format(rel=(2 / space.dim) ** 0.5, dim=space.dim)
               if space.kind == "sketch" else None,
               "timing": {"probe_s_per_group": per_group, "sampling_s": meas.seconds["sampling"],
-                         "gradients_s": meas.seconds["gradients"], "total_s": time.perf_counter() - start},
+                         "gradients_s": meas.seconds["gradients"],
+                         "statistics_s": meas.seconds["statistics"], "total_s": time.perf_counter() - start},
               "stats": meas.stats.to_dict()}
     if run_dir is not None:
         with RunLock(run_dir):
