@@ -10,6 +10,7 @@ Public API (lazily imported so ``import creditrl`` stays cheap):
 - loss terms:        ``register_loss_term``, ``get_loss_term``, ``list_loss_terms``, ``LossState``,
                      ``ClipOptions``, ``AggregationOptions``, ``KLOptions``, ``RolloutCorrectionOptions``,
                      ``StapoOptions``, ``TraceOptions``
+- measurement:       ``diagnose`` (which estimator gives the best gradient on your model and data)
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ _EXPORTS = {
     "power_proxy": "creditrl.core.losses",
     "StapoOptions": "creditrl.core.losses",
     "TraceOptions": "creditrl.core.losses",
+    "diagnose": "creditrl.studies.diagnose",
 }
 
 __all__ = sorted(_EXPORTS)

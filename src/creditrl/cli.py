@@ -25,6 +25,7 @@ from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_con
                                     resolve_device)
 from creditrl.studies import compare
 from creditrl.studies import experiments
+from creditrl.studies.diagnose import run_command
 from creditrl.trainer import resume, train
 from creditrl.trainer.checkpoint import list_checkpoints
 from creditrl.trainer.loop import TrainingStopped, final_problem
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="creditrl", description="Critic-free RL post-training of LLMs "
                                      "(OTB, MaxPO, STAPO, GRPO-λ) that runs on a CPU.", formatter_class=raw)
-    sub = parser.add_subparsers(dest="command", metavar="{train,eval,compare,estimators,config,experiment}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,eval,diagnose,compare,estimators,config,experiment}")
     epilog = "config keys (key=value; defaults shown; null = automatic/off):\n" + "\n".join(reference.help_lines())
     train_p = sub.add_parser("train", help="train a policy (defaults: builtin:tiny on addition)", formatter_class=raw,
                              description="Train with the default config, a YAML file and/or key=value overrides.",
@@ -74,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     eval_p.add_argument("--k", type=int, nargs="+", help="k values for pass@k/avg@k (default train.pass_k)")
     eval_p.add_argument("--problems", type=int, help="held-out prompts used (default train.eval_problems)")
     eval_p.add_argument("--out", metavar="FILE", help="also write the JSON result to FILE")
+    diag_p = sub.add_parser("diagnose", help="measure which estimator gives the best gradient on this model/task",
+                            formatter_class=raw, epilog=epilog,
+                            description="Sample diagnose.prompts prompts x diagnose.groups_per_prompt groups with the "
+                            "configured policy and compare every estimator's exact gradient at matched signal; "
+                            "writes diagnose.md/.json/.png to a run directory. Same config as `train` plus diagnose.*.")
+    _config_args(diag_p)
+    diag_p.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same "
+                        "diagnose.run_name and start again (without it an existing one is refused)")
     sub.add_parser("estimators", help="list the registered advantage estimators and their options",
                    description="Every registered advantage estimator with its description and options.")
     sub.add_parser("config", help="print the configuration reference (Markdown; docs/config.md)",
@@ -185,6 +194,13 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_diagnose(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    run_dir = run_command(cfg, overwrite=args.overwrite, progress=not args.no_progress)
+    print((run_dir / "diagnose.md").read_text())
+    return 0
+
+
 def cmd_estimators(args) -> int:
     table = Table("estimator", "needs energy", "options (default)", "description")
     for name in list_estimators():
@@ -200,7 +216,8 @@ def cmd_config(args) -> int:
     return 0
 
 
-HANDLERS = {"train": cmd_train, "eval": cmd_eval, "estimators": cmd_estimators, "config": cmd_config}
+HANDLERS = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose, "estimators": cmd_estimators,
+            "config": cmd_config}
 
 
 def main(argv: list[str] | None = None) -> int:

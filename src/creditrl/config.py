@@ -248,6 +248,35 @@ class LoggingConfig:
 
 
 @dataclass
+class DiagnoseConfig:
+    """`creditrl diagnose`: which estimator gives the best gradient on this model and task, and
+    whether a larger group pays (read by `creditrl diagnose` only; `train` ignores it)."""
+    prompts: int = opt(24, "P prompts sampled; the intervals are over prompts (the resampling unit). The run's "
+                           "cost is about P × groups_per_prompt × the probe's time per group (printed up front).")
+    groups_per_prompt: int = opt(3, "Independent groups of rollout.group_size responses per prompt (>= 2: two groups "
+                                    "of one prompt separate the variance within a prompt from that across prompts).")
+    estimators: list[str] | None = opt(None, "Estimators compared: registered names, `NAME+loo` for the "
+                                             "`leave_one_out=true` form. null = every registered estimator and "
+                                             "every leave_one_out form, at algorithm.options where they apply "
+                                             "(the max@K ones only when diagnose.k or algorithm.options.k is set).")
+    k: int | None = opt(None, "K of the max@K estimators (maxpo, ei, pkpo, passk_chen, maxk_bon); null = "
+                              "algorithm.options.k when set.")
+    params: list[str] | None = opt(None, "Parameter-name prefixes of the gradient subset used when all trainable "
+                                         "parameters do not fit in diagnose.max_memory_gb (e.g. `[lm_head]`, "
+                                         "`[model.layers.29]`, LoRA adapters are the trainable parameters already).")
+    max_memory_gb: float = opt(2.0, "Memory allowed for the per-estimator gradient statistics. The gradient space "
+                                    "is all trainable parameters if they fit, else diagnose.params, else a count "
+                                    "sketch of dimension diagnose.sketch_dim (the choice is printed).")
+    sketch_dim: int = opt(65536, "Dimension d of the count sketch (inner products unbiased; a squared norm's "
+                                 "relative error about sqrt(2/d)).")
+    folds: int | None = opt(None, "Jackknife folds of prompts behind the 95% intervals (2 <= folds <= "
+                                  "diagnose.prompts); null = min(8, diagnose.prompts).")
+    seed: int | None = opt(None, "Seed of the prompts and the sampling; null = train.seed.")
+    run_name: str | None = opt(None, "Run directory under train.output_dir; null = "
+                                     "`diagnose-<task>-<model>-s<seed>-<time>`.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -262,6 +291,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -398,9 +428,17 @@ def read_saved_config(path: str | Path) -> dict:
     return data
 
 
+def training_keys(complete: dict) -> dict:
+    """A full config as a dict without its ``diagnose`` section: the keys a training run's saved
+    config.yaml must hold (``diagnose`` does not change training; a run saved before the section
+    existed reads with its defaults)."""
+    return {k: v for k, v in complete.items() if k != "diagnose"}
+
+
 def check_complete(path: str | Path, data: dict, complete: dict) -> None:
-    """Raise naming the keys of ``complete`` (a full config as a dict) that ``data`` lacks."""
-    missing = missing_keys(data, complete)
+    """Raise naming the keys of ``complete`` (a full config as a dict) that ``data`` lacks (its
+    ``diagnose`` section aside: ``training_keys``)."""
+    missing = missing_keys(data, training_keys(complete))
     if missing:
         shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
         raise ConfigError(f"{path}: incomplete saved config (missing {shown}); it is not filled in with "
@@ -436,7 +474,7 @@ def missing_keys(data: dict, complete: dict) -> list[str]:
 # sampling, estimator, loss, seed, precision and the eval set define it
 RESUME_CHANGEABLE = ("optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio",
                      "optim.max_grad_norm", "train.steps", "train.eval_every", "train.save_every", "train.keep_last",
-                     "train.save_optimizer", "train.output_dir", "train.run_name", "logging.*")
+                     "train.save_optimizer", "train.output_dir", "train.run_name", "logging.*", "diagnose.*")
 
 
 def changeable_on_resume(key: str) -> bool:
@@ -546,3 +584,26 @@ def validate(cfg: Config) -> None:
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
             raise ConfigError(f"train.pass_k: each k must be in [1, train.eval_samples={samples}], got {k}")
+    validate_diagnose(cfg.diagnose)
+
+
+def validate_diagnose(d: DiagnoseConfig) -> None:
+    """The ``diagnose`` section's own values (the estimators and the memory are checked against the
+    model and the registry by ``creditrl diagnose`` before it samples)."""
+    for key, value, low in (("diagnose.prompts", d.prompts, 2), ("diagnose.groups_per_prompt", d.groups_per_prompt, 2),
+                            ("diagnose.sketch_dim", d.sketch_dim, 1), ("diagnose.folds", d.folds, 2),
+                            ("diagnose.k", d.k, 1)):
+        if value is not None and value < low:
+            raise ConfigError(f"diagnose.{key.split('.')[1]}: expected an integer >= {low}, got {value}")
+    if d.folds is not None and d.folds > d.prompts:
+        raise ConfigError(f"diagnose.folds: expected at most diagnose.prompts={d.prompts} (folds of prompts), "
+                          f"got {d.folds}")
+    _positive("diagnose.max_memory_gb", d.max_memory_gb)
+    if d.seed is not None and not 0 <= d.seed < 2**32:
+        raise ConfigError(f"diagnose.seed: expected an integer in [0, 2**32 - 1], got {d.seed}")
+    if d.estimators is not None and (not d.estimators or len(set(d.estimators)) != len(d.estimators)):
+        raise ConfigError(f"diagnose.estimators: expected a non-empty list of distinct estimator names or null, "
+                          f"got {d.estimators}")
+    if d.params is not None and (not d.params or not all(d.params)):
+        raise ConfigError(f"diagnose.params: expected a non-empty list of parameter-name prefixes or null, "
+                          f"got {d.params}")

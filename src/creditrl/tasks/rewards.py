@@ -1,7 +1,8 @@
 """Reward functions in the field's conventions, summed with weights as TRL does, each call time-limited.
 
-A checker is a built-in name (``exact``, ``numeric``, ``math``: ``tasks/checkers.py``) or a
-``package.module:function`` import path in one of three conventions, told from its signature
+A checker is a built-in name (``exact``, ``numeric``, ``math``: ``tasks/checkers.py``), a
+``package.module:function`` import path or, from Python, the function itself (run in-process, no
+time limit) in one of three conventions, told from its signature
 (``convention`` forces one):
 
 - ``creditrl``: ``fn(prompt, response, answer) -> float``, one completion per call;
@@ -80,6 +81,11 @@ def _number(value: Any) -> float | None:
         return None
 
 
+def _callable_name(fn: Callable) -> str:
+    """A function's name in messages and logs (``reward/<name>``)."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
 def detect_convention(signature: inspect.Signature, checker: str, what: str) -> str:
     """``verl`` if the function names ``solution_str`` (or ``data_source`` and ``ground_truth``),
     ``trl`` if it names ``prompts`` or ``completions``, ``creditrl`` if it takes 3 positional arguments."""
@@ -115,16 +121,18 @@ class RewardFunction:
     def __init__(self, checker: str, *, convention: str = "auto", tolerance: float = 0.0,
                  timeout: float | None = DEFAULT_TIMEOUT, columns: Sequence[str] = (),
                  what: str = "task.options.checker"):
-        if not isinstance(checker, str):
-            raise ValueError(f"{what}: expected a checker name or 'package.module:function', got {checker!r}")
+        if not isinstance(checker, str) and not callable(checker):
+            raise ValueError(f"{what}: expected a checker name, 'package.module:function' or a function, "
+                             f"got {checker!r}")
         if convention not in CONVENTIONS:
             raise ValueError(f"task.options.checker_convention: expected one of {list(CONVENTIONS)}, got {convention!r}")
         if timeout is not None and (isinstance(timeout, bool) or _number(timeout) is None or not 0 < timeout < math.inf):
             raise ValueError(f"task.options.checker_timeout: expected a positive number of seconds or null, "
                              f"got {timeout!r}")
-        self.name, self.what, self.timeout = checker, what, timeout
-        self.path, self.fn = self._resolve(checker, tolerance)
-        if checker in BUILTIN_CHECKERS:
+        self.name = checker if isinstance(checker, str) else _callable_name(checker)
+        self.what, self.timeout = what, timeout
+        self.path, self.fn = (None, checker) if callable(checker) else self._resolve(checker, tolerance)
+        if isinstance(checker, str) and checker in BUILTIN_CHECKERS:
             if convention not in ("auto", "creditrl"):
                 raise ValueError(f"task.options.checker_convention: the built-in checker {checker!r} takes "
                                  f"(prompt, response, answer) ('creditrl'), got {convention!r}")

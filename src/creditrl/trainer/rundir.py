@@ -33,13 +33,15 @@ def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
                           f"choose a writable {arg}") from None
 
 
-def prepare_new_run(run_dir: Path, *, overwrite: bool = False) -> None:
-    """Checks for a new run in ``run_dir`` (before the model loads): refuse or clear an existing one."""
+def prepare_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.run_name",
+                    resume_hint: bool = True) -> None:
+    """Checks for a new run in ``run_dir`` (before the model loads): refuse or clear an existing one
+    (errors name ``key``; ``resume_hint``: mention ``creditrl train --resume``)."""
     if run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
         if not overwrite:
-            raise RunDirError(f"train.run_name: the run directory {str(run_dir)!r} already exists; continue it with "
-                              f"`creditrl train --resume {run_dir}` or start it again with --overwrite "
-                              f"(which deletes it)")
+            resume = f"continue it with `creditrl train --resume {run_dir}` or " if resume_hint else ""
+            raise RunDirError(f"{key}: the run directory {str(run_dir)!r} already exists; {resume}start it again "
+                              f"with --overwrite (which deletes it){'' if resume_hint else ' or choose another ' + key}")
         with RunLock(run_dir):                 # never delete a directory a live run writes to
             for entry in run_dir.iterdir():
                 if entry.name != LOCK_FILE:

@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from creditrl.core.gradients.moments import GradientStats
+from creditrl.core.gradients.quality import Interval, _interval, _replicates
 from creditrl.utils.validate import check_range
 
 Vector = Tensor | Sequence[Tensor]   # a flat gradient, or one tensor per parameter
@@ -88,3 +90,38 @@ class NoiseScale:
     def load_state_dict(self, state: dict) -> None:
         self.decay, self.trace, self.grad_sq, self.steps = (float(state["decay"]), float(state["trace"]),
                                                             float(state["grad_sq"]), int(state["steps"]))
+
+
+def prompt_noise_scale(stats: GradientStats, name: str, batch: float) -> dict[str, Interval]:
+    """B_simple in groups, its split into variance within and across prompts, and what doubling the
+    group size would do, from ``GradientStats`` whose units are prompts with several groups each.
+
+    Per draw (one group of N on a random prompt), tr Σ = V = W + A: A = E‖E[g|prompt] − G‖² (across
+    prompts) = E<g_a, g_b> over two groups of one prompt − ‖G‖², W = V − A (within a prompt). A group
+    of 2N behaves as two groups of N on one prompt (exact for the responses' own noise; it ignores the
+    slightly better baseline of a larger group), so its per-group variance is W/2 + A and:
+
+        snr_gain   = V / (W/2 + A)                          signal-to-noise per step, 2N against N (1..2)
+        progress   = (1 + B/batch) / (1 + B'/batch)          McCandlish et al. (2018): a step's best
+                                                             expected gain ∝ 1/(1 + B_noise/batch)
+        B = V/‖G‖², B' = (W/2 + A)/‖G‖²                      in groups; ``batch``: groups per step
+
+    Intervals: delete-one-fold jackknife as in ``quality`` (log scale for the ratios)."""
+    e = stats.index(name)
+    stats = stats.nonempty()
+    K = stats.draws.numel()
+    keep = torch.cat([torch.ones(1, K, dtype=torch.float64), 1 - torch.eye(K, dtype=torch.float64)])
+    second, signal = _replicates(stats)
+    pairs = keep @ (stats.same_unit - stats.draws)
+    same = (keep @ (stats.within[:, e, e] - stats.second[:, e, e])) / pairs
+    grad_sq, variance = signal[:, e, e], second[:, e, e] - signal[:, e, e]
+    across = same - grad_sq
+    within = variance - across
+    doubled = within / 2 + across
+    nan = torch.full_like(variance, math.nan)
+    ok = (grad_sq > 0) & (doubled > 0) & (pairs > 0)
+    values = {"noise_scale": torch.where(ok, variance / grad_sq, nan),
+              "within_share": torch.where(pairs > 0, within / variance, nan),
+              "snr_gain": torch.where(ok, variance / doubled, nan),
+              "progress_gain": torch.where(ok, (1 + variance / grad_sq / batch) / (1 + doubled / grad_sq / batch), nan)}
+    return {key: _interval(float(v[0]), v[1:], key != "within_share") for key, v in values.items()}

@@ -1,0 +1,64 @@
+"""`creditrl diagnose [--config F] [--overwrite] [key=value ...]`: the `train` config (model, LoRA,
+task, rollout, estimator options) plus its ``diagnose`` section, so the measurement runs on exactly
+the setting a user is about to train. Everything the config names is checked before the model
+loads; the memory limit once the model's parameters are known, before any sampling."""
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+
+from creditrl.config import Config
+from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_configured_policy, resolve_config,
+                                    resolve_device)
+from creditrl.studies.diagnose.plan import Plan, choose_space, estimator_specs
+from creditrl.studies.diagnose.run import diagnose_policy
+from creditrl.studies.gradient_evidence import LOO
+from creditrl.trainer.rundir import prepare_new_run
+from creditrl.utils.threads import torch_threads
+
+
+def make_plan(cfg: Config) -> Plan:
+    """The plan of a resolved config (refuses unknown estimators and groups of 1)."""
+    d, options = cfg.diagnose, dict(cfg.algorithm.options)
+    k = d.k if d.k is not None else options.get("k")
+    specs = estimator_specs(d.estimators, options, k, cfg.rollout.group_size)
+    labels = (*specs, "dr_grpo") if "dr_grpo" not in specs else tuple(specs)
+    specs = {label: spec for label, spec in specs.items() if label != "dr_grpo"}   # derived from rloo
+    configured = cfg.algorithm.estimator + (LOO if options.get("leave_one_out") else "")
+    return Plan(prompts=d.prompts, groups_per_prompt=d.groups_per_prompt, group_size=cfg.rollout.group_size,
+                folds=d.folds or min(8, d.prompts), specs=specs, labels=labels, configured=configured,
+                batch=cfg.rollout.prompts_per_step, seed=cfg.train.seed if d.seed is None else d.seed)
+
+
+def run_dir_of(cfg: Config, plan: Plan) -> Path:
+    name = cfg.diagnose.run_name or (f"diagnose-{Path(cfg.task.name).name.replace(':', '-')}-"
+                                     f"{Path(cfg.model.name).name.replace(':', '-')}-s{plan.seed}-"
+                                     f"{datetime.now():%Y%m%d-%H%M%S}")
+    return Path(cfg.train.output_dir).expanduser() / name
+
+
+def run_command(cfg: Config, *, overwrite: bool = False, progress: bool = True) -> Path:
+    """The whole command; returns the run directory."""
+    start = time.perf_counter()
+    cfg = resolve_config(cfg)
+    plan = make_plan(cfg)
+    run_dir = run_dir_of(cfg, plan)
+    prepare_new_run(run_dir, overwrite=overwrite, key="diagnose.run_name", resume_hint=False)
+    task = build_task(cfg)
+    threads = cfg.train.threads or (1 if cfg.model.name == "builtin:tiny" else None)
+    with torch_threads(threads):
+        model, tokenizer = load_configured_policy(cfg, task, resolve_device(cfg.train.device), progress)
+        d = cfg.diagnose
+        space = choose_space(model, d.params, len(plan.specs), plan.folds, plan.groups_per_prompt, d.max_memory_gb,
+                             d.sketch_dim)
+        r = cfg.rollout
+        rollout = {"temperature": r.temperature, "top_p": r.top_p, "max_tool_tokens": r.max_tool_tokens,
+                   "max_new_tokens": r.max_new_tokens or default_max_new_tokens(task, tokenizer),
+                   "stop_strings": tuple(r.stop)}
+        setting = {"model": cfg.model.name, "task": cfg.task.name + (f" {dict(cfg.task.options)}" if cfg.task.options
+                                                                     else ""), "configured": plan.configured}
+        diagnose_policy(model, tokenizer, task, plan, space, rollout, setting=setting, run_dir=run_dir,
+                        progress=progress)
+    print(f"run directory: {run_dir}  (total wall time incl. model load: {(time.perf_counter() - start) / 60:.1f} min)")
+    return run_dir
