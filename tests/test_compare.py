@@ -133,3 +133,27 @@ def test_compare_end_to_end_with_trainer(tmp_path):
     argv[argv.index("train.steps=2")] = "train.steps=3"  # a changed recipe retrains
     assert cli_main(argv) == 0
     assert reporting.read_csv(tmp_path / "final.csv")[0]["steps"] == 3
+
+
+def test_cli_rejects_bad_jobs(tmp_path, capsys):
+    assert compare.main(["--out", str(tmp_path), "--jobs", "0", "--run", "a", "k=v"]) == 2
+    assert "--jobs: expected" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+def test_parallel_runs_match_sequential(tmp_path):
+    """--jobs 2 trains in separate processes; every run's numbers are those of the sequential runs."""
+    pytest.importorskip("creditrl.trainer.loop")
+    common = ["--seeds", "0,1", "--no-progress", "train.steps=2", "rollout.prompts_per_step=2",
+              "rollout.group_size=4", "train.eval_every=0", "train.eval_problems=4", "train.eval_samples=4",
+              "train.pass_k=[1]", "train.save_every=0", "train.threads=1", "model.warm_start.max_steps=25",
+              "logging.report_to=[jsonl]", "logging.plots=false", "--run", "otb", "algorithm.estimator=otb"]
+    assert compare.main(["--out", str(tmp_path / "seq"), *common]) == 0
+    assert compare.main(["--out", str(tmp_path / "par"), "--jobs", "2", *common]) == 0
+    keys = ("loss", "reward_mean", "grad_norm", "entropy", "response_len")
+    for seed in (0, 1):
+        rows = {}
+        for mode in ("seq", "par"):
+            lines = (tmp_path / mode / "runs" / f"otb-s{seed}" / "metrics.jsonl").read_text().splitlines()
+            rows[mode] = [{k: json.loads(line).get(k) for k in keys} for line in lines]
+        assert len(rows["seq"]) == 2 and rows["seq"] == rows["par"]

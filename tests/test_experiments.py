@@ -444,3 +444,22 @@ def test_real_model_fast_preset(fast_root):
     assert len(rm.verdicts(out)) == 2 and "sketch" in rm.report(out, "figures/real_model.png")
     with pytest.raises(ValueError, match="variance_groups: expected at least max"):
         rm.run(rm.RealModelConfig(variance_groups=3, folds=4), out / "x")
+
+
+@pytest.mark.slow
+def test_report_finds_the_seed_sets_beside_the_runs(fast_root, tmp_path):
+    """Without --check, report lists the seed* directories beside --runs that ran the same preset."""
+    import shutil
+
+    fast_run(fast_root, "maxk-bandit")
+    root = tmp_path / "experiments"
+    for name in ("full", "seed200", "seed300", "other"):
+        (root / name).mkdir(parents=True)
+        shutil.copytree(fast_root / "maxk-bandit", root / name / "maxk-bandit")
+    (root / "seed300" / "maxk-bandit" / "preset.txt").write_text("full\n")   # another preset: not a check
+    (root / "seed400").mkdir()                                                   # nothing finished: not a check
+    assert experiments.default_checks(root / "full") == [root / "seed200"]
+    assert experiments.default_checks(root / "seed200") == []                    # itself and others excluded
+    from creditrl.studies.experiments.runner import main
+    assert main(["report", "--runs", str(root / "full"), "--docs", str(tmp_path / "docs")]) == 0
+    assert "`" + str(root / "seed200") + "`" in (tmp_path / "docs" / "results.md").read_text()

@@ -1,4 +1,4 @@
-"""``creditrl compare``: several configs × seeds, trained one after another, in one report.
+"""``creditrl compare``: several configs × seeds (one after another, or ``--jobs`` at once), in one report.
 
     creditrl compare --run otb algorithm.estimator=otb --run grpo algorithm.estimator=grpo \\
         --seeds 0,1,2 --out runs/compare train.steps=40
@@ -20,7 +20,9 @@ import os
 import re
 import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -30,6 +32,7 @@ from creditrl.runtime.setup import resolve_config
 from creditrl.studies import reporting
 from creditrl.trainer import train
 from creditrl.trainer.loop import TrainingStopped
+from creditrl.utils.validate import check_int
 
 PANELS = (  # (metric, x axis) of the report figure
     ("reward_mean", "step"), ("reward_mean", "tokens_total"), ("accuracy", "step"), ("accuracy", "tokens_total"),
@@ -104,33 +107,66 @@ def run_dir(out: Path, name: str, seed: int) -> Path:
     return Path(out) / "runs" / f"{name}-s{seed}"
 
 
-def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool = True) -> dict[str, list[Path]]:
-    """Train every run × seed (sequentially; each run already uses every core); returns dirs by run."""
-    configs = {}
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run × seed of a compare: its directory, its recipe (the reuse check) and its resolved config."""
+    name: str
+    target: Path
+    recipe: dict
+    cfg: object
+
+
+def plan_runs(spec: CompareSpec, out: Path, *, progress: bool = True) -> list[PlannedRun]:
+    """Every run × seed of ``spec``, each config validated before the first long run."""
     for name, overrides in {"(every run)": spec.overrides, **spec.runs}.items():
         owned = [o for o in overrides if o.split("=", 1)[0].strip() in COMPARE_OWNS]
         if owned:
             raise ValueError(f"{name}: {owned}: compare sets {', '.join(COMPARE_OWNS)} itself (seeds from --seeds or "
                              f"the spec's seeds, directories OUT/runs/NAME-sSEED); drop them")
-    for name, overrides in spec.runs.items():  # validate every config before the first long run
+    plans = []
+    for name, overrides in spec.runs.items():
         for seed in spec.seeds:
             target = run_dir(out, name, seed)
             recipe = {"config": spec.config, "overrides": [*spec.overrides, *overrides, f"train.seed={seed}"]}
-            configs[name, seed] = recipe, resolve_config(load_config(spec.config, [
+            plans.append(PlannedRun(name, target, recipe, resolve_config(load_config(spec.config, [
                 *recipe["overrides"], f"train.output_dir={target.parent}", f"train.run_name={target.name}",
-                f"logging.progress={str(progress).lower()}"]))
-    dirs: dict[str, list[Path]] = {name: [] for name in spec.runs}
-    for (name, seed), (recipe, cfg) in configs.items():
-        target = run_dir(out, name, seed)
-        stamp = target / RECIPE_FILE
-        # reuse a finished run only if it was trained from the same base config and overrides
-        if force or not (target / "summary.json").exists() or not stamp.exists() or json.loads(stamp.read_text()) != recipe:
-            print(f"[creditrl compare] training {name} seed {seed} -> {target}", flush=True)
-            shutil.rmtree(target, ignore_errors=True)  # a stale or partial run: start clean, never append
-            target = Path(train(cfg))
-            (target / RECIPE_FILE).write_text(json.dumps(recipe))
-        dirs[name].append(target)
+                f"logging.progress={str(progress).lower()}"]))))
+    return plans
+
+
+def train_planned(plan: PlannedRun) -> Path:
+    """Train one planned run into a clean directory and stamp its recipe (a process pool's task)."""
+    print(f"[creditrl compare] training {plan.target.name} -> {plan.target}", flush=True)
+    shutil.rmtree(plan.target, ignore_errors=True)  # a stale or partial run: start clean, never append
+    target = Path(train(plan.cfg))
+    (target / RECIPE_FILE).write_text(json.dumps(plan.recipe))
+    return target
+
+
+def train_runs(plans: list[PlannedRun], *, force: bool = False, jobs: int = 1) -> dict[str, list[Path]]:
+    """Train the plans not already finished with the same recipe, ``jobs`` at a time (separate processes;
+    a run's result does not depend on ``jobs``, since each run is seeded and sets its own threads).
+    Returns the run directories by run name, in plan order."""
+    check_int("jobs", jobs, low=1)
+    todo = [p for p in plans if force or not (p.target / "summary.json").exists()
+            or not (p.target / RECIPE_FILE).exists() or json.loads((p.target / RECIPE_FILE).read_text()) != p.recipe]
+    if jobs == 1 or len(todo) < 2:
+        for plan in todo:
+            train_planned(plan)
+    else:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=get_context("spawn")) as pool:
+            for future in [pool.submit(train_planned, plan) for plan in todo]:
+                future.result()   # re-raises a run's error here
+    dirs: dict[str, list[Path]] = {}
+    for plan in plans:
+        dirs.setdefault(plan.name, []).append(plan.target)
     return dirs
+
+
+def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool = True,
+            jobs: int = 1) -> dict[str, list[Path]]:
+    """Train every run × seed (``jobs`` at a time); returns dirs by run."""
+    return train_runs(plan_runs(spec, out, progress=progress and jobs == 1), force=force, jobs=jobs)
 
 
 def find_runs(out: Path) -> dict[str, list[Path]]:
@@ -304,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report-only", action="store_true", help="only redraw the report from OUT/runs")
     parser.add_argument("--smooth", type=int, default=None, help="moving-average window in steps (default: steps/20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at once, each in its own process (default 1; with more, no progress bars; "
+                             "jobs x train.threads should not exceed the cores)")
     return parser
 
 
@@ -336,13 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.smooth is not None and args.smooth < 1:
             raise ValueError(f"--smooth: expected a moving-average window of at least 1 step, got {args.smooth}")
+        check_int("--jobs", args.jobs, low=1)
         if args.report_only:
             if args.run or args.spec or args.seeds is not None or args.force or args.overrides or args.config:
                 raise ValueError("--report-only: redraws the report from OUT/runs alone; drop --run, --spec, --seeds, "
                                  "--config, --force and key=value")
             runs = find_runs(args.out)
         else:
-            runs = run_all(spec_from_args(args), args.out, force=args.force, progress=not args.no_progress)
+            runs = run_all(spec_from_args(args), args.out, force=args.force, progress=not args.no_progress,
+                           jobs=args.jobs)
         path = write_report(runs, args.out, window=args.smooth)
     except (ValueError, OSError, ImportError, TrainingStopped) as err:
         if os.environ.get("CREDITRL_DEBUG"):

@@ -13,6 +13,7 @@ warm start share them.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from creditrl.config import load_config
@@ -49,15 +50,17 @@ def common_overrides(cfg) -> list[str]:
 
 def run_study(cfg, study: dict, runs: dict[str, list[str]], seeds: list[int], out: Path,
               title: str) -> dict[str, list[Path]]:
-    """Train ``runs`` × ``seeds`` of ``study``, seed s from its own checkpoint (warm-start seed s);
-    write the compare report."""
-    dirs: dict[str, list[Path]] = {name: [] for name in runs}
+    """Train ``runs`` × ``seeds`` of ``study``, seed s from its own checkpoint (warm-start seed s), as many
+    runs at once as the cores hold at ``cfg.threads`` each (the results do not depend on it); write the
+    compare report."""
+    plans = []
     for seed in seeds:
         checkpoint = seed_checkpoint(study["task"], warm_start_overrides(cfg, study), seed, cfg.threads)
         spec = compare.CompareSpec(runs=runs, seeds=[seed], overrides=[
             *common_overrides(cfg), f"model.name={checkpoint}", f"task.name={study['task']}", *study["overrides"]])
-        for name, run_dirs in compare.run_all(spec, out, progress=False).items():
-            dirs[name] += run_dirs
+        plans += compare.plan_runs(spec, out, progress=False)
+    plans.sort(key=lambda plan: list(runs).index(plan.name))   # dirs by run, in seed order
+    dirs = compare.train_runs(plans, jobs=max(1, len(os.sched_getaffinity(0)) // cfg.threads))
     compare.write_report(dirs, out, title=title)
     return dirs
 

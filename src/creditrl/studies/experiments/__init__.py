@@ -10,7 +10,7 @@ from creditrl.studies.experiments.registry import Experiment, experiment_names, 
 from creditrl.studies.experiments import maxk_bandit, grad_variance, horizon, proxy_fidelity  # noqa: F401,E402
 from creditrl.studies.experiments import otb_stability, stapo_census, learning_curves, real_model  # noqa: F401,E402
 from creditrl.studies.experiments.runner import (DEFAULT_RUNS, collect_verdicts, experiment_config, main,  # noqa: E402
-                                                 run_experiment, write_report)
+                                                 run_experiment, write_report, default_checks)
 
 __all__ = ["Experiment", "experiment_names", "get_experiment", "register_experiment", "DEFAULT_RUNS",
-           "collect_verdicts", "experiment_config", "main", "run_experiment", "write_report"]
+           "collect_verdicts", "default_checks", "experiment_config", "main", "run_experiment", "write_report"]

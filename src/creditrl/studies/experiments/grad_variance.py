@@ -59,7 +59,7 @@ class GradVarianceConfig:
     estimators: tuple[str, ...] = ("rloo", "ogb", "ogb+loo", "otb", "otb+loo", "otb_isolated", "otb_isolated+loo",
                                    "maxpo", "ei")
     k: int = 4                           # K of maxpo / ei (needs K <= N-1)
-    groups: tuple[int, ...] = (512, 1536)  # per length, most at the long one (heavy-tailed group gradients)
+    groups: tuple[int, ...] = (384, 1152)  # per length, most at the long one (heavy-tailed group gradients)
     batch_groups: int = 8                # prompts sampled together (speed only)
     folds: int = 8                       # folds of groups within a checkpoint (the tables' within-checkpoint CIs)
     max_new_tokens: int = 80

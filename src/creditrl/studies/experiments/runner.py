@@ -5,8 +5,9 @@
     creditrl experiment report [--runs DIR] [--docs DIR] [--check DIR ...]
 
 ``report`` assembles ``docs/results.md`` (summary table first) from every registered experiment's
-outputs and copies the PNGs to ``docs/figures/``; ``--check DIR`` (repeatable) adds the verdicts of
-other runs (seed sets, machines) side by side. Overrides use the trainer's one mechanism
+outputs and copies the PNGs to ``docs/figures/``; ``--check DIR`` (repeatable; default: the ``seed*``
+directories beside ``--runs`` that ran the same preset) adds the verdicts of other runs (seed sets,
+machines) side by side. Overrides use the trainer's one mechanism
 (``creditrl.config.merge_layers``): a YAML file merged over the preset, then dotted ``key=value`` items
 parsed as YAML (``group_sizes=[4,8]``, ``seed=3``), unknown keys named and types checked as for
 ``creditrl train``.
@@ -55,12 +56,12 @@ Regenerate with:
 
     creditrl experiment all --preset full && creditrl experiment report
 
-and check it with other seed sets (the section after the summary; `--check` repeats, and a check may
-rerun only some experiments, e.g. `creditrl experiment grad-variance --preset full seed=400 --out
-runs/experiments/seed400/grad-variance`):
+and check it with other seed sets (the section after the summary). `report` lists every `runs/experiments/seed*`
+directory that ran the same preset (or those given with `--check`, repeatable); a check may rerun only some
+experiments, e.g. `creditrl experiment horizon --preset full seed=400 --out runs/experiments/seed400/horizon`:
 
     creditrl experiment all --preset full seed=200 --out runs/experiments/seed200
-    creditrl experiment report --check runs/experiments/seed200
+    creditrl experiment report
 """
 
 
@@ -229,6 +230,19 @@ def checked_runs(checks: list[Path] | tuple[Path, ...]) -> list[tuple[Path, dict
     return found
 
 
+def default_checks(runs: Path) -> list[Path]:
+    """The check runs ``report`` uses when no --check is given: the directories ``seed*`` beside ``runs``
+    whose finished experiments all ran with the same preset as those under ``runs``."""
+    runs = Path(runs)
+    preset = set(recorded_presets(runs, collect_verdicts(runs)).values())
+    found = []
+    for path in sorted(runs.parent.glob("seed*")):
+        names = collect_verdicts(path) if path.is_dir() and path.resolve() != runs.resolve() else {}
+        if names and set(recorded_presets(path, names).values()) == preset:
+            found.append(path)
+    return found
+
+
 def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
                  checks: list[Path] | tuple[Path, ...] = ()) -> Path:
     """Assemble ``docs/results.md`` from every experiment found under ``runs``; copy its PNGs.
@@ -280,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="report: where results.md and figures/ go (default: docs)")
     parser.add_argument("--check", type=Path, action="append", default=[],
                         help="report: another run's directory (another seed set or machine; repeatable) whose "
-                        "verdicts are listed beside these")
+                        "verdicts are listed beside these (default: the seed* directories beside --runs that "
+                        "ran the same preset)")
     return parser
 
 
@@ -290,7 +305,11 @@ def main(argv: list[str] | None = None) -> int:
         check_arguments(args)
         args.preset, args.docs = args.preset or "fast", args.docs or Path("docs")
         if args.name == "report":
-            print(f"[creditrl] wrote {write_report(args.runs or DEFAULT_RUNS / 'full', args.docs, args.check)}")
+            runs = args.runs or DEFAULT_RUNS / "full"
+            checks = args.check or default_checks(runs)
+            if checks and not args.check:
+                print(f"[creditrl] checks (seed sets beside {runs}): {', '.join(str(c) for c in checks)}")
+            print(f"[creditrl] wrote {write_report(runs, args.docs, checks)}")
             return 0
         names = experiment_names() if args.name == "all" else [args.name]
         # every config is built and checked before the first long experiment starts
@@ -303,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             run_experiment(name, args.preset, out, cfg)
         if args.name == "all":  # only the full preset in its default place may overwrite docs/results.md
             docs = args.docs if args.preset == "full" and args.out is None else root
-            print(f"[creditrl] wrote {write_report(root, docs)}")
+            print(f"[creditrl] wrote {write_report(root, docs, default_checks(root))}")
     except (ValueError, OSError, ImportError) as err:
         if os.environ.get("CREDITRL_DEBUG"):
             raise
