@@ -193,8 +193,10 @@ def test_cli_help_lists_config_keys():
         assert key in res.stdout
 
 
-def test_cli_errors_are_clear(tmp_path, capsys):
+def test_cli_errors_are_clear(tmp_path, capsys, monkeypatch):
     from creditrl.cli import main
+
+    monkeypatch.chdir(tmp_path)      # the default train.output_dir is ./runs
 
     cases = [(["train", "task.name=nope"], "task.name: unknown task 'nope'; valid tasks are ['addition'"),
              (["train", "algorithm.estimator=nope"], "valid estimators are"),
@@ -206,6 +208,7 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     for argv, message in cases:
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())   # no run dir left behind
     assert main(["estimators"]) == 0
     out = capsys.readouterr().out
     assert "otb" in out and "maxpo" in out

@@ -381,9 +381,16 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
     """Train with ``cfg``; returns the run directory. An existing run directory is refused
     (``resume`` continues it; ``overwrite`` clears it) before the model loads."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
+    created = not run_dir.exists()
     prepare_new_run(run_dir, overwrite=overwrite)
     with RunLock(run_dir):
-        return Trainer(copy.deepcopy(cfg), run_dir, progress=progress).run()
+        try:
+            trainer = Trainer(copy.deepcopy(cfg), run_dir, progress=progress)
+        except BaseException:
+            if created:   # refused before any work: leave no empty run directory behind
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        return trainer.run()
 
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:
