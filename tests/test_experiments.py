@@ -463,3 +463,20 @@ def test_report_finds_the_seed_sets_beside_the_runs(fast_root, tmp_path):
     from creditrl.studies.experiments.runner import main
     assert main(["report", "--runs", str(root / "full"), "--docs", str(tmp_path / "docs")]) == 0
     assert "`" + str(root / "seed200") + "`" in (tmp_path / "docs" / "results.md").read_text()
+
+
+def test_undefined_efficiency_is_named_and_the_rule_reads_the_defined_lengths(monkeypatch):
+    """A checkpoint whose reference mean gradient is not resolved (efficiency NaN) makes that length's
+    efficiency undefined: the text says where and why (never 'nan'), and the verdict reads the other length."""
+    from creditrl.studies.experiments import grad_variance as gv
+
+    per = {1: [1.2, math.nan, 0.9], 2: [0.8, 0.9, 0.85]}
+    monkeypatch.setattr(gv, "efficiencies", lambda *a, **k: per)
+    monkeypatch.setattr(gv, "raw_ratios", lambda *a, **k: {1: [1.0, 1.1, 0.9], 2: [1.0, 1.0, 1.1]})
+    text, outcome = gv.comparison([], "maxpo", "ei", "MaxPO/EI", {1: 13.0, 2: 33.0}, reference="ei", paper=4.4)
+    assert "nan" not in text and "13 tokens undefined" in text
+    assert "1 of 3 checkpoints at 13 tokens had ei's mean gradient" in text
+    assert outcome == "does not reproduce"     # 33 tokens' interval excludes the paper's 4.4
+    per[1][1] = 1.0
+    text, _ = gv.comparison([], "maxpo", "ei", "MaxPO/EI", {1: 13.0, 2: 33.0}, reference="ei", paper=4.4)
+    assert "undefined" not in text

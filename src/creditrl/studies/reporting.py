@@ -90,7 +90,7 @@ def group_rows(rows: Iterable[Row], key: str) -> dict[object, list[Row]]:
 def fmt(value: object, digits: int = 3) -> str:
     if isinstance(value, float):
         if math.isnan(value):
-            return "nan"
+            return "undefined"      # e.g. an efficiency whose reference gradient was not resolved
         return f"{value:.{digits}g}"
     return str(value)
 
@@ -194,6 +194,8 @@ class Estimate:
     unit: str = "seeds"
 
     def __str__(self) -> str:
+        if math.isnan(self.value):
+            return "undefined"
         return f"{fmt(self.value)} [{fmt(self.low)}, {fmt(self.high)}]"
 
 

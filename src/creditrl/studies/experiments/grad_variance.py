@@ -26,6 +26,7 @@ beside every efficiency, labelled raw: it is not a quality measure.
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -208,11 +209,18 @@ def plot(out_dir: Path) -> Path:
 def comparison(records: list[dict], e: str, b: str, label: str, lengths: dict, reference: str = REFERENCE,
                paper: float | None = None) -> tuple[str, str]:
     """(text, outcome) of the claim "e is more efficient than b", with the raw ratio beside it."""
-    each, pooled = ge.pooled_efficiency(efficiencies(records, e, b, reference), "checkpoints")
+    per = efficiencies(records, e, b, reference)
+    each, pooled = ge.pooled_efficiency(per, "checkpoints")
     raw_each, raw_pooled = ge.pooled_efficiency(raw_ratios(records, e, b), "checkpoints")
     names = {d: f"{lengths[d]:.0f} tokens" for d in each}
     text = (ge.efficiency_text(f"efficiency {label}", each, pooled, names)
             + f" (raw tr Cov ratio, raw: {ge.efficiency_text('', raw_each, raw_pooled, names).lstrip(': ')})")
+    undefined = {d: sum(not (v > 0 and math.isfinite(v)) for v in vs) for d, vs in per.items()}
+    if any(undefined.values()):   # the efficiency needs both mean gradients resolved above their noise
+        text += ("; undefined where " + ", ".join(f"{n} of {len(per[d])} checkpoints at {names[d]}"
+                                                   for d, n in undefined.items() if n)
+                 + f" had {reference}'s mean gradient (the scale's reference) not resolved above its noise "
+                 "(cross-fitted signal ≤ 0), so the rule reads the lengths that are defined")
     return text, ge.efficiency_outcome(each, pooled, paper)
 
 
