@@ -207,7 +207,8 @@ def test_cli_end_to_end_and_the_report_is_never_half_written(tmp_path, monkeypat
     assert main(args) == 2 and "diagnose.run_name: the run directory" in capsys.readouterr().err
     monkeypatch.setattr(report, "markdown", lambda result: (_ for _ in ()).throw(OSError("disk full")))
     assert main([*args, "--overwrite"]) == 2
-    assert not (run / "diagnose.md").exists() and not list(run.glob(".*tmp*"))
+    assert (run / "diagnose.md").read_text() == text           # the old report stays until a new one is complete
+    assert not list(run.glob(".*tmp*")) and not list(tmp_path.glob(".tmp*"))
 
 
 def test_trl_style_function_on_builtin_tiny(tiny, tmp_path):

@@ -20,7 +20,7 @@ from creditrl.runtime.setup import resolve_config
 from creditrl.tasks import Problem, get_task
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.trainer.logging import truncate_jsonl
-from creditrl.trainer.rundir import RunDirError, RunLock, prepare_new_run
+from creditrl.trainer.rundir import RunDirError, RunLock, clear_run
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
         "model.warm_start.max_steps=50", "model.warm_start.eval_every=25", "model.warm_start.eval_size=8",
@@ -70,7 +70,10 @@ def test_overwrite_never_clears_a_directory_a_live_run_holds(tmp_path):
     try:
         (tmp_path / ".lock").write_text(str(live.pid))
         with pytest.raises(RunDirError, match="in use"):
-            prepare_new_run(tmp_path, overwrite=True)
+            with RunLock(tmp_path):
+                clear_run(tmp_path)
+        with pytest.raises(RunDirError, match="needs this process to hold its lock"):
+            clear_run(tmp_path)
         assert (tmp_path / "metrics.jsonl").exists()
     finally:
         live.kill()

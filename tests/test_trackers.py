@@ -144,3 +144,47 @@ def test_report_to_choices_and_old_tensorboard_key():
     assert config_from_dict(old).logging.report_to == ["jsonl", "tensorboard"]
     with pytest.raises(ConfigError, match="logging.tensorboard: expected true or false"):
         load_config(None, ["logging.tensorboard=maybe"])
+
+
+def test_trackers_hold_the_metrics_history_after_a_kill_and_resume(tiny_chat_model_dir, tmp_path, monkeypatch):
+    """SIGKILL mid-run, then --resume: each tracker's history equals metrics.jsonl, step for step
+    (before: trackio lost the killed process's steps, TensorBoard and wandb held some twice)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)   # each run its own wandb service, as for a user
+    args = [f"model.name={tiny_chat_model_dir}", "task.name=addition", "rollout.group_size=2",
+            "rollout.prompts_per_step=2", "rollout.max_new_tokens=4", "train.steps=12", "train.eval_every=0",
+            "train.save_every=2", "train.eval_problems=2", "train.eval_samples=2", "logging.plots=false",
+            "logging.report_to=[jsonl, tensorboard, trackio, wandb]", "logging.completions=1",
+            f"train.output_dir={tmp_path}", "train.run_name=r", "algorithm.estimator=grpo", "train.threads=1"]
+    cli = [sys.executable, "-m", "creditrl.cli", "train", "--no-progress"]
+    proc = subprocess.Popen([*cli, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics_file = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 3) and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    resumed = subprocess.run([*cli, "--resume", str(tmp_path / "r")], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_dir = tmp_path / "r"
+    expected = [m["step"] for m in jsonl(metrics_file)]
+    assert expected == list(range(1, 13))
+
+    tensorboard = [e.step for f in sorted((run_dir / "tensorboard").glob("events*")) for e in EventFileLoader(str(f)).Load()
+                   if e.summary.value and e.summary.value[0].tag == "metrics/reward_mean"]
+    assert tensorboard == expected
+    db = sqlite3.connect(run_dir / "trackio" / "creditrl.db")
+    trackio = [step for step, blob in db.execute("select step, metrics from metrics order by id")
+               if "metrics/reward_mean" in json.loads(blob)]
+    assert trackio == expected
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in wandb_records(log) if r.WhichOneof("record_type") == "history"]
+    assert [h["_step"] for h in history if "metrics/reward_mean" in h] == expected

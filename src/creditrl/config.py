@@ -16,6 +16,7 @@ loading a config imports no library code and no torch.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -540,11 +541,25 @@ def _positive(key: str, value: float | None, strict: bool = True) -> None:
         raise ConfigError(f"{key}: expected a value {'>' if strict else '>='} 0, got {value!r}")
 
 
+def check_run_name(key: str, name: str | None) -> None:
+    """A run name is one plain path component: ``..``, ``.``, ``a/b`` or an absolute path would put
+    the run (and what ``--overwrite`` deletes) outside ``train.output_dir``."""
+    if name is None:
+        return
+    bad = (not isinstance(name, str) or name in ("", ".", "..") or "\0" in name
+           or any(sep and sep in name for sep in ("/", "\\", os.sep, os.altsep)))
+    if bad:
+        raise ConfigError(f"{key}: expected one plain directory name under train.output_dir (no '/', '\\', '.' "
+                          f"or '..'), or null for an automatic name; got {name!r}")
+
+
 def validate(cfg: Config) -> None:
     """Reject invalid values of the run's own settings, naming the key. The estimator's, the loss
     terms' and the task's options are checked against their declarations when the run starts
     (``creditrl.runtime.setup.resolve_config``)."""
     r, o, t = cfg.rollout, cfg.optim, cfg.train
+    check_run_name("train.run_name", t.run_name)
+    check_run_name("diagnose.run_name", cfg.diagnose.run_name)
     for key, value in [("rollout.group_size", r.group_size), ("rollout.prompts_per_step", r.prompts_per_step),
                        ("rollout.max_new_tokens", r.max_new_tokens), ("rollout.temperature", r.temperature),
                        ("optim.lr", o.lr), ("optim.epochs", o.epochs), ("optim.minibatch_size", o.minibatch_size),

@@ -2,12 +2,14 @@
 (TensorBoard, trackio, wandb: ``trainer/trackers.py``), a rich progress bar.
 
 On resume the JSONL files are cut back to the checkpoint's step first, so a run killed
-after logging steps the checkpoint does not cover re-logs them exactly once.
+after logging steps the checkpoint does not cover re-logs them exactly once; each tracker is then
+rebuilt from them (``replay``), so its history equals the JSONL files'.
 """
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -43,6 +45,19 @@ def truncate_jsonl(path: str | Path, last_step: int) -> None:
     atomic_write_text(path, "".join(keep))   # a crash here leaves the old file, never a cut one
 
 
+def replay(tracker, run_dir: Path) -> None:
+    """Send a run's records so far (metrics, evals, completion tables) to a fresh ``tracker``."""
+    for name in ("metrics", "eval"):
+        for record in read_jsonl(run_dir / f"{name}.jsonl"):
+            tracker.log(name, record, record["step"])
+    tables: dict[tuple[int, str], list[dict]] = {}
+    for record in read_jsonl(run_dir / "completions.jsonl"):
+        sample = {k: v for k, v in record.items() if k not in ("step", "kind")}
+        tables.setdefault((record["step"], record["kind"]), []).append(sample)
+    for (step, kind), samples in tables.items():
+        tracker.log_table(f"completions/{kind}", samples, step)
+
+
 def _clean(value):
     """JSON has no NaN/inf: write them as null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -60,7 +75,12 @@ class RunLogger:
         self.trackers, self.progress = [], None
         try:
             for name in check_trackers(list(report_to)):   # one failing closes those already open
-                self.trackers.append(TRACKER_CLASSES[name](run_dir, config or {}, start_step))
+                tracker_class = TRACKER_CLASSES[name]
+                shutil.rmtree(run_dir / tracker_class.folder, ignore_errors=True)   # rebuilt from the JSONL
+                tracker = tracker_class(run_dir, config or {}, start_step)
+                self.trackers.append(tracker)
+                if tracker.replays:
+                    replay(tracker, run_dir)
         except BaseException:
             self.close()
             raise

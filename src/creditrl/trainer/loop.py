@@ -39,7 +39,7 @@ from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
 from creditrl.runtime.setup import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
                                    resolve_config, resolve_device)
-from creditrl.trainer.rundir import RunLock, prepare_new_run
+from creditrl.trainer.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
 from creditrl.trainer.update import Learner, autocast
@@ -168,9 +168,7 @@ class Trainer:
         """Cut the logs back to the resumed step and record the resume (step, applied config
         changes, damaged checkpoints skipped) in resumes.jsonl; its note is printed when the run
         starts. A restart from step 0 has no checkpoint config to compare with: changes None."""
-        run_dir = self.run_dir
-        if state is None:       # killed before the first checkpoint: a fresh start, nothing earlier kept
-            shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+        run_dir = self.run_dir        # the trackers are rebuilt from these files when the run starts
         for name in ("metrics", "eval", "completions"):
             truncate_jsonl(run_dir / f"{name}.jsonl", self.step if state is not None else -1)
         truncate_jsonl(run_dir / "resumes.jsonl", self.step - 1)
@@ -379,10 +377,11 @@ def final_problem(path: Path) -> str | None:
 def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | None = None,
           overwrite: bool = False) -> Path:
     """Train with ``cfg``; returns the run directory. An existing run directory is refused
-    (``resume`` continues it; ``overwrite`` clears it) before the model loads."""
+    (``resume`` continues it) before any work; ``overwrite`` deletes it only once the whole config
+    is checked and the model loaded, so a bad input never costs a finished run."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
     created = not run_dir.exists()
-    prepare_new_run(run_dir, overwrite=overwrite)
+    check_new_run(run_dir, overwrite=overwrite)
     with RunLock(run_dir):
         try:
             trainer = Trainer(copy.deepcopy(cfg), run_dir, progress=progress)
@@ -390,6 +389,8 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
             if created:   # refused before any work: leave no empty run directory behind
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
+        if not created:
+            clear_run(run_dir)
         return trainer.run()
 
 

@@ -1,7 +1,8 @@
 """Run directories that cannot be corrupted by accident.
 
-- A new run refuses an existing, non-empty directory unless ``overwrite`` (then it is cleared);
-  continuing one is ``--resume``'s job.
+- A new run refuses an existing, non-empty directory unless ``overwrite``; continuing one is
+  ``--resume``'s job. ``overwrite`` deletes only a creditrl run directory, and only once the new
+  run has checked its whole config and loaded its model (``check_new_run`` then ``clear_run``).
 - The directory must be writable, checked before any model is loaded.
 - ``RunLock``: one writer at a time. ``.lock`` holds the owner's PID; a lock whose process is
   gone (a killed run) is taken over, a live one is an error naming the PID.
@@ -33,20 +34,41 @@ def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
                           f"choose a writable {arg}") from None
 
 
-def prepare_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.run_name",
-                    resume_hint: bool = True) -> None:
-    """Checks for a new run in ``run_dir`` (before the model loads): refuse or clear an existing one
-    (errors name ``key``; ``resume_hint``: mention ``creditrl train --resume``)."""
-    if run_dir.exists() and any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+RUN_MARKERS = ("config.yaml", "diagnose.json", "diagnose.md", "metrics.jsonl")   # what creditrl writes first
+
+
+def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.run_name",
+                  resume_hint: bool = True) -> None:
+    """Checks for a new run in ``run_dir``, before any work and without deleting anything: an
+    existing, non-empty directory is refused unless ``overwrite``; ``overwrite`` of a directory
+    that is not a creditrl run (none of ``RUN_MARKERS``) is refused too, so a mistyped
+    ``output_dir``/``run_name`` can never delete someone's folder. Errors name ``key``;
+    ``resume_hint`` mentions ``creditrl train --resume``. Deleting is ``clear_run``'s job, once
+    the new run is certain to start."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"{key}: {str(run_dir)!r} exists and is not a directory; choose another {key}")
+    entries = [p.name for p in run_dir.iterdir() if p.name != LOCK_FILE] if run_dir.is_dir() else []
+    if entries:
         if not overwrite:
             resume = f"continue it with `creditrl train --resume {run_dir}` or " if resume_hint else ""
             raise RunDirError(f"{key}: the run directory {str(run_dir)!r} already exists; {resume}start it again "
                               f"with --overwrite (which deletes it){'' if resume_hint else ' or choose another ' + key}")
-        with RunLock(run_dir):                 # never delete a directory a live run writes to
-            for entry in run_dir.iterdir():
-                if entry.name != LOCK_FILE:
-                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-    check_writable(run_dir)
+        if not any(name in entries for name in RUN_MARKERS):
+            raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: it is not a creditrl run "
+                              f"directory (it holds none of {list(RUN_MARKERS)}); choose another {key}")
+    check_writable(run_dir.parent if not run_dir.exists() else run_dir,
+                   "train.output_dir" if not run_dir.exists() else key)
+
+
+def clear_run(run_dir: Path) -> None:
+    """Delete everything in ``run_dir`` but its lock, which the caller must hold (``RunLock``): the
+    ``--overwrite`` of a run whose config, task and model have all been checked and loaded."""
+    lock = Path(run_dir) / LOCK_FILE
+    if not (lock.is_file() and lock.read_text().strip() == str(os.getpid())):
+        raise RunDirError(f"run directory {str(run_dir)!r}: clear_run needs this process to hold its lock")
+    for entry in Path(run_dir).iterdir():
+        if entry.name != LOCK_FILE:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def _alive(pid: int) -> bool:

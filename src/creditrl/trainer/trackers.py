@@ -11,14 +11,20 @@ Each keeps its data inside the run directory:
 - ``wandb``: ``<run>/wandb/``, offline unless ``WANDB_MODE`` says otherwise (then
   ``wandb sync <run>/wandb/offline-run-*`` uploads it); project ``$WANDB_PROJECT`` or ``creditrl``.
 
+The JSONL files are the run's record. Whenever a run starts or resumes, each tracker's folder is
+emptied and its history rebuilt from them (``RunLogger``), so after a kill and ``--resume`` a
+tracker holds exactly the steps of metrics.jsonl: none lost with the killed process, none twice.
+wandb's online mode keeps its history on the server: a resumed online run rewinds it to the
+checkpoint's step (wandb's ``resume_from``) instead.
+
 A tracker's package is an extra (``pip install 'creditrl[trackio]'``); ``check_trackers`` names
-the missing one before any work starts.
+the missing or broken one before any work starts.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
+import importlib
 import io
 import json
 import os
@@ -43,9 +49,12 @@ def check_trackers(report_to: list[str]) -> list[str]:
             raise ValueError(f"logging.report_to: unknown tracker {name!r}; valid trackers are {list(TRACKERS)}")
         if name == "jsonl":
             continue
-        if importlib.util.find_spec(PACKAGES[name]) is None:
-            raise ImportError(f"logging.report_to: {name!r} needs the {PACKAGES[name]} package, which is not "
-                              f"installed: pip install 'creditrl[{name}]', or drop {name!r} from logging.report_to")
+        try:
+            importlib.import_module(PACKAGES[name])
+        except Exception as err:   # missing, or installed but failing to import
+            raise ImportError(f"logging.report_to: {name!r} needs the {PACKAGES[name]} package, which cannot be "
+                              f"imported ({type(err).__name__}: {err}): pip install 'creditrl[{name}]', or drop "
+                              f"{name!r} from logging.report_to") from None
         chosen.append(name)
     return chosen
 
@@ -64,11 +73,13 @@ def _scalars(name: str, record: dict) -> dict[str, float]:
 
 
 class TensorBoardTracker:
+    folder, replays = "tensorboard", True
+
     def __init__(self, run_dir: Path, config: dict, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start_step + 1)
-        self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```", start_step)
+        self.writer = SummaryWriter(str(run_dir / self.folder))
+        self.writer.add_text("config", "```yaml\n" + yaml.safe_dump(config, sort_keys=False) + "```", 0)
 
     def log(self, name: str, record: dict, step: int) -> None:
         for key, value in _scalars(name, record).items():
@@ -120,6 +131,8 @@ class _RunTracker:
 
 
 class TrackioTracker(_RunTracker):
+    folder, replays = "trackio", True
+
     def __init__(self, run_dir: Path, config: dict, start_step: int):
         self._old_dir = os.environ.get("TRACKIO_DIR")
         _point_trackio_at(run_dir / "trackio")
@@ -143,14 +156,20 @@ class TrackioTracker(_RunTracker):
 
 
 class WandbTracker(_RunTracker):
+    folder = "wandb"
+
     def __init__(self, run_dir: Path, config: dict, start_step: int):
         import wandb
 
         self.lib = wandb
         run_id = f"{run_dir.name[:40]}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
         mode = None if os.environ.get("WANDB_MODE") else "offline"
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_dir.name, id=run_id,
-                              dir=str(run_dir), mode=mode, config=config, resume="allow",
+        self.replays = mode == "offline" or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
+        # online, the history lives on the server: rewind it to the checkpoint (no replay)
+        where = ({"resume_from": f"{run_id}?_step={start_step}"} if start_step and not self.replays
+                 else {"id": run_id, "resume": "allow"})
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), name=run_dir.name, **where,
+                              dir=str(run_dir), mode=mode, config=config,
                               settings=wandb.Settings(console="off", silent=True, reinit="create_new",
                                                       x_disable_stats=True))
 

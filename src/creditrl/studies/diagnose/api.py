@@ -16,7 +16,7 @@ from creditrl.studies.diagnose.run import diagnose_policy
 from creditrl.tasks.base import Problem
 from creditrl.tasks.chat import check_prompt
 from creditrl.tasks.rewards import RewardFunction, Scores, score_terms
-from creditrl.trainer.rundir import prepare_new_run
+from creditrl.trainer.rundir import check_new_run
 from creditrl.config import Config, DiagnoseConfig, RolloutConfig, AlgorithmConfig, validate
 
 
@@ -87,11 +87,11 @@ def diagnose(model, tokenizer, dataset, reward_funcs, *, reward_weights: Sequenc
     task = DatasetTask(dataset, reward_funcs, reward_weights)
     run_dir = Path(output_dir).expanduser() if output_dir is not None else None
     if run_dir is not None:
-        prepare_new_run(run_dir, overwrite=overwrite, key="output_dir", resume_hint=False)
+        check_new_run(run_dir, overwrite=overwrite, key="output_dir", resume_hint=False)   # deleted once done
     space = choose_space(model, params, len(plan.specs), plan.folds, plan.groups_per_prompt, max_memory_gb, sketch_dim)
     rollout = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "max_tool_tokens": 16,
                "stop_strings": ()}
     setting = {"model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
                "task": f"dataset of {len(task.problems)} rows", "configured": plan.configured}
     return diagnose_policy(model, tokenizer, task, plan, space, rollout, setting=setting, run_dir=run_dir,
-                           progress=progress, shrink="prompts")
+                           overwrite=overwrite, key="output_dir", progress=progress, shrink="prompts")

@@ -14,7 +14,7 @@ from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_con
 from creditrl.studies.diagnose.plan import Plan, choose_space, estimator_specs
 from creditrl.studies.diagnose.run import diagnose_policy
 from creditrl.studies.gradient_evidence import LOO
-from creditrl.trainer.rundir import prepare_new_run
+from creditrl.trainer.rundir import check_new_run
 from creditrl.utils.threads import torch_threads
 
 
@@ -44,7 +44,7 @@ def run_command(cfg: Config, *, overwrite: bool = False, progress: bool = True) 
     cfg = resolve_config(cfg)
     plan = make_plan(cfg)
     run_dir = run_dir_of(cfg, plan)
-    prepare_new_run(run_dir, overwrite=overwrite, key="diagnose.run_name", resume_hint=False)
+    check_new_run(run_dir, overwrite=overwrite, key="diagnose.run_name", resume_hint=False)   # deleted once done
     task = build_task(cfg)
     threads = cfg.train.threads or (1 if cfg.model.name == "builtin:tiny" else None)
     with torch_threads(threads):
@@ -59,6 +59,6 @@ def run_command(cfg: Config, *, overwrite: bool = False, progress: bool = True) 
         setting = {"model": cfg.model.name, "task": cfg.task.name + (f" {dict(cfg.task.options)}" if cfg.task.options
                                                                      else ""), "configured": plan.configured}
         diagnose_policy(model, tokenizer, task, plan, space, rollout, setting=setting, run_dir=run_dir,
-                        progress=progress)
+                        overwrite=overwrite, progress=progress)
     print(f"run directory: {run_dir}  (total wall time incl. model load: {(time.perf_counter() - start) / 60:.1f} min)")
     return run_dir

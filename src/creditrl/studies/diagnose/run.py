@@ -3,6 +3,8 @@
 rank, and write the outputs."""
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -12,15 +14,16 @@ from creditrl.studies.diagnose import report
 from creditrl.studies.diagnose.cost import estimate_text, probe_seconds
 from creditrl.studies.diagnose.measure import make_sketch, measure
 from creditrl.studies.diagnose.plan import GradientSpace, Plan
-from creditrl.trainer.rundir import RunLock
+from creditrl.trainer.rundir import RunLock, check_new_run, clear_run
 
 SKETCH_NOTE = report.SKETCH_ERROR
 
 
 def diagnose_policy(model, tokenizer, task, plan: Plan, space: GradientSpace, rollout: dict, *, setting: dict,
-                    run_dir: Path | None = None, progress: bool = False, shrink: str = "diagnose.prompts",
-                    log: Callable[[str], None] = print) -> dict:
-    """The result (``report.markdown``'s input); written to ``run_dir`` when given."""
+                    run_dir: Path | None = None, overwrite: bool = False, key: str = "diagnose.run_name",
+                    progress: bool = False, shrink: str = "diagnose.prompts", log: Callable[[str], None] = print) -> dict:
+    """The result (``report.markdown``'s input); written to ``run_dir`` when given. An existing
+    ``run_dir`` is replaced (``overwrite``) only here, once the new report is complete."""
     start = time.perf_counter()
     model.eval()
     log(f"gradient space: {space.describe()}")
@@ -44,7 +47,20 @@ def diagnose_policy(model, tokenizer, task, plan: Plan, space: GradientSpace, ro
                          "statistics_s": meas.seconds["statistics"], "total_s": time.perf_counter() - start},
               "stats": meas.stats.to_dict()}
     if run_dir is not None:
-        with RunLock(run_dir):
-            report.write(run_dir, result)
+        publish(run_dir, result, overwrite=overwrite, key=key)
         log(f"report: {run_dir / 'diagnose.md'}")
     return result
+
+
+def publish(run_dir: Path, result: dict, *, overwrite: bool, key: str) -> None:
+    """Write the report beside ``run_dir``, then (holding its lock) clear an overwritten run and move
+    the files in: a failure while writing leaves the old report as it was."""
+    check_new_run(run_dir, overwrite=overwrite, key=key, resume_hint=False)   # again: it may have appeared
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=run_dir.parent, prefix=f".tmp-{run_dir.name}-") as folder:
+        tmp = Path(folder)
+        report.write(tmp, result)
+        with RunLock(run_dir):
+            clear_run(run_dir)
+            for file in tmp.iterdir():
+                os.replace(file, run_dir / file.name)

@@ -1,0 +1,102 @@
+"""Data loss: ``--overwrite`` deletes a run only once the new one is certain to start, never a
+directory outside ``train.output_dir`` or one that is not a creditrl run, and a resumed run's
+trackers hold the same history as its metrics.jsonl. Each test fails on the behaviour before."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from creditrl.cli import main
+from creditrl.config import ConfigError, load_config
+
+TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+        "model.warm_start.max_steps=50", "model.warm_start.eval_every=25", "model.warm_start.eval_size=8",
+        "task.options.digits=1", "train.eval_problems=4", "train.eval_samples=2", "logging.progress=false",
+        "train.threads=1", "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
+        "algorithm.estimator=grpo", "train.save_every=1", "logging.plots=false"]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (relative path -> SHA-256)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    args = ["train", "--no-progress", *TINY, f"model.cache_dir={root / 'cache'}", f"train.output_dir={root}",
+            "train.run_name=done"]
+    assert main(args) == 0
+    return root, args
+
+
+@pytest.mark.parametrize("bad", [["task.name=jsonl", "task.options.path=/nonexistent/data.jsonl"],
+                                 ["algorithm.estimator=nope"], ["algorithm.estimator=otb", "algorithm.options.k=3"],
+                                 ["rollout.group_size=1"], ["model.name=/nonexistent/model"]],
+                         ids=["missing-file", "unknown-estimator", "k-on-otb", "group-of-one", "missing-model"])
+def test_overwrite_with_a_bad_input_keeps_the_finished_run(finished_run, bad, capsys):
+    root, args = finished_run
+    before = snapshot(root / "done")
+    assert "final/manifest.json" in before and "metrics.jsonl" in before
+    assert main([*args, *bad, "--overwrite"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert snapshot(root / "done") == before
+
+
+def test_overwrite_replaces_a_run_once_it_can_start(finished_run):
+    root, args = finished_run
+    other = root / "again"
+    assert main([*args[:-1], "train.run_name=again"]) == 0
+    (other / "stale.txt").write_text("from the first run")
+    assert main([*args[:-1], "train.run_name=again", "--overwrite"]) == 0
+    assert not (other / "stale.txt").exists()
+    assert [json.loads(x)["step"] for x in (other / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "/tmp", "..\\x"])
+@pytest.mark.parametrize("key", ["train.run_name", "diagnose.run_name"])
+def test_a_run_name_is_one_plain_component(name, key):
+    with pytest.raises(ConfigError, match=rf"{key}: expected one plain directory name"):
+        load_config(None, [f"{key}={name}"])
+
+
+@pytest.mark.parametrize("command,key", [("train", "train.run_name"), ("diagnose", "diagnose.run_name")])
+@pytest.mark.parametrize("name", ["..", "."])
+def test_overwrite_never_deletes_the_output_dir_or_its_parent(tmp_path, command, key, name, capsys):
+    out = tmp_path / "parent" / "runs"
+    (out / "kept-run").mkdir(parents=True)
+    (out / "kept-run" / "config.yaml").write_text("x: 1\n")
+    (tmp_path / "parent" / "precious.txt").write_text("keep me")
+    before = snapshot(tmp_path)
+    assert main([command, "--no-progress", *TINY, f"train.output_dir={out}", f"{key}={name}", "--overwrite"]) == 2
+    assert key in capsys.readouterr().err
+    assert snapshot(tmp_path) == before
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "thesis.tex").write_text("years of work")
+    assert main(["train", "--no-progress", *TINY, f"train.output_dir={tmp_path}", "train.run_name=notes",
+                 "--overwrite"]) == 2
+    assert "is not a creditrl run directory" in capsys.readouterr().err
+    assert (folder / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.parametrize("bad", [["algorithm.estimator=nope"], ["diagnose.estimators=[nope]"],
+                                 ["task.name=jsonl", "task.options.path=/nonexistent/data.jsonl"]],
+                         ids=["unknown-estimator", "unknown-diagnosed", "missing-file"])
+def test_diagnose_overwrite_with_a_bad_input_keeps_the_report(tmp_path, bad, capsys):
+    run = tmp_path / "d"
+    run.mkdir()
+    for name, text in (("diagnose.md", "# report"), ("diagnose.json", "{}")):
+        (run / name).write_text(text)
+    before = snapshot(run)
+    assert main(["diagnose", "--no-progress", *TINY, *bad, f"train.output_dir={tmp_path}", "diagnose.run_name=d",
+                 "--overwrite"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert snapshot(run) == before
