@@ -54,7 +54,7 @@ def test_overrides_are_typed_and_nested():
     assert cfg.loss["stapo"]["enabled"] is True and cfg.loss["stapo"]["tau_p"] == 1e-3
     assert cfg.task.options == {"digits": 3}
     assert cfg.loss["clip_c"] == 3.0 and isinstance(cfg.loss["clip_c"], float)
-    assert cfg.algorithm.options == {"gamma": 1.0, "k": 2, "normalize": "std", "eps": 1e-6}
+    assert cfg.algorithm.options == {"k": 2, "normalize": "std", "eps": 1e-6}     # no gamma: maxpo reads R
 
 
 def test_old_algorithm_keys_are_read_as_options():
@@ -86,7 +86,7 @@ def test_saved_config_round_trips(tmp_path):
     ("loss.agg=mean", "loss.agg: unknown value 'mean'; valid values are ['token-mean'"),
     ("loss.bogus=1", "loss.bogus: unknown key; valid keys of loss are"),
     ("loss.stapo.bogus=1", "loss.stapo: unknown option(s) ['bogus']"),
-    ("algorithm.options.k=2", "algorithm.options: unknown option(s) ['k']; valid options are ['gamma'"),
+    ("algorithm.options.k=2", "algorithm.options: unknown option(s) ['k']; valid options are ['gamma', 'leave_one_out']"),
     ("optim.schedule=linear", "optim.schedule: unknown value 'linear'; valid values are ['constant', 'cosine']"),
     ("optim.lr=fast", "optim.lr: expected float, got 'fast'"),
     ("rollout.group_size=2.5", "rollout.group_size: expected int, got 2.5"),
@@ -122,6 +122,9 @@ def test_bad_values_name_the_key(override, message):
     (["loss.stapo.enabled=true", "optim.micro_batch_size=4"], "STAPO's silencing threshold is a quantile"),
     (["logging.grad_noise_scale=true", "optim.epochs=2"], "logging.grad_noise_scale: measured on the on-policy"),
     (["train.precision=fp16", "train.device=cpu"], "train.precision: fp16 needs CUDA"),
+    (["algorithm.estimator=grpo", "algorithm.options.gamma=0.9"], "grpo uses the total reward R"),
+    (["algorithm.estimator=opo", 'algorithm.options.leave_one_out="false"'], "algorithm.options.leave_one_out: expected bool"),
+    (["algorithm.estimator=otb", "algorithm.options.leave_one_out=1"], "algorithm.options.leave_one_out: expected bool"),
 ])
 def test_invalid_combinations(overrides, message):
     with pytest.raises(ConfigError) as err:

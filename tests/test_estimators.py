@@ -351,7 +351,7 @@ def test_registry_lists_all_and_accepts_third_party():
     batch = make_batch(0)
     out = compute_advantages("test_constant", **batch, value=2.5)
     assert torch.equal(out, 2.5 * batch["mask"].float())
-    with pytest.raises(ValueError, match=r"test_constant: unknown option\(s\) \['valu'\]; valid options are \['gamma', 'value'\]"):
+    with pytest.raises(ValueError, match=r"test_constant: unknown option\(s\) \['valu'\]; valid options are \['value'\]"):
         compute_advantages("test_constant", **batch, valu=2.5)
 
 
@@ -359,7 +359,7 @@ def test_error_messages():
     batch = make_batch(0)
     with pytest.raises(ValueError, match="unknown estimator 'gpro'; valid estimators are .*'grpo'"):
         compute_advantages("gpro", **batch)
-    with pytest.raises(ValueError, match=r"grpo: unknown option\(s\) \['epsilon'\]; valid options are \['eps', 'gamma'\]"):
+    with pytest.raises(ValueError, match=r"grpo: unknown option\(s\) \['epsilon'\]; valid options are \['eps'\]"):
         compute_advantages("grpo", **batch, epsilon=1.0)
     bad = batch["rewards"].clone()
     bad[[1, 4]] = float("nan")

@@ -158,7 +158,7 @@ def test_config_rejects_bad_options(tmp_path):
         CreditGRPOConfig(output_dir=str(tmp_path), loss_type="cispo", use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="lam"):
         CreditGRPOConfig(output_dir=str(tmp_path), trace_lam=1.5, use_cpu=True, bf16=False)
-    with pytest.raises(ValueError, match=r"otb: unknown option\(s\) \['k'\]"):
+    with pytest.raises(ValueError, match=r"estimator_options: unknown option\(s\) \['k'\]"):
         CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="otb", estimator_options={"k": 2},
                          use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="maxk_k: an alias of estimator_options"):
@@ -179,7 +179,10 @@ def test_config_rejects_bad_options(tmp_path):
 @pytest.mark.parametrize("options, message", [
     ({"advantage_estimator": "maxpo", "maxk_k": 4, "num_generations": 4, "per_device_train_batch_size": 4},
      r"k: maxpo needs 1 <= k < num_generations \(=4\)"),
-    ({"estimator_options": {"gamma": 2.0}}, r"gamma: expected a value in \[0, 1\], got 2.0"),
+    ({"advantage_estimator": "otb", "estimator_options": {"gamma": 2.0}}, r"gamma: expected a value in \[0, 1\], got 2.0"),
+    ({"estimator_options": {"gamma": 0.9}}, r"estimator_options: unknown option\(s\) \['gamma'\].*grpo uses the total reward R"),
+    ({"advantage_estimator": "otb", "estimator_options": {"leave_one_out": "false"}},
+     r"estimator_options.leave_one_out: expected bool, got 'false'"),
     ({"advantage_estimator": "pkpo", "maxk_k": 1}, r"k: pkpo needs 2 <= k <= num_generations \(=8\)"),
     ({"temperature": 0.0}, r"temperature: expected a value > 0 .*got 0.0"),
     ({"temperature": -1.0}, r"temperature: expected a value > 0 .*got -1.0"),

@@ -379,3 +379,17 @@ def test_trainer_hooks_install_from_verl_extension_points():
         assert alias.ppo_loss is losses.ppo_loss and wrapped.__creditrl__ is original
     finally:
         del sys.modules[alias.__name__]
+
+
+@pytest.mark.parametrize("value", ["false", 1, "no"])
+def test_a_boolean_option_takes_a_bool(value):
+    """``leave_one_out="false"`` once computed the leave-one-out form (a truthy string)."""
+    batch = verl_batch()
+    fn = core_algos.get_adv_estimator_fn(plugin.PREFIX + "otb")
+    with pytest.raises(ValueError, match=r"algorithm.creditrl.leave_one_out: expected bool"):
+        fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+           index=batch["index"], config={"creditrl": {"leave_one_out": value}},
+           old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
+    with pytest.raises(ValueError, match=r"otb.leave_one_out: expected bool"):
+        creditrl.compute_advantages("otb", rewards=batch["token_level_rewards"], mask=batch["response_mask"],
+                                    group=group_of(batch["index"]), energy=batch["stats"].energy, leave_one_out=value)

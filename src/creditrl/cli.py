@@ -202,11 +202,11 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_estimators(args) -> int:
-    table = Table("estimator", "needs energy", "options (default)", "description")
+    table = Table("estimator", "facts", "options (default)", "description")
     for name in list_estimators():
         spec = get_estimator(name)
         options = ", ".join(f"{s.name}={'required' if s.required else s.default}" for s in spec.option_specs or [])
-        table.add_row(name, "yes" if spec.needs_energy else "", options, spec.doc)
+        table.add_row(name, "; ".join(spec.facts()), options, spec.doc)
     Console(width=200).print(table)
     return 0
 

@@ -73,8 +73,8 @@ def estimators_section() -> str:
     for name in list_estimators():
         spec = get_estimator(name)
         specs = spec.option_specs or []
-        energy = " Needs the energies ŵ_t (computed by the trainer)." if spec.needs_energy else ""
-        out.append(f"### `{name}`\n\n{spec.doc}{energy}\n\n" + "\n".join(TABLE_HEAD + _rows("algorithm.options.", specs))
+        facts = f" ({'; '.join(spec.facts())})" if spec.facts() else ""
+        out.append(f"### `{name}`\n\n{spec.doc}{facts}\n\n" + "\n".join(TABLE_HEAD + _rows("algorithm.options.", specs))
                    + "\n")
     return "\n".join(out)
 

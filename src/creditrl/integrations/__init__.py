@@ -18,7 +18,6 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 from torch import Tensor
 
-from creditrl.core.estimators import _check_options
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import get_loss_term, list_loss_terms, resolve_loss_terms
 
@@ -34,9 +33,10 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     return torch.add(sum_p2.detach().float(), energy, alpha=-2.0, out=energy).add_(1.0).clamp_(min=0.0)
 
 
-def check_estimator_options(name: str, options: Mapping[str, Any]) -> None:
-    """Raise unless ``options`` are what estimator ``name`` declares (``EstimatorSpec.options``)."""
-    _check_options(get_estimator(name), {k: v for k, v in options.items() if k != "gamma"})
+def check_estimator_options(name: str, options: Mapping[str, Any], where: str) -> dict:
+    """``options`` resolved against what estimator ``name`` declares (typed, defaults filled);
+    errors name ``where``, the host framework's key."""
+    return get_estimator(name).resolve_options(dict(options), where)
 
 
 def loss_term_fields(native: Collection[str] = (), *, typed: bool = True) -> list[tuple[str, Any, Any]]:

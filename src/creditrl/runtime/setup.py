@@ -26,7 +26,7 @@ from creditrl.runtime.models.tiny import char_tokenizer
 from creditrl.tasks import get_task, task_options
 from creditrl.tasks.base import ProceduralTask
 from creditrl.tasks.chat import check_prompt_lengths, render_task_prompts
-from creditrl.utils.options import build, coerce, instantiate
+from creditrl.utils.options import coerce, instantiate
 
 DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room for a chat answer
 
@@ -134,9 +134,7 @@ def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
         spec = get_estimator(cfg.algorithm.estimator)
     except ValueError as err:
         raise ConfigError(f"algorithm.estimator: {str(err).removeprefix('name: ')}") from None
-    specs = spec.option_specs
-    options = dict(cfg.algorithm.options) if specs is None else build("algorithm.options", specs,
-                                                                       cfg.algorithm.options)
+    options = spec.resolve_options(cfg.algorithm.options, "algorithm.options", strict=False)
     return cfg.algorithm.estimator, options, spec.needs_energy
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from creditrl.core.estimators.labels import LOO, label_options, takes_k
 from creditrl.core.gradients import GradientStats, gradient_quality
 from creditrl.studies import reporting
 
-LOO = "+loo"
-MAXK = ("maxpo", "ei", "pkpo")
+__all__ = ["LOO", "estimator_specs", "takes_k"]
 # statistic -> column name in the quality tables (the raw ratio is labelled as raw everywhere)
 COLUMNS = {"efficiency": "efficiency", "scale": "scale c", "cosine": "cosine", "raw_ratio": "raw tr Cov ratio",
            "variance": "tr Cov"}
@@ -25,14 +25,7 @@ EFFICIENCY_RULE = ("relative efficiency at matched signal (V_b/c_b²)/(V_e/c_e²
 
 def estimator_specs(labels: Sequence[str], k: int | None = None) -> dict[str, tuple[str, dict]]:
     """label -> (registered name, options): ``+loo`` sets leave_one_out; max@K estimators get ``k``."""
-    out = {}
-    for label in labels:
-        name = label.removesuffix(LOO)
-        options = {"leave_one_out": True} if label.endswith(LOO) else {}
-        if name in MAXK:
-            options["k"] = k
-        out[label] = (name, options)
-    return out
+    return {label: label_options(label, k) for label in labels}
 
 
 def with_derived(stats: GradientStats, group_size: int) -> GradientStats:

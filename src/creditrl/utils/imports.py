@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pkgutil
 import re
 import sys
 from typing import Any
@@ -58,3 +59,16 @@ def registered_entry(registry: dict[str, Any], name: str, *, what: str, unknown:
         if entry.fn is fn:
             return entry
     raise ValueError(f"{what} {name!r}: {fn!r} is not registered; {unregistered}")
+
+
+_IMPORTED: set[str] = set()
+
+
+def import_submodules(package: str) -> None:
+    """Import every module of ``package`` once: registries whose entries register by decorator find
+    a new module by its being in the folder, with no import list to edit."""
+    if package in _IMPORTED:
+        return
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__, package + "."):
+        importlib.import_module(info.name)
+    _IMPORTED.add(package)

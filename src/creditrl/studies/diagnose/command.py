@@ -13,7 +13,7 @@ from creditrl.runtime.setup import (build_task, default_max_new_tokens, load_con
                                     resolve_device)
 from creditrl.studies.diagnose.plan import Plan, choose_space, estimator_specs
 from creditrl.studies.diagnose.run import diagnose_policy
-from creditrl.studies.gradient_evidence import LOO
+from creditrl.core.estimators.labels import LOO
 from creditrl.trainer.rundir import check_new_run
 from creditrl.utils.threads import torch_threads
 

@@ -17,7 +17,7 @@ import torch
 
 from creditrl.core.estimators import compute_advantages, list_estimators
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.studies.gradient_evidence import LOO
+from creditrl.core.estimators.labels import LOO, all_labels
 
 REFERENCE, GRPO = "rloo", "grpo"
 DERIVED = "dr_grpo"          # exactly (N−1)/N × rloo: added from rloo's statistics, no backward
@@ -51,42 +51,30 @@ class Plan:
 def options_for(name: str, configured: dict, k: int | None, loo: bool) -> dict:
     """The configured options that estimator ``name`` declares, ``k`` for max@K ones, the label's
     ``leave_one_out``."""
-    declared = get_estimator(name).options or {}
+    spec = get_estimator(name)
+    declared = spec.options or {}
     options = {key: v for key, v in configured.items() if key in declared and key not in ("k", "leave_one_out")}
-    if "k" in declared:
+    if spec.k_range is not None:
         options["k"] = k
-    if "leave_one_out" in declared:
+    if spec.leave_one_out:
         options["leave_one_out"] = loo
     return options
 
 
-def default_labels(k: int | None) -> list[str]:
-    """Every registered estimator (max@K ones only with a K) and every ``leave_one_out`` form."""
-    out = []
-    for name in list_estimators():
-        declared = get_estimator(name).options or {}
-        if "k" in declared and k is None:
-            continue
-        out.append(name)
-        if "leave_one_out" in declared:
-            out.append(name + LOO)
-    return out
-
-
 def estimator_specs(labels: Sequence[str] | None, configured: dict, k: int | None,
                     group_size: int, arg: str = "diagnose.estimators") -> dict[str, tuple[str, dict]]:
-    """label -> (name, options) for every label (None: ``default_labels``), with rloo and grpo always
+    """label -> (name, options) for every label (None: ``all_labels``), with rloo and grpo always
     measured; each checked by running it on a dummy group of ``group_size`` (errors name ``arg``)."""
     if group_size < 2:
         raise ValueError(f"rollout.group_size: expected at least 2 responses per group (the estimators compare "
                          f"responses within a group; a group of 1 has no baseline), got {group_size}")
-    chosen = list(dict.fromkeys([REFERENCE, GRPO, *(default_labels(k) if labels is None else labels)]))
+    chosen = list(dict.fromkeys([REFERENCE, GRPO, *(all_labels(k) if labels is None else labels)]))
     known = list_estimators()
     specs = {}
     for label in chosen:
         name, loo = label.removesuffix(LOO), label.endswith(LOO)
-        if name not in known or (loo and "leave_one_out" not in (get_estimator(name).options or {})):
-            loos = [n + LOO for n in known if "leave_one_out" in (get_estimator(n).options or {})]
+        if name not in known or (loo and not get_estimator(name).leave_one_out):
+            loos = [n + LOO for n in known if get_estimator(n).leave_one_out]
             raise ValueError(f"{arg}: unknown estimator {label!r}; expected one of {known + loos}")
         options = options_for(name, configured, k, loo)
         if options.get("k", 0) is None:

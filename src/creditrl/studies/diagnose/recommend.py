@@ -24,13 +24,7 @@ from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.gradients import Interval, gradient_quality, prompt_noise_scale
 from creditrl.studies.diagnose.measure import Measurement
 from creditrl.studies.diagnose.plan import GRPO, REFERENCE, Plan
-from creditrl.studies.gradient_evidence import LOO, MAXK
-
-MAXK_NAMES = (*MAXK, "passk_chen", "maxk_bon")
-
-
-def name_of(label: str) -> str:
-    return label.removesuffix(LOO)
+from creditrl.core.estimators.labels import name_of, takes_k
 
 
 def rows(meas: Measurement, plan: Plan) -> list[dict]:
@@ -47,7 +41,7 @@ def rows(meas: Measurement, plan: Plan) -> list[dict]:
                     "nonzero_fraction": meas.nonzero.get(label, meas.nonzero.get(REFERENCE, 0)) / plan.groups,
                     "needs_energy": get_estimator(name_of(label)).needs_energy,
                     "advantage_ms_per_group": 1e3 * spent / plan.groups,
-                    "ranked": name_of(label) not in MAXK_NAMES})
+                    "ranked": not takes_k(label)})
     return out
 
 

@@ -155,7 +155,7 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
             records.append({**meta, "parameters": facts["parameters"], "stats": stats.to_dict()})
             rows += ge.quality_rows(stats, REFERENCE, **meta)
             if "ei" in stats.names:
-                rows += [r for r in ge.quality_rows(stats, "ei", **meta) if r["estimator"] in ge.MAXK]
+                rows += [r for r in ge.quality_rows(stats, "ei", **meta) if ge.takes_k(r["estimator"])]
             pooled = {k: pooled[k] + facts[k] for k in pooled}
         baselines[str(digits)] = baseline_summary(pooled)
     reporting.write_json(out_dir / "stats.json", records)
@@ -348,7 +348,7 @@ def report(out_dir: Path, figure_path: str) -> str:
              "Against RLOO (efficiency > 1: fewer groups for the same signal-to-noise; c: scale of the mean gradient "
              "along RLOO's, 1 = unbiased; the raw ratio is not a quality measure):\n",
              quality_table(rows, REFERENCE), "\nmax@K estimators against EI:\n", quality_table(
-                 [r for r in rows if r["estimator"] in ge.MAXK], "ei")]
+                 [r for r in rows if ge.takes_k(r["estimator"])], "ei")]
     for d, b in summary["baselines"].items():
         lines.append(f"- {d} digits: b* = ΣRW/ΣW = {b['b_star']:.3f} against the mean reward "
                      f"{b['reward_mean_pooled']:.3f}; incorrect responses carry {b['energy_wrong_over_correct']:.1f}× "
