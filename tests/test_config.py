@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from creditrl.config import (Config, ConfigError, config_from_dict, config_to_dict, flat_items, load_config,
                              parse_override, save_config)
-from creditrl.runtime.setup import resolve_config
+from creditrl.recipe.resolve import resolve_config
 
 
 def resolved(overrides=(), path=None):
@@ -27,7 +27,7 @@ def test_packaged_reasoning_gym_config_loads_and_builds_its_task():
     """``--config smollm2-reasoning-gym`` resolves, and its task builds (no model is loaded): a held-out
     set of exactly the evaluated problems, prompts ending in the prefill, training problems off it."""
     pytest.importorskip("reasoning_gym")
-    from creditrl.runtime.setup import build_task
+    from creditrl.recipe.build import build_task
 
     cfg = resolve_config(load_config("smollm2-reasoning-gym"))
     assert cfg.model.name == "builtin:smollm2-135m" and cfg.task.name == "reasoning_gym"
@@ -149,7 +149,7 @@ def test_config_reference_is_generated_from_the_declarations():
     """docs/config.md is exactly `creditrl config`'s output, which lists every key and option."""
     from pathlib import Path
 
-    from creditrl import reference
+    from creditrl.recipe import reference
     doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     text = reference.markdown()
     assert doc.read_text() == text, "docs/config.md is stale: regenerate it with `creditrl config > docs/config.md`"
@@ -158,7 +158,7 @@ def test_config_reference_is_generated_from_the_declarations():
 
 
 def test_every_key_has_help_and_is_listed_for_help():
-    from creditrl import reference
+    from creditrl.recipe import reference
     keys = {key: (default, text) for key, default, text in flat_items(Config())}
     assert keys["optim.lr"][0] == Config().optim.lr and "model.warm_start.target_accuracy" in keys
     assert not [k for k, (_, text) in keys.items() if not text], "every config key needs its help text"

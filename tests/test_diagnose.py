@@ -17,15 +17,16 @@ from creditrl.cli import main
 from creditrl.config import load_config
 from creditrl.core.gradients import exact_quality
 from creditrl.runtime.group_gradients import GroupDraws
-from creditrl.runtime.setup import build_task, default_max_new_tokens, load_configured_policy, resolve_config
+from creditrl.recipe.resolve import resolve_config
+from creditrl.recipe.build import build_task, default_max_new_tokens, load_configured_policy
 from creditrl.utils.threads import torch_threads
 from creditrl.core.gradients import CountSketch, GradientMoments
-from creditrl.studies.diagnose import measure as dm
-from creditrl.studies.diagnose import recommend as rc
-from creditrl.studies.diagnose import report
-from creditrl.studies.diagnose.command import make_plan
-from creditrl.studies.diagnose.plan import choose_space
-from creditrl.studies.experiments import grad_variance as gv
+from creditrl.tools.diagnose import measure as dm
+from creditrl.tools.diagnose import recommend as rc
+from creditrl.tools.diagnose import report
+from creditrl.tools.diagnose.command import make_plan
+from creditrl.tools.diagnose.plan import choose_space
+from creditrl_research.experiments import grad_variance as gv
 from enumerable_policy import GROUP, THETA, enumerate_policy, outcome_gradients, reward
 
 # a tiny model warm-started to ~30% on 1-digit addition in a few seconds (the same as test_trainer's, cached)

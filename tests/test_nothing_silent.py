@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from creditrl.config import ConfigError, load_config, load_saved_config, save_config
-from creditrl.runtime.setup import resolve_config
+from creditrl.recipe.resolve import resolve_config
 from creditrl.tasks import Problem, get_task
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.trainer.logging import truncate_jsonl
-from creditrl.trainer.rundir import RunDirError, RunLock, clear_run
+from creditrl.utils.rundir import RunDirError, RunLock, clear_run
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
         "model.warm_start.max_steps=50", "model.warm_start.eval_every=25", "model.warm_start.eval_size=8",
@@ -272,7 +272,7 @@ def test_cli_reports_a_stopped_run_without_a_traceback(tmp_path, monkeypatch, ca
 
     def stop(*a, **k):
         raise loop.TrainingStopped("training stopped at step 3: the loss or gradient was NaN/inf")
-    monkeypatch.setattr("creditrl.cli.train", stop)
+    monkeypatch.setattr("creditrl.trainer.command.train", stop)
     assert main(["train", "--no-progress", f"train.output_dir={tmp_path}"]) == 2
     assert "training stopped at step 3" in capsys.readouterr().err
     assert Path(tmp_path).exists()
@@ -598,6 +598,7 @@ def test_lora_kl_reference_is_the_base_model_with_adapters_off_and_no_copy():
     holds the weights once (a full-model KL run holds them twice), and reading the reference
     allocates less than one model."""
     from creditrl.trainer.loop import reference_model
+    from creditrl.runtime.precision import Precision
     from creditrl.trainer.update import Batch, Learner, statistics_no_grad
     from creditrl.utils.memory import PeakMemory
     task, tok, model = _tiny_policy(lora=True)
@@ -606,10 +607,10 @@ def test_lora_kl_reference_is_the_base_model_with_adapters_off_and_no_copy():
                                             "rollout.max_new_tokens=4", "algorithm.estimator=grpo", "optim.lr=1e-2",
                                             "loss.kl_coef=0.1", "model.lora.enabled=true"]))
     model_bytes = _weight_bytes(model)
-    learner = Learner(model, cfg, ref_model=reference_model(model, cfg))
+    learner = Learner(model, cfg, ref_model=reference_model(model, cfg, Precision()))
     assert learner.ref_model is None and _weight_bytes(*_modules(learner)) == model_bytes
     full_cfg = resolve_config(load_config(None, ["loss.kl_coef=0.1", "rollout.group_size=4"]))
-    full = Learner(base, full_cfg, ref_model=reference_model(base, full_cfg))     # the count sees a copy
+    full = Learner(base, full_cfg, ref_model=reference_model(base, full_cfg, Precision()))     # the count sees a copy
     assert _weight_bytes(*_modules(full)) >= 2 * _weight_bytes(base) - 1
     for step in range(2):                                           # the adapters move away from the base
         learner.update(_spread_batch(task, tok, model, seed=step), torch.Generator().manual_seed(step))
@@ -617,8 +618,8 @@ def test_lora_kl_reference_is_the_base_model_with_adapters_off_and_no_copy():
     with PeakMemory() as reading:
         ref = learner.reference_logp(batch)
     assert reading.peak < model_bytes
-    torch.testing.assert_close(ref, statistics_no_grad(base, batch, cfg).logp)
-    assert not torch.allclose(ref, statistics_no_grad(model, batch, cfg).logp)   # the policy itself differs
+    torch.testing.assert_close(ref, statistics_no_grad(base, batch, cfg, Precision()).logp)
+    assert not torch.allclose(ref, statistics_no_grad(model, batch, cfg, Precision()).logp)   # the policy itself differs
 
 
 # ----------------------------------------------------------------------------- resume never lies
@@ -844,7 +845,7 @@ def test_eval_takes_a_run_or_a_model_directory_positionally(finished, capsys):
 ])
 def test_eval_checks_every_argument_before_the_model_loads(finished, monkeypatch, capsys, args, message):
     import creditrl.cli as cli
-    monkeypatch.setattr(cli, "load_configured_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("creditrl.tools.evaluate.load_configured_policy", lambda *a, **k: pytest.fail("the model was loaded"))
     run = str(finished[0])
     assert cli.main(["eval", "--no-progress", run, *[run if a == "RUN" else a for a in args]]) == 2
     assert re.search(message, capsys.readouterr().err)
@@ -892,7 +893,7 @@ def test_unknown_lora_target_modules_name_the_key_and_the_model_modules():
 
 
 def test_a_lora_final_as_model_name_needs_lora_on_with_its_own_settings(finished):
-    from creditrl.runtime.setup import check_lora_source
+    from creditrl.recipe.build import check_lora_source
     final = str(finished[1] / "final")
     base = ["model.tiny.hidden_size=32", f"model.name={final}"]
     with pytest.raises(ConfigError, match=r"model.lora.enabled: model.name .* is a LoRA adapter directory.*"
@@ -926,7 +927,7 @@ def test_a_yaml_key_given_twice_is_refused(tmp_path):
     (None, ["--report-only", "--run", "a", "x=1"], r"--report-only: redraws the report from OUT/runs alone"),
 ])
 def test_compare_checks_its_specs_before_training(tmp_path, monkeypatch, capsys, spec, args, message):
-    from creditrl.studies import compare
+    from creditrl.tools import compare
     monkeypatch.setattr(compare, "train", lambda *a, **k: pytest.fail("a run was trained"))
     if spec is not None:
         (tmp_path / "spec.yaml").write_text(spec)
@@ -947,7 +948,7 @@ def test_compare_checks_its_specs_before_training(tmp_path, monkeypatch, capsys,
     (["maxk-bandit", "--docs", "x"], r"maxk-bandit does not use --docs"),
 ])
 def test_experiment_arguments_are_checked_before_anything_runs(monkeypatch, capsys, args, message):
-    from creditrl.studies import experiments
+    from creditrl_research import experiments
     monkeypatch.setattr(experiments, "run_experiment", lambda *a, **k: pytest.fail("an experiment ran"))
     monkeypatch.setattr(experiments, "write_report", lambda *a, **k: pytest.fail("a report was written"))
     assert experiments.main(args) == 2
@@ -995,7 +996,7 @@ def test_a_run_whose_checker_always_raises_says_so(tmp_path, capsys, monkeypatch
 def test_experiment_report_states_the_presets_and_experiments_it_covers(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from creditrl.studies.experiments import runner
+    from creditrl_research.experiments import runner
     names = runner.experiment_names()
     fake = SimpleNamespace(run=lambda cfg, out: {}, presets=runner.get_experiment(names[0]).presets)
     monkeypatch.setattr(runner, "get_experiment", lambda name: fake)
@@ -1020,7 +1021,7 @@ def _rows_file(path, rows):
 @pytest.mark.parametrize("mode", ["auto", "true", "false"])
 def test_conversational_prompts_on_a_model_without_chat_template_fail_before_the_warm_start(tmp_path, mode,
                                                                                             monkeypatch):
-    from creditrl.runtime import setup
+    from creditrl.recipe import build as setup
     rows = [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(8)]
     cfg = load_config(None, ["task.name=jsonl", f"task.options.path={_rows_file(tmp_path / 'd.jsonl', rows)}",
                              f"task.options.chat_template={mode}", "rollout.max_new_tokens=8"])
@@ -1035,7 +1036,7 @@ def test_conversational_prompts_on_a_model_without_chat_template_fail_before_the
 
 
 def test_prompts_longer_than_the_tiny_context_fail_before_the_warm_start(tmp_path, monkeypatch):
-    from creditrl.runtime import setup
+    from creditrl.recipe import build as setup
     from creditrl.runtime.models.warm_start import sft_batch
     rows = [{"prompt": "1+" * 300 + "1=", "answer": "301"}] + [{"prompt": "1+1=", "answer": "2"}] * 7
     path = _rows_file(tmp_path / "d.jsonl", rows)
@@ -1076,7 +1077,7 @@ def test_a_maxk_k_out_of_range_names_algorithm_options_k(estimator, k, message):
                                           "rollout.group_size=4"]))
     # the declared range is what the code checks and what the reference shows
     assert get_estimator(estimator).k_range.text("rollout.group_size") in message.replace("\\", "")
-    from creditrl import reference
+    from creditrl.recipe import reference
     assert get_estimator(estimator).k_range.text() in reference.markdown()
 
 
@@ -1106,7 +1107,7 @@ def test_a_number_in_a_list_of_strings_is_refused_not_coerced(override):
 
 
 def test_compare_report_carries_a_runs_learned_nothing_warning(tmp_path):
-    from creditrl.studies import compare
+    from creditrl.tools import compare
     for name, warning in (("ok", None), ("flat", "this run learned nothing from its task. At all 2 steps ...")):
         d = tmp_path / "runs" / f"{name}-s0"
         d.mkdir(parents=True)
@@ -1119,7 +1120,7 @@ def test_compare_report_carries_a_runs_learned_nothing_warning(tmp_path):
 
 
 def test_jsonl_errors_name_the_task_options_key_and_a_directory_is_not_missing(tmp_path):
-    from creditrl.runtime.setup import build_task
+    from creditrl.recipe.build import build_task
     data = _rows_file(tmp_path / "d.jsonl", [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(4)])
     for overrides, message in (([f"task.options.path={tmp_path}"], r"task.options.path: expected a local "
                                 r".jsonl/.json/.parquet file, got the directory"),
@@ -1133,7 +1134,7 @@ def test_jsonl_errors_name_the_task_options_key_and_a_directory_is_not_missing(t
 
 
 def test_experiment_all_accepts_only_keys_every_experiment_has(monkeypatch, capsys):
-    from creditrl.studies.experiments import runner
+    from creditrl_research.experiments import runner
     monkeypatch.setattr(runner, "run_experiment", lambda *a, **k: pytest.fail("an experiment ran"))
     assert runner.main(["all", "num_seeds=2"]) == 2
     err = capsys.readouterr().err

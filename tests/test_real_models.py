@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from creditrl.config import ConfigError, load_config
-from creditrl.runtime.setup import resolve_config
+from creditrl.recipe.resolve import resolve_config
 from creditrl.runtime.models import load_policy
 from creditrl.runtime.sampling import cut_at_stop, stop_token_ids
 from creditrl.tasks import get_task

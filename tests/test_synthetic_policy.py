@@ -1,4 +1,4 @@
-"""creditrl.studies.synthetic_policy: the closed-form success rate and its gradient against an enumeration
+"""creditrl_research.synthetic_policy: the closed-form success rate and its gradient against an enumeration
 of every response, sampling against it, group gradients against a per-response loop, and the horizon
 experiment's sanity checks (T = 1: cumulative = isolated; no shared parameters: the isolated-energy
 baseline is the population per-token optimum, OTB eq. 51 = eq. 30)."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from creditrl import compute_advantages
-from creditrl.studies import synthetic_policy as sp
+from creditrl_research import synthetic_policy as sp
 
 SPECS = {"rloo": ("rloo", {}), "otb": ("otb", {}), "otb+loo": ("otb", {"leave_one_out": True}),
          "otb_isolated": ("otb_isolated", {})}

@@ -10,7 +10,7 @@ Every option is declared once, with its help text: the fields below for the run'
 and the library's declarations for what users extend. ``algorithm.options`` are the chosen
 estimator's keyword parameters, ``loss`` the options of the loss terms (``creditrl.core.losses``),
 ``task.options`` the task's constructor parameters: those three are mappings here, checked
-against their declarations when a run starts (``creditrl.runtime.setup.resolve_config``), so
+against their declarations when a run starts (``creditrl.recipe.resolve.resolve_config``), so
 loading a config imports no library code and no torch.
 """
 from __future__ import annotations
@@ -556,7 +556,7 @@ def check_run_name(key: str, name: str | None) -> None:
 def validate(cfg: Config) -> None:
     """Reject invalid values of the run's own settings, naming the key. The estimator's, the loss
     terms' and the task's options are checked against their declarations when the run starts
-    (``creditrl.runtime.setup.resolve_config``)."""
+    (``creditrl.recipe.resolve.resolve_config``)."""
     r, o, t = cfg.rollout, cfg.optim, cfg.train
     check_run_name("train.run_name", t.run_name)
     check_run_name("diagnose.run_name", cfg.diagnose.run_name)

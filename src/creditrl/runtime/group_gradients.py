@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from creditrl.core.estimators import compute_advantages
+from creditrl.core.gradients import GradientStats
 from creditrl.core.gradients.sketch import CountSketch
 from creditrl.core.token_stats import TokenStats
 from creditrl.runtime.rollout import RolloutBatch
@@ -126,3 +127,10 @@ def per_token_grad_sq_norms(model, params: Sequence[Tensor], batch: RolloutBatch
     flat = torch.cat([g.reshape(valid.numel(), -1) for g in grads], dim=1).double()  # [T_valid, P]
     full = torch.zeros(logp.shape[1], dtype=torch.float64).index_put((valid,), flat.pow(2).sum(-1))
     return full, flat.sum(0).pow(2).sum()
+
+
+def with_derived(stats: GradientStats, group_size: int) -> GradientStats:
+    """Add ``dr_grpo`` = (N−1)/N · ``rloo`` exactly (its advantage is; tested), when rloo was measured."""
+    if "rloo" not in stats.names or "dr_grpo" in stats.names:
+        return stats
+    return stats.with_multiple("dr_grpo", "rloo", (group_size - 1) / group_size)

@@ -36,20 +36,23 @@ from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import learned_nothing, no_signal, plot_run, streak_warning, write_summary
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
+from creditrl.runtime.precision import Precision
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
-from creditrl.runtime.setup import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
-                                   resolve_config, resolve_device)
-from creditrl.trainer.rundir import RunLock, check_new_run, clear_run
+from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
+from creditrl.recipe.build import build_task, check_lora_source, default_max_new_tokens, load_configured_policy
+from creditrl.utils.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
+from creditrl.utils.errors import CreditrlError
+from creditrl.utils.plots import require_matplotlib
 from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
-from creditrl.trainer.update import Learner, autocast
+from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
 CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
 MAX_SKIPPED_STEPS = 3          # consecutive steps whose every update was non-finite: stop the run
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(CreditrlError):
     """The run cannot go on (e.g. repeated non-finite updates); the message names the likely cause."""
 
 
@@ -66,13 +69,13 @@ def set_determinism(cfg: Config) -> None:
     torch.manual_seed(cfg.train.seed)
 
 
-def reference_model(model, cfg: Config):
-    """A frozen copy of the starting policy for a KL term; None without one, and None for LoRA,
-    whose reference is the same model with its adapters disabled (no second copy)."""
+def reference_model(model, cfg: Config, precision: Precision):
+    """A frozen copy of the starting policy for a KL term (in the precision's frozen dtype); None
+    without one, and None for LoRA, whose reference is the same model with its adapters disabled."""
     if cfg.loss["kl_coef"] <= 0 or cfg.model.lora.enabled:
         return None
     ref = copy.deepcopy(model).eval().requires_grad_(False)
-    return ref.to(torch.bfloat16) if cfg.train.precision != "fp32" else ref
+    return ref if precision.frozen_dtype is None else ref.to(precision.frozen_dtype)
 
 
 def precision_notes(model, cfg: Config) -> list[str]:
@@ -98,6 +101,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
         check_trackers(cfg.logging.report_to)   # a missing tracker package is named before any work
+        if cfg.logging.plots:
+            require_matplotlib("logging.plots")
         cfg = resolve_config(cfg)                 # every library-declared option checked before loading
         check_lora_source(cfg)
         set_determinism(cfg)
@@ -116,7 +121,8 @@ class Trainer:
         self.truncated_prompts = check_prompt_lengths(
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
             cfg.rollout.max_new_tokens)
-        self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg))
+        self.precision = precision_of(cfg)
+        self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg, self.precision))
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.task_rng = random.Random(cfg.train.seed)
         self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
@@ -197,7 +203,7 @@ class Trainer:
     def evaluate(self) -> dict:
         c, r = self.cfg, self.cfg.rollout
         start = time.perf_counter()
-        with autocast(self.model, c.train.precision):
+        with self.precision.autocast(self.model):
             result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=self.eval_samples,
                               ks=self.pass_k, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, max_tool_tokens=r.max_tool_tokens,
@@ -211,7 +217,7 @@ class Trainer:
         r = self.cfg.rollout
         t0 = time.perf_counter()
         problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
-        with autocast(self.model, self.cfg.train.precision):
+        with self.precision.autocast(self.model):
             batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
                                       temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                       generator=self.generator, max_tool_tokens=r.max_tool_tokens,

@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-import matplotlib.pyplot as plt
-
-matplotlib.use("Agg")
+from creditrl.utils.plots import figure, save_figure
 
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
                 "power_proxy", "approx_kl", "clip_frac_high", "noise_scale")
@@ -28,34 +25,28 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
         keys = [k for k in TRAIN_CURVES if any(m.get(k) for m in metrics)]
         cols = 4
         rows = max(1, (len(keys) + cols - 1) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        fig, axes = figure(cols, rows, width=4, height=3)
         steps = [m["step"] for m in metrics]
-        for ax, key in zip(axes.flat, keys):
+        for ax, key in zip(axes, keys):
             ax.plot(steps, [m.get(key) if m.get(key) is not None else float("nan") for m in metrics])
             ax.set_title("noise scale B_simple (groups)" if key == "noise_scale" else key)
             if key in LOG_SCALE:
                 ax.set_yscale("log")
             ax.set_xlabel("step")
-        for ax in list(axes.flat)[len(keys):]:
+        for ax in list(axes)[len(keys):]:
             ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(folder / "train.png", dpi=90)
-        plt.close(fig)
-        written.append(folder / "train.png")
+        written.append(save_figure(fig, folder / "train.png", dpi=90))
     if evals:
         # pass@1 equals sampled_acc (unbiased estimator, eq. 1): one line, both names
         keys = [k for k in evals[-1] if k in ("greedy_acc", "sampled_acc") or k.startswith("pass@") and k != "pass@1"]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, (ax,) = figure(width=6, height=4)
         for key in keys:
             label = "sampled_acc (= pass@1)" if key == "sampled_acc" else key
             ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], marker="o", label=label)
         ax.set_xlabel("step")
         ax.set_ylabel("held-out")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(folder / "eval.png", dpi=90)
-        plt.close(fig)
-        written.append(folder / "eval.png")
+        written.append(save_figure(fig, folder / "eval.png", dpi=90))
     return written
 
 
