@@ -148,3 +148,49 @@ def test_the_cli_imports_a_command_only_when_it_runs():
             "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('creditrl.') and m.count('.')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert not {"trainer", "runtime", "tasks"} & set(eval(out.stdout.strip().splitlines()[-1])), out.stdout[-500:]
+
+
+def test_a_new_estimator_is_one_local_change():
+    """One file (tests/plugins/top_half_estimator.py) declares an estimator and its facts; the config
+    checks, `creditrl estimators`, the reference, diagnose's plan and TRL's config read them, with no
+    list to edit anywhere."""
+    code = """
+import sys, io, contextlib
+sys.path.insert(0, "tests/plugins")
+import top_half_estimator  # noqa: F401  (registers it)
+from creditrl.config import load_config
+from creditrl.core.estimators import get_estimator
+from creditrl.core.estimators.labels import all_labels, takes_k
+from creditrl.recipe import reference
+from creditrl.recipe.resolve import resolve_config
+from creditrl.tools import estimators
+spec = get_estimator("top_half_test_only")
+assert spec.needs_energy and spec.token_level and spec.leave_one_out and spec.k_range.text() == "2 <= k < N"
+assert "top_half_test_only+loo" in all_labels(2) and "top_half_test_only" not in all_labels(None)
+assert takes_k("top_half_test_only+loo")
+assert "needs the energies" in reference.markdown().split("### `top_half_test_only`")[1].split("###")[0]
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    estimators.main([])
+assert "top_half_test_only" in out.getvalue() and "2 <= k < N" in out.getvalue()
+try:
+    resolve_config(load_config(None, ["algorithm.estimator=top_half_test_only", "algorithm.options.k=8"]))
+except ValueError as err:
+    assert "top_half_test_only needs 2 <= k < rollout.group_size (=8)" in str(err), err
+else:
+    raise AssertionError("k = N accepted")
+cfg = resolve_config(load_config(None, ["algorithm.estimator=top_half_test_only", "algorithm.options.k=3",
+                                        "algorithm.options.gamma=0.9"]))
+assert cfg.algorithm.options == {"gamma": 0.9, "k": 3, "leave_one_out": False}
+from creditrl.integrations.trl import CreditGRPOConfig
+try:
+    CreditGRPOConfig(output_dir="/tmp/x", advantage_estimator="top_half_test_only", maxk_k=4, num_generations=4,
+                     per_device_train_batch_size=4, use_cpu=True, bf16=False)
+except ValueError as err:
+    assert "top_half_test_only needs 2 <= k < num_generations (=4)" in str(err), err
+else:
+    raise AssertionError("TRL accepted k = N")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
