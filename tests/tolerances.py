@@ -1,0 +1,29 @@
+"""Tolerances derived from the arithmetic, shared by the tests.
+
+A sum (or dot product) of n floating-point terms, in any order, is within (n − 1)·u·Σ|terms| of
+the exact sum, u = eps/2 the unit roundoff (Higham, *Accuracy and Stability of Numerical
+Algorithms*, 2nd ed., §4.2). The bound holds for every summation order, so for every SIMD width
+(``ATEN_CPU_CAPABILITY``) and thread split: a tolerance of ``n·eps`` relative to the terms'
+magnitudes is portable, where one fitted to this machine's rounding is not. A chain of such sums
+(a backward pass: tokens, vocabulary, hidden and MLP widths) adds their lengths.
+"""
+from __future__ import annotations
+
+import torch
+
+EPS32 = torch.finfo(torch.float32).eps   # 2^-23 ≈ 1.19e-7
+EPS64 = torch.finfo(torch.float64).eps   # 2^-52 ≈ 2.22e-16
+
+
+def sum_rtol(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """The rounding of a sum of ``n`` terms in ``dtype``, relative to the sum of their magnitudes."""
+    return max(n, 1) * torch.finfo(dtype).eps
+
+
+def assert_close_normwise(got: torch.Tensor, want: torch.Tensor, rtol: float, msg: str = "") -> None:
+    """||got − want||₂ <= rtol·||want||₂ (in float64): the normwise form of an n·eps bound, for
+    vectors whose elements cancel (a gradient element near 0 has a large relative error of its
+    own, though the vector is as accurate as its largest elements)."""
+    err = float((got.double() - want.double()).norm())
+    scale = float(want.double().norm())
+    assert err <= rtol * scale, f"{msg}: ||got − want|| = {err:.3g} > {rtol:.3g} × ||want|| = {rtol * scale:.3g}"
