@@ -476,3 +476,12 @@ def test_right_padding_detection_matches_shifted_comparison(rows, steps, seed, h
     valid = mask.float()
     expected = not bool((mask[:, 1:] & ~mask[:, :-1]).any())
     assert _right_padded(valid, valid.sum(1).long()) == expected
+
+
+@pytest.mark.parametrize("name", ["rewards", "mask", "group", "energy"])
+def test_meta_tensors_are_refused_naming_the_argument(name):
+    inputs = {"rewards": torch.tensor([1.0, 0.0]), "mask": torch.ones(2, 3), "group": torch.zeros(2, dtype=torch.long),
+              "energy": torch.ones(2, 3)}
+    inputs[name] = inputs[name].to("meta")
+    with pytest.raises(ValueError, match=rf"^{name}: expected a tensor with values .* on the 'meta' device"):
+        compute_advantages("otb", **inputs)

@@ -185,7 +185,7 @@ def actor_config(**policy_loss):
 def loss_inputs(seed=0, shape=(6, 5)):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(shape, generator=gen) * 3
-    logp = (old + 0.3 * torch.randn(shape, generator=gen)).requires_grad_()
+    logp = (old + 0.3 * torch.randn(shape, generator=gen)).clamp(max=0).requires_grad_()   # log-probs: <= 0
     mask = torch.ones(shape)
     mask[0, 3:] = 0
     mask[4, 1:] = 0

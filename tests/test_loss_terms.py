@@ -47,10 +47,10 @@ def batch(seed, rows=5, length=8, token_adv=False, dtype=torch.float64):
     mask = torch.rand(rows, length, generator=gen) > 0.3
     mask[0] = False
     old = -torch.rand(rows, length, generator=gen, dtype=dtype) * 3
-    logp = old + 0.4 * torch.randn(rows, length, generator=gen, dtype=dtype)
+    logp = (old + 0.4 * torch.randn(rows, length, generator=gen, dtype=dtype)).clamp(max=0)   # log-probs: <= 0
     adv = torch.randn((rows, length) if token_adv else (rows,), generator=gen, dtype=dtype)
-    extra = {"ref_logp": old + 0.2 * torch.randn(rows, length, generator=gen, dtype=dtype),
-             "rollout_logp": old + 0.3 * torch.randn(rows, length, generator=gen, dtype=dtype),
+    extra = {"ref_logp": (old + 0.2 * torch.randn(rows, length, generator=gen, dtype=dtype)).clamp(max=0),
+             "rollout_logp": (old + 0.3 * torch.randn(rows, length, generator=gen, dtype=dtype)).clamp(max=0),
              "entropy": torch.rand(rows, length, generator=gen, dtype=dtype) * 2}
     return logp, old, adv, mask, extra
 

@@ -30,7 +30,7 @@ def loop_agg(loss, mask, mode, max_len=None):
 def make_batch(seed=0, rows=5, length=7, token_adv=False, spread=0.4):
     gen = torch.Generator().manual_seed(seed)
     logp = -torch.rand(rows, length, generator=gen) * 4
-    old = logp + spread * torch.randn(rows, length, generator=gen)
+    old = (logp + spread * torch.randn(rows, length, generator=gen)).clamp(max=0)   # log-probs: <= 0
     adv = torch.randn((rows, length) if token_adv else (rows,), generator=gen)
     mask = torch.rand(rows, length, generator=gen) > 0.3
     mask[0] = False                     # an empty response
@@ -132,7 +132,7 @@ def test_everything_off_is_exactly_the_plain_loss():
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
 def test_kl_penalty_matches_loop(est):
     logp, old, adv, mask = make_batch(4)
-    ref = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9))
+    ref = (logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9))).clamp(max=0)
     loss, metrics = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean", ref_logp=ref,
                                 kl_coef=0.05, kl_estimator=est)
     expected = loop_policy_loss(logp, old, adv, mask, 0.2, 0.2, None, "seq-mean-token-mean", (0.05, est, ref))
@@ -163,6 +163,8 @@ def loop_rollout(old, rollout, mask, mode, cap):
 def test_rollout_correction_matches_loop(mode):
     logp, old, adv, mask = make_batch(5)
     rollout = old + 0.8 * torch.randn(old.shape, generator=torch.Generator().manual_seed(11))
+    shift = rollout.max().clamp(min=0)       # log-probs <= 0, every difference between them kept
+    logp, old, rollout = logp - shift, old - shift, rollout - shift
     cap = 1.5
     loss, metrics = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_correction=mode,
                                 rollout_cap=cap, agg="token-mean")
@@ -183,7 +185,7 @@ def test_rollout_correction_matches_loop(mode):
 
 def test_tis_weight_is_detached():
     logp, old, adv, mask = make_batch(6)
-    rollout = (old + 0.5).requires_grad_()
+    rollout = (old - 0.5).requires_grad_()
     loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_correction="tis")
     assert not loss.requires_grad  # only logp may carry gradient; here it has none
 
@@ -211,7 +213,7 @@ def test_option_grid_is_finite(combo):
     logp, old, adv, mask = make_batch(7, spread=1.0)
     gen = torch.Generator().manual_seed(12)
     logp = logp.clone().requires_grad_()
-    kwargs = dict(ref_logp=old - 0.2, rollout_logp=old + 0.5 * torch.randn(old.shape, generator=gen),
+    kwargs = dict(ref_logp=old - 0.2, rollout_logp=(old + 0.5 * torch.randn(old.shape, generator=gen)).clamp(max=0),
                   entropy=torch.rand(old.shape, generator=gen))
     for name in combo:
         kwargs.update(OPTIONS[name])
@@ -228,7 +230,7 @@ def test_all_options_bf16_and_extreme_ratios():
     old[1, 0] = logp[1, 0] - 60.0                     # exp would overflow without the clamp
     lp = logp.bfloat16().requires_grad_()
     loss, metrics = policy_loss(lp, old.bfloat16(), adv.bfloat16(), mask, clip_high=0.28, clip_c=3.0,
-                                ref_logp=old, kl_coef=0.1, rollout_logp=old + 0.3, rollout_correction="seq-tis",
+                                ref_logp=old, kl_coef=0.1, rollout_logp=old - 0.3, rollout_correction="seq-tis",
                                 stapo=True, entropy=torch.rand(mask.shape), trace=TraceOptions(lam=0.99))
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(lp.grad.float()).all()
@@ -351,3 +353,30 @@ def test_policy_loss_names_non_finite_inputs():
     garbage[~mask] = float("nan")               # padding may hold anything
     loss, metrics = policy_loss(garbage, old, adv, mask, ref_logp=garbage, kl_coef=0.1)
     assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", ["logp", "old_logp", "ref_logp", "rollout_logp"])
+def test_log_probs_above_zero_are_refused_naming_the_argument(name, device):
+    """Logits or probabilities passed as log-probs give an error naming the argument, on the CPU
+    before any work and on a GPU with the metrics' one copy; rounding up to LOGP_TOLERANCE above 0
+    and any value off the mask (padding) pass."""
+    from creditrl.utils.validate import LOGP_TOLERANCE
+
+    logp, old, adv, mask = make_batch(2)
+    inputs = {"logp": logp, "old_logp": old, "ref_logp": old - 0.1, "rollout_logp": old - 0.2}
+
+    def call(x):
+        x = {k: v.to(device) for k, v in x.items()}
+        return policy_loss(x["logp"].detach().clone().requires_grad_(), x["old_logp"], adv.to(device), mask.to(device),
+                           ref_logp=x["ref_logp"], kl_coef=0.1, rollout_logp=x["rollout_logp"],
+                           rollout_correction="tis")
+
+    bad = dict(inputs, **{name: inputs[name].clone()})
+    bad[name][0] = 7.0                              # row 0 is all off the mask: padding may hold anything
+    bad[name][1, 2] = LOGP_TOLERANCE / 2            # rounding just above 0
+    loss, _ = call(bad)
+    assert torch.isfinite(loss)
+    bad[name][1, 2] = 0.5                           # row 1 is all valid
+    with pytest.raises(ValueError, match=rf"^{name}: expected log-probabilities <= 0 \(up to 0.001 of rounding\) "
+                                         r"on the mask's tokens, got values up to 0\.5 \(logits or probabilities"):
+        call(bad)

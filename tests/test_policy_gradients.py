@@ -96,8 +96,8 @@ def option_batch(combo, token_adv: bool, length: int = 24):
     """(logp, old, adv, mask, policy_loss keywords) for the options in ``combo``."""
     logp, old, adv, mask = make_batch(7, rows=6, length=length, token_adv=token_adv, spread=1.0)
     gen = torch.Generator().manual_seed(12)
-    kwargs = dict(ref_logp=old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen),
-                  rollout_logp=old + 0.5 * torch.randn(old.shape, generator=gen),
+    kwargs = dict(ref_logp=(old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen)).clamp(max=0),
+                  rollout_logp=(old + 0.5 * torch.randn(old.shape, generator=gen)).clamp(max=0),
                   entropy=torch.rand(old.shape, generator=gen))
     for name in combo:
         kwargs.update(OPTIONS[name])
@@ -120,7 +120,7 @@ def test_gradient_matches_autograd_reference(combo, token_adv):
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
 def test_gradient_every_aggregation_and_kl_estimator(mode, est):
     logp, old, adv, mask = make_batch(3, rows=5, length=40, spread=0.6)
-    ref = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
+    ref = (old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))).clamp(max=0)
     assert_same_loss_and_grad(logp, old, adv, mask, agg=mode, max_len=50, ref_logp=ref, kl_coef=0.2,
                               kl_estimator=est, clip_high=0.28, clip_c=2.5)
 
@@ -130,7 +130,7 @@ def test_gradient_all_options_together_long_rows():
     logp, old, adv, mask = make_batch(9, rows=4, length=120, token_adv=True, spread=0.5)
     gen = torch.Generator().manual_seed(4)
     common = dict(clip_high=0.28, clip_c=3.0, ref_logp=old - 0.1, kl_coef=0.05, agg="seq-mean-token-mean",
-                  rollout_logp=old + 0.3 * torch.randn(old.shape, generator=gen), rollout_correction="mis",
+                  rollout_logp=(old + 0.3 * torch.randn(old.shape, generator=gen)).clamp(max=0), rollout_correction="mis",
                   stapo=StapoOptions(tau_p=0.05, high_entropy_fraction=0.5),
                   entropy=torch.rand(old.shape, generator=gen))
     for opts in (TraceOptions(lam=0.97, style="both", floor=0.01), TraceOptions(lam=0.9, update="weight"),
@@ -141,14 +141,16 @@ def test_gradient_all_options_together_long_rows():
 def test_gradient_is_zero_where_the_log_ratio_clamp_binds():
     """|log π − log π_old| > 20: the ratio is clamped and, as with autograd, passes no gradient."""
     logp, old, adv, mask = make_batch(5, rows=4, length=10)
-    old = old.clone()
+    logp, old = logp.clone(), old.clone()
+    logp[1, :5] -= 30.0                      # log-probs stay <= 0
     old[1, :5] = logp[1, :5] + 30.0          # r = e^−30 → clamped to e^−20
     old[1, 5:] = logp[1, 5:] - 30.0          # r = e^30 → clamped to e^20
     for sign in (1.0, -1.0):
         a = adv.abs() * sign
         grad = assert_same_loss_and_grad(logp, old, a, mask)
         assert torch.all(grad[1] == 0)
-        assert_same_loss_and_grad(logp, old, a, mask, ref_logp=logp + 25.0, kl_coef=0.1)
+        low, old_low = logp - 26.0, old - 26.0   # every log-prob, the reference's too, stays <= 0
+        assert_same_loss_and_grad(low, old_low, a, mask, ref_logp=low + 25.0, kl_coef=0.1)
 
 
 def test_bf16_logp_gets_a_bf16_gradient():

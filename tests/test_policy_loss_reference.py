@@ -20,11 +20,11 @@ def inputs(seed: int, token_adv: bool):
     mask[0, 5:] = False
     mask[3] = False                                                   # an empty row
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4
-    logp = (old + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    logp = (old + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0).requires_grad_()
     adv = torch.randn((B, T) if token_adv else (B,), generator=g, dtype=torch.float64)
     return {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask,
-            "ref": old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
-            "rollout": old + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64),
+            "ref": (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0),
+            "rollout": (old + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0),
             "entropy": torch.rand(B, T, generator=g, dtype=torch.float64) * 3}
 
 

@@ -159,3 +159,14 @@ def test_energy_is_accurate_for_near_certain_tokens():
     want = ((torch.nn.functional.one_hot(tokens[0], vocab).double() - pi) ** 2).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
     assert bool((got[1:] < got[:-1]).all())  # strictly ordered by certainty, down to ~1e-15
+
+
+def test_meta_tensors_are_refused_naming_the_argument():
+    """A tensor on the meta device has a shape and no values: an error naming it, not torch's
+    'Tensor.item() cannot be called on meta tensors'."""
+    logits, tokens = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
+    for name, args in (("logits", (logits.to("meta"), tokens)), ("tokens", (logits, tokens.to("meta"))),
+                       ("mask", (logits, tokens, torch.ones(2, 3, device="meta")))):
+        with pytest.raises(ValueError, match=rf"^{name}: expected a tensor with values \(on the CPU or a GPU\), got a "
+                                             r"tensor on the 'meta' device \(shape \[2, 3(, 5)?\] only"):
+            token_stats(*args)

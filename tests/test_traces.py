@@ -265,7 +265,7 @@ def test_eps_trace_lambda_zero_is_plain_loss_with_clamp():
     theta, logp_fn, mask, adv = tiny_policy(seed=1)
     gen = torch.Generator().manual_seed(5)
     th1, th2 = theta.clone().requires_grad_(), theta.clone().requires_grad_()
-    old = logp_fn(theta) + 0.3 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    old = (logp_fn(theta) + 0.3 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)).clamp(max=0)
     traced, _ = policy_loss(logp_fn(th1), old, adv, mask, trace=TraceOptions(lam=0.0, adv_clamp=-0.1))
     plain, _ = policy_loss(logp_fn(th2), old, adv.clamp(min=-0.1), mask)
     assert torch.equal(traced, plain)
@@ -277,7 +277,7 @@ def test_eps_weight_matches_reference_and_sigma_carries_gradient():
     """ε-weight (Algorithm 2): ℓ_t · Σ_j M[t,j](1 + σ(log π_j − 1)), σ with gradient."""
     theta, logp_fn, mask, adv = tiny_policy(seed=2)
     gen = torch.Generator().manual_seed(6)
-    old = logp_fn(theta) + 0.2 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)
+    old = (logp_fn(theta) + 0.2 * torch.randn(mask.shape, generator=gen, dtype=torch.float64)).clamp(max=0)
     opts = TraceOptions(lam=0.9, style="both", floor=0.05, update="weight", adv_clamp=-0.1)
     th = theta.clone().requires_grad_()
     loss, _ = policy_loss(logp_fn(th), old, adv, mask, clip_low=0.2, agg="token-mean", trace=opts)
@@ -307,7 +307,7 @@ def test_eps_weight_matches_reference_and_sigma_carries_gradient():
 def test_eps_weight_lambda_zero_is_plain_loss_times_soft_clamp():
     theta, logp_fn, mask, adv = tiny_policy(seed=3)
     logp = logp_fn(theta)
-    old = logp + 0.1
+    old = logp - 0.1
     weighted, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum",
                               trace=TraceOptions(lam=0.0, update="weight"))
     ratio = torch.exp(logp - old)

@@ -74,7 +74,7 @@ def _row_totals(rewards: Tensor) -> Tensor:
 
 def _check_device(device: torch.device, **tensors: Tensor | None) -> None:
     for name, x in tensors.items():
-        if x is not None and x.device != device:
+        if x is not None and check_tensor(name, x).device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (the mask's device), got {x.device}")
 
 
