@@ -485,3 +485,15 @@ def test_meta_tensors_are_refused_naming_the_argument(name):
     inputs[name] = inputs[name].to("meta")
     with pytest.raises(ValueError, match=rf"^{name}: expected a tensor with values .* on the 'meta' device"):
         compute_advantages("otb", **inputs)
+
+
+@pytest.mark.parametrize("value", ["false", "true", 1, 0, None, 1.0])
+def test_bool_options_take_a_bool(value):
+    """leave_one_out="false" is truthy: refused, naming the option, instead of turning it on."""
+    batch = {"rewards": torch.tensor([1.0, 0.0, 1.0]), "mask": torch.ones(3, 2), "group": torch.zeros(3, dtype=torch.long),
+             "energy": torch.ones(3, 2)}
+    for name in ("otb", "ogb", "opo"):
+        with pytest.raises(TypeError, match=rf"^leave_one_out: expected a bool \(True or False\) for estimator "
+                                            rf"'{name}', got {type(value).__name__} {value!r}"):
+            compute_advantages(name, **batch, leave_one_out=value)
+        compute_advantages(name, **batch, leave_one_out=False)

@@ -161,6 +161,12 @@ def test_config_rejects_bad_options(tmp_path):
     with pytest.raises(ValueError, match=r"otb: unknown option\(s\) \['k'\]"):
         CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="otb", estimator_options={"k": 2},
                          use_cpu=True, bf16=False)
+    with pytest.raises(TypeError, match=r"estimator_options.leave_one_out: expected a bool \(True or False\) for "
+                                        r"estimator 'otb', got str 'false'"):
+        CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="otb", estimator_options='{"leave_one_out": "false"}',
+                         use_cpu=True, bf16=False)
+    with pytest.raises(TypeError, match=r"stapo: expected True, False or None .* got str 'false'"):
+        CreditGRPOConfig(output_dir=str(tmp_path), stapo="false", use_cpu=True, bf16=False)
     with pytest.raises(ValueError, match="maxk_k: an alias of estimator_options"):
         CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="maxpo", maxk_k=2,
                          estimator_options={"k": 3}, use_cpu=True, bf16=False)

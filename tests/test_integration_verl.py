@@ -84,6 +84,18 @@ def test_registered_estimator_matches_direct_call(name):
     torch.testing.assert_close(returns, loop)
 
 
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_bool_estimator_option_takes_a_bool(value):
+    """algorithm.creditrl.leave_one_out="false" would be truthy: refused, naming the key."""
+    batch = verl_batch()
+    with pytest.raises(TypeError, match=r"algorithm.creditrl.leave_one_out: expected a bool \(True or False\) for "
+                                        rf"estimator 'otb', got {type(value).__name__} {value!r}"):
+        core_algos.get_adv_estimator_fn("creditrl_otb")(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=batch["index"], config={"creditrl": {"leave_one_out": value}},
+            old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
+
+
 def test_energy_estimator_without_actor_energy_names_the_fix():
     batch = verl_batch()
     fn = core_algos.get_adv_estimator_fn("creditrl_otb")

@@ -34,9 +34,10 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     return torch.add(sum_p2.detach().float(), energy, alpha=-2.0, out=energy).add_(1.0).clamp_(min=0.0)
 
 
-def check_estimator_options(name: str, options: Mapping[str, Any]) -> None:
-    """Raise unless ``options`` are what estimator ``name`` declares (``EstimatorSpec.options``)."""
-    _check_options(get_estimator(name), {k: v for k, v in options.items() if k != "gamma"})
+def check_estimator_options(name: str, options: Mapping[str, Any], where: str = "") -> None:
+    """Raise unless ``options`` are what estimator ``name`` declares (``EstimatorSpec.options``);
+    ``where`` names the options' place in the host framework's config in errors."""
+    _check_options(get_estimator(name), {k: v for k, v in options.items() if k != "gamma"}, where)
 
 
 def loss_term_fields(native: Collection[str] = (), *, typed: bool = True) -> list[tuple[str, Any, Any]]:
@@ -85,6 +86,9 @@ def loss_terms_from(get: Callable[[str], Any], native: Mapping[str, Any] | None 
         values = {k: get(f"{name}_{k}") for k in names}
         values = {k: v for k, v in values.items() if v is not None}
         switch = True if name in switched_on else get(name)
+        if switch is not None and not isinstance(switch, bool):   # "false" would be truthy
+            raise TypeError(f"{name}: expected True, False or None (on when one of {name}_* is set), got "
+                            f"{type(switch).__name__} {switch!r}")
         if switch is False and values:
             raise ValueError(f"{name}_{next(iter(values))}: set while {name}=False, where it does nothing; "
                              f"drop it or set {name}=True")

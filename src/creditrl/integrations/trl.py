@@ -95,7 +95,7 @@ class _CreditGRPOFields(GRPOConfig):
         if self.maxk_k is not None and "k" in (self.estimator_options or {}):
             raise ValueError(f"maxk_k: an alias of estimator_options['k'], both set ({self.maxk_k} and "
                              f"{self.estimator_options['k']}); set one")
-        check_estimator_options(self.advantage_estimator, self.estimator_kwargs())
+        check_estimator_options(self.advantage_estimator, self.estimator_kwargs(), where="estimator_options")
         for key in ("num_generations", "num_generations_eval"):   # each mode's group size, now, not at step 1
             if getattr(self, key, None) is not None:
                 check_group_size(self.advantage_estimator, self.estimator_kwargs(), getattr(self, key), key=key)

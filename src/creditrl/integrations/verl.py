@@ -122,7 +122,7 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                 "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
                 "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
         options = estimator_options(config)
-        check_estimator_options(name, options)
+        check_estimator_options(name, options, where="algorithm.creditrl")
         gamma = options.pop("gamma", 1.0)
         with torch.no_grad():
             # the rewards as verl gives them: a score on a masked token counts in the row total

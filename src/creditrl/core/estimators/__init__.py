@@ -115,10 +115,18 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
                           raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma))
 
 
-def _check_options(spec: EstimatorSpec, options: dict) -> None:
+def _check_options(spec: EstimatorSpec, options: dict, where: str = "") -> None:
+    """``options`` against the estimator's declared ones: names, required ones, and bool options
+    given as bools (a string such as ``"false"`` is truthy and would turn the option on).
+    ``where`` prefixes an option's name in errors (``algorithm.creditrl``)."""
     declared = spec.options
     if declared is None:
         return
+    for option in spec.option_specs:
+        value = options.get(option.name)
+        if option.type is bool and option.name in options and not isinstance(value, bool):
+            raise TypeError(f"{where + '.' if where else ''}{option.name}: expected a bool (True or False) for "
+                            f"estimator {spec.name!r}, got {type(value).__name__} {value!r}")
     valid = sorted(declared)
     unknown = sorted(set(options) - set(declared))
     if unknown:
