@@ -381,3 +381,39 @@ def test_a_user_term_from_creditrl_train(plugins, tmp_path):
     share = step["response_len"] / 6          # mean n_b / max_new_tokens <= mean n_b / T (T: the batch's width)
     assert 0.05 * share - 1e-7 <= step["length_penalty"] <= 0.05 + 1e-7 and step["length_penalty"] > 0
     assert "length_penalty_term:length_penalty" in (tmp_path / "lp" / "config.yaml").read_text()
+
+
+def test_config_loss_terms_each_once_and_not_creditrls_own(plugins, registry):
+    """Cases 5 and 23: a term twice in loss.terms would apply only its last entry while config.yaml lists
+    both; creditrl's own terms in loss.terms would skip what their keys build (the KL's reference
+    model). Both are refused naming the entry and the keys to use; a user's term that needs reference
+    log-probs gets the reference built."""
+    from creditrl.config import ConfigError, load_config
+    from creditrl.runtime.setup import policy_loss_from_config, resolve_config
+
+    twice = f'loss.terms=[{{path: "{USER_TERM}", coef: 0.1}}, {{path: "{USER_TERM}", coef: 0.2}}]'
+    with pytest.raises(ConfigError, match=r"^loss.terms\[1\]: loss term 'length_penalty' is already given in "
+                                          r"loss.terms\[0\]; each term is applied once"):
+        resolve_config(load_config(None, [twice]))
+    for path, keys in (("kl", "loss.kl_coef, loss.kl_estimator"), ("creditrl.core.losses.kl:kl", "loss.kl_coef"),
+                       ("stapo", "loss.stapo.enabled=true")):
+        with pytest.raises(ConfigError, match=rf"^loss.terms\[0\]: '{path}' is creditrl's own loss term .* set by its "
+                                              rf"keys {keys}"):
+            resolve_config(load_config(None, [f'loss.terms=[{{path: "{path}", kl_coef: 0.5}}]']))
+
+    @dataclasses.dataclass(frozen=True)
+    class AnchorOptions:
+        coef: float = dataclasses.field(default=0.1, metadata={"help": "weight"})
+
+    @register_loss_term("anchor", options=AnchorOptions, stage="penalty", needs=("ref_logp",))
+    def anchor(state, options):
+        return state.add_token_loss(options.coef * (state.logp - state.ref_logp).square())
+
+    anchor.__module__, anchor.__qualname__ = "test_loss_terms", "anchor"
+    globals()["anchor"] = anchor
+    try:
+        cfg = resolve_config(load_config(None, ['loss.terms=[{path: "test_loss_terms:anchor"}]']))
+        assert policy_loss_from_config(cfg).needs_reference
+        assert not policy_loss_from_config(resolve_config(load_config(None, []))).needs_reference
+    finally:
+        del globals()["anchor"]

@@ -38,7 +38,7 @@ from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_i
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
 from creditrl.runtime.setup import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
-                                   resolve_config, resolve_device)
+                                   policy_loss_from_config, resolve_config, resolve_device)
 from creditrl.trainer.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
@@ -67,9 +67,10 @@ def set_determinism(cfg: Config) -> None:
 
 
 def reference_model(model, cfg: Config):
-    """A frozen copy of the starting policy for a KL term; None without one, and None for LoRA,
-    whose reference is the same model with its adapters disabled (no second copy)."""
-    if cfg.loss["kl_coef"] <= 0 or cfg.model.lora.enabled:
+    """A frozen copy of the starting policy for a term that needs reference log-probs (KL); None
+    without one, and None for LoRA, whose reference is the same model with its adapters disabled
+    (no second copy)."""
+    if not policy_loss_from_config(cfg).needs_reference or cfg.model.lora.enabled:
         return None
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     return ref.to(torch.bfloat16) if cfg.train.precision != "fp32" else ref
