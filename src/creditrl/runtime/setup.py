@@ -62,11 +62,11 @@ def build_task(cfg: Config):
     names one of the task's options (``path: ...``) names its config key (``task.options.path: ...``)."""
     try:
         return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, TypeError) as err:
         option = str(err).split(":", 1)[0]
         if option not in (task_options(cfg.task.name) or cfg.task.options):
             raise
-        raise type(err)(f"task.options.{err}") from None
+        raise (ConfigError if isinstance(err, TypeError) else type(err))(f"task.options.{err}") from None
 
 
 def load_configured_policy(cfg: Config, task, device, progress: bool, name: str | None = None):
