@@ -284,3 +284,22 @@ def test_verl_dataset_and_verls_own_compute_score_unchanged(tmp_path):
     assert task._terms[0][0].convention == "verl"
     p = next(q for q in task.train_set() + task.test_set() if q.answer == "8")
     assert task.score([p, p], ["4 + 4 = 8\n#### 8", "#### 9"]).rewards == [1.0, 0.0]
+
+
+def test_terms_sharing_a_function_name_get_distinct_metrics(tmp_path, monkeypatch):
+    """Case 9: two verl compute_score from different modules logged one reward/compute_score (the second's
+    0.25) while the reward was 1.25. Each term's metric key is unique: the full module.function name where
+    two share a name, and _2, _3 for the same function twice; the weighted sum is unchanged."""
+    for module, value in (("score_a", 1.0), ("score_b", 0.25)):
+        (tmp_path / f"{module}.py").write_text(
+            f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {value}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = get_task("jsonl", path=_jsonl(tmp_path / "d.jsonl", ROWS), checker="score_a:compute_score",
+                    rewards=[{"checker": "score_b:compute_score"}, {"checker": "exact"}, {"checker": "exact"}],
+                    checker_timeout=None)
+    scores = task.score([task.train_set()[0]], ["wrong"])
+    assert scores.rewards == [1.25]
+    assert scores.extras == {"score_a.compute_score": [1.0], "score_b.compute_score": [0.25], "exact": [0.0],
+                             "exact_2": [0.0]}
+    for module in ("score_a", "score_b"):
+        sys.modules.pop(module, None)
