@@ -303,3 +303,28 @@ def test_terms_sharing_a_function_name_get_distinct_metrics(tmp_path, monkeypatc
                              "exact_2": [0.0]}
     for module in ("score_a", "score_b"):
         sys.modules.pop(module, None)
+
+
+def test_checkers_returning_tensors_in_every_convention(tmp_path, monkeypatch):
+    """Case 15: a checker in a child process that returned a torch.Tensor crashed with
+    'AuthenticationError: digest sent was rejected' (multiprocessing's pickler sends tensors as
+    shared-memory handles). A 0-d tensor is a number, a TRL function's 1-D tensor its list of rewards."""
+    (tmp_path / "tensor_rewards.py").write_text(
+        "import torch\n"
+        "def creditrl_style(prompt, response, answer):\n    return torch.tensor(0.5)\n"
+        "def trl_style(prompts, completions, **kwargs):\n    return torch.full((len(prompts),), 0.25)\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': torch.tensor(1.0), 'acc': torch.tensor(1.0)}\n"
+        "def many(prompt, response, answer):\n    return torch.ones(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problems = [Problem("q1", "1"), Problem("q2", "2")]
+    for name, want in (("creditrl_style", 0.5), ("trl_style", 0.25), ("compute_score", 1.0)):
+        fn = RewardFunction(f"tensor_rewards:{name}")            # a child process (the default time limit)
+        scores = fn.score(problems, ["1", "x"])
+        fn.close()
+        assert scores.rewards == [want, want], name
+    fn = RewardFunction("tensor_rewards:many")
+    with pytest.warns(UserWarning, match="returned a Tensor, not a number"):
+        assert all(math.isnan(r) for r in fn.score(problems, ["1", "x"]).rewards)
+    fn.close()
+    sys.modules.pop("tensor_rewards", None)

@@ -223,6 +223,8 @@ class RewardFunction:
         if outcome.status != "ok":
             return [outcome] * len(problems)
         values = outcome.value
+        if hasattr(values, "tolist") and getattr(values, "ndim", 0) == 1:   # a tensor or array, as TRL takes
+            values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(problems):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise ValueError(f"{self.what}: the TRL reward function {self.name!r} returned {got} for "
