@@ -133,7 +133,8 @@ def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
     try:
         spec = get_estimator(cfg.algorithm.estimator)
     except ValueError as err:
-        raise ConfigError(f"algorithm.estimator: {str(err).removeprefix('name: ')}") from None
+        raise ConfigError(f"algorithm.estimator: {str(err).removeprefix('name: ').removeprefix('estimator: ')}"
+                          ) from err
     specs = spec.option_specs
     options = dict(cfg.algorithm.options) if specs is None else build("algorithm.options", specs,
                                                                        cfg.algorithm.options)
@@ -161,7 +162,7 @@ def _check_task(cfg: Config) -> None:
     try:
         declared = task_options(cfg.task.name)
     except ValueError as err:
-        raise ConfigError(f"task.name: {str(err).removeprefix('task: ').removeprefix('task.name: ')}") from None
+        raise ConfigError(f"task.name: {str(err).removeprefix('task: ').removeprefix('task.name: ')}") from err
     if declared is None:                          # a user's factory taking **kwargs: anything goes
         return
     unknown = sorted(set(cfg.task.options) - set(declared))
