@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 
 import pytest
 import torch
@@ -157,3 +158,29 @@ def test_parallel_runs_match_sequential(tmp_path):
             lines = (tmp_path / mode / "runs" / f"otb-s{seed}" / "metrics.jsonl").read_text().splitlines()
             rows[mode] = [{k: json.loads(line).get(k) for k in keys} for line in lines]
         assert len(rows["seq"]) == 2 and rows["seq"] == rows["par"]
+
+
+def test_a_failing_run_leaves_a_report_of_the_runs_that_finished(tmp_path, monkeypatch, capsys):
+    """Case 18: a run whose loss term raised stopped compare with no report for the runs that had
+    finished. The other runs go on, the report covers them and names the failed run and its error,
+    and compare exits 1."""
+    (tmp_path / "exploding_term.py").write_text(
+        "from dataclasses import dataclass, field\nfrom creditrl import register_loss_term\n\n"
+        "@dataclass(frozen=True)\nclass Opts:\n    coef: float = field(default=0.1, metadata={'help': 'weight'})\n\n"
+        "@register_loss_term('exploding', options=Opts, stage='penalty')\n"
+        "def exploding(state, options):\n    return {}['token_loss']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--seeds", "0", "--no-progress", "train.steps=1", "rollout.prompts_per_step=2",
+            "rollout.group_size=4", "train.eval_every=0", "train.eval_problems=4", "train.eval_samples=4",
+            "train.pass_k=[1]", "train.save_every=0", "train.threads=1", "model.warm_start.max_steps=25",
+            "logging.report_to=[jsonl]", "logging.plots=false",
+            "--run", "broken", 'loss.terms=[{path: "exploding_term:exploding"}]', "--run", "plain"]
+    assert compare.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "1 run(s) failed (broken-s0); the report covers the runs that finished" in err
+    report = (out / "report.md").read_text()
+    assert "## Runs that failed" in report and "`broken-s0`: PluginError: loss term 'exploding' " \
+        "(exploding_term:exploding) raised KeyError: 'token_loss'" in report
+    assert [r["run"] for r in reporting.read_csv(out / "final.csv")] == ["plain"]
+    sys.modules.pop("exploding_term", None)

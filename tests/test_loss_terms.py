@@ -417,3 +417,49 @@ def test_config_loss_terms_each_once_and_not_creditrls_own(plugins, registry):
         assert not policy_loss_from_config(resolve_config(load_config(None, []))).needs_reference
     finally:
         del globals()["anchor"]
+
+
+def test_a_broken_user_term_or_estimator_is_named(registry):
+    """Case 18: a term returning the wrong type, of the wrong signature, or whose state has the wrong
+    shape, and an estimator raising KeyError, gave raw AttributeError/TypeError/KeyError. Each is an
+    error naming the plug-in (its own error chained); a ValueError (bad input) passes as it is."""
+    from creditrl import compute_advantages, register_estimator
+    from creditrl.utils.imports import PluginError
+
+    @dataclass(frozen=True)
+    class Opts:
+        coef: float = field(default=0.1, metadata={"help": "weight"})
+
+    with pytest.raises(TypeError, match=r"^loss term 'two_args': .* must take \(state, options\), its signature is "
+                                        r"\(state\)"):
+        register_loss_term("two_args", options=Opts, stage="penalty")(lambda state: state)
+    register_loss_term("returns_tensor", options=Opts, stage="penalty")(lambda state, options: state.token_loss)
+    register_loss_term("wrong_shape", options=Opts, stage="penalty")(
+        lambda state, options: dataclasses.replace(state, token_loss=state.token_loss.sum(1)))
+    register_loss_term("raises", options=Opts, stage="penalty")(lambda state, options: state.no_such_field)
+    register_loss_term("refuses", options=Opts, stage="penalty")(
+        lambda state, options: (_ for _ in ()).throw(ValueError("coef: not today")))
+    logp, old, adv, mask, _ = batch(1)
+    for name, message in (("returns_tensor", r"expected fn\(state, options\) to return a LossState .* got Tensor"),
+                          ("wrong_shape", r"expected state.token_loss of shape \[5, 8\] \(\[B,T\]\), got \[5\]"),
+                          ("raises", r"raised AttributeError: .*no_such_field")):
+        with pytest.raises(PluginError, match=rf"^loss term '{name}' \(test_loss_terms:.*\)[: ]+{message}"):
+            policy_loss(logp, old, adv, mask, terms={name: None})
+    with pytest.raises(ValueError, match="^coef: not today$"):
+        policy_loss(logp, old, adv, mask, terms={"refuses": None})
+
+    @register_estimator("keyerror_estimator")
+    def keyerror_estimator(batch):
+        return {}["missing"]
+
+    try:
+        with pytest.raises(PluginError, match=r"^estimator 'keyerror_estimator' \(test_loss_terms:.*\) raised KeyError: "
+                                              r"'missing'") as info:
+            compute_advantages("keyerror_estimator", rewards=torch.ones(2), mask=torch.ones(2, 3),
+                               group=torch.zeros(2, dtype=torch.long))
+        assert isinstance(info.value.__cause__, KeyError)
+        with pytest.raises(TypeError, match=r"^estimator 'no_batch': .* must take the batch as its first argument"):
+            register_estimator("no_batch")(lambda: None)
+    finally:
+        from creditrl.core.estimators.registry import _REGISTRY as ESTIMATORS
+        ESTIMATORS.pop("keyerror_estimator", None)

@@ -31,6 +31,7 @@ from creditrl.trainer.checkpoint import list_checkpoints
 from creditrl.trainer.loop import TrainingStopped, final_problem
 from creditrl.trainer.rundir import check_writable
 from creditrl.trainer.update import autocast
+from creditrl.utils.imports import PluginError
 
 SUBCOMMANDS = {  # subcommands that parse their own arguments: name -> (main(argv) -> int, help)
     "compare": (compare.main, "run several configs x seeds and write one comparison report"),
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return HANDLERS[args.command](args)
-    except (ConfigError, ImportError, OSError, TrainingStopped, ValueError) as err:
+    except (ConfigError, ImportError, OSError, PluginError, TrainingStopped, ValueError) as err:
         if os.environ.get("CREDITRL_DEBUG"):
             raise
         print(f"creditrl {args.command}: error: {err}", file=sys.stderr)

@@ -15,6 +15,21 @@ from typing import Any
 _PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
+class PluginError(RuntimeError):
+    """A user's plug-in (estimator, loss term) raised or returned the wrong thing; the message names
+    the plug-in and what it did, its own error is chained (``__cause__``)."""
+
+
+def plugin_name(fn: Any) -> str:
+    """``module:function`` of a user's function, for messages."""
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def is_builtin(fn: Any) -> bool:
+    """Whether ``fn`` is creditrl's own (its errors are the library's, not a plug-in's)."""
+    return getattr(fn, "__module__", "").startswith("creditrl.")
+
+
 def is_import_path(text: object) -> bool:
     """Whether ``text`` has the form ``package.module:attribute`` (attribute may be dotted)."""
     return isinstance(text, str) and bool(_PATH.match(text))

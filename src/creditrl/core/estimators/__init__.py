@@ -12,6 +12,7 @@ import math
 import torch
 from torch import Tensor
 
+from creditrl.utils.imports import PluginError, is_builtin, plugin_name
 from creditrl.utils.validate import bad_rows, check_finite, check_mask, check_range, check_tensor
 from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, get_estimator, list_estimators,
                                           register_estimator)
@@ -171,7 +172,14 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
     shape = batch.given_mask.shape
     if batch.given_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
         return torch.zeros(shape, dtype=torch.float32, device=batch.given_mask.device)
-    out = spec.fn(batch, **options)
+    try:
+        out = spec.fn(batch, **options)
+    except ValueError:                            # bad input, named by the estimator (the library's contract)
+        raise
+    except Exception as err:
+        if is_builtin(spec.fn):
+            raise
+        raise PluginError(f"estimator {name!r} ({plugin_name(spec.fn)}) raised {type(err).__name__}: {err}") from err
     if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(shape[:1]), tuple(shape)}:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "

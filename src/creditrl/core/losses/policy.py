@@ -36,7 +36,8 @@ from creditrl.core.losses import aggregation as _aggregation, clip as _clip, kl 
 from creditrl.core.losses import rollout_correction as _rollout_correction, stapo as _stapo  # noqa: F401
 from creditrl.core.losses import traces as _traces  # noqa: F401 (registers the trace term)
 from creditrl.core.losses.diagnostics import kl_estimate
-from creditrl.core.losses.terms import STAGES, LossState, LossTerm, get_loss_term, list_loss_terms, resolve_loss_terms
+from creditrl.core.losses.terms import STAGES, LossState, LossTerm, apply_term, get_loss_term, list_loss_terms
+from creditrl.core.losses.terms import resolve_loss_terms
 from creditrl.utils.validate import LOGP_TOLERANCE, NonFiniteError, as_mask, check_finite, check_same_shape
 from creditrl.utils.validate import check_tensor
 from creditrl.utils.validate import token_advantages
@@ -126,7 +127,7 @@ class PolicyLoss:
                 state = _surrogate_inputs(state)
             for term, options in self.terms:
                 if term.stage == stage:
-                    state = term.fn(state, options)
+                    state = apply_term(term, options, state)
         return _finish(state, {**given, "advantages": token_adv}, highest)
 
     def _check_needs(self, given: dict[str, Tensor | None]) -> None:
