@@ -463,3 +463,45 @@ def test_a_broken_user_term_or_estimator_is_named(registry):
     finally:
         from creditrl.core.estimators.registry import _REGISTRY as ESTIMATORS
         ESTIMATORS.pop("keyerror_estimator", None)
+
+
+NAN_TERM = '''from dataclasses import dataclass, field
+from creditrl import register_loss_term
+
+@dataclass(frozen=True)
+class Opts:
+    coef: float = field(default=0.1, metadata={"help": "weight"})
+
+@register_loss_term("nan_penalty", options=Opts, stage="penalty")
+def nan_penalty(state, options):
+    return state.add_token_loss(options.coef * state.logp.log())     # log of a log-prob < 0: NaN
+'''
+
+
+def test_a_term_that_produces_nan_is_named(tmp_path, monkeypatch, capsys):
+    """Case 19: a loss term producing NaN from finite inputs stopped the run with a message blaming the
+    learning rate, rewards or logits. policy_loss names the term (and which of its outputs), and the
+    trainer's stop says so instead of the generic causes."""
+    from creditrl.cli import main
+    from creditrl.utils.validate import NonFiniteError
+
+    (tmp_path / "nan_term.py").write_text(NAN_TERM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nan_term
+
+    logp, old, adv, mask, _ = batch(2)
+    with pytest.raises(NonFiniteError, match=r"^policy_loss: loss term 'nan_penalty' \(nan_term:nan_penalty, coef=0.1\) "
+                                             r"produced NaN/inf in token_loss from finite inputs"):
+        policy_loss(logp, old, adv, mask, terms={"nan_term:nan_penalty": None})
+    tiny = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.intermediate_size=64",
+            "model.warm_start.max_steps=10", "task.options.digits=1", "rollout.prompts_per_step=2",
+            "rollout.group_size=2", "rollout.max_new_tokens=4", "train.steps=3", "train.eval_every=0",
+            "train.eval_problems=2", "train.save_every=0", "train.threads=1", "logging.plots=false"]
+    code = main(["train", "--no-progress", *tiny, 'loss.terms=[{path: "nan_term:nan_penalty"}]',
+                 f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}", "train.run_name=nan"])
+    err = capsys.readouterr().err
+    assert code == 2 and "optim.lr" not in err, err
+    assert ("training stopped at step 3: the loss or gradient was NaN/inf for 3 steps in a row, so those updates were "
+            "skipped (weights unchanged): loss term 'nan_penalty' (nan_term:nan_penalty, coef=0.1) produced NaN/inf in "
+            "token_loss") in err
+    assert nan_term.nan_penalty

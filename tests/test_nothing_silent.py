@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -258,6 +259,7 @@ def test_repeated_skipped_updates_stop_the_run_naming_the_cause():
     from creditrl.trainer.loop import Trainer, TrainingStopped
     trainer = Trainer.__new__(Trainer)
     trainer.cfg, trainer.step, trainer.skipped_streak = load_config(None, []), 5, 0
+    trainer.learner = types.SimpleNamespace(skip_error=None)
     trainer.check_skipped({"skipped_updates": 1, "reward_mean": 1e30})
     trainer.check_skipped({"skipped_updates": 0})          # a good step resets the count
     for _ in range(2):

@@ -241,12 +241,17 @@ class Trainer:
     def check_skipped(self, metrics: dict) -> None:
         """Stop after ``MAX_SKIPPED_STEPS`` consecutive steps with a skipped (non-finite) update."""
         self.skipped_streak = self.skipped_streak + 1 if metrics["skipped_updates"] > 0 else 0
-        if self.skipped_streak >= MAX_SKIPPED_STEPS:
-            raise TrainingStopped(
-                f"training stopped at step {self.step}: the loss or gradient was NaN/inf for {self.skipped_streak} steps "
-                f"in a row, so those updates were skipped (weights unchanged). Likely causes: optim.lr={self.cfg.optim.lr} "
-                f"too high for this model, rewards of extreme magnitude (this step's mean reward: "
-                f"{metrics.get('reward_mean')}), or a model that produces NaN logits (try model.dtype=float32)")
+        if self.skipped_streak < MAX_SKIPPED_STEPS:
+            return
+        stopped = (f"training stopped at step {self.step}: the loss or gradient was NaN/inf for {self.skipped_streak} "
+                   f"steps in a row, so those updates were skipped (weights unchanged)")
+        error = self.learner.skip_error
+        if getattr(error, "term", None):      # policy_loss found the term that made finite inputs non-finite
+            raise TrainingStopped(f"{stopped}: {error.term} from finite inputs")
+        raise TrainingStopped(
+            f"{stopped}. Likely causes: optim.lr={self.cfg.optim.lr} too high for this model, rewards of extreme "
+            f"magnitude (this step's mean reward: {metrics.get('reward_mean')}), or a model that produces NaN logits "
+            f"(try model.dtype=float32)" + (f". The last non-finite loss: {error}" if error else ""))
 
     def log_eval(self, logger: RunLogger) -> None:
         result = self.evaluate()

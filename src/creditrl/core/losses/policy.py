@@ -38,6 +38,7 @@ from creditrl.core.losses import traces as _traces  # noqa: F401 (registers the 
 from creditrl.core.losses.diagnostics import kl_estimate
 from creditrl.core.losses.terms import STAGES, LossState, LossTerm, apply_term, get_loss_term, list_loss_terms
 from creditrl.core.losses.terms import resolve_loss_terms
+from creditrl.utils.imports import plugin_name
 from creditrl.utils.validate import LOGP_TOLERANCE, NonFiniteError, as_mask, check_finite, check_same_shape
 from creditrl.utils.validate import check_tensor
 from creditrl.utils.validate import token_advantages
@@ -121,14 +122,30 @@ class PolicyLoss:
         if logp_in.numel() == 0:      # B = 0 or T = 0: loss 0, still attached (zero gradients), metrics 0
             token_advantages(advantages, logp_in)                           # validated all the same
             return logp_in.sum() * 0.0, dict.fromkeys(METRIC_KEYS, 0.0)
-        state, token_adv, highest = _initial_state(data, advantages, valid)
+        initial, token_adv, highest = _initial_state(data, advantages, valid)
+        state, _ = self._compose(initial)
+        return _finish(state, {**given, "advantages": token_adv}, highest,
+                       locate=lambda: self._compose(initial, locate=True)[1])
+
+    def _compose(self, state: LossState, locate: bool = False) -> tuple[LossState, str | None]:
+        """The terms applied in their stages' order. ``locate`` (only once a result came out non-finite
+        from finite inputs): run without gradient and stop at the first term whose output holds NaN/inf,
+        returning its description."""
         for stage in STAGES:
             if stage == "ratio":
                 state = _surrogate_inputs(state)
             for term, options in self.terms:
                 if term.stage == stage:
-                    state = apply_term(term, options, state)
-        return _finish(state, {**given, "advantages": token_adv}, highest)
+                    if not locate:
+                        state = apply_term(term, options, state)
+                        continue
+                    with torch.no_grad():
+                        state = apply_term(term, options, state)
+                    bad = _non_finite_fields(state)
+                    if bad:
+                        return state, (f"loss term {term.name!r} ({plugin_name(term.fn)}, {_describe(options)}) "
+                                       f"produced NaN/inf in {', '.join(bad)}")
+        return state, None
 
     def _check_needs(self, given: dict[str, Tensor | None]) -> None:
         for term, options in self.terms:
@@ -270,10 +287,11 @@ def _surrogate_inputs(state: LossState) -> LossState:
     return dataclasses.replace(state, logp=logp, log_ratio=log_ratio).with_metrics(approx_kl=approx_kl)
 
 
-def _finish(state: LossState, inputs: dict[str, Tensor | None], highest: dict[str, Tensor]
+def _finish(state: LossState, inputs: dict[str, Tensor | None], highest: dict[str, Tensor], locate
             ) -> tuple[Tensor, dict[str, float]]:
     """(loss, metrics as floats): one device→host copy, which also brings the log-prob inputs'
-    largest valid values still to be checked; a non-finite result names its input."""
+    largest valid values still to be checked; a non-finite result names its input, or else the
+    term that produced it (``locate()``)."""
     with torch.no_grad():
         metrics = dict(state.metrics, kept_frac=state.keep.sum() / state.n_valid)
         values = list(metrics.values()) + [state.loss.detach()] + list(highest.values())
@@ -283,16 +301,30 @@ def _finish(state: LossState, inputs: dict[str, Tensor | None], highest: dict[st
     for name, value in zip(highest, floats[len(metrics) + 1:]):
         _check_log_probs(name, value)
     if not all(math.isfinite(v) for v in floats):
-        _explain_non_finite(inputs, state.valid, result)
+        _explain_non_finite(inputs, state.valid, result, locate)
     return state.loss, result
 
 
-def _explain_non_finite(inputs: dict[str, Tensor | None], valid: Tensor, metrics: dict) -> None:
-    """Called only when the loss or a metric came out non-finite: name the culprit input."""
+def _explain_non_finite(inputs: dict[str, Tensor | None], valid: Tensor, metrics: dict, locate) -> None:
+    """Called only when the loss or a metric came out non-finite: name the culprit input, or else the
+    first loss term whose output is not finite."""
     for name, x in inputs.items():
         if x is not None:
             check_finite(name, torch.where(valid, x.detach(), 0.0))
+    culprit = locate()
+    if culprit:
+        err = NonFiniteError(f"policy_loss: {culprit} from finite inputs; metrics {metrics}")
+        err.term = culprit                # what a trainer reports when it stops (it skips such steps)
+        raise err
     raise NonFiniteError(f"policy_loss: non-finite result from finite inputs (values too large?): {metrics}")
+
+
+def _non_finite_fields(state: LossState) -> list[str]:
+    """The state's tensors (0 off the mask by contract) and metrics holding NaN/inf."""
+    tensors = {name: getattr(state, name) for name in ("log_ratio", "weight", "advantages", "token_loss", "loss")}
+    tensors.update({f"metrics[{k!r}]": v for k, v in state.metrics.items()})
+    return [name for name, x in tensors.items()
+            if isinstance(x, Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all())]
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
