@@ -384,7 +384,8 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
           overwrite: bool = False) -> Path:
     """Train with ``cfg``; returns the run directory. An existing run directory is refused
     (``resume`` continues it) before any work; ``overwrite`` deletes it only once the whole config
-    is checked and the model loaded, so a bad input never costs a finished run."""
+    is checked and the model loaded, so a bad input never costs a finished run. A run that fails
+    before logging anything (a tracker that cannot start) leaves no directory behind."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
     created = not run_dir.exists()
     check_new_run(run_dir, overwrite=overwrite)
@@ -397,7 +398,14 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
             raise
         if not created:
             clear_run(run_dir)
-        return trainer.run()
+        try:
+            return trainer.run()
+        except BaseException:
+            if not any((run_dir / name).is_file() for name in ("metrics.jsonl", "eval.jsonl")):
+                clear_run(run_dir)    # failed before logging anything (e.g. a tracker): nothing blocks a re-run
+                if created:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+            raise
 
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:
