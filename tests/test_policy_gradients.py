@@ -14,6 +14,7 @@ import torch
 from creditrl import StapoOptions, TraceOptions, policy_loss, spurious_token_mask
 from test_losses import OPTIONS, loop_rollout, make_batch
 from test_traces import dense_trace_matrix
+from tolerances import assert_close_normwise, sum_rtol
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -45,7 +46,9 @@ def per_row_trace(values, mask, opts):
 
 def reference_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=None, clip_c=None, agg="token-mean",
                    max_len=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3", rollout_logp=None,
-                   rollout_correction=None, rollout_cap=2.0, stapo=None, entropy=None, trace=None):
+                   rollout_correction=None, rollout_cap=2.0, stapo=None, entropy=None, trace=None, magnitude=False):
+    """The loss written out densely in float64; ``magnitude``: the same aggregate of the per-token terms'
+    absolute values (the scale of the loss's rounding, ``loss_atol``)."""
     clip_high = clip_low if clip_high is None else clip_high
     a = (adv[:, None].expand_as(logp) if adv.dim() == 1 else adv).double()
     keep = mask.clone()
@@ -73,7 +76,24 @@ def reference_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=None, clip_c
     if kl_coef > 0:
         x = (ref_logp.double() - logp.double()).clamp(-20, 20)
         tok = tok + kl_coef * {"k1": -x, "k2": 0.5 * x * x, "k3": torch.expm1(x) - x}[kl_estimator]
-    return reference_agg(tok, keep, agg, max_len)
+    return reference_agg(tok.abs() if magnitude else tok, keep, agg, max_len)
+
+
+OPS = 12   # float32/64 operations per token term: ratio, exp, clamps, products, trace or KL, weights
+
+
+def loss_atol(logp, old, adv, mask, dtype=torch.float32, **kwargs) -> float:
+    """Rounding bound of the loss (tests/tolerances.py): a positive-weighted sum over the mask's n tokens of
+    terms of a few operations each: (n + OPS)·eps of the aggregated magnitudes (``reference_loss``), in the
+    computation's dtype (float32 unless every input is float64)."""
+    scale = float(reference_loss(logp.detach(), old, adv, mask, magnitude=True, **kwargs))
+    return sum_rtol(int(mask.sum()) + OPS, dtype) * scale
+
+
+def grad_rtol(mask, dtype=torch.float32) -> float:
+    """Normwise rounding bound of the gradient: each element is one token's derivative times its weight, or
+    (traces) a sum of at most T of them, each of a few operations."""
+    return sum_rtol(mask.shape[1] + OPS, dtype)
 
 
 def assert_same_loss_and_grad(logp, old, adv, mask, **kwargs):
@@ -83,8 +103,8 @@ def assert_same_loss_and_grad(logp, old, adv, mask, **kwargs):
     ref = reference_loss(lp_ref, old, adv, mask, **kwargs)
     loss.backward()
     ref.backward()
-    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(lp_fast.grad.double(), lp_ref.grad.double(), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(loss.double(), ref.double(), atol=loss_atol(logp, old, adv, mask, **kwargs), rtol=0)
+    assert_close_normwise(lp_fast.grad, lp_ref.grad, grad_rtol(mask), "gradient")
     return lp_fast.grad
 
 
