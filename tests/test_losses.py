@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import creditrl
 from creditrl import StapoOptions, TraceOptions, agg_loss, policy_loss, power_proxy, variance_proxy
 from creditrl.core.losses import METRIC_KEYS
-from tolerances import sum_rtol
+from tolerances import SUBNORMAL32, sum_rtol
 
 F64 = torch.float64
 
@@ -36,7 +36,7 @@ def f32_tol(token: torch.Tensor, mask: torch.Tensor, mode: str, max_len=None, op
     (``ops``) float32 operations (exp, clamp, products): within (n + ops)·eps32 of agg(|terms|), plus (n + ops)
     half-spacings of float32's subnormals (2^-149), where rounding errors are absolute."""
     n = int(mask.sum()) + ops
-    return sum_rtol(n) * loop_agg(token.abs(), mask, mode, max_len) + n * 2.0 ** -149
+    return sum_rtol(n) * loop_agg(token.abs(), mask, mode, max_len) + n * SUBNORMAL32
 
 
 def make_batch(seed=0, rows=5, length=7, token_adv=False, spread=0.4):

@@ -13,6 +13,9 @@ import torch
 
 EPS32 = torch.finfo(torch.float32).eps   # 2^-23 ≈ 1.19e-7
 EPS64 = torch.finfo(torch.float64).eps   # 2^-52 ≈ 2.22e-16
+# Below float32's normal range (1.2e-38) rounding is absolute, one subnormal spacing 2^-149 ≈ 1.4e-45 at most
+# per operation; values below it become 0 (e.g. the energy of a token with π = 1 − 1e-25)
+SUBNORMAL32 = 2.0 ** -149
 
 
 def sum_rtol(n: int, dtype: torch.dtype = torch.float32) -> float:
