@@ -210,9 +210,12 @@ def test_tail_index_matches_loop_and_is_scale_free(x, fraction):
 
 @pytest.mark.parametrize("alpha", [1.2, 3.0])
 def test_tail_index_recovers_a_pareto_tail(alpha):
-    u = torch.rand(20000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    """Hill's estimator on the top k = 20,000 of an exact Pareto sample has relative sd 1/√k = 0.7%: the
+    4% bound is ~5.7 sd. tests/scripts/seed_margins.py (tail_index) over 200 seeds: worst 2.0%. (At 20,000
+    draws and 8%, ~3.6 sd, a few paths in ten thousand fail.)"""
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     sample = u.pow(-1 / alpha)  # P(X > x) = x^-alpha
-    assert reporting.tail_index(sample, 0.1) == pytest.approx(alpha, rel=0.08)
+    assert reporting.tail_index(sample, 0.1) == pytest.approx(alpha, rel=0.04)
 
 
 def test_tail_index_errors_name_the_arguments():

@@ -156,35 +156,48 @@ def sample_stats(grads, probs, draws, folds, seed):
     return moments_from_draws(NAMES, grads[idx], folds=folds)
 
 
+# Relative error of each statistic at 4000 draws: about twice the worst of 1000 seeds (tests/scripts/
+# seed_margins.py sampled_quality: variance 0.126, scale 0.046, cosine 0.014, efficiency 0.090, raw ratio 0.051,
+# all on the EOS-ended policy), so no sample path fails by chance.
+SAMPLED_REL = {"variance": 0.25, "scale": 0.1, "cosine": 0.03, "efficiency": 0.2, "raw_ratio": 0.1}
+
+
 @pytest.mark.parametrize("eos", [False, True], ids=["fixed-length", "eos-ended"])
-def test_sampled_quality_brackets_the_exact_values(outcomes, eos):
-    """4000 sampled groups in 20 folds: every estimator's intervals hold the exact V, c, cosine and
-    efficiency (a fixed seed; the coverage test below checks the intervals' rate)."""
+def test_sampled_quality_is_near_the_exact_values(outcomes, eos):
+    """4000 sampled groups in 20 folds: every estimator's V, c, cosine, efficiency and raw ratio near its
+    exact value (``SAMPLED_REL``). Not "every 95% interval holds the truth": on a given path about 5% of
+    the 46 intervals miss (and the cosine's, whose truth sits at its bound 1, miss more), so that would rest
+    on one lucky seed. The intervals' rate is the coverage test's."""
     grads, probs = outcomes[eos]
     exact = exact_quality(NAMES, grads, probs, reference="rloo")
     got = gradient_quality(sample_stats(grads, probs, 4000, 20, seed=1), reference="rloo")
     for name in NAMES:
-        for key in ("variance", "scale", "cosine", "efficiency", "raw_ratio"):
+        for key, bound in SAMPLED_REL.items():
             est, truth = getattr(got[name], key), getattr(exact[name], key).value
-            if name == "rloo" and key in ("scale", "efficiency", "raw_ratio"):
-                assert est.value == pytest.approx(1.0) and math.isnan(est.low) is False
+            if name == "rloo" and key in ("scale", "efficiency", "raw_ratio"):   # its own reference: exactly 1
+                assert est.value == pytest.approx(1.0, rel=1e-12) and math.isfinite(est.low)
                 continue
-            assert est.low - 1e-9 <= truth <= est.high + 1e-9, (name, key, est, truth)   # exact ties: rounding
+            assert abs(est.value / truth - 1) <= bound, (name, key, est, truth)
+            assert est.low <= est.value <= est.high, (name, key, est)
+
+
+COVERAGE_REPS, COVERAGE_MIN = 400, 0.87
 
 
 def test_efficiency_intervals_cover_at_about_their_rate(outcomes):
-    """200 independent samples of 600 groups: the 95% jackknife intervals of the efficiency and the
-    scale cover the exact values in at least 88% of them (binomial 2.5% quantile at 95% is ~92%)."""
+    """400 independent samples of 600 groups: the 95% jackknife intervals of OTB's efficiency, scale and
+    variance each cover the exact value in at least 87% of them. Over 50 blocks of 400 (tests/scripts/
+    seed_margins.py coverage) they covered 95.0%, 94.7% and 94.6%, and the lowest block 91.25%: 87% is ~6.7
+    binomial sd below the rate. (With 200 samples and 88% the lowest of 50 blocks came within 3 hits.)"""
     grads, probs = outcomes[True]
     exact = exact_quality(NAMES, grads, probs, reference="rloo")
     hits = {key: 0 for key in ("efficiency", "scale", "variance")}
-    reps = 200
-    for rep in range(reps):
+    for rep in range(COVERAGE_REPS):
         q = gradient_quality(sample_stats(grads, probs, 600, 20, seed=100 + rep), reference="rloo")["otb"]
         for key in hits:
             iv = getattr(q, key)
             hits[key] += iv.low <= getattr(exact["otb"], key).value <= iv.high
-    assert all(h >= 0.88 * reps for h in hits.values()), hits
+    assert all(h >= COVERAGE_MIN * COVERAGE_REPS for h in hits.values()), hits
 
 
 def test_exact_reference_vector_as_a_pseudo_estimator(outcomes):
@@ -222,7 +235,10 @@ def test_noise_scale_terms_are_unbiased_by_enumeration():
 
 
 def test_noise_scale_recovers_a_known_gaussian_problem():
-    """g ~ N(G, Σ) per draw, halves of 8 draws, 4000 steps smoothed: B_simple → tr Σ / ||G||²."""
+    """g ~ N(G, Σ) per draw, halves of 8 draws, 4000 steps smoothed: B_simple → tr Σ / ||G||², within 25%. The
+    smoother averages ~1000 steps (decay 0.999), so the estimate keeps a few % of noise: over 200 seeds
+    (tests/scripts/seed_margins.py noise_scale) the worst error was 12.4%, and 4 of 200 exceeded the
+    earlier 10% bound."""
     gen = torch.Generator().manual_seed(0)
     G = torch.tensor([1.0, -0.5, 0.25, 0.0], dtype=torch.float64)
     scales = torch.tensor([2.0, 1.0, 0.5, 3.0], dtype=torch.float64)          # Σ = diag(scales²)
@@ -231,7 +247,7 @@ def test_noise_scale_recovers_a_known_gaussian_problem():
     for _ in range(steps):
         draws = G + scales * torch.randn(16, 4, generator=gen, dtype=torch.float64)
         value = smoother.update(draws[:8].mean(0), draws[8:].mean(0), 8, 8)
-    assert value == pytest.approx(truth, rel=0.1)
+    assert value == pytest.approx(truth, rel=0.25)
     restored = NoiseScale()
     restored.load_state_dict(smoother.state_dict())
     assert restored.value == smoother.value
@@ -256,9 +272,14 @@ def test_noise_scale_smoother_and_errors():
 
 
 def test_count_sketch_matches_its_definition_and_is_unbiased():
+    """The sketched inner product over 4000 sketch seeds: its mean within 5 standard errors of the exact
+    one and its variance within 15% of the formula's (~6 sd of a 4000-draw variance here). Over 200 input and
+    sketch seeds (tests/scripts/seed_margins.py count_sketch) the worst were |z| 3.44 and 7.6%: the earlier
+    4 and 10% left under one sd of margin."""
     shapes = [(3, 4), (5,)]
-    x = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
-    y = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    gen = torch.Generator().manual_seed(0)      # seeded (the global generator's state depends on test order)
+    x = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    y = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
     sketch = CountSketch(shapes, dim=4, seed=0)
     loop = torch.zeros(4, dtype=torch.float64)
     for tensor, bucket, sign in zip(x, sketch.buckets, sketch.signs):
@@ -271,8 +292,8 @@ def test_count_sketch_matches_its_definition_and_is_unbiased():
     exact = float(flat_x @ flat_y)
     var = (float(flat_x @ flat_x) * float(flat_y @ flat_y) + exact ** 2
            - 2 * float((flat_x ** 2 * flat_y ** 2).sum())) / 4
-    assert abs(float(dots.mean()) - exact) < 4 * math.sqrt(var / 4000)
-    assert float(dots.var()) == pytest.approx(var, rel=0.1)
+    assert abs(float(dots.mean()) - exact) < 5 * math.sqrt(var / 4000)
+    assert float(dots.var()) == pytest.approx(var, rel=0.15)
     assert torch.equal(sketch([None, y[1]]), CountSketch(shapes, 4, 0)([torch.zeros(3, 4, dtype=torch.float64), y[1]]))
     with pytest.raises(ValueError, match=r"tensors: expected shape \[5\], got \[4\]"):
         sketch([x[0], torch.zeros(4)])

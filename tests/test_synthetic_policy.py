@@ -66,12 +66,14 @@ def test_sampling_matches_the_exact_probabilities():
     policy = sp.make_policy(6, eos=True, errors=0.9, stop=1.2, forks=2, need=1)
     tokens, mask, rewards = sp.sample(policy, 200_000, torch.Generator().manual_seed(0))
     J = float(sp.success_probability(policy))
-    assert abs(float(rewards.mean()) - J) < 4 * math.sqrt(J * (1 - J) / 200_000)
+    # 5 standard errors on each of 7 frequencies: a chance failure has probability ~4e-6 per path;
+    # tests/scripts/seed_margins.py (synthetic_sampling) over 100 seeds: worst |z| 3.40 (4 sd left ~1 of margin)
+    assert abs(float(rewards.mean()) - J) < 5 * math.sqrt(J * (1 - J) / 200_000)
     for seq in responses(policy)[:6]:
         want = float(log_prob(policy, policy.theta, seq).exp())
         row = torch.tensor(list(seq) + [0] * (6 - len(seq)))
         hit = ((tokens == row).all(1) & (mask.sum(1) == len(seq))).double().mean()
-        assert abs(float(hit) - want) < 4 * math.sqrt(want * (1 - want) / 200_000) + 1e-9
+        assert abs(float(hit) - want) < 5 * math.sqrt(want * (1 - want) / 200_000) + 1e-9
     assert bool(((tokens == sp.EOS).sum(1) <= 1).all())            # at most one EOS, the last valid token
     assert not bool(((tokens == sp.EOS) & (policy.kind != sp.TAIL)).any())
 
