@@ -75,7 +75,8 @@ def test_measurement_equals_the_exact_values_on_the_enumerable_policy():
             if name == "rloo" and key != "efficiency_vs_grpo":
                 continue
             assert within(truth.value, table[name][key]), (name, key, table[name][key], truth.value)
-    assert exact["otb"].scale.value < 0.95 and table["dr_grpo"]["scale"].value == pytest.approx(2 / 3)
+    # dr_grpo is derived as exactly 2/3 of rloo's statistics (float64): its scale is 2/3 to a few roundings
+    assert exact["otb"].scale.value < 0.95 and table["dr_grpo"]["scale"].value == pytest.approx(2 / 3, rel=1e-12)
 
 
 # ---------------------------------------------------------------- builtin:tiny

@@ -197,6 +197,8 @@ def test_bootstrap_ci_and_slope():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(400, generator=gen, dtype=torch.float64) + 3.0
     low, high = reporting.bootstrap_ci(lambda idx: x[idx].mean(-1), 400, generator=gen)
+    # the width is ~2·1.96/√400 = 0.2; over 200 seeds (tests/scripts/seed_margins.py bootstrap_ci) the mean was
+    # always inside and the widest interval 0.226
     assert low < x.mean() < high and high - low < 0.5
     assert abs(reporting.loglog_slope([1, 10, 100], [1.0, 0.1 ** 0.5, 0.1])) - 0.5 < 1e-12
     rows = [{"a": 1, "b": 0.5, "c": "x"}]
@@ -452,7 +454,12 @@ def test_real_model_fast_preset(fast_root):
     out = fast_run(fast_root, "real-model")
     quality = {r["estimator"]: r for r in reporting.read_csv(out / "quality.csv")}
     assert set(quality) == {"rloo", "otb", "otb+loo", "dr_grpo"}
-    assert quality["dr_grpo"]["scale"] == pytest.approx(3 / 4) and quality["dr_grpo"]["efficiency"] == pytest.approx(1)
+    dr, rloo, exact = quality["dr_grpo"], quality["rloo"], dict(rel=1e-12)   # float64 statistics of an exact multiple
+    assert dr["raw_ratio"] == pytest.approx(9 / 16, **exact)                # (3/4)² on every sample path
+    if math.isfinite(rloo["scale"]):   # RLOO's mean gradient resolved: dr_grpo's scale 3/4, efficiency 1
+        assert dr["scale"] == pytest.approx(3 / 4, **exact) and dr["efficiency"] == pytest.approx(1, **exact)
+    else:                              # not resolved on this path: undefined, never a number
+        assert math.isnan(dr["scale"]) and math.isnan(dr["efficiency"])
     assert all(r["variance"] >= 0 for r in quality.values())
     assert len(rm.verdicts(out)) == 2 and "sketch" in rm.report(out, "figures/real_model.png")
     with pytest.raises(ValueError, match="variance_groups: expected at least max"):

@@ -30,3 +30,19 @@ def assert_close_normwise(got: torch.Tensor, want: torch.Tensor, rtol: float, ms
     err = float((got.double() - want.double()).norm())
     scale = float(want.double().norm())
     assert err <= rtol * scale, f"{msg}: ||got − want|| = {err:.3g} > {rtol:.3g} × ||want|| = {rtol * scale:.3g}"
+
+
+def forward_chain(model, positions: int) -> int:
+    """The longest chain of float32 sums behind a logit of ``model`` (a Llama): per layer the hidden width
+    (projections, norms), the MLP width and the attended positions, then the hidden width of the head."""
+    c = model.config
+    return c.num_hidden_layers * (2 * c.hidden_size + c.intermediate_size + positions) + c.hidden_size
+
+
+def logp_atol(model, positions: int, logit_scale: float) -> float:
+    """Two float32 forwards of the same model on the same tokens (with or without a KV cache, batched
+    differently, a prompt shared or not) differ by their rounding: every logit within
+    ``forward_chain``·eps32 of the activations' magnitude (``logit_scale``: the largest |logit| of the
+    reference, itself a sum over the hidden width of such activations), and a log-prob z_y − log Σ e^z
+    (one more sum over the vocabulary) moves by at most twice the largest logit change."""
+    return 2 * (sum_rtol(forward_chain(model, positions)) + sum_rtol(model.config.vocab_size)) * logit_scale
