@@ -13,6 +13,13 @@ from hypothesis import given, settings, strategies as st
 from creditrl.core.gradients import (CountSketch, GradientMoments, NoiseScale, exact_quality, gradient_quality,
                                      moments_from_draws, noise_scale_terms)
 from enumerable_policy import THETA, outcome_gradients, true_gradient
+from tolerances import sum_rtol
+
+# Tolerances (tests/tolerances.py). Everything here is float64. MOMENTS: Gram sums over <= 21 draws of D = 5
+# standard normals (products <= ~20, sums of <= 21·21 of them). EXACT: expectations over an enumerable policy's
+# group outcomes (<= 3375) and the ratios of such sums (a ratio of ratios: 4 of them), relative.
+MOMENTS = sum_rtol(21 * 21 * 5, torch.float64) * 20
+EXACT = 4 * sum_rtol(3375 + 16, torch.float64)
 
 NAMES = ("rloo", "dr_grpo", "otb", "otb_loo", "otb_isolated", "otb_isolated_loo", "ogb_loo", "opo_loo")
 SPECS = [("rloo", {}), ("dr_grpo", {}), ("otb", {}), ("otb", {"leave_one_out": True}), ("otb_isolated", {}),
@@ -57,7 +64,7 @@ def test_moments_match_loops(sizes, folds, seed):
     for got in (moments_from_draws(("a", "b", "c"), grads, units, folds), streamed.stats()):
         assert got.draws.tolist() == n and got.same_unit.tolist() == m
         for mine, ref in ((got.second, second), (got.within, within), (got.cross, cross)):
-            torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(mine, ref, atol=MOMENTS, rtol=0)
     again = type(got).from_dict(got.to_dict())
     torch.testing.assert_close(again.cross, got.cross)
 
@@ -108,8 +115,11 @@ def test_signal_and_variance_estimates_are_unbiased(units):
             signal = (stats.cross.sum((0, 1)) - stats.within.sum(0)) / pairs
             expect += weight * signal
             expect_var += weight * torch.diagonal(stats.second.sum(0) / stats.draws.sum() - signal)
-    torch.testing.assert_close(expect, truth_signal, atol=1e-12, rtol=0)
-    torch.testing.assert_close(expect_var, torch.diagonal(truth_second - truth_signal), atol=1e-12, rtol=0)
+    # expectations over every tuple (<= 2^4 x 3^7 of them) of normal draws' products: within that many eps64
+    tuples = prompts ** len(unit_ids) * outcomes ** len(units)
+    atol = sum_rtol(tuples + 16, torch.float64) * float(truth_second.abs().max() + 1)
+    torch.testing.assert_close(expect, truth_signal, atol=atol, rtol=0)
+    torch.testing.assert_close(expect_var, torch.diagonal(truth_second - truth_signal), atol=atol, rtol=0)
 
 
 # ---------------------------------------------------------------- exact values on the enumerable policy
@@ -136,18 +146,18 @@ def test_exact_quality_on_the_enumerable_policy(outcomes, eos):
     for e, name in enumerate(NAMES):
         var, scale, eff = loop_quality(grads, probs, e)
         q = exact[name]
-        assert q.variance.value == pytest.approx(var, rel=1e-10)
-        assert q.scale.value == pytest.approx(scale, rel=1e-10)
-        assert q.efficiency.value == pytest.approx(eff, rel=1e-10)
+        assert q.variance.value == pytest.approx(var, rel=EXACT)
+        assert q.scale.value == pytest.approx(scale, rel=EXACT)
+        assert q.efficiency.value == pytest.approx(eff, rel=EXACT)
     # unbiased forms have c = 1 and point along ∇J; dr_grpo is (N−1)/N·rloo: c = 2/3, efficiency exactly 1
     grad = true_gradient(THETA, eos)
     for name in ("rloo", "otb_loo", "otb_isolated_loo", "ogb_loo", "opo_loo"):
-        assert exact[name].scale.value == pytest.approx(1.0, abs=1e-9)
-        assert exact[name].cosine.value == pytest.approx(1.0, abs=1e-9)
-    assert exact["dr_grpo"].scale.value == pytest.approx(2 / 3, rel=1e-10)
-    assert exact["dr_grpo"].efficiency.value == pytest.approx(1.0, rel=1e-10)
-    assert exact["dr_grpo"].raw_ratio.value == pytest.approx(4 / 9, rel=1e-10)
-    torch.testing.assert_close(probs @ grads[:, 0], grad, atol=1e-9, rtol=0)
+        assert exact[name].scale.value == pytest.approx(1.0, abs=EXACT)
+        assert exact[name].cosine.value == pytest.approx(1.0, abs=EXACT)
+    assert exact["dr_grpo"].scale.value == pytest.approx(2 / 3, rel=EXACT)
+    assert exact["dr_grpo"].efficiency.value == pytest.approx(1.0, rel=EXACT)
+    assert exact["dr_grpo"].raw_ratio.value == pytest.approx(4 / 9, rel=EXACT)
+    torch.testing.assert_close(probs @ grads[:, 0], grad, atol=EXACT * float(grads.abs().max()), rtol=0)
     assert exact["otb"].scale.value < 1 and exact["otb_isolated"].scale.value < 1   # leave-in shrinks
 
 
@@ -208,8 +218,9 @@ def test_exact_reference_vector_as_a_pseudo_estimator(outcomes):
     idx = torch.multinomial(probs, 3000, replacement=True, generator=torch.Generator().manual_seed(5))
     draws = torch.cat([grads[idx], grad.expand(3000, 1, -1)], 1)
     q = gradient_quality(moments_from_draws((*NAMES, "exact"), draws, folds=10), reference="exact", baseline="rloo")
-    assert q["exact"].variance.value == pytest.approx(0.0, abs=1e-12)
-    assert q["exact"].signal == pytest.approx(float(grad @ grad), rel=1e-12)
+    # a constant draw: its variance is a difference of equal float64 sums over 3000 draws
+    assert q["exact"].variance.value == pytest.approx(0.0, abs=sum_rtol(3000, torch.float64) * float(grad @ grad))
+    assert q["exact"].signal == pytest.approx(float(grad @ grad), rel=sum_rtol(3000, torch.float64))
     exact = exact_quality(NAMES, grads, probs, reference="rloo")
     for name in ("rloo", "otb", "otb_loo"):
         assert q[name].scale.low <= exact[name].scale.value <= q[name].scale.high
@@ -230,8 +241,8 @@ def test_noise_scale_terms_are_unbiased_by_enumeration():
         t, s = noise_scale_terms(values[a], (values[b1] + values[b2]) / 2, 1, 2)
         expect_trace += w * t
         expect_sq += w * s
-    assert expect_trace == pytest.approx(trace, abs=1e-12)
-    assert expect_sq == pytest.approx(float(G @ G), abs=1e-12)
+    assert expect_trace == pytest.approx(trace, abs=sum_rtol(27 * 8, torch.float64) * 10)   # 27 tuples, values <= 10
+    assert expect_sq == pytest.approx(float(G @ G), abs=sum_rtol(27 * 8, torch.float64) * 10)
 
 
 def test_noise_scale_recovers_a_known_gaussian_problem():
@@ -309,4 +320,4 @@ def test_an_exact_multiple_is_added_without_a_gradient():
     for key in ("second", "within", "cross"):
         torch.testing.assert_close(getattr(got, key), getattr(want, key))
     q = gradient_quality(got)
-    assert q["dr"].scale.value == pytest.approx(0.75) and q["dr"].efficiency.value == pytest.approx(1.0)
+    assert q["dr"].scale.value == pytest.approx(0.75, rel=EXACT) and q["dr"].efficiency.value == pytest.approx(1.0, rel=EXACT)

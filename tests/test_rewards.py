@@ -74,6 +74,10 @@ ROWS = [{"prompt": f"q{i}", "answer": str(i), "difficulty": i % 3, "source": "sk
         for i in range(12)]
 
 
+# Rewards are float64 sums of a few weighted terms (math.fsum): exact to a rounding, inside pytest.approx's
+# default 1e-6 relative used below.
+
+
 def test_trl_reward_function_gets_dataset_columns(tmp_path, user_module):
     task = get_task("jsonl", path=_jsonl(tmp_path / "d.jsonl", ROWS), checker="user_rewards:trl_reward",
                     test_fraction=0.5)

@@ -134,6 +134,7 @@ def test_policy_loss_renormalises_over_kept_tokens():
     token = -adv[:, None] * torch.exp(torch.tensor(0.1)).clamp(0.8, 1.2)
     expected = token.expand_as(mask)[keep].sum() / keep.sum()
     torch.testing.assert_close(loss, expected)
+    # fractions of token counts: one float division each side (pytest.approx's default 1e-6 holds it)
     assert metrics["spurious_ratio"] == pytest.approx(((mask & ~keep).sum() / mask.sum()).item())
     assert metrics["kept_frac"] == pytest.approx((keep.sum() / mask.sum()).item())
     with pytest.raises(ValueError, match="entropy: expected a \\[B,T\\] tensor when loss term 'stapo' is on"):

@@ -36,6 +36,10 @@ def monkeypatch_module():
         yield mp
 
 
+# The trackers store scalars as float32 (TensorBoard, wandb's history as JSON of them): within eps32/2 = 6e-8
+# relative of metrics.jsonl's float64, inside pytest.approx's default 1e-6 used below.
+
+
 def jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
