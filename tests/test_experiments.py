@@ -287,6 +287,7 @@ def test_experiment_registry_checks_the_protocol():
     assert experiments.get_experiment("grad-variance").figure == "grad_variance.png"
 
 
+@pytest.mark.model_scale
 def test_grad_variance_fast_preset(fast_root, tmp_path):
     """Every estimator's quality row is finite where defined, dr_grpo is exactly (N−1)/N × RLOO, the
     verdicts come with intervals, bad configs are refused, and a seed reproduces the statistics."""

