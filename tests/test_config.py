@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from importlib import resources
 
 import pytest
@@ -177,3 +178,29 @@ def test_parse_override_builds_nested_mapping():
     assert parse_override("a.b.c=5") == {"a": {"b": {"c": 5}}}
     assert parse_override("a=hello world") == {"a": "hello world"}
     assert parse_override("a=") == {"a": None}
+
+
+def test_a_user_module_that_raises_on_import_is_named_with_its_key(tmp_path, monkeypatch):
+    """Case 17: a user's module that raises on import (estimator, loss term, checker, task) gave a raw
+    traceback. The error names the config key and the import path and keeps the module's own error
+    (type, message, file and line; chained for CREDITRL_DEBUG)."""
+    from creditrl.recipe.build import build_task
+    from creditrl.recipe.resolve import resolve_config
+
+    (tmp_path / "broken_plugin.py").write_text("import math\nraise RuntimeError('no GPU found')\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    own = (r"importing module 'broken_plugin' of 'broken_plugin:fn' raised RuntimeError: no GPU found \(at .*broken_plugin.py:2\)$")
+    for overrides, key in ((["algorithm.estimator=broken_plugin:fn"], "algorithm.estimator"),
+                           (['loss.terms=[{path: "broken_plugin:fn"}]'], r"loss.terms\[0\].path"),
+                           (["task.name=broken_plugin:fn"], "task.name"),
+                           (["task.name=jsonl", f"task.options.path={data}", "task.options.checker=broken_plugin:fn"],
+                            "task.options.checker")):
+        with pytest.raises(ValueError, match=rf"^{key}: {own}") as info:
+            build_task(resolve_config(load_config(None, overrides)))
+        causes, err = [], info.value
+        while err is not None:
+            causes, err = causes + [err], err.__cause__
+        assert isinstance(causes[-1], RuntimeError), key       # the module's own error, in the chain
+        sys.modules.pop("broken_plugin", None)

@@ -44,7 +44,7 @@ def within(value: float, iv, slack: float = 1e-9) -> bool:
 
 def test_measurement_equals_the_exact_values_on_the_enumerable_policy():
     """Two prompts (two parameter vectors of the enumerable policy), 3 groups of 3 per prompt: the
-    command's accumulation (prompts as units, dr_grpo derived) brackets exact_quality's values."""
+    command's accumulation (prompts as units, dr_grpo derived) is within 10% of exact_quality's values."""
     cfg = resolve_config(load_config(None, ["rollout.group_size=3", "diagnose.prompts=600", "diagnose.folds=20",
                                             "diagnose.estimators=[rloo,grpo,otb,otb+loo,otb_isolated,ogb+loo]"]))
     plan = make_plan(cfg)
@@ -75,8 +75,11 @@ def test_measurement_equals_the_exact_values_on_the_enumerable_policy():
                            ("efficiency_vs_grpo", exact_grpo[name].efficiency)):
             if name == "rloo" and key != "efficiency_vs_grpo":
                 continue
-            assert within(truth.value, table[name][key]), (name, key, table[name][key], truth.value)
-    assert exact["otb"].scale.value < 0.95 and table["dr_grpo"]["scale"].value == pytest.approx(2 / 3)
+            # near the truth, not "its 95% interval holds it": 16 intervals miss together on ~1 path in 4
+            # (10 of 40 seeds); over 200 seeds the worst relative error was 4.9%
+            assert abs(table[name][key].value / truth.value - 1) <= 0.1, (name, key, table[name][key], truth.value)
+    # dr_grpo is derived as exactly 2/3 of rloo's statistics (float64): its scale is 2/3 to a few roundings
+    assert exact["otb"].scale.value < 0.95 and table["dr_grpo"]["scale"].value == pytest.approx(2 / 3, rel=1e-12)
 
 
 # ---------------------------------------------------------------- builtin:tiny

@@ -14,6 +14,7 @@ import torch
 from creditrl import StapoOptions, TraceOptions, policy_loss, spurious_token_mask
 from test_losses import OPTIONS, loop_rollout, make_batch
 from test_traces import dense_trace_matrix
+from tolerances import assert_close_normwise, sum_rtol
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -45,7 +46,9 @@ def per_row_trace(values, mask, opts):
 
 def reference_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=None, clip_c=None, agg="token-mean",
                    max_len=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3", rollout_logp=None,
-                   rollout_correction=None, rollout_cap=2.0, stapo=None, entropy=None, trace=None):
+                   rollout_correction=None, rollout_cap=2.0, stapo=None, entropy=None, trace=None, magnitude=False):
+    """The loss written out densely in float64; ``magnitude``: the same aggregate of the per-token terms'
+    absolute values (the scale of the loss's rounding, ``loss_atol``)."""
     clip_high = clip_low if clip_high is None else clip_high
     a = (adv[:, None].expand_as(logp) if adv.dim() == 1 else adv).double()
     keep = mask.clone()
@@ -73,7 +76,24 @@ def reference_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=None, clip_c
     if kl_coef > 0:
         x = (ref_logp.double() - logp.double()).clamp(-20, 20)
         tok = tok + kl_coef * {"k1": -x, "k2": 0.5 * x * x, "k3": torch.expm1(x) - x}[kl_estimator]
-    return reference_agg(tok, keep, agg, max_len)
+    return reference_agg(tok.abs() if magnitude else tok, keep, agg, max_len)
+
+
+OPS = 12   # float32/64 operations per token term: ratio, exp, clamps, products, trace or KL, weights
+
+
+def loss_atol(logp, old, adv, mask, dtype=torch.float32, **kwargs) -> float:
+    """Rounding bound of the loss (tests/tolerances.py): a positive-weighted sum over the mask's n tokens of
+    terms of a few operations each: (n + OPS)·eps of the aggregated magnitudes (``reference_loss``), in the
+    computation's dtype (float32 unless every input is float64)."""
+    scale = float(reference_loss(logp.detach(), old, adv, mask, magnitude=True, **kwargs))
+    return sum_rtol(int(mask.sum()) + OPS, dtype) * scale
+
+
+def grad_rtol(mask, dtype=torch.float32) -> float:
+    """Normwise rounding bound of the gradient: each element is one token's derivative times its weight, or
+    (traces) a sum of at most T of them, each of a few operations."""
+    return sum_rtol(mask.shape[1] + OPS, dtype)
 
 
 def assert_same_loss_and_grad(logp, old, adv, mask, **kwargs):
@@ -83,8 +103,8 @@ def assert_same_loss_and_grad(logp, old, adv, mask, **kwargs):
     ref = reference_loss(lp_ref, old, adv, mask, **kwargs)
     loss.backward()
     ref.backward()
-    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(lp_fast.grad.double(), lp_ref.grad.double(), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(loss.double(), ref.double(), atol=loss_atol(logp, old, adv, mask, **kwargs), rtol=0)
+    assert_close_normwise(lp_fast.grad, lp_ref.grad, grad_rtol(mask), "gradient")
     return lp_fast.grad
 
 
@@ -96,8 +116,8 @@ def option_batch(combo, token_adv: bool, length: int = 24):
     """(logp, old, adv, mask, policy_loss keywords) for the options in ``combo``."""
     logp, old, adv, mask = make_batch(7, rows=6, length=length, token_adv=token_adv, spread=1.0)
     gen = torch.Generator().manual_seed(12)
-    kwargs = dict(ref_logp=old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen),
-                  rollout_logp=old + 0.5 * torch.randn(old.shape, generator=gen),
+    kwargs = dict(ref_logp=(old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen)).clamp(max=0),
+                  rollout_logp=(old + 0.5 * torch.randn(old.shape, generator=gen)).clamp(max=0),
                   entropy=torch.rand(old.shape, generator=gen))
     for name in combo:
         kwargs.update(OPTIONS[name])
@@ -120,7 +140,7 @@ def test_gradient_matches_autograd_reference(combo, token_adv):
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
 def test_gradient_every_aggregation_and_kl_estimator(mode, est):
     logp, old, adv, mask = make_batch(3, rows=5, length=40, spread=0.6)
-    ref = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
+    ref = (old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))).clamp(max=0)
     assert_same_loss_and_grad(logp, old, adv, mask, agg=mode, max_len=50, ref_logp=ref, kl_coef=0.2,
                               kl_estimator=est, clip_high=0.28, clip_c=2.5)
 
@@ -130,7 +150,7 @@ def test_gradient_all_options_together_long_rows():
     logp, old, adv, mask = make_batch(9, rows=4, length=120, token_adv=True, spread=0.5)
     gen = torch.Generator().manual_seed(4)
     common = dict(clip_high=0.28, clip_c=3.0, ref_logp=old - 0.1, kl_coef=0.05, agg="seq-mean-token-mean",
-                  rollout_logp=old + 0.3 * torch.randn(old.shape, generator=gen), rollout_correction="mis",
+                  rollout_logp=(old + 0.3 * torch.randn(old.shape, generator=gen)).clamp(max=0), rollout_correction="mis",
                   stapo=StapoOptions(tau_p=0.05, high_entropy_fraction=0.5),
                   entropy=torch.rand(old.shape, generator=gen))
     for opts in (TraceOptions(lam=0.97, style="both", floor=0.01), TraceOptions(lam=0.9, update="weight"),
@@ -141,14 +161,16 @@ def test_gradient_all_options_together_long_rows():
 def test_gradient_is_zero_where_the_log_ratio_clamp_binds():
     """|log π − log π_old| > 20: the ratio is clamped and, as with autograd, passes no gradient."""
     logp, old, adv, mask = make_batch(5, rows=4, length=10)
-    old = old.clone()
+    logp, old = logp.clone(), old.clone()
+    logp[1, :5] -= 30.0                      # log-probs stay <= 0
     old[1, :5] = logp[1, :5] + 30.0          # r = e^−30 → clamped to e^−20
     old[1, 5:] = logp[1, 5:] - 30.0          # r = e^30 → clamped to e^20
     for sign in (1.0, -1.0):
         a = adv.abs() * sign
         grad = assert_same_loss_and_grad(logp, old, a, mask)
         assert torch.all(grad[1] == 0)
-        assert_same_loss_and_grad(logp, old, a, mask, ref_logp=logp + 25.0, kl_coef=0.1)
+        low, old_low = logp - 26.0, old - 26.0   # every log-prob, the reference's too, stays <= 0
+        assert_same_loss_and_grad(low, old_low, a, mask, ref_logp=low + 25.0, kl_coef=0.1)
 
 
 def test_bf16_logp_gets_a_bf16_gradient():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from creditrl import StapoOptions, TraceOptions, policy_loss
-from test_policy_gradients import reference_loss
+from test_policy_gradients import grad_rtol, loss_atol, reference_loss
+from tolerances import assert_close_normwise
 
 B, T = 6, 9
 
@@ -20,11 +21,11 @@ def inputs(seed: int, token_adv: bool):
     mask[0, 5:] = False
     mask[3] = False                                                   # an empty row
     old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 4
-    logp = (old + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    logp = (old + 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0).requires_grad_()
     adv = torch.randn((B, T) if token_adv else (B,), generator=g, dtype=torch.float64)
     return {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask,
-            "ref": old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
-            "rollout": old + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64),
+            "ref": (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0),
+            "rollout": (old + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0),
             "entropy": torch.rand(B, T, generator=g, dtype=torch.float64) * 3}
 
 
@@ -54,8 +55,10 @@ def compare(combo, agg, seed, token_adv):
     (grad,) = torch.autograd.grad(loss, x["logp"])
     ref = reference_loss(x["logp"], x["old_logp"], x["advantages"], x["mask"], **kwargs)
     (ref_grad,) = torch.autograd.grad(ref, x["logp"])
-    torch.testing.assert_close(loss, ref, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    # every input float64, so both sides compute in float64 (test_policy_gradients.loss_atol, grad_rtol)
+    atol = loss_atol(x["logp"], x["old_logp"], x["advantages"], x["mask"], torch.float64, **kwargs)
+    torch.testing.assert_close(loss, ref, atol=atol, rtol=0)
+    assert_close_normwise(grad, ref_grad, grad_rtol(x["mask"], torch.float64), "gradient")
     assert grad.abs().sum() > 0
 
 

@@ -85,6 +85,9 @@ def loss_terms_from(get: Callable[[str], Any], native: Mapping[str, Any] | None 
         values = {k: get(f"{name}_{k}") for k in names}
         values = {k: v for k, v in values.items() if v is not None}
         switch = True if name in switched_on else get(name)
+        if switch is not None and not isinstance(switch, bool):   # "false" would be truthy
+            raise TypeError(f"{name}: expected True, False or None (on when one of {name}_* is set), got "
+                            f"{type(switch).__name__} {switch!r}")
         if switch is False and values:
             raise ValueError(f"{name}_{next(iter(values))}: set while {name}=False, where it does nothing; "
                              f"drop it or set {name}=True")

@@ -47,7 +47,7 @@ from creditrl.core.estimators import estimate, list_estimators, prepare
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
 from creditrl.core.losses import PolicyLoss
-from creditrl.utils.validate import check_tensor
+from creditrl.utils.validate import LOGP_TOLERANCE, check_tensor
 
 PREFIX = "creditrl_"
 ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")
@@ -73,9 +73,6 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> Tensor:
         kinds = sorted({type(uid).__name__ for uid in index.tolist()})
         raise ValueError(f"index: expected uids of one type (verl's are str), got a mix of {kinds}") from None
     return torch.from_numpy(inverse.reshape(-1)).to(device)
-
-
-LOGP_TOLERANCE = 1e-3   # log-softmax rounding can land just above 0 (and sum pi^2 just above 1)
 
 
 def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None) -> None:

@@ -46,11 +46,11 @@ def build_task(cfg: Config):
     names one of the task's options (``path: ...``) names its config key (``task.options.path: ...``)."""
     try:
         return get_task(cfg.task.name, chat_model=is_chat_model(cfg.model.name), **cfg.task.options)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, TypeError) as err:
         option = str(err).split(":", 1)[0]
         if option not in (task_options(cfg.task.name) or cfg.task.options):
             raise
-        raise type(err)(f"task.options.{err}") from None
+        raise (ConfigError if isinstance(err, TypeError) else type(err))(f"task.options.{err}") from None
 
 
 def load_configured_policy(cfg: Config, task, device, progress: bool, name: str | None = None):
@@ -113,7 +113,7 @@ def check_lora_source(cfg: Config) -> None:
 @dataclass(frozen=True)
 class ConfiguredLoss:
     """The run's policy loss (``creditrl.core.losses.PolicyLoss``) and the two facts the update
-    needs before calling it: whether it needs reference log-probs (KL) and the rollout
+    needs before calling it: whether a term of it needs reference log-probs (KL) and the rollout
     correction (mode or None, cap) whose weights also scale OTB's energies."""
     loss: PolicyLoss
     needs_reference: bool
@@ -138,5 +138,7 @@ def policy_loss_from_config(cfg: Config) -> ConfiguredLoss:
         chosen[spec["path"]] = term.options(**{k: v for k, v in spec.items() if k != "path"})
     if chosen["aggregation"].max_len is None:
         chosen["aggregation"] = dataclasses.replace(chosen["aggregation"], max_len=cfg.rollout.max_new_tokens)
-    return ConfiguredLoss(PolicyLoss(chosen), needs_reference=loss["kl_coef"] > 0,
+    composed = PolicyLoss(chosen)
+    needs_reference = any("ref_logp" in term.needs and term.active(options) for term, options in composed.terms)
+    return ConfiguredLoss(composed, needs_reference=needs_reference,
                           rollout_correction=(loss["rollout_correction"], loss["rollout_cap"]))

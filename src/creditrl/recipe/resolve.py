@@ -39,7 +39,8 @@ def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
     try:
         spec = get_estimator(cfg.algorithm.estimator)
     except ValueError as err:
-        raise ConfigError(f"algorithm.estimator: {str(err).removeprefix('name: ')}") from None
+        raise ConfigError(f"algorithm.estimator: {str(err).removeprefix('name: ').removeprefix('estimator: ')}"
+                          ) from err
     options = spec.resolve_options(cfg.algorithm.options, "algorithm.options", strict=False)
     return cfg.algorithm.estimator, options, spec.needs_energy
 
@@ -65,7 +66,7 @@ def _check_task(cfg: Config) -> None:
     try:
         declared = task_options(cfg.task.name)
     except ValueError as err:
-        raise ConfigError(f"task.name: {str(err).removeprefix('task: ').removeprefix('task.name: ')}") from None
+        raise ConfigError(f"task.name: {str(err).removeprefix('task: ').removeprefix('task.name: ')}") from err
     if declared is None:                          # a user's factory taking **kwargs: anything goes
         return
     unknown = sorted(set(cfg.task.options) - set(declared))
@@ -142,16 +143,34 @@ def resolve_loss(loss: dict) -> dict:
         section = dict(loss.get(name) or {})
         enabled = coerce(f"loss.{name}.enabled", section.pop("enabled", False), bool)
         out[name] = {"enabled": enabled, **_term_values(f"loss.{name}", term, section)}
-    out["terms"] = [_user_term(i, spec) for i, spec in enumerate(loss.get("terms") or [])]
+    out["terms"], seen = [], {}
+    for i, spec in enumerate(loss.get("terms") or []):
+        out["terms"].append(_user_term(i, spec, seen, terms))
     return out
 
 
-def _user_term(i: int, spec: object) -> dict:
+def _user_term(i: int, spec: object, seen: dict, builtin: list) -> dict:
+    """One entry of ``loss.terms``: a user's term, each at most once (the loss takes one set of options
+    per term: a second entry would silently replace the first); creditrl's own terms have their keys."""
     where = f"loss.terms[{i}]"
     if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
         raise ConfigError(f"{where}: expected a mapping with 'path' (a registered loss term or "
                           f"'package.module:function') and the term's options, got {spec!r}")
+    try:
+        term = get_loss_term(spec["path"])
+    except ValueError as err:       # unknown, unregistered, or its module failed to import
+        raise ConfigError(f"{where}.path: {str(err).removeprefix('loss term: ')}") from err
+    if term in builtin:
+        keys = ([f"loss.{f.name}" for f in dataclasses.fields(term.options)] if term.flat else
+                [f"loss.{term.name}.enabled=true"] + [f"loss.{term.name}.{f.name}" for f in dataclasses.fields(term.options)])
+        raise ConfigError(f"{where}: {spec['path']!r} is creditrl's own loss term {term.name!r}, set by its keys "
+                          f"{', '.join(keys)} (so the run builds what it needs, e.g. the reference model of "
+                          f"loss.kl_coef); loss.terms is for your own terms")
+    if term.name in seen:
+        raise ConfigError(f"{where}: loss term {term.name!r} is already {seen[term.name]}; each term is applied once, "
+                          f"with one set of options: merge the two entries")
+    seen[term.name] = f"given in loss.terms[{i}]"
     options = {k: v for k, v in spec.items() if k != "path"}
-    return {"path": spec["path"], **_term_values(where, get_loss_term(spec["path"]), options)}
+    return {"path": spec["path"], **_term_values(where, term, options)}
 
 

@@ -32,6 +32,7 @@ from creditrl.recipe.resolve import resolve_config
 from creditrl.tools import tables
 from creditrl.trainer import train
 from creditrl.trainer.loop import TrainingStopped
+from creditrl.utils.imports import PluginError
 from creditrl.utils.validate import check_int
 
 PANELS = (  # (metric, x axis) of the report figure
@@ -143,30 +144,50 @@ def train_planned(plan: PlannedRun) -> Path:
     return target
 
 
-def train_runs(plans: list[PlannedRun], *, force: bool = False, jobs: int = 1) -> dict[str, list[Path]]:
+def train_runs(plans: list[PlannedRun], *, force: bool = False, jobs: int = 1,
+               failures: dict[str, str] | None = None) -> dict[str, list[Path]]:
     """Train the plans not already finished with the same recipe, ``jobs`` at a time (separate processes;
     a run's result does not depend on ``jobs``, since each run is seeded and sets its own threads).
-    Returns the run directories by run name, in plan order."""
+    Returns the run directories by run name, in plan order. A run's error is raised, unless ``failures``
+    is given: then the other runs go on, each failed run's error is recorded there (by its directory's
+    name) and only the finished runs are returned."""
     check_int("jobs", jobs, low=1)
     todo = [p for p in plans if force or not (p.target / "summary.json").exists()
             or not (p.target / RECIPE_FILE).exists() or json.loads((p.target / RECIPE_FILE).read_text()) != p.recipe]
+    failed = {}
     if jobs == 1 or len(todo) < 2:
         for plan in todo:
-            train_planned(plan)
+            failed.update(_outcome(plan, lambda plan=plan: train_planned(plan), failures is not None))
     else:
         with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=get_context("spawn")) as pool:
-            for future in [pool.submit(train_planned, plan) for plan in todo]:
-                future.result()   # re-raises a run's error here
+            for plan, future in [(plan, pool.submit(train_planned, plan)) for plan in todo]:
+                failed.update(_outcome(plan, future.result, failures is not None))   # a run's error comes back here
+    if failures is not None:
+        failures.update(failed)
     dirs: dict[str, list[Path]] = {}
     for plan in plans:
-        dirs.setdefault(plan.name, []).append(plan.target)
+        if plan.target.name not in failed:
+            dirs.setdefault(plan.name, []).append(plan.target)
     return dirs
 
 
+def _outcome(plan: PlannedRun, run, keep_going: bool) -> dict[str, str]:
+    """{} when ``run()`` finished, else {run directory name: its error} (raised unless ``keep_going``)."""
+    try:
+        run()
+        return {}
+    except Exception as err:  # noqa: BLE001 - any run's failure is reported beside the runs that finished
+        if not keep_going:
+            raise
+        print(f"[creditrl compare] {plan.target.name} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return {plan.target.name: f"{type(err).__name__}: {err}"}
+
+
 def run_all(spec: CompareSpec, out: Path, *, force: bool = False, progress: bool = True,
-            jobs: int = 1) -> dict[str, list[Path]]:
-    """Train every run × seed (``jobs`` at a time); returns dirs by run."""
-    return train_runs(plan_runs(spec, out, progress=progress and jobs == 1), force=force, jobs=jobs)
+            jobs: int = 1, failures: dict[str, str] | None = None) -> dict[str, list[Path]]:
+    """Train every run × seed (``jobs`` at a time); returns dirs by run (``train_runs``: ``failures``)."""
+    return train_runs(plan_runs(spec, out, progress=progress and jobs == 1), force=force, jobs=jobs,
+                      failures=failures)
 
 
 def find_runs(out: Path) -> dict[str, list[Path]]:
@@ -303,8 +324,9 @@ def run_warnings(runs: dict[str, list[Path]]) -> list[str]:
 
 
 def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None = None,
-                 panels=PANELS, title: str = "creditrl compare") -> Path:
-    """report.md + compare.png + final.csv + curves.csv in ``out``; returns report.md's path."""
+                 panels=PANELS, title: str = "creditrl compare", failures: dict[str, str] | None = None) -> Path:
+    """report.md + compare.png + final.csv + curves.csv in ``out``; returns report.md's path.
+    ``failures``: run directory name -> error of the runs that did not finish (listed first)."""
     out = Path(out)
     steps = max(len(read_jsonl(d / "metrics.jsonl")) for dirs in runs.values() for d in dirs)
     window = window if window is not None else max(1, steps // 20)
@@ -316,6 +338,8 @@ def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None =
     warnings = run_warnings(runs)   # e.g. a run that learned nothing: never averaged away silently
     lines = [f"# {title}\n", f"Runs: {', '.join(f'{k} ({len(v)} seeds)' for k, v in runs.items())}. "
              f"Curves: mean over seeds, band ±1 std, moving average over {window} steps.\n",
+             *(["## Runs that failed (not in the tables or curves)\n",
+                *[f"- `{name}`: {error}\n" for name, error in failures.items()]] if failures else []),
              *(["## Warnings from the runs\n", *warnings] if warnings else []),
              "![curves](compare.png)\n", "## Held-out evaluation at the end (mean ± std over seeds)\n",
              mean_std_table(final, eval_cols) if eval_cols else "_(no eval.jsonl)_\n",
@@ -372,6 +396,7 @@ def spec_from_args(args) -> CompareSpec:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after options
+    failures: dict[str, str] = {}
     try:
         if args.smooth is not None and args.smooth < 1:
             raise ValueError(f"--smooth: expected a moving-average window of at least 1 step, got {args.smooth}")
@@ -383,12 +408,18 @@ def main(argv: list[str] | None = None) -> int:
             runs = find_runs(args.out)
         else:
             runs = run_all(spec_from_args(args), args.out, force=args.force, progress=not args.no_progress,
-                           jobs=args.jobs)
-        path = write_report(runs, args.out, window=args.smooth)
-    except (ValueError, OSError, ImportError, TrainingStopped) as err:
+                           jobs=args.jobs, failures=failures)
+            if not runs:
+                raise TrainingStopped(f"every run failed ({'; '.join(f'{k}: {v}' for k, v in failures.items())})")
+        path = write_report(runs, args.out, window=args.smooth, failures=failures)
+    except (ValueError, OSError, ImportError, PluginError, TrainingStopped) as err:
         if os.environ.get("CREDITRL_DEBUG"):
             raise
         print(f"creditrl compare: error: {err}", file=sys.stderr)
         return 2
     print(f"[creditrl compare] report: {path}")
+    if failures:
+        print(f"creditrl compare: error: {len(failures)} run(s) failed ({', '.join(failures)}); the report covers the "
+              f"runs that finished and lists the failed ones", file=sys.stderr)
+        return 1
     return 0

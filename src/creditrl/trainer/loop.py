@@ -39,7 +39,8 @@ from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
-from creditrl.recipe.build import build_task, check_lora_source, default_max_new_tokens, load_configured_policy
+from creditrl.recipe.build import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
+                                   policy_loss_from_config)
 from creditrl.utils.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.errors import CreditrlError
@@ -70,9 +71,10 @@ def set_determinism(cfg: Config) -> None:
 
 
 def reference_model(model, cfg: Config, precision: Precision):
-    """A frozen copy of the starting policy for a KL term (in the precision's frozen dtype); None
-    without one, and None for LoRA, whose reference is the same model with its adapters disabled."""
-    if cfg.loss["kl_coef"] <= 0 or cfg.model.lora.enabled:
+    """A frozen copy of the starting policy for a term that needs reference log-probs (KL), in the
+    precision's frozen dtype; None without one, and None for LoRA, whose reference is the same model
+    with its adapters disabled (no second copy)."""
+    if not policy_loss_from_config(cfg).needs_reference or cfg.model.lora.enabled:
         return None
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     return ref if precision.frozen_dtype is None else ref.to(precision.frozen_dtype)
@@ -246,12 +248,17 @@ class Trainer:
     def check_skipped(self, metrics: dict) -> None:
         """Stop after ``MAX_SKIPPED_STEPS`` consecutive steps with a skipped (non-finite) update."""
         self.skipped_streak = self.skipped_streak + 1 if metrics["skipped_updates"] > 0 else 0
-        if self.skipped_streak >= MAX_SKIPPED_STEPS:
-            raise TrainingStopped(
-                f"training stopped at step {self.step}: the loss or gradient was NaN/inf for {self.skipped_streak} steps "
-                f"in a row, so those updates were skipped (weights unchanged). Likely causes: optim.lr={self.cfg.optim.lr} "
-                f"too high for this model, rewards of extreme magnitude (this step's mean reward: "
-                f"{metrics.get('reward_mean')}), or a model that produces NaN logits (try model.dtype=float32)")
+        if self.skipped_streak < MAX_SKIPPED_STEPS:
+            return
+        stopped = (f"training stopped at step {self.step}: the loss or gradient was NaN/inf for {self.skipped_streak} "
+                   f"steps in a row, so those updates were skipped (weights unchanged)")
+        error = self.learner.skip_error
+        if getattr(error, "term", None):      # policy_loss found the term that made finite inputs non-finite
+            raise TrainingStopped(f"{stopped}: {error.term} from finite inputs")
+        raise TrainingStopped(
+            f"{stopped}. Likely causes: optim.lr={self.cfg.optim.lr} too high for this model, rewards of extreme "
+            f"magnitude (this step's mean reward: {metrics.get('reward_mean')}), or a model that produces NaN logits "
+            f"(try model.dtype=float32)" + (f". The last non-finite loss: {error}" if error else ""))
 
     def log_eval(self, logger: RunLogger) -> None:
         result = self.evaluate()
@@ -384,7 +391,8 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
           overwrite: bool = False) -> Path:
     """Train with ``cfg``; returns the run directory. An existing run directory is refused
     (``resume`` continues it) before any work; ``overwrite`` deletes it only once the whole config
-    is checked and the model loaded, so a bad input never costs a finished run."""
+    is checked and the model loaded, so a bad input never costs a finished run. A run that fails
+    before logging anything (a tracker that cannot start) leaves no directory behind."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
     created = not run_dir.exists()
     check_new_run(run_dir, overwrite=overwrite)
@@ -397,7 +405,14 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
             raise
         if not created:
             clear_run(run_dir)
-        return trainer.run()
+        try:
+            return trainer.run()
+        except BaseException:
+            if not any((run_dir / name).is_file() for name in ("metrics.jsonl", "eval.jsonl")):
+                clear_run(run_dir)    # failed before logging anything (e.g. a tracker): nothing blocks a re-run
+                if created:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+            raise
 
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:

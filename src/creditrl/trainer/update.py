@@ -200,6 +200,7 @@ class Learner:
         self.estimator, self.estimator_options, self.needs_energy = estimator_from_config(cfg)
         self.loss = policy_loss_from_config(cfg)
         self.noise = NoiseScale() if cfg.logging.grad_noise_scale else None
+        self.skip_error: NonFiniteError | None = None   # why the loss was last non-finite (policy_loss names it)
 
     def follow_config(self) -> None:
         """Point the optimizer and the schedule at this config's ``optim.lr``, ``weight_decay`` and
@@ -276,7 +277,8 @@ class Learner:
                 loss, metrics = self.loss(stats.logp.float(), old.logp[rows], adv[rows], batch.mask[rows],
                                           ref_logp=None if ref_logp is None else ref_logp[rows],
                                           rollout_logp=batch.rollout_logp[rows], entropy=stats.entropy.float())
-            except NonFiniteError:               # NaN/inf log-probs or advantages: skip this step
+            except NonFiniteError as err:        # NaN/inf log-probs, advantages or a term's output: skip
+                self.skip_error = err
                 return {"loss": math.nan}
             count = max(metrics.pop("agg_count"), 1e-12) if len(chunks) > 1 else 1.0
             scaled = loss * count

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from creditrl.utils.imports import PluginError, is_builtin, plugin_name
 from creditrl.utils.validate import bad_rows, check_finite, check_mask, check_range, check_tensor
 from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, KRange, get_estimator, list_estimators,
                                                register_estimator)
@@ -72,7 +73,7 @@ def _row_totals(rewards: Tensor) -> Tensor:
 
 def _check_device(device: torch.device, **tensors: Tensor | None) -> None:
     for name, x in tensors.items():
-        if x is not None and x.device != device:
+        if x is not None and check_tensor(name, x).device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (the mask's device), got {x.device}")
 
 
@@ -153,7 +154,14 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
         return torch.zeros(shape, dtype=torch.float32, device=batch.given_mask.device)
     if spec.k_range is not None:
         spec.k_range.check(spec.name, batch.groups, options["k"])
-    out = spec.fn(batch, **options)
+    try:
+        out = spec.fn(batch, **options)
+    except ValueError:                            # bad input, named by the estimator (the library's contract)
+        raise
+    except Exception as err:
+        if is_builtin(spec.fn):
+            raise
+        raise PluginError(f"estimator {name!r} ({plugin_name(spec.fn)}) raised {type(err).__name__}: {err}") from err
     if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(shape[:1]), tuple(shape)}:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "

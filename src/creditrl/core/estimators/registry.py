@@ -8,6 +8,7 @@ so estimators contain only their formula. Third parties add one with ``@register
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Protocol
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
-from creditrl.utils.imports import import_submodules, registered_entry
+from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, options_of
 
 
@@ -205,6 +206,11 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
     """
 
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        try:
+            inspect.signature(fn).bind_partial(None)
+        except (TypeError, ValueError):
+            raise TypeError(f"estimator {name!r}: {plugin_name(fn)} must take the batch as its first argument, "
+                            f"fn(batch, **options)") from None
         old = _REGISTRY.get(name)
         if old is not None and not overwrite and old.fn is not fn and (
                 getattr(old.fn, "__qualname__", None), getattr(old.fn, "__module__", None)) != (
