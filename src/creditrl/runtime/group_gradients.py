@@ -149,7 +149,8 @@ def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimato
     size = rows.stop - rows.start
     advantages = group_advantages(batch, rows, stats.energy.detach(), estimators).to(stats.logp.dtype)
     mask = batch.response_mask[rows, batch.prompt_len:] > 0
-    rollout = batch.rollout_logp[rows, batch.prompt_len:].to(stats.logp.dtype)
+    rollout = (stats.logp.detach() if batch.rollout_logp is None     # no sampler log-probs: the policy's own
+               else batch.rollout_logp[rows, batch.prompt_len:].to(stats.logp.dtype))
     out = advantages.clone()
     labels = list(estimators)
     by_loss: dict[int, list[int]] = {}
@@ -168,6 +169,41 @@ def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimato
                                  rollout.repeat(k, 1), stats.entropy.repeat(k, 1))
         out[members] = stacked.view(k, *mask.shape).to(out.dtype)
     return out / size
+
+
+_DRIVEN: dict[int, tuple[PolicyLoss, bool]] = {}
+
+
+def advantage_driven(loss: PolicyLoss | None) -> bool:
+    """Whether ``loss``'s cotangent is 0 wherever every advantage is 0 (on the dummy batches of
+    ``_dummy_batches``: true of the clipped surrogate, its aggregations, STAPO and the trace; not of
+    a KL term). The plain gradient (None) is. Cached per loss object."""
+    if loss is None:
+        return True
+    cached = _DRIVEN.get(id(loss))
+    if cached is None or cached[0] is not loss:
+        driven = all(not bool(loss_cotangent(loss, logp, torch.zeros_like(adv), mask, logp, entropy).abs().max() > 0)
+                     for logp, adv, mask, entropy in _dummy_batches())
+        cached = _DRIVEN[id(loss)] = (loss, driven)
+    return cached[1]
+
+
+def zero_group(batch: RolloutBatch, rows: slice, estimators: Estimators, losses: Losses | None) -> bool:
+    """Whether every row of this group is 0 without a forward: its rewards are all equal, every
+    estimator gives exactly 0 advantages under two random positive energies (a baseline that is a
+    weighted mean of equal rewards is that reward, whatever the weights), and every row's loss is
+    ``advantage_driven``."""
+    rewards = batch.rewards[rows]
+    if bool((rewards != rewards[0]).any()) or not all(advantage_driven((losses or {}).get(label))
+                                                      for label in estimators):
+        return False
+    mask = batch.response_mask[rows, batch.prompt_len:] > 0
+    gen = torch.Generator().manual_seed(rows.start)
+    for _ in range(2):
+        energy = (torch.rand(mask.shape, generator=gen) + 0.1).to(rewards.device)
+        if bool(group_advantages(batch, rows, energy, estimators).abs().max() > 0):
+            return False
+    return True
 
 
 def _proportional(c: Tensor, earlier: list[tuple[int, Tensor]]) -> tuple[int, float] | None:
@@ -228,7 +264,8 @@ def _group_draw(stats: TokenStats, cotangents: Tensor, params: list[Tensor], ske
 def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, temperature: float,
                     params: Sequence[Tensor] | None = None, sketch: CountSketch | None = None,
                     shared_prompts: bool = True, losses: Losses | None = None,
-                    precondition: Sequence[Tensor] | None = None, dedupe: bool = False) -> GroupDraws:
+                    precondition: Sequence[Tensor] | None = None, dedupe: bool = False,
+                    skip_zero: bool = False) -> GroupDraws:
     """Every group's gradient under every estimator (module docstring). Groups are the batch's
     contiguous blocks of rows (as ``generate_rollouts`` lays them out). ``shared_prompts=False``
     scores a group's rows in one plain forward (faster for tiny models, where a forward's fixed cost
@@ -237,15 +274,26 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
     tensor per parameter (e.g. 1/√v̂ of Adam) for ``GroupDraws.preconditioned``. A row whose
     cotangent is 0 (e.g. a group whose rewards are all equal) gets 0 without a backward; with
     ``dedupe`` a row whose cotangent is α × an earlier row's (``dr_grpo`` = (N−1)/N · ``rloo``, or
-    the same estimator under two losses that agree) gets α × that row's gradient."""
+    the same estimator under two losses that agree) gets α × that row's gradient. With ``skip_zero``
+    a group whose every row is provably 0 (``zero_group``) skips even its forward (its response
+    energies are then reported as 0)."""
     params = list(params) if params is not None else select_parameters(model)
     sizes = torch.unique_consecutive(batch.group, return_counts=True)[1].tolist()
     if len(sizes) != len(torch.unique(batch.group)):
         raise ValueError("batch: expected each group's rows to be contiguous, got interleaved group ids")
     mask = batch.response_mask[:, batch.prompt_len:] > 0
     draws, scaled, energies, start, backward = [], [], [], 0, 0
+    dim = sketch.dim if sketch is not None else sum(p.numel() for p in params)
     for size in sizes:                       # one Monte-Carlo draw per group: a forward, E backwards
         rows = slice(start, start + size)
+        if skip_zero and zero_group(batch, rows, estimators, losses):
+            zeros = torch.zeros(len(estimators), dim, dtype=torch.float64 if sketch is not None else params[0].dtype,
+                                device="cpu" if sketch is not None else params[0].device)
+            draws.append(zeros)
+            scaled.append(zeros if precondition is not None else None)
+            energies.append(torch.zeros(size, dtype=torch.float64, device=mask.device))
+            start += size
+            continue
         stats = rollout_token_stats(model, batch, rows, temperature, shared_prompts=shared_prompts)
         energies.append(torch.where(mask[rows], stats.energy.detach().double(), 0.0).sum(1))
         cotangents = row_cotangents(batch, rows, stats, estimators, losses)

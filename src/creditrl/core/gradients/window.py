@@ -44,7 +44,7 @@ def step_moments(grads: Tensor) -> StepMoments:
         raise ValueError(f"grads: expected at least 2 groups in a step (pairs of different groups estimate the "
                          f"mean gradient), got {grads.shape[0]}")
     g = grads.detach().to(torch.float64)
-    second = torch.einsum("ned,nfd->ef", g, g)
+    second = torch.bmm(g, g.transpose(1, 2)).sum(0)         # (an einsum to [E, E] directly is ~10x slower on CPU)
     total = g.sum(0)
     return StepMoments(grads.shape[0], second.cpu(), (total @ total.T - second).cpu())
 

@@ -163,7 +163,8 @@ class ModelSource:
         return group_gradients(self.model, sub, self.plan.rows, temperature=self.rollout["temperature"],
                                params=list(self.space.params), sketch=self.sketch,
                                shared_prompts=self.shared,
-                               losses=self.plan.row_losses, precondition=self.precondition, dedupe=True)
+                               losses=self.plan.row_losses, precondition=self.precondition, dedupe=True,
+                               skip_zero=True)
 
 
 def make_sketch(space: GradientSpace, seed: int) -> CountSketch | None:
