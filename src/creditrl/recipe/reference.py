@@ -12,7 +12,7 @@ import dataclasses
 import json
 import sys
 
-from creditrl.config import Config, flat_items
+from creditrl.config import Config, DiagnoseConfig, flat_items
 from creditrl.core.estimators import list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.recipe.resolve import builtin_loss_terms
@@ -69,6 +69,22 @@ def config_section() -> str:
     return "\n".join(out)
 
 
+def diagnose_section() -> str:
+    """``creditrl diagnose``'s own section (``diagnose.*``), read by that command only."""
+    rows = [f"| `diagnose.{key}` | {_value(default)} | | {_cell(text)} |" for key, default, text in
+            flat_items(DiagnoseConfig())]
+    return ("## diagnose\n\n`creditrl diagnose`'s own settings, read by that command only, from the same file as "
+            "`train` (a `diagnose:` section) or `diagnose.*` overrides; a training run's config.yaml does not hold "
+            "them.\n\n" + "\n".join(TABLE_HEAD + rows) + "\n")
+
+
+def diagnose_help() -> str:
+    """``diagnose.*`` keys and their defaults, for ``creditrl diagnose --help``."""
+    lines = [(f"diagnose.{key}", json.dumps(default, default=str)) for key, default, _ in flat_items(DiagnoseConfig())]
+    width = max(len(k) for k, _ in lines)
+    return "diagnose keys (creditrl diagnose only):\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in lines)
+
+
 def estimators_section() -> str:
     """``algorithm.options`` of every registered estimator."""
     out = ["## algorithm.options, per estimator\n"]
@@ -107,7 +123,8 @@ def tasks_section() -> str:
 
 def markdown() -> str:
     """The whole reference (docs/config.md)."""
-    return "\n".join([INTRO, config_section(), estimators_section(), loss_section(), tasks_section()]).rstrip() + "\n"
+    return "\n".join([INTRO, config_section(), diagnose_section(), estimators_section(), loss_section(),
+                      tasks_section()]).rstrip() + "\n"
 
 
 def help_lines() -> list[str]:

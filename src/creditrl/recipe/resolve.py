@@ -13,6 +13,7 @@ import torch
 
 from creditrl.config import Config, ConfigError
 from creditrl.core.estimators import check_group_size
+from creditrl.core.estimators.labels import label_options
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import get_loss_term, list_loss_terms
 from creditrl.runtime.precision import Precision
@@ -93,6 +94,21 @@ def _check_combinations(cfg: Config, loss: dict) -> None:
         precision_of(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if cfg.logging.diagnose_every:
+        _check_diagnosed(cfg)
+
+
+def _check_diagnosed(cfg: Config) -> None:
+    """``logging.diagnose_estimators``: known labels, and K for a max@K one."""
+    k = cfg.algorithm.options.get("k")
+    for label in cfg.logging.diagnose_estimators or ():
+        try:
+            name, options = label_options(label, k)
+        except ValueError as err:
+            raise ConfigError(f"logging.diagnose_estimators: {err}") from None
+        if "k" in options and options["k"] is None:
+            raise ConfigError(f"logging.diagnose_estimators: {label!r} is a max@K estimator and needs "
+                              f"algorithm.options.k")
 
 
 def resolve_config(cfg: Config) -> Config:

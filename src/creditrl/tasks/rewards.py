@@ -298,8 +298,9 @@ def score_terms(terms: list[tuple[RewardFunction, float]], problems: Sequence[Pr
                 responses: Sequence[str]) -> Scores:
     """The weighted sum of the terms' rewards (TRL's nansum; NaN where no term gave one)."""
     parts = [(fn, weight, fn.score(problems, responses)) for fn, weight in terms]
-    if len(parts) == 1:
-        return parts[0][2]
+    if len(parts) == 1:   # one term: its reward times its weight (NaN stays NaN: invalid)
+        fn, weight, scores = parts[0]
+        return Scores([weight * r for r in scores.rewards], scores.extras, scores.timed_out)
     n = len(responses)
     total, extras = [], {}
     for i in range(n):

@@ -33,11 +33,14 @@ from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
-from creditrl.trainer.report import learned_nothing, no_signal, plot_run, streak_warning, write_summary
+from creditrl.trainer.report import diagnosis_section, learned_nothing, no_signal, plot_run, streak_warning
+from creditrl.trainer.report import write_summary
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
+from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
+from creditrl.core.estimators.labels import LOO
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
 from creditrl.recipe.build import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
                                    policy_loss_from_config)
@@ -125,6 +128,7 @@ class Trainer:
             cfg.rollout.max_new_tokens)
         self.precision = precision_of(cfg)
         self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg, self.precision))
+        self.diagnosis = step_diagnosis(self.model, cfg, self.learner) if cfg.logging.diagnose_every else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.task_rng = random.Random(cfg.train.seed)
         self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
@@ -225,14 +229,26 @@ class Trainer:
                                       generator=self.generator, max_tool_tokens=r.max_tool_tokens,
                                       stop_strings=tuple(r.stop))
         t1 = time.perf_counter()
+        diagnosed = self.diagnose(batch)
+        t_update = time.perf_counter()
         update = self.learner.update(batch, self.generator)
         metrics = update.metrics
         t2 = time.perf_counter()
         self.step += 1
         self.tokens_total += batch.num_tokens
         metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics, **rollout_metrics(batch, self.task),
-                   "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
+                   "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0,
+                   "time_update": t2 - t_update, **diagnosed}
         return metrics, completion_records(batch, self.cfg.logging.completions, update.advantages)
+
+    def diagnose(self, batch) -> dict[str, float]:
+        """On every ``logging.diagnose_every``-th step, the in-training diagnosis of this step's groups
+        at the weights that sampled them (``creditrl.runtime.step_diagnosis``); else nothing."""
+        every = self.cfg.logging.diagnose_every
+        if self.diagnosis is None or (self.step + 1) % every:
+            return {}
+        with self.precision.autocast(self.model):
+            return self.diagnosis.observe(batch)
 
     def clipped_warning(self, clipped_frac: float) -> str | None:
         """One warning when more than half the responses hit ``rollout.max_new_tokens`` for
@@ -335,7 +351,8 @@ class Trainer:
                                        f"for 0/1 rewards) of "
                                        f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
-                             extra=extra, completions=completions)
+                             extra=extra, completions=completions,
+                             sections=diagnosis_section(metrics, self.diagnosis.labels if self.diagnosis else []))
 
     def save_final(self) -> Path:
         """``final/``: the model (LoRA: its adapters) and tokenizer with a manifest (size + SHA-256
@@ -349,6 +366,17 @@ class Trainer:
             self.tokenizer.save_pretrained(tmp)
             write_manifest(tmp, step=self.step)
         return final
+
+
+def step_diagnosis(model, cfg: Config, learner: Learner) -> StepDiagnosis:
+    """The in-training diagnosis of ``logging.diagnose_every`` (the estimator trained, with its options,
+    against ``logging.diagnose_estimators`` under the run's loss)."""
+    name, options = learner.estimator, learner.estimator_options
+    configured = name + (LOO if options.get("leave_one_out") else "")
+    rows = compared_rows(configured, options, cfg.logging.diagnose_estimators, options.get("k"))
+    return StepDiagnosis(model, rows, configured, learner.loss.loss, temperature=cfg.rollout.temperature,
+                         window=cfg.logging.diagnose_window, groups=cfg.rollout.prompts_per_step,
+                         seed=cfg.train.seed)
 
 
 def located(cfg: Config, run_dir: Path) -> Config:

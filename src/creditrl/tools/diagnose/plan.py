@@ -1,52 +1,106 @@
 """What `creditrl diagnose` will measure, checked before any model loads or any rollout is sampled:
-the estimators (labels ``NAME`` and ``NAME+loo``), the sampling plan (P prompts × M groups of N)
-and the gradient space that fits the memory allowed.
+the rows (every estimator, labels ``NAME`` and ``NAME+loo``, under every loss compared), the
+sampling plan (rounds of P prompts × M groups of N) and its stopping rule.
 
-Gradient space (``choose_space``): the statistics hold K·E·D float32 fold sums plus, per prompt, its M
-draws [M, E, D] (float32 and a float64 copy) and their float64 sum, about D·E·(4K + 12M + 16) bytes.
-All trainable parameters when that fits in ``max_memory_gb``; else the parameters named by the
-``params`` prefixes; else a count sketch of dimension d of all trainable parameters (plus its
-hash tables, 5 bytes per parameter); else refused, naming the memory the sketch needs.
+Everything is read from the registries: every registered estimator (``creditrl.core.estimators``)
+is a row unless ``diagnose.estimators`` names a subset, and a loss is any composition of
+registered loss terms (``creditrl.core.losses``), so an estimator or a term registered anywhere
+appears here with no list to edit.
+
+Rows: the plain policy gradient of ``rloo`` (sum over tokens, mean over responses: unbiased, the
+*reference* every scale and cosine is measured against, stats name ``REF``), then each estimator
+under the configured loss (labelled by the estimator), then each estimator under each further
+loss of ``diagnose.losses`` (labelled ``estimator · loss``). A loss is measured at ratio 1 (the
+rollout policy, ``creditrl.runtime.group_gradients.loss_cotangent``); a term whose value for one
+group depends on the other groups of a mini-batch (e.g. a quantile over it) cannot be measured
+group by group: ``loss_notes`` names it.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
-from creditrl.config import Config
-from creditrl.core.estimators import compute_advantages, list_estimators
+from creditrl.core.estimators import check_group_size, list_estimators
+from creditrl.core.estimators.labels import LOO, all_labels, name_of, takes_k
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.core.estimators.labels import LOO, all_labels
+from creditrl.config import ConfigError
+from creditrl.core.losses import PolicyLoss
+from creditrl.runtime.group_gradients import non_additive_terms
 
 REFERENCE, GRPO = "rloo", "grpo"
-DERIVED = "dr_grpo"          # exactly (N−1)/N × rloo: added from rloo's statistics, no backward
-GB = 1 << 30
+REF = "reference"             # the plain policy gradient of rloo (unbiased)
+ADAM = "@adam"                # suffix of a row's Adam-preconditioned statistics
+
+
+@dataclass(frozen=True)
+class LossChoice:
+    """A loss compared: ``name`` (the configured one is ``configured``), the composed ``loss``, its
+    ``text`` in words and the ``notes`` on terms that cannot be measured group by group."""
+    name: str
+    loss: PolicyLoss
+    text: str
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The sampling plan and the estimators: ``specs`` label -> (registered name, options) of the
-    estimators that get a backward; ``labels`` every estimator reported (``dr_grpo`` derived)."""
+    """The sampling plan, the rows and the stopping rule.
+
+    ``estimators``: label -> (registered name, options); ``losses``: the configured loss first;
+    ``configured``: the configured estimator's label; ``batch``: groups per training step;
+    ``budget_s``: the wall-time budget; ``adam``: whether an Adam column is measured; ``adam_decides``:
+    whether it (not the plain one) decides the labels (v̂ from a real run's optimizer state)."""
     prompts: int
     groups_per_prompt: int
     group_size: int
     folds: int
-    specs: dict[str, tuple[str, dict]]
-    labels: tuple[str, ...]
-    configured: str                   # the label of the configured estimator (its B_simple is headlined)
-    batch: int                        # groups per training step (rollout.prompts_per_step)
+    estimators: dict[str, tuple[str, dict]]
+    losses: tuple[LossChoice, ...]
+    configured: str
+    batch: int
     seed: int
+    target_width: float
+    budget_s: float
+    adam: bool
+    adam_decides: bool = False        # v̂ from a training run's optimizer state: the Adam column decides
+
+    def row_label(self, estimator: str, loss: LossChoice) -> str:
+        return estimator if loss is self.losses[0] else f"{estimator} · {loss.name}"
+
+    @property
+    def rows(self) -> dict[str, tuple[str, dict]]:
+        """Stats name -> (estimator name, options) of every measured row, ``REF`` first."""
+        out = {REF: (REFERENCE, {})}
+        for loss in self.losses:
+            out.update({self.row_label(e, loss): spec for e, spec in self.estimators.items()})
+        return out
+
+    @property
+    def row_losses(self) -> dict[str, PolicyLoss | None]:
+        out: dict[str, PolicyLoss | None] = {REF: None}
+        for loss in self.losses:
+            out.update({self.row_label(e, loss): loss.loss for e in self.estimators})
+        return out
+
+    @property
+    def row_parts(self) -> dict[str, tuple[str, str]]:
+        """Row label -> (estimator label, loss name)."""
+        return {self.row_label(e, loss): (e, loss.name) for loss in self.losses for e in self.estimators}
+
+    @property
+    def configured_row(self) -> str:
+        return self.configured
 
     @property
     def groups(self) -> int:
+        """Groups per round."""
         return self.prompts * self.groups_per_prompt
 
-    @property
-    def timed(self) -> dict[str, tuple[str, dict]]:
-        """Every reported estimator's (name, options), the derived ones included (for their cost)."""
-        return {**self.specs, **{label: (label, {}) for label in self.labels if label not in self.specs}}
+    def ranked(self, row: str) -> bool:
+        """max@K estimators target another objective (the max@K gradient): reported, not ranked."""
+        return not takes_k(self.row_parts[row][0])
 
 
 def options_for(name: str, configured: dict, k: int | None, loo: bool) -> dict:
@@ -62,105 +116,84 @@ def options_for(name: str, configured: dict, k: int | None, loo: bool) -> dict:
     return options
 
 
-def estimator_specs(labels: Sequence[str] | None, configured: dict, k: int | None,
-                    group_size: int, arg: str = "diagnose.estimators") -> dict[str, tuple[str, dict]]:
-    """label -> (name, options) for every label (None: ``all_labels``), with rloo and grpo always
-    measured; each checked by running it on a dummy group of ``group_size`` (errors name ``arg``)."""
-    if group_size < 2:
-        raise ValueError(f"rollout.group_size: expected at least 2 responses per group (the estimators compare "
-                         f"responses within a group; a group of 1 has no baseline), got {group_size}")
-    chosen = list(dict.fromkeys([REFERENCE, GRPO, *(all_labels(k) if labels is None else labels)]))
+def check_label(label: str, arg: str) -> tuple[str, bool]:
+    """(registered name, leave_one_out) of an estimator label, or a ValueError naming ``arg``."""
     known = list_estimators()
+    name, loo = name_of(label), label.endswith(LOO)
+    if name not in known or (loo and not get_estimator(name).leave_one_out):
+        loos = [n + LOO for n in known if get_estimator(n).leave_one_out]
+        raise ConfigError(f"{arg}: unknown estimator {label!r}; expected one of {known + loos}")
+    return name, loo
+
+
+def estimator_specs(labels: Sequence[str] | None, configured_label: str, configured: dict, k: int | None,
+                    group_size: int, arg: str = "diagnose.estimators") -> dict[str, tuple[str, dict]]:
+    """label -> (name, options) for every label (None: ``all_labels``), with rloo, grpo and the
+    configured estimator always measured; each checked on a dummy group of ``group_size`` (errors
+    name ``arg``)."""
+    if group_size < 2:
+        raise ConfigError(f"rollout.group_size: expected at least 2 responses per group (the estimators compare "
+                         f"responses within a group; a group of 1 has no baseline), got {group_size}")
+    chosen = list(dict.fromkeys([REFERENCE, GRPO, configured_label, *(all_labels(k) if labels is None else labels)]))
     specs = {}
     for label in chosen:
-        name, loo = label.removesuffix(LOO), label.endswith(LOO)
-        if name not in known or (loo and not get_estimator(name).leave_one_out):
-            loos = [n + LOO for n in known if get_estimator(n).leave_one_out]
-            raise ValueError(f"{arg}: unknown estimator {label!r}; expected one of {known + loos}")
+        name, loo = check_label(label, arg if label != configured_label else "estimator")
         options = options_for(name, configured, k, loo)
         if options.get("k", 0) is None:
+            if label == configured_label:
+                raise ValueError(f"algorithm.options.k: the configured estimator {label!r} needs K (max@K)")
             raise ValueError(f"diagnose.k: estimator {label!r} needs K (max@K); set diagnose.k or "
                              f"algorithm.options.k, or leave {label!r} out of {arg}")
-        _try(label, name, options, group_size, arg)
+        try:
+            check_group_size(name, options, group_size, key="rollout.group_size")
+        except ValueError as err:
+            raise ValueError(f"{arg}: estimator {label!r} with options {options}: {err}") from None
         specs[label] = (name, options)
     return specs
 
 
-def _try(label: str, name: str, options: dict, group_size: int, arg: str) -> None:
-    g = group_size
-    try:
-        compute_advantages(name, rewards=(torch.arange(g) % 2).float(), mask=torch.ones(g, 2, dtype=torch.bool),
-                           group=torch.zeros(g, dtype=torch.long), energy=torch.ones(g, 2), **options)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{arg}: estimator {label!r} with options {options} at rollout.group_size={g}: {err}") from None
+def loss_notes(loss: PolicyLoss) -> tuple[str, ...]:
+    """Terms of ``loss`` that cannot be measured group by group (``non_additive_terms``: a term whose
+    value for a group depends on the rest of the mini-batch, e.g. a quantile over it), each named,
+    with what diagnose measures instead."""
+    return tuple(f"`{name}` cannot be measured group by group: its value for a group depends on the other groups "
+                 f"of the training mini-batch (e.g. a quantile over it); measured over each group of N alone"
+                 for name in non_additive_terms(loss))
 
 
-def statistics_bytes(dim: int, estimators: int, folds: int, groups_per_prompt: int) -> int:
-    """Bytes of the gradient statistics over a D = ``dim`` space (module docstring)."""
-    return dim * estimators * (4 * folds + 12 * groups_per_prompt + 16)
+def describe_loss(loss: PolicyLoss) -> str:
+    """The loss in words: its active terms with the options that differ from their defaults."""
+    parts = []
+    for term, options in loss.terms:
+        if not term.active(options):
+            continue
+        defaults = term.make_options()
+        changed = [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)
+                   if getattr(options, f.name) != getattr(defaults, f.name) or f.name == "agg"]
+        parts.append(f"{term.name}({', '.join(changed)})" if changed else term.name)
+    return " + ".join(parts)
 
 
-@dataclass(frozen=True)
-class GradientSpace:
-    """``kind``: all / subset / sketch; ``params`` the parameters differentiated; ``dim`` D of a draw;
-    ``covered`` the parameters the draws see; ``bytes`` the estimated memory."""
-    kind: str
-    names: tuple[str, ...]
-    params: tuple[torch.Tensor, ...]
-    dim: int
-    covered: int
-    bytes: int
-
-    def describe(self) -> str:
-        size = f"{self.bytes / GB:.2f} GB"
-        if self.kind == "all":
-            return f"all {self.covered:,} trainable parameters, flat ({size})"
-        if self.kind == "subset":
-            return f"the subset {list(self.names)[:4]}{'...' if len(self.names) > 4 else ''} ({self.covered:,} " \
-                   f"parameters, flat; {size})"
-        return f"a count sketch of dimension {self.dim:,} of all {self.covered:,} trainable parameters ({size})"
+def loss_choice(name: str, loss: PolicyLoss) -> LossChoice:
+    return LossChoice(name, loss, describe_loss(loss), loss_notes(loss))
 
 
-def choose_space(model, prefixes: Sequence[str] | None, estimators: int, folds: int, groups_per_prompt: int,
-                 max_memory_gb: float, sketch_dim: int) -> GradientSpace:
-    """All trainable parameters, else the ``prefixes`` subset, else a count sketch (module docstring)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("model: expected trainable parameters (requires_grad), got none")
-    limit = max_memory_gb * GB
-
-    def need(dim: int) -> int:
-        return statistics_bytes(dim, estimators, folds, groups_per_prompt)
-
-    total = sum(p.numel() for _, p in named)
-    if need(total) <= limit:
-        return GradientSpace("all", tuple(n for n, _ in named), tuple(p for _, p in named), total, total, need(total))
-    if prefixes:
-        subset = [(n, p) for n, p in named if any(n.startswith(x) for x in prefixes)]
-        if not subset:
-            raise ValueError(f"diagnose.params: expected prefixes of trainable parameter names (e.g. "
-                             f"{[n for n, _ in named[-3:]]}), got {list(prefixes)}")
-        size = sum(p.numel() for _, p in subset)
-        if need(size) <= limit:
-            return GradientSpace("subset", tuple(n for n, _ in subset), tuple(p for _, p in subset), size, size,
-                                 need(size))
-    sketch = need(sketch_dim) + 5 * total
-    if sketch > limit:
-        raise ValueError(f"diagnose.max_memory_gb: expected at least {sketch / GB:.2f} GB (a count sketch of "
-                         f"dimension diagnose.sketch_dim={sketch_dim} of the {total:,} trainable parameters under "
-                         f"{estimators} estimators needs that; all parameters flat need {need(total) / GB:.2f} GB), "
-                         f"got {max_memory_gb}")
-    return GradientSpace("sketch", tuple(n for n, _ in named), tuple(p for _, p in named), sketch_dim, total, sketch)
+def loss_label(index: int, values: dict) -> str:
+    """A further loss's name: its ``name`` key, else its keys and values (``agg=seq-mean-token-mean``)."""
+    if "name" in values:
+        return str(values["name"])
+    return ", ".join(f"{k}={v}" for k, v in values.items()) or f"loss {index + 1}"
 
 
-def make_plan(cfg: Config) -> Plan:
-    """The plan of a resolved config (refuses unknown estimators and groups of 1)."""
-    d, options = cfg.diagnose, dict(cfg.algorithm.options)
-    k = d.k if d.k is not None else options.get("k")
-    specs = estimator_specs(d.estimators, options, k, cfg.rollout.group_size)
-    labels = (*specs, "dr_grpo") if "dr_grpo" not in specs else tuple(specs)
-    specs = {label: spec for label, spec in specs.items() if label != "dr_grpo"}   # derived from rloo
-    configured = cfg.algorithm.estimator + (LOO if options.get("leave_one_out") else "")
-    return Plan(prompts=d.prompts, groups_per_prompt=d.groups_per_prompt, group_size=cfg.rollout.group_size,
-                folds=d.folds or min(8, d.prompts), specs=specs, labels=labels, configured=configured,
-                batch=cfg.rollout.prompts_per_step, seed=cfg.train.seed if d.seed is None else d.seed)
+def budget_seconds(budget_min: float | None, model_name: str) -> float:
+    """The wall-time budget: ``diagnose.budget_min``, or 2.5 min for builtin:tiny and 12 min otherwise."""
+    if budget_min is not None:
+        return 60.0 * budget_min
+    return 60.0 * (2.5 if model_name == "builtin:tiny" else 12.0)
+
+
+def check_width(target_width: float, key: str = "diagnose.target_width") -> float:
+    if not (isinstance(target_width, (int, float)) and not isinstance(target_width, bool)
+            and math.isfinite(target_width) and target_width > 0):
+        raise ValueError(f"{key}: expected a number > 0 (0.1 = ±10%), got {target_width!r}")
+    return float(target_width)
