@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditrl.config import (Config, ConfigError, check_complete, config_from_dict, config_to_dict, eval_settings,
-                             read_saved_config, resume_changes, save_config)
+from creditrl.config import (Config, ConfigError, check_complete, check_overlong, config_from_dict, config_to_dict,
+                             eval_settings, read_saved_config, resume_changes, save_config)
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
@@ -37,7 +37,8 @@ from creditrl.trainer.report import learned_nothing, no_signal, plot_run, streak
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision
-from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
+from creditrl.runtime.dynamic_sampling import sample_varying_groups
+from creditrl.runtime.rollout import RolloutBatch, concat_rollouts, generate_rollouts, rollout_metrics, sample_metrics
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
 from creditrl.recipe.build import build_task, check_lora_source, default_max_new_tokens, load_configured_policy
 from creditrl.utils.rundir import RunLock, check_new_run, clear_run
@@ -117,7 +118,9 @@ class Trainer:
         if cfg.rollout.max_new_tokens is None:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new))
+            check_overlong(cfg.rollout.overlong, max_new)
         self.cfg = cfg
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.truncated_prompts = check_prompt_lengths(
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
             cfg.rollout.max_new_tokens)
@@ -212,25 +215,59 @@ class Trainer:
         return {"step": self.step, "tokens_total": self.tokens_total, **result,
                 "time_eval": time.perf_counter() - start}
 
-    def train_step(self) -> tuple[dict, list[dict]]:
-        """One step; returns its metrics and its first ``logging.completions`` samples."""
+    def sample(self, count: int) -> RolloutBatch:
+        """Rollouts of ``count`` new prompts of the task stream, scored (with the overlong penalty)."""
         r = self.cfg.rollout
-        t0 = time.perf_counter()
-        problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
+        problems = [self.task.sample(self.task_rng) for _ in range(count)]
+        overlong = (r.overlong.buffer, r.overlong.penalty) if r.overlong.buffer else None
         with self.precision.autocast(self.model):
-            batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
-                                      temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                      generator=self.generator, max_tool_tokens=r.max_tool_tokens,
-                                      stop_strings=tuple(r.stop))
+            return generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
+                                     temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                     generator=self.generator, max_tool_tokens=r.max_tool_tokens,
+                                     stop_strings=tuple(r.stop), overlong=overlong)
+
+    def rollouts(self) -> tuple[RolloutBatch | None, RolloutBatch, dict]:
+        """The batch to train on (None when dynamic sampling kept no group), everything sampled for
+        the step as one batch, and the dynamic-sampling metrics."""
+        r = self.cfg.rollout
+        if not r.dynamic_sampling.enabled:
+            batch = self.sample(r.prompts_per_step)
+            return batch, batch, {}
+        d = r.dynamic_sampling
+        out = sample_varying_groups(self.sample, r.prompts_per_step, d.signal, d.max_rounds, self.pad_id)
+        return out.batch, concat_rollouts(out.sampled, self.pad_id), out.metrics
+
+    def train_step(self) -> tuple[dict, list[dict]]:
+        """One step; returns its metrics and its first ``logging.completions`` samples. With dynamic
+        sampling the sampling metrics (reward, accuracy, lengths) describe everything sampled, the
+        update's the kept groups; a step that kept no group makes no update."""
+        t0 = time.perf_counter()
+        batch, everything, filtering = self.rollouts()
         t1 = time.perf_counter()
-        update = self.learner.update(batch, self.generator)
-        metrics = update.metrics
+        count = self.cfg.logging.completions
+        if batch is None:
+            metrics, samples = {"skipped_updates": 0}, completion_records(everything, count)
+        else:
+            update = self.learner.update(batch, self.generator)
+            metrics, samples = update.metrics, completion_records(batch, count, update.advantages)
         t2 = time.perf_counter()
         self.step += 1
-        self.tokens_total += batch.num_tokens
-        metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics, **rollout_metrics(batch, self.task),
-                   "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
-        return metrics, completion_records(batch, self.cfg.logging.completions, update.advantages)
+        self.tokens_total += everything.num_tokens
+        metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics,
+                   **(sample_metrics(everything) if filtering else {}), **filtering,
+                   **rollout_metrics(everything, self.task), "tokens_per_s": everything.num_tokens / (t2 - t0),
+                   "time_rollout": t1 - t0, "time_update": t2 - t1}
+        return metrics, samples
+
+    def uniform_warning(self, metrics: dict) -> str | None:
+        """The warning of a step whose dynamic sampling kept no group (so it made no update)."""
+        if metrics.get("kept_groups") != 0:
+            return None
+        d = self.cfg.rollout.dynamic_sampling
+        return (f"warning: step {self.step} made no update: dynamic sampling kept no group in "
+                f"{metrics['refill_rounds'] + 1} round(s) (rollout.dynamic_sampling.max_rounds={d.max_rounds}); "
+                f"every sampled group's {d.signal} was the same for all its responses (mean reward "
+                f"{metrics['reward_mean']:.3g}: the task may be too easy or too hard for the model)")
 
     def clipped_warning(self, clipped_frac: float) -> str | None:
         """One warning when more than half the responses hit ``rollout.max_new_tokens`` for
@@ -279,7 +316,7 @@ class Trainer:
                 logger.log("metrics", metrics)
                 self.check_skipped(metrics)
                 self.signal_streak = self.signal_streak + 1 if no_signal(metrics) else 0
-                for warning in (self.clipped_warning(metrics["clipped_frac"]),
+                for warning in (self.clipped_warning(metrics["clipped_frac"]), self.uniform_warning(metrics),
                                 streak_warning(metrics, self.signal_streak)):
                     if warning:
                         logger.message(warning)
