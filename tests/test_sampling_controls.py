@@ -13,8 +13,9 @@ from creditrl import compute_advantages
 from creditrl.config import ConfigError, load_config
 from creditrl.runtime.dynamic_sampling import sample_varying_groups
 from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+from creditrl.core.groups import uniform_groups
 from creditrl.runtime.rollout import (concat_rollouts, generate_rollouts, sample_metrics, score_rollouts,
-                                      select_groups, uniform_groups)
+                                      select_groups)
 from creditrl.runtime.scoring import response_stats
 from creditrl.tasks import Problem, get_task
 from creditrl.tasks.rewards import RewardComponent, Scores, overlong_penalty

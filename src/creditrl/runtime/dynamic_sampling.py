@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from creditrl.runtime.rollout import RolloutBatch, concat_rollouts, select_groups, uniform_groups
+from creditrl.core.groups import uniform_groups
+from creditrl.runtime.rollout import RolloutBatch, concat_rollouts, select_groups
 
 
 @dataclass

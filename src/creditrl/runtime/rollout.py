@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from creditrl.core.groups import GroupIndex
+from creditrl.core.groups import uniform_groups
 from creditrl.runtime.sampling import decode_responses, generate, position_ids_from_mask
 from creditrl.tasks.base import Problem, Task
 from creditrl.tasks.chat import render_task_prompts
@@ -215,18 +215,6 @@ def concat_rollouts(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         first, **tokens, **rows, position_ids=position_ids_from_mask(tokens["attention_mask"]), prompt_len=p,
         response_texts=[t for b in batches for t in b.response_texts], problems=[q for b in batches for q in b.problems],
         prompt_texts=[t for b in batches for t in b.prompt_texts], reward_extras=extras)
-
-
-def uniform_groups(values: Tensor, group: Tensor) -> Tensor:
-    """[G] bool, per dense group of ``group`` [B] (``GroupIndex``): whether ``values`` [B] are the same
-    for all its members. NaN (a value a response lacks) is left out; fewer than 2 values never vary."""
-    index = GroupIndex.from_ids(group)
-    missing = torch.isnan(values)
-    high = torch.full((index.num_groups,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(
-        0, index.dense, values.masked_fill(missing, -torch.inf), "amax")
-    low = torch.full((index.num_groups,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(
-        0, index.dense, values.masked_fill(missing, torch.inf), "amin")
-    return ~(high > low)
 
 
 def zero_spread_frac(rewards: Tensor, group: Tensor) -> float:
