@@ -18,26 +18,18 @@ from creditrl import compute_advantages, list_estimators
 from creditrl.core.estimators import check_group_size
 from creditrl.core.estimators.labels import all_labels
 from creditrl.core.estimators.registry import get_estimator
+from test_leave_one_out import random_batch
 
 NEW = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "maxrl", "shrinkage", "gdpo")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_batch(seed: int, sizes=(3, 4, 1, 5, 2), steps: int = 7, token_rewards: bool = False, binary: bool = False):
-    """Shuffled group ids, a singleton, holey masks, an empty response."""
-    g = torch.Generator().manual_seed(seed)
-    group = torch.repeat_interleave(torch.tensor([11, -3, 40, 7, 2][: len(sizes)]), torch.tensor(sizes))
-    group = group[torch.randperm(group.numel(), generator=g)]
-    num = group.numel()
-    mask = torch.rand(num, steps, generator=g) < 0.7
-    mask[0] = False
-    if token_rewards:
-        rewards = torch.randn(num, steps, generator=g) * mask
-    elif binary:
-        rewards = torch.randint(0, 2, (num,), generator=g).float()
-    else:
-        rewards = torch.randint(0, 4, (num,), generator=g).float() / 3
-    return dict(rewards=rewards, mask=mask, group=group)
+def make_batch(seed: int, sizes=(3, 4, 1, 5, 2), token_rewards: bool = False):
+    """test_leave_one_out's batch (shuffled group ids, a singleton, holey masks, an empty response)
+    without energies."""
+    batch = random_batch(seed, sizes, token_rewards=token_rewards)
+    del batch["energy"]
+    return batch
 
 
 def members(group):
@@ -334,6 +326,17 @@ def test_grpo_batch_scale_is_dr_grpo_over_one_batch_std(values, scale, shift):
 # ---------------------------------------------------------------- degenerate input, bad input
 
 
+def test_gdpo_components_that_cancel_give_zero_not_an_amplified_residue():
+    """z_1 = -z_2 in every response: S = 0 exactly, and the eps terms' residue divided by its own batch
+    spread would be O(1) advantages (TRL's and verl's formula do that)."""
+    r = torch.tensor([1.0, 0.0, 1.0, 3.0, 1.0, 3.0, 3.0, 4.0, 3.0])
+    mirrored = torch.stack([r, -3.0 * r + 1.0], 1)
+    for eps in (1e-9, 1e-6, 1e-4):
+        adv = compute_advantages("gdpo", rewards=r, mask=torch.ones(9, 2), group=torch.arange(9) // 3,
+                                 components=mirrored, eps=eps)
+        assert torch.equal(adv, torch.zeros(9, 2))
+
+
 def test_degenerate_batches_give_zero_not_nan():
     batch = dict(rewards=torch.ones(6), mask=torch.ones(6, 3), group=torch.arange(6) // 3)
     for name in NEW:
@@ -382,6 +385,8 @@ def test_facts_are_declared_in_the_decorator():
     assert get_estimator("reinforce_plus_plus").token_level and "gamma" in get_estimator("reinforce_plus_plus").options
     assert not get_estimator("reinforce_plus_plus_baseline").token_level
     assert get_estimator("gdpo").reward_components
+    assert {n for n in list_estimators() if get_estimator(n).batch_level} == {
+        "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo", "shrinkage"}
     assert get_estimator("shrinkage").leave_one_out and "shrinkage+loo" in all_labels(None)
     assert get_estimator("grpo").options["scale"] == "group"
     assert set(NEW) <= set(list_estimators())

@@ -29,6 +29,7 @@ import torch
 
 from creditrl.config import (Config, ConfigError, check_complete, check_overlong, config_from_dict, config_to_dict,
                              eval_settings, read_saved_config, resume_changes, save_config)
+from creditrl.core.estimators.registry import get_estimator
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
@@ -91,6 +92,16 @@ def precision_notes(model, cfg: Config) -> list[str]:
             f"train.precision=bf16 (float32 weights, bf16 compute) instead"]
 
 
+def component_notes(cfg: Config) -> list[str]:
+    """A note when the estimator normalises each reward component (gdpo) but the run has one."""
+    if not get_estimator(cfg.algorithm.estimator).reward_components or cfg.rollout.overlong.buffer or \
+            cfg.task.options.get("rewards"):
+        return []
+    return [f"note: {cfg.algorithm.estimator} normalises each reward component on its own, and this run has one "
+            f"(the task's reward): it is GRPO's z-score rescaled over the batch. Components come from "
+            f"task.options.rewards (a file task's reward terms) and rollout.overlong"]
+
+
 def run_name(cfg: Config) -> str:
     task = cfg.task.name.replace(":", "-")   # a user task by import path
     return cfg.train.run_name or f"{task}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -135,7 +146,7 @@ class Trainer:
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = self.signal_streak = 0
-        self.notes = precision_notes(self.model, cfg)
+        self.notes = precision_notes(self.model, cfg) + component_notes(cfg)
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":

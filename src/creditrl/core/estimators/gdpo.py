@@ -23,6 +23,11 @@ that mean is 0 in exact arithmetic and only its rounding residue (~1e-17) would 
 not, so a group whose components are all equal keeps A = 0 exactly. verl whitens S over tokens
 instead (token-weighted mean and variance, ``masked_whiten``), which weighs long responses more; this
 is TRL's per-response form (the paper's).
+
+A batch without signal: when the weighted z-scores cancel in every response (components that mirror
+each other, S = 0 in exact arithmetic), what is left of S is the ``eps`` terms' residue, and dividing it
+by its own batch spread turns it into advantages of order 1 (TRL and verl do). Here the sum is checked
+on the z-scores without ``eps``: if it is 0 up to float64 rounding for every response, A = 0.
 """
 from __future__ import annotations
 
@@ -36,20 +41,32 @@ from creditrl.core.groups import GroupIndex
 from creditrl.utils.validate import check_range
 
 
+CANCELLED = 1e-10     # |S| below this times Σ|w| (1 + max|z|) is float64 rounding of a sum that is 0
+
+
 def component_scores(components: Tensor, groups: GroupIndex, eps: float) -> Tensor:
     """z [B,K] float64: each component's z-score within its group over the values present (NaN
-    absent); 0 where the value is absent or its group has fewer than 2 values of that component."""
+    absent), std + ``eps`` in the denominator (``eps = 0``: the exact z, 0 where the std is 0); 0
+    where the value is absent or its group has fewer than 2 values of that component."""
     present = ~torch.isnan(components)
     values = torch.where(present, components, 0.0)
     count = groups.sum(present.to(torch.float64))                       # [G,K]
     mean = groups.sum(values) / count.clamp(min=1)
     dev = torch.where(present, groups.subtract(values, mean), 0.0)
     std = (groups.sum(dev * dev) / (count - 1).clamp(min=1)).sqrt()
-    informed = groups.gather(count >= 2) & present
-    return torch.where(informed, dev / (groups.gather(std) + eps), 0.0)
+    informed = groups.gather((count >= 2) & (std + eps > 0)) & present
+    return torch.where(informed, dev / (groups.gather(std) + eps).clamp(min=torch.finfo(torch.float64).tiny), 0.0)
 
 
-@register_estimator("gdpo", reward_components=True)
+def cancels(components: Tensor, weights: Tensor, groups: GroupIndex) -> bool:
+    """Whether Σ_k w_k z_k with the exact z-scores is 0 (float64 rounding) for every response."""
+    exact = component_scores(components, groups, 0.0)
+    total = exact @ weights
+    scale = weights.abs().sum() * (1 + exact.abs().max())
+    return bool((total.abs() <= CANCELLED * scale).all())
+
+
+@register_estimator("gdpo", reward_components=True, batch_level=True)
 def gdpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to each std before dividing (> 0; TRL uses "
                                                          "1e-4)"] = 1e-6) -> Tensor:
     """GDPO (arXiv 2601.05242): A = Σ_k w_k z_k / (std_B + eps), z_k each reward component's group z-score, [B]."""
@@ -59,6 +76,8 @@ def gdpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to each std befo
         components = batch.rewards.to(torch.float64)[:, None]
         weights = torch.ones(1, dtype=torch.float64, device=components.device)
     scored = ~torch.isnan(components).all(1)
+    if cancels(components, weights, batch.groups):          # no signal: not an amplified eps residue
+        return torch.zeros_like(batch.rewards, dtype=torch.float64)
     total = component_scores(components, batch.groups, eps) @ weights
     n = scored.sum()
     mean = (total * scored).sum() / n.clamp(min=1)

@@ -149,6 +149,7 @@ class EstimatorSpec:
     k_range: KRange | None = None
     token_level: bool = False
     reward_components: bool = False
+    batch_level: bool = False
 
     @cached_property
     def option_specs(self) -> list[OptionSpec] | None:
@@ -179,6 +180,8 @@ class EstimatorSpec:
             (self.token_level, "token-level returns G_t (token rewards, gamma)"),
             (self.reward_components, "reads the reward components [B,K] (task.options.rewards; the total reward "
                                      "when there are none)"),
+            (self.batch_level, "batch-level: its statistics span the batch, so an advantage depends on the other "
+                               "prompts' responses"),
             (self.leave_one_out, "has a leave_one_out form")) if flag]
 
     def resolve_options(self, options: dict, where: str | None = None, strict: bool = True) -> dict:
@@ -200,8 +203,8 @@ BUILTINS = "creditrl.core.estimators"
 
 
 def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange | None = None,
-                       token_level: bool = False, reward_components: bool = False, masked_output: bool = False,
-                       overwrite: bool = False):
+                       token_level: bool = False, reward_components: bool = False, batch_level: bool = False,
+                       masked_output: bool = False, overwrite: bool = False):
     """Decorator: register ``fn(batch: AdvantageBatch, **options) -> [B] | [B,T]`` under ``name``.
 
     The facts every front end reads, declared here once:
@@ -210,6 +213,8 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
     ``token_level``: it reads the returns-to-go G_t (so token rewards and ``gamma`` matter);
     ``reward_components``: it reads ``batch.components`` [B,K], each reward term's own values (the
     trainer and the TRL/verl plug-ins pass them; ``compute_advantages(components=...)`` from Python);
+    ``batch_level``: its statistics span the whole batch (a whitening, a batch std, the across-prompt
+    mean), so one group's advantages depend on the other groups (``grpo`` is, with ``scale="batch"``);
     ``masked_output``: a [B,T] result is finite and exactly 0 where mask == 0, so
     ``compute_advantages`` skips its checking pass (the built-in token-level estimators; tested).
     Re-registering a name raises unless ``overwrite=True`` (or it is the same function).
@@ -223,7 +228,7 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
             raise ValueError(f"estimator {name!r} is already registered to {old.fn!r}; pass overwrite=True")
         doc = (fn.__doc__ or "").strip().splitlines()
         spec = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output, k_range, token_level,
-                             reward_components)
+                             reward_components, batch_level)
         takes_k = "k" in (spec.options or {})
         if (k_range is not None) != takes_k and spec.options is not None:
             raise ValueError(f"estimator {name!r}: k_range is declared for estimators that take a `k` option, and "

@@ -60,7 +60,7 @@ def whiten_tokens(values: Tensor, valid: Tensor, eps: float) -> Tensor:
     return dev.div_(torch.sqrt(var + eps))
 
 
-@register_estimator("reinforce_plus_plus", token_level=True, masked_output=True)
+@register_estimator("reinforce_plus_plus", token_level=True, batch_level=True, masked_output=True)
 def reinforce_plus_plus(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tensor:
     """REINFORCE++ (Hu et al. 2025): the returns-to-go G_t whitened over the batch's valid tokens, [B,T]."""
     check_range("eps", eps, 0.0, low_inclusive=False)
@@ -69,7 +69,7 @@ def reinforce_plus_plus(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tens
     return whiten_tokens(batch.returns, batch.valid, eps)
 
 
-@register_estimator("reinforce_plus_plus_baseline")
+@register_estimator("reinforce_plus_plus_baseline", batch_level=True)
 def reinforce_plus_plus_baseline(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tensor:
     """REINFORCE++-baseline (Hu et al. 2025): R - mean_g R, then whitened over the batch's valid tokens, [B]."""
     check_range("eps", eps, 0.0, low_inclusive=False)

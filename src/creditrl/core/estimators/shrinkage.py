@@ -79,7 +79,7 @@ def leave_one_out_baseline(r: Tensor, groups: GroupIndex) -> Tensor:
     return (1 - groups.gather(lam)) * rloo + groups.gather(lam * other_grand)
 
 
-@register_estimator("shrinkage")
+@register_estimator("shrinkage", batch_level=True)
 def shrinkage(batch: AdvantageBatch, *, leave_one_out: LeaveOneOut = False) -> Tensor:
     """James–Stein shrinkage baseline (arXiv 2511.03710): A = R - [(1 - λ) μ̂_g + λ μ̄], [B].
 
