@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from creditrl import compute_advantages
 from creditrl.config import ConfigError, load_config
@@ -143,6 +144,46 @@ def test_dynamic_sampling_refills_dropped_groups_up_to_the_bound(policy):
     assert bounded.metrics["kept_groups"] == 2 and bounded.batch.num_groups == 2   # trains on what it kept
     nothing = sample_varying_groups(Scripted(base, [[1] * 8, [0] * 8]), 4, "accuracy", max_rounds=2, pad_id=0)
     assert nothing.batch is None and nothing.metrics["kept_groups"] == 0 and nothing.metrics["filtered_frac"] == 1.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 1.0, 2.0, math.nan]), min_size=2, max_size=2), min_size=1, max_size=8))
+def test_uniform_groups_match_a_loop(groups):
+    values = torch.tensor([v for g in groups for v in g], dtype=torch.float64)
+    group = torch.arange(len(groups)).repeat_interleave(2)
+    expected = [len({v for v in g if not math.isnan(v)}) < 2 for g in groups]
+    assert uniform_groups(values, group).tolist() == expected
+
+
+@pytest.fixture(scope="module")
+def base4(policy):
+    return rollouts(policy, prompts=4, seed=7)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 1), min_size=8, max_size=8), min_size=4, max_size=4), st.integers(1, 4))
+def test_dynamic_sampling_keeps_the_varying_groups_in_order(base4, script, max_rounds):
+    """Against a loop: each round asks for the missing count, keeps exactly its varying groups, stops at
+    P kept groups or after max_rounds; the metrics count what was drawn."""
+    sample = Scripted(base4, script)
+    out = sample_varying_groups(sample, 4, "reward", max_rounds=max_rounds, pad_id=0)
+    missing, kept, asked, drawn = 4, [], [], 0
+    for rewards in script[:max_rounds]:
+        asked.append(missing)
+        pairs = [rewards[2 * g: 2 * g + 2] for g in range(missing)]
+        drawn += missing
+        varying = [p for p in pairs if p[0] != p[1]]
+        kept += varying
+        missing -= len(varying)
+        if missing == 0:
+            break
+    assert sample.calls == asked and out.metrics["kept_groups"] == len(kept)
+    assert out.metrics["filtered_frac"] == pytest.approx(1 - len(kept) / drawn)
+    assert out.metrics["refill_rounds"] == len(asked) - 1
+    if kept:
+        assert out.batch.rewards.view(-1, 2).tolist() == [[float(a), float(b)] for a, b in kept]
+    else:
+        assert out.batch is None
 
 
 def test_the_signal_is_the_unshaped_reward_unless_a_component_is_named(policy):
