@@ -312,3 +312,26 @@ def test_sample_metrics_describe_everything_sampled(policy):
     assert metrics["reward_mean"] == pytest.approx(float(rewards.mean()))
     lengths = torch.cat([x.response_mask[:, x.prompt_len:].sum(1) for x in (a, b)]).float()
     assert metrics["response_len"] == pytest.approx(float(lengths.mean()))
+
+
+def test_a_run_saved_before_the_sampling_controls_reads_with_them_off(tmp_path):
+    """Its config.yaml and its checkpoint's config record have no rollout.overlong / dynamic_sampling:
+    they ran without them, so they read (and resume) with both off; a config that lacks only one of them
+    is incomplete, and a command-line override never resets a YAML file's settings."""
+    import yaml
+    from creditrl.config import Config, config_to_dict, read_saved_config, resume_changes
+    old = config_to_dict(Config())
+    for key in ("overlong", "dynamic_sampling"):
+        del old["rollout"][key]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(old))
+    data = read_saved_config(path)
+    assert data["rollout"]["overlong"]["buffer"] == 0 and data["rollout"]["dynamic_sampling"]["enabled"] is False
+    assert resume_changes(old, config_to_dict(Config()), 0) == {}
+    half = config_to_dict(Config())
+    del half["rollout"]["overlong"]
+    path.write_text(yaml.safe_dump(half))
+    with pytest.raises(ConfigError, match=r"incomplete saved config \(missing rollout.overlong.buffer"):
+        read_saved_config(path)
+    path.write_text("rollout:\n  overlong:\n    buffer: 3\n")
+    assert load_config(path, ["rollout.group_size=4"]).rollout.overlong.buffer == 3

@@ -175,6 +175,11 @@ class DynamicSamplingConfig:
                              "the step trains on the groups kept so far.")
 
 
+# what a run saved before rollout.overlong and rollout.dynamic_sampling existed ran with (``migrate``)
+SAMPLING_CONTROLS_OFF = {"overlong": dataclasses.asdict(OverlongConfig()),
+                         "dynamic_sampling": dataclasses.asdict(DynamicSamplingConfig())}
+
+
 @dataclass
 class RolloutConfig:
     """Sampling the groups."""
@@ -448,13 +453,24 @@ def save_config(cfg: Config, path: str | Path) -> None:
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
+def saved_layout(data: Any) -> Any:
+    """A saved run's config (config.yaml or a checkpoint's record) in today's layout: ``migrate``, and
+    a complete ``rollout`` from before the sampling controls (no ``overlong``, no ``dynamic_sampling``)
+    gets both switched off, which is what that run ran with."""
+    data = migrate(data)
+    rollout = data.get("rollout") if isinstance(data, dict) else None
+    if isinstance(rollout, dict) and "group_size" in rollout and not {"overlong", "dynamic_sampling"} & set(rollout):
+        data = {**data, "rollout": {**rollout, **SAMPLING_CONTROLS_OFF}}
+    return data
+
+
 def read_saved_config(path: str | Path) -> dict:
     """A run's ``config.yaml`` as read (legacy layouts migrated), strictly: every key of the config
     tree must be present (a truncated, emptied or partly deleted file is an error naming the
     missing keys, never filled in with defaults)."""
     path = Path(path)
     try:
-        data = migrate(read_yaml(path))
+        data = saved_layout(read_yaml(path))
     except ConfigError as err:
         raise ConfigError(f"{path}: unreadable saved config ({err}); it is not filled in with defaults") from None
     if not isinstance(data, dict):
@@ -522,7 +538,7 @@ def resume_changes(before: dict, after: dict, step: int) -> dict[str, list]:
     trained with up to ``step``) and ``after`` (its edited config.yaml) that differs. A change of a
     key not in ``RESUME_CHANGEABLE``, or ``train.steps`` below ``step``, is a ConfigError naming
     every such key with both values."""
-    old, new = flatten(before), flatten(after)
+    old, new = flatten(saved_layout(before)), flatten(after)
     absent = "<absent>"
     changes = {k: [old.get(k, absent), new.get(k, absent)] for k in sorted(set(old) | set(new))
                if old.get(k, absent) != new.get(k, absent)}
