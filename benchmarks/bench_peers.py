@@ -7,7 +7,8 @@ For every case the same inputs go to
 - ``verl``:     verl's function (``compute_optimal_token_baseline_advantage`` or, for masks with
                 holes, ``compute_multi_turn_optimal_token_baseline_advantage`` (``tir_``), which
                 aligns valid steps as creditrl does; ``grpo_vectorized``, ``rloo_vectorized``,
-                ``opo``; ``dr_grpo`` = ``grpo_vectorized`` without the std division);
+                ``opo``; ``dr_grpo`` = ``grpo_vectorized`` without the std division;
+                ``reinforce_plus_plus`` (gamma 1) and ``reinforce_plus_plus_baseline``);
 - ``direct``:   ``creditrl.compute_advantages`` (OTB's energy computed from the same
                 ``old_log_probs``/``sum_pi_squared`` inside the timed call);
 - ``plug-in``:  creditrl through verl's registry (``get_adv_estimator_fn("creditrl_<name>")``),
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from timing import interleaved
 
-ESTIMATORS = ("otb", "grpo", "dr_grpo", "rloo", "opo")
+ESTIMATORS = ("otb", "grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def make_inputs(num_groups: int, size: int, length: int, holes: bool, seed: int = 0,
@@ -72,6 +73,13 @@ def verl_call(name: str, holes: bool, inputs: dict):
             **common, norm_adv_by_std_in_grpo=name == "grpo")[0]
     if name == "rloo":
         return lambda: ca.compute_rloo_vectorized_outcome_advantage(**common)[0]
+    if name == "reinforce_plus_plus":
+        from verl.trainer.config import AlgoConfig
+        config = AlgoConfig(gamma=1.0)
+        return lambda: ca.compute_reinforce_plus_plus_outcome_advantage(
+            token_level_rewards=common["token_level_rewards"], response_mask=common["response_mask"], config=config)[0]
+    if name == "reinforce_plus_plus_baseline":
+        return lambda: ca.compute_reinforce_plus_plus_baseline_outcome_advantage(**common)[0]
     return lambda: ca.compute_opo_outcome_advantage(**common)[0]
 
 
@@ -100,7 +108,7 @@ def plugin_call(name: str, inputs: dict):
 
 
 def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dtype: torch.dtype) -> list[dict]:
-    print(f"{'case':<34}{'verl ms':>9}{'direct ms':>11}{'[B] ms':>9}{'plug-in ms':>12}"
+    print(f"{'case':<54}{'verl ms':>9}{'direct ms':>11}{'[B] ms':>9}{'plug-in ms':>12}"
           f"{'speed-up':>10}{'plug/direct':>13}{'max|diff|':>11}")
     rows = []
     for length in lengths:
@@ -114,11 +122,11 @@ def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dty
                 outs = {k: fn() for k, fn in fns.items()}
                 diff = max(float((outs[k] - outs["verl"])[valid].abs().max()) for k in ("direct", "seq", "plugin"))
                 ms = {k: 1e3 * t for k, t in times.items()}
-                case = f"{name:<8} T={length:<6} {'5% holes' if holes else 'right-padded'}"
+                case = f"{name:<28} T={length:<6} {'5% holes' if holes else 'right-padded'}"
                 row = {"case": case, **ms, "speedup": ms["verl"] / ms["direct"],
                        "plugin_ratio": ms["plugin"] / ms["direct"], "diff": diff}
                 rows.append(row)
-                print(f"{case:<34}{ms['verl']:>9.1f}{ms['direct']:>11.1f}{ms['seq']:>9.1f}{ms['plugin']:>12.1f}"
+                print(f"{case:<54}{ms['verl']:>9.1f}{ms['direct']:>11.1f}{ms['seq']:>9.1f}{ms['plugin']:>12.1f}"
                       f"{row['speedup']:>9.2f}x{row['plugin_ratio']:>12.2f}x{diff:>11.1e}")
     return rows
 

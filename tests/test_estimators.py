@@ -373,7 +373,7 @@ def test_error_messages():
     batch = make_batch(0)
     with pytest.raises(ValueError, match="unknown estimator 'gpro'; valid estimators are .*'grpo'"):
         compute_advantages("gpro", **batch)
-    with pytest.raises(ValueError, match=r"grpo: unknown option\(s\) \['epsilon'\]; valid options are \['eps'\]"):
+    with pytest.raises(ValueError, match=r"grpo: unknown option\(s\) \['epsilon'\]; valid options are \['eps', 'scale'\]"):
         compute_advantages("grpo", **batch, epsilon=1.0)
     bad = batch["rewards"].clone()
     bad[[1, 4]] = float("nan")

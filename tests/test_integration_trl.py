@@ -21,6 +21,7 @@ from trl.trainer import grpo_trainer  # noqa: E402
 
 import creditrl  # noqa: E402
 from creditrl import ClipOptions, KLOptions, RolloutCorrectionOptions, StapoOptions, TraceOptions  # noqa: E402
+from creditrl.core.estimators.registry import get_estimator  # noqa: E402
 from creditrl.integrations.trl import CreditGRPOConfig, CreditGRPOTrainer  # noqa: E402
 from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
 from tolerances import EPS32, sum_rtol  # noqa: E402
@@ -49,7 +50,11 @@ def count_digits(completions, **kwargs):
     return [float(sum(c.isdigit() for c in text)) for text in completions]
 
 
-def run_trainer(model_dir, tmp_path, monkeypatch, **options):
+def count_letters(completions, **kwargs):
+    return [float(sum(c.isalpha() for c in text)) for text in completions]
+
+
+def run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=count_digits, **options):
     # Keep TRL's generation order so the loss batch is the rollout batch row for row.
     monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -61,9 +66,9 @@ def run_trainer(model_dir, tmp_path, monkeypatch, **options):
         output_dir=str(tmp_path), per_device_train_batch_size=2 * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
         max_completion_length=8, max_steps=2, learning_rate=5e-2, logging_steps=1, report_to="none",
         use_cpu=True, bf16=False, save_strategy="no", seed=0, temperature=1.0, **options)
-    trainer = CreditGRPOTrainer(model=model, reward_funcs=count_digits, args=args, train_dataset=dataset,
+    trainer = CreditGRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                 processing_class=tokenizer)
-    records = {"rollouts": [], "loss_inputs": []}
+    records = {"rollouts": [], "loss_inputs": [], "masks": []}
     generate, compute_loss = trainer._generate_and_score_completions, trainer._compute_loss
     pending = []
 
@@ -78,6 +83,7 @@ def run_trainer(model_dir, tmp_path, monkeypatch, **options):
         # the energy comes from it (then TRL's inputs hold a placeholder)
         used = trainer.last_rollout["advantages"] if "creditrl_group" in inputs else inputs["advantages"]
         records["loss_inputs"].append(used.detach().clone())
+        records["masks"].append(inputs["completion_mask"].detach().clone())
         if pending:
             records["rollouts"].append((dict(trainer.last_rollout), pending.pop(0)))
         return loss
@@ -159,6 +165,122 @@ def test_energy_reuses_trls_old_logps_forward(model_dir, tmp_path, monkeypatch):
         torch.testing.assert_close(rollout["energy"], ref_energy, atol=ENERGY_ATOL, rtol=0)
 
 
+def trl_advantages(model_dir, tmp_path, monkeypatch, **options):
+    """TRL's own GRPOTrainer, one step: its rewards per function and the advantages it computed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3 * NUM_GENERATIONS,
+                      num_generations=NUM_GENERATIONS, max_completion_length=8, max_steps=1, report_to="none",
+                      use_cpu=True, bf16=False, save_strategy="no", seed=0, reward_weights=[1.0, 0.5], **options)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=[count_digits,
+                          count_letters], args=args, processing_class=tokenizer,
+                          train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "12", "ef", "34", "gh"] * 2}))
+    seen = {}
+    calculate, generate = trainer._calculate_rewards, trainer._generate_and_score_completions
+
+    def capture_rewards(*args):
+        seen["rewards_per_func"] = calculate(*args)
+        return seen["rewards_per_func"]
+
+    def capture_output(inputs):
+        output = generate(inputs)
+        seen["advantages"] = output["advantages"].clone()
+        return output
+
+    monkeypatch.setattr(trainer, "_calculate_rewards", capture_rewards)
+    monkeypatch.setattr(trainer, "_generate_and_score_completions", capture_output)
+    trainer.train()
+    return seen["rewards_per_func"], seen["advantages"]
+
+
+@pytest.mark.slow
+def test_grpo_batch_scale_equals_trls_scale_rewards_batch(model_dir, tmp_path, monkeypatch):
+    per_func, theirs = trl_advantages(model_dir, tmp_path, monkeypatch, scale_rewards="batch")
+    rewards = (per_func * torch.tensor([1.0, 0.5])).nansum(1)
+    assert rewards.std() > 0 and len(set(rewards.tolist())) > 2
+    ours = creditrl.compute_advantages("grpo", rewards=rewards, mask=torch.ones(len(rewards), 1),
+                                       group=torch.arange(len(rewards)) // NUM_GENERATIONS, scale="batch", eps=1e-4)
+    torch.testing.assert_close(ours[:, 0], theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_gdpo_equals_trls_normalize_then_sum(model_dir, tmp_path, monkeypatch):
+    per_func, theirs = trl_advantages(model_dir, tmp_path, monkeypatch, multi_objective_aggregation="normalize_then_sum")
+    group = torch.arange(per_func.shape[0]) // NUM_GENERATIONS
+    ours = creditrl.compute_advantages("gdpo", rewards=per_func.nansum(1), mask=torch.ones(per_func.shape[0], 1),
+                                       group=group, components=per_func, component_weights=[1.0, 0.5], eps=1e-4)
+    torch.testing.assert_close(ours[:, 0], theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_credit_trainer_hands_gdpo_the_reward_functions(model_dir, tmp_path, monkeypatch):
+    trainer, records, changed = run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=[count_digits, count_letters],
+                                            reward_weights=[1.0, 0.5], advantage_estimator="gdpo",
+                                            multi_objective_aggregation="normalize_then_sum")
+    assert changed
+    for (rollout, _), loss_adv in zip(records["rollouts"], records["loss_inputs"]):
+        assert rollout["components"].shape == (len(rollout["rewards"]), 2)
+        expected = creditrl.compute_advantages(
+            "gdpo", rewards=rollout["rewards"], mask=rollout["estimator_mask"],
+            group=torch.arange(len(rollout["rewards"])) // NUM_GENERATIONS, components=rollout["components"],
+            component_weights=[1.0, 0.5])
+        torch.testing.assert_close(loss_adv, expected, atol=1e-5, rtol=1e-5)
+
+
+def half_uniform(prompts, completions, **kwargs):
+    """Digits for the prompts that start with a digit; 1.0 for every other completion (uniform groups)."""
+    return [float(sum(c.isdigit() for c in text)) if p[0].isdigit() else 1.0 for p, text in zip(prompts, completions)]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_takes_uniform_groups_out_of_the_loss(model_dir, tmp_path, monkeypatch):
+    with pytest.warns(UserWarning, match="dynamic_sampling: every group of this generation batch had the same reward"):
+        trainer, records, changed = run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=half_uniform,
+                                                advantage_estimator="reinforce_plus_plus_baseline",
+                                                dynamic_sampling=True)
+    assert changed
+    for (rollout, _), loss_adv, mask in zip(records["rollouts"], records["loss_inputs"], records["masks"]):
+        group = torch.arange(len(rollout["rewards"])) // NUM_GENERATIONS
+        uniform = creditrl.core.groups.uniform_groups(rollout["rewards"].double(), group)[group]
+        assert uniform.any() and torch.all(mask[uniform] == 0) and torch.all(loss_adv[uniform] == 0)
+        kept = ~uniform
+        expected = creditrl.compute_advantages("reinforce_plus_plus_baseline", rewards=rollout["rewards"][kept],
+                                               mask=rollout["estimator_mask"][kept], group=group[kept])
+        torch.testing.assert_close(loss_adv[kept], expected, atol=1e-5, rtol=1e-5)
+    logged = [entry["creditrl/filtered_frac"] for entry in trainer.state.log_history if "creditrl/filtered_frac" in entry]
+    assert len(logged) == 2 and 0 < logged[0] < 1 and logged[1] == 1.0    # step 2: two letter prompts, uniform
+
+
+def test_trainer_refuses_a_filter_on_a_shaped_reward(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.rewards import get_soft_overlong_punishment
+
+    def build(**options):
+        args = CreditGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                                max_completion_length=4, use_cpu=True, bf16=False, report_to="none",
+                                dynamic_sampling=True, **options)
+        return CreditGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
+                                 reward_funcs=[count_digits, get_soft_overlong_punishment(4, 2)], args=args,
+                                 train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
+                                 processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+    with pytest.raises(ValueError, match=r"dynamic_sampling_signal: 'reward' sums \['soft_overlong_punishment_reward'\], "
+                                         r"a length shaping.*\['count_digits'\]"):
+        build()
+    with pytest.raises(ValueError, match=r"dynamic_sampling_signal: expected 'reward' or a reward function's name"):
+        build(dynamic_sampling_signal="accuracy")
+    assert build(dynamic_sampling_signal="count_digits").filter_signal == 0
+
+
+@pytest.mark.parametrize("name", creditrl.list_estimators())
+def test_every_registered_estimator_is_an_advantage_estimator_of_the_plugin(tmp_path, name):
+    options = {"maxk_k": 2} if get_estimator(name).k_range is not None else {}
+    args = CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator=name, use_cpu=True, bf16=False, **options)
+    assert args.advantage_estimator == name
+
+
 def test_config_rejects_bad_options(tmp_path):
     with pytest.raises(ValueError, match="advantage_estimator"):
         CreditGRPOConfig(output_dir=str(tmp_path), advantage_estimator="nope", use_cpu=True, bf16=False)
@@ -202,6 +324,14 @@ def test_config_rejects_bad_options(tmp_path):
     ({"estimator_options": "{bad"}, r"estimator_options: expected a dict or its JSON text, got '\{bad', which is not"),
     ({"estimator_options": "[1]"}, r"estimator_options: expected a dict .*\(a JSON list\)"),
     ({"loss_terms": "[{bad"}, r"loss_terms: expected a list or its JSON text, got '\[\{bad', which is not valid"),
+    ({"advantage_estimator": "rloo", "scale_rewards": "batch"},
+     r"scale_rewards: TRL's reward scaling is grpo's `scale` option, and advantage_estimator='rloo' has none"),
+    ({"scale_rewards": "batch", "estimator_options": {"scale": "none"}}, r"scale_rewards: 'batch' and "
+                                                                         r"estimator_options\['scale'\]='none' disagree"),
+    ({"multi_objective_aggregation": "normalize_then_sum"},
+     r"multi_objective_aggregation: 'normalize_then_sum' .* advantage_estimator='gdpo'; expected 'sum_then_normalize'"),
+    ({"advantage_estimator": "gdpo", "estimator_options": {"scale": "batch"}},
+     r"estimator_options: unknown option\(s\) \['scale'\]"),
 ])
 def test_config_refuses_each_bad_setting_at_construction(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):

@@ -21,6 +21,7 @@ from verl.workers.config import ActorConfig  # noqa: E402
 
 import creditrl  # noqa: E402
 from creditrl.integrations import verl as plugin  # noqa: E402
+from creditrl.core.estimators.registry import get_estimator  # noqa: E402
 from creditrl.core.losses import StapoOptions, TraceOptions  # noqa: E402
 
 MAXK = {"maxpo", "ei", "pkpo", "passk_chen", "maxk_bon"}
@@ -83,7 +84,7 @@ def test_registered_estimator_matches_direct_call(name):
     energy = batch["stats"].energy
     lowest = min(float(energy[group_of(batch["index"]) == g].sum()) for g in group_of(batch["index"]).unique())
     torch.testing.assert_close(advantages, expected, atol=OTB_ATOL + 2 * 21 * 4 * EPS32 / lowest, rtol=0)
-    if name not in ("reinforce", "otb", "otb_isolated"):  # sequence-level: verl's convention, returns = advantages
+    if not get_estimator(name).masked_output:  # sequence-level: verl's convention, returns = advantages
         assert returns is advantages
         return
     # token-level: returns are the reward-to-go, computed independently with a loop
@@ -200,6 +201,73 @@ def test_verl_otb_differs_on_the_zero_tail_singletons_and_zero_energy():
     torch.testing.assert_close(theirs[valid], returns[valid])
     mean_a = returns[:3, 0].mean()
     assert torch.isclose(ours[0, 0], returns[0, 0] - mean_a, atol=sum_rtol(3 + 2) * 1.0, rtol=0)   # a mean of 3
+
+
+def holey_batch(seed, lengths=(5, 3, 7, 6, 2, 6, 4, 7), uids=("a", "a", "a", "b", "b", "b", "c", "c"), steps=8):
+    """verl-shaped inputs with masked spans inside responses (tool output) and token rewards on valid
+    tokens only: an outcome score on the last valid token plus step rewards."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor(lengths)
+    mask = (torch.arange(steps)[None] < lengths[:, None]).float()
+    mask[0, 1:3] = 0
+    mask[3, 2] = 0
+    rewards = torch.randn(len(lengths), steps, generator=gen) * (torch.rand(len(lengths), steps, generator=gen) < 0.3)
+    rewards[torch.arange(len(lengths)), lengths - 1] += torch.rand(len(lengths), generator=gen)
+    return dict(token_level_rewards=rewards * mask, response_mask=mask, index=np.array(uids, dtype=object))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_plus_plus_equals_verls_function(seed, gamma):
+    """Global whitening of the returns-to-go over the batch's valid tokens, discounted over valid steps."""
+    from verl.trainer.config import AlgoConfig
+    batch = holey_batch(seed)
+    theirs, their_returns = core_algos.compute_reinforce_plus_plus_outcome_advantage(
+        token_level_rewards=batch["token_level_rewards"].double(), response_mask=batch["response_mask"].double(),
+        config=AlgoConfig(gamma=gamma))
+    ours = creditrl.compute_advantages("reinforce_plus_plus", rewards=batch["token_level_rewards"],
+                                       mask=batch["response_mask"], group=group_of(batch["index"]), gamma=gamma)
+    torch.testing.assert_close(ours.double(), theirs, atol=1e-5, rtol=1e-5)
+    plugin_adv, plugin_returns = core_algos.get_adv_estimator_fn("creditrl_reinforce_plus_plus")(
+        token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+        index=batch["index"], config={"creditrl": {"gamma": gamma}})
+    torch.testing.assert_close(plugin_adv.double(), theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plugin_returns.double(), their_returns, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_reinforce_plus_plus_baseline_equals_verls_function(seed):
+    batch = holey_batch(seed)
+    theirs, _ = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
+        token_level_rewards=batch["token_level_rewards"].double(), response_mask=batch["response_mask"].double(),
+        index=batch["index"])
+    ours = creditrl.compute_advantages("reinforce_plus_plus_baseline", rewards=batch["token_level_rewards"],
+                                       mask=batch["response_mask"], group=group_of(batch["index"]))
+    torch.testing.assert_close(ours.double(), theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_reinforce_plus_plus_differs_on_singletons_and_rewards_on_masked_tokens():
+    """verl keeps a lone response's R (its group mean is 0) and drops a reward placed on a masked token;
+    creditrl centres the singleton to 0 and counts the masked token's reward at the preceding valid token."""
+    batch = holey_batch(0, uids=("a", "a", "a", "b", "b", "b", "c", "d"))
+    theirs, _ = core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
+        token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"], index=batch["index"])
+    ours = creditrl.compute_advantages("reinforce_plus_plus_baseline", rewards=batch["token_level_rewards"],
+                                       mask=batch["response_mask"], group=group_of(batch["index"]))
+    valid = batch["response_mask"].bool()
+    assert torch.unique(ours[6][valid[6]]).numel() == 1 and torch.unique(theirs[6][valid[6]]).numel() == 1
+    assert not torch.allclose(ours[6][valid[6]], theirs[6][valid[6]])   # c, d singletons: 0 vs R, then whitened
+    from verl.trainer.config import AlgoConfig
+    rewards = batch["token_level_rewards"].clone()
+    rewards[0, 1] = 1.0                                              # a reward on a masked (tool) token
+    theirs, _ = core_algos.compute_reinforce_plus_plus_outcome_advantage(
+        token_level_rewards=rewards, response_mask=batch["response_mask"], config=AlgoConfig(gamma=1.0))
+    ours = creditrl.compute_advantages("reinforce_plus_plus", rewards=rewards, mask=batch["response_mask"],
+                                       group=group_of(batch["index"]))
+    dropped = creditrl.compute_advantages("reinforce_plus_plus", rewards=rewards * batch["response_mask"],
+                                          mask=batch["response_mask"], group=group_of(batch["index"]))
+    torch.testing.assert_close(dropped, theirs, atol=1e-5, rtol=1e-5)    # verl = the reward dropped
+    assert not torch.allclose(ours, theirs, atol=1e-3)
 
 
 def actor_config(**policy_loss):
@@ -325,6 +393,28 @@ def test_compute_advantage_hook_passes_the_actor_energy():
     expected = creditrl.compute_advantages("otb", rewards=batch["token_level_rewards"], mask=batch["response_mask"],
                                            group=group_of(batch["index"]), energy=batch["stats"].energy)
     torch.testing.assert_close(out.batch["advantages"], expected)
+
+
+def test_gdpo_reads_verls_gdpo_reward_keys_through_the_hook():
+    batch = verl_batch()
+    gen = torch.Generator().manual_seed(3)
+    fields = {"acc": torch.randint(0, 2, (9,), generator=gen).float().numpy(),
+              "format": torch.rand(9, generator=gen).numpy()}
+    data = DataProto.from_dict(tensors={k: batch[k] for k in ("token_level_rewards", "response_mask")},
+                               non_tensors={"uid": batch["index"], **fields})
+    wrapped = plugin.wrap_compute_advantage(lambda data, adv_estimator, config=None: data)
+    config = {"creditrl": {"eps": 1e-4}, "gdpo_reward_keys": ["acc", "format"], "gdpo_reward_weights": [1.0, 0.5]}
+    out = wrapped(data, adv_estimator="creditrl_gdpo", config=config)
+    components = torch.from_numpy(np.stack([fields["acc"], fields["format"]], 1))
+    expected = creditrl.compute_advantages("gdpo", rewards=batch["token_level_rewards"], mask=batch["response_mask"],
+                                           group=group_of(batch["index"]), components=components,
+                                           component_weights=[1.0, 0.5], eps=1e-4)
+    torch.testing.assert_close(out.batch["advantages"], expected)
+    assert not torch.allclose(expected, creditrl.compute_advantages(
+        "gdpo", rewards=batch["token_level_rewards"], mask=batch["response_mask"], group=group_of(batch["index"]),
+        eps=1e-4))
+    with pytest.raises(ValueError, match=r"algorithm.gdpo_reward_keys: \['missing'\] not among"):
+        wrapped(data, adv_estimator="creditrl_gdpo", config={"gdpo_reward_keys": ["missing"]})
 
 
 def test_reload_is_idempotent_and_foreign_names_are_refused():

@@ -145,6 +145,10 @@ def test_weighted_terms_sum_as_trl_does(tmp_path, user_module):
     # row 1: trl None (skipped, TRL's nansum), length -0.07, exact 0
     assert scores.rewards[1] == pytest.approx(0.5 * -0.07)
     assert math.isnan(scores.extras["trl_reward"][1]) and scores.extras["exact"] == [1.0, 0.0]
+    # each term stays a component (gdpo normalises them one by one), with its weight
+    assert [(c.name, c.weight) for c in scores.components] == [("trl_reward", 1.0), ("length_penalty", 0.5),
+                                                              ("exact", 2.0)]
+    assert scores.components[2].values == [1.0, 0.0] and math.isnan(scores.components[0].values[1])
     with pytest.raises(ValueError, match=r"rewards\[0\].weight: expected a finite number"):
         get_task("jsonl", path=_jsonl(tmp_path / "d.jsonl", ROWS), rewards=[{"checker": "exact", "weight": "x"}])
 

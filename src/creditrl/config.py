@@ -142,6 +142,44 @@ class TaskConfig:
                                       "the task's parameters when the run starts (see below).")
 
 
+SIGNALS = ("reward", "accuracy")   # dynamic sampling's built-in signals; `reward/<name>` names a reward component
+
+
+@dataclass(frozen=True)
+class OverlongConfig:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): a penalty added to the task's reward as a
+    response nears `rollout.max_new_tokens`, logged as its own reward component `reward/overlong`."""
+    buffer: int = opt(0, "Tokens before rollout.max_new_tokens where the penalty starts (DAPO's L_cache; verl's "
+                         "overlong_buffer.len, TRL's soft_punish_cache); 0 = off. A response of L sampled tokens "
+                         "gets −penalty·(L − (max_new_tokens − buffer))/buffer past max_new_tokens − buffer, "
+                         "−penalty at the cap. At most rollout.max_new_tokens.")
+    penalty: float = opt(1.0, "The penalty at the cap (verl's penalty_factor), > 0.")
+
+
+@dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`): drop the groups whose signal does not
+    vary, sample new prompts to refill the batch, train on the kept groups only."""
+    enabled: bool = opt(False, "Drop every group whose `signal` is the same for all its responses (they carry no "
+                               "group-relative signal) and sample new prompts in their place, up to `max_rounds` "
+                               "sampling rounds per step; the loss counts the kept groups only. Logs "
+                               "`filtered_frac`, `refill_rounds`, `refill_tokens`, `kept_groups`; a step whose every "
+                               "round comes back uniform makes no update and says so. Needs rollout.group_size >= 2.")
+    signal: str = opt("reward", "What must vary within a group: `reward` (the task's reward, before the overlong "
+                                "penalty: filtering on a shaped score keeps groups that differ only in length, "
+                                "verl-recipe #125), `accuracy` (reward >= 1) or `reward/<name>`, a reward component "
+                                "as logged (a term of task.options.rewards, a value the checker returns in a dict, "
+                                "e.g. `reward/acc`).")
+    max_rounds: int = opt(4, "Sampling rounds per step, the first included (verl's max_num_gen_batches); each "
+                             "refill round samples as many new prompts as groups were dropped. When they run out "
+                             "the step trains on the groups kept so far.")
+
+
+# what a run saved before rollout.overlong and rollout.dynamic_sampling existed ran with (``migrate``)
+SAMPLING_CONTROLS_OFF = {"overlong": dataclasses.asdict(OverlongConfig()),
+                         "dynamic_sampling": dataclasses.asdict(DynamicSamplingConfig())}
+
+
 @dataclass
 class RolloutConfig:
     """Sampling the groups."""
@@ -161,6 +199,8 @@ class RolloutConfig:
                               "after it and the token that completed it is the last one trained on. Responses also "
                               "end at the tokenizer's EOS and at every id of the model's "
                               "`generation_config.eos_token_id`.")
+    overlong: OverlongConfig = opt(default_factory=OverlongConfig, help="")
+    dynamic_sampling: DynamicSamplingConfig = opt(default_factory=DynamicSamplingConfig, help="")
 
 
 @dataclass
@@ -479,13 +519,24 @@ def save_config(cfg: Config, path: str | Path) -> None:
     atomic_write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
+def saved_layout(data: Any) -> Any:
+    """A saved run's config (config.yaml or a checkpoint's record) in today's layout: ``migrate``, and
+    a complete ``rollout`` from before the sampling controls (no ``overlong``, no ``dynamic_sampling``)
+    gets both switched off, which is what that run ran with."""
+    data = migrate(data)
+    rollout = data.get("rollout") if isinstance(data, dict) else None
+    if isinstance(rollout, dict) and "group_size" in rollout and not {"overlong", "dynamic_sampling"} & set(rollout):
+        data = {**data, "rollout": {**rollout, **SAMPLING_CONTROLS_OFF}}
+    return data
+
+
 def read_saved_config(path: str | Path) -> dict:
     """A run's ``config.yaml`` as read (legacy layouts migrated), strictly: every key of the config
     tree must be present (a truncated, emptied or partly deleted file is an error naming the
     missing keys, never filled in with defaults)."""
     path = Path(path)
     try:
-        data = migrate(read_yaml(path))
+        data = saved_layout(read_yaml(path))
     except ConfigError as err:
         raise ConfigError(f"{path}: unreadable saved config ({err}); it is not filled in with defaults") from None
     if not isinstance(data, dict):
@@ -545,7 +596,7 @@ def resume_changes(before: dict, after: dict, step: int) -> dict[str, list]:
     trained with up to ``step``) and ``after`` (its edited config.yaml) that differs. A change of a
     key not in ``RESUME_CHANGEABLE``, or ``train.steps`` below ``step``, is a ConfigError naming
     every such key with both values."""
-    old, new = flatten(before), flatten(after)
+    old, new = flatten(saved_layout(before)), flatten(after)
     absent = "<absent>"
     changes = {k: [old.get(k, absent), new.get(k, absent)] for k in sorted(set(old) | set(new))
                if old.get(k, absent) != new.get(k, absent)}
@@ -652,6 +703,7 @@ def validate(cfg: Config) -> None:
         if not stop:
             raise ConfigError(f"rollout.stop[{i}]: expected a non-empty string, got {stop!r} (an empty stop string "
                               f"matches at the start of every response and would cut each one to nothing)")
+    validate_sampling_controls(r)
     samples = eval_settings(cfg)[1]
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
@@ -672,6 +724,34 @@ def validate(cfg: Config) -> None:
 def _check_labels(key: str, labels: list | None) -> None:
     if labels is not None and (not labels or len(set(labels)) != len(labels)):
         raise ConfigError(f"{key}: expected a non-empty list of distinct estimator names or null, got {labels}")
+
+
+def validate_sampling_controls(r: RolloutConfig) -> None:
+    """rollout.overlong and rollout.dynamic_sampling (the buffer against an automatic
+    max_new_tokens is checked once the tokenizer has resolved it, ``check_overlong``)."""
+    o, d = r.overlong, r.dynamic_sampling
+    if o.buffer < 0:
+        raise ConfigError(f"rollout.overlong.buffer: expected an integer >= 0 (0 = off), got {o.buffer}")
+    if not o.penalty > 0:
+        raise ConfigError(f"rollout.overlong.penalty: expected a value > 0, got {o.penalty!r}")
+    check_overlong(o, r.max_new_tokens)
+    if d.max_rounds < 1:
+        raise ConfigError(f"rollout.dynamic_sampling.max_rounds: expected an integer >= 1 (the first round "
+                          f"included), got {d.max_rounds}")
+    if d.signal not in SIGNALS and not (d.signal.startswith("reward/") and len(d.signal) > len("reward/")):
+        raise ConfigError(f"rollout.dynamic_sampling.signal: expected one of {list(SIGNALS)} or 'reward/<name>' (a "
+                          f"reward component as logged), got {d.signal!r}")
+    if d.enabled and r.group_size < 2:
+        raise ConfigError(f"rollout.dynamic_sampling.enabled: drops the groups whose signal does not vary, which "
+                          f"needs rollout.group_size >= 2 (a group of 1 never varies, so every group would be "
+                          f"dropped); got rollout.group_size={r.group_size}")
+
+
+def check_overlong(o: OverlongConfig, max_new_tokens: int | None) -> None:
+    """The overlong buffer fits in the response budget (verl: max_resp_len >= overlong_buffer.len)."""
+    if o.buffer and max_new_tokens is not None and o.buffer > max_new_tokens:
+        raise ConfigError(f"rollout.overlong.buffer: expected at most rollout.max_new_tokens={max_new_tokens} (the "
+                          f"penalty starts max_new_tokens - buffer tokens in), got {o.buffer}")
 
 
 def validate_diagnose(d: DiagnoseConfig) -> None:

@@ -101,6 +101,19 @@ class GroupIndex:
         return rank
 
 
+def uniform_groups(values: Tensor, group: Tensor) -> Tensor:
+    """[G] bool, per dense group of ``group`` [B] (``GroupIndex.from_ids``): whether ``values`` [B] are
+    the same for all its members. NaN (a value a response lacks) is left out; fewer than 2 values never
+    vary. One max and one min scatter, no loop over groups."""
+    index = GroupIndex.from_ids(group)
+    missing = torch.isnan(values)
+    high = torch.full((index.num_groups,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(
+        0, index.dense, values.masked_fill(missing, -torch.inf), "amax")
+    low = torch.full((index.num_groups,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(
+        0, index.dense, values.masked_fill(missing, torch.inf), "amin")
+    return ~(high > low)
+
+
 def _exclusive_sums(grouped: Tensor) -> Tensor:
     """[G, N, ...] -> [G, N, ...]: for each member the sum over the other N − 1 along dim 1, as its
     exclusive prefix sum plus its exclusive suffix sum (neither ever holds the member itself)."""

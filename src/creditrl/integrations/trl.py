@@ -18,12 +18,19 @@
 3. Logging: creditrl's loss metrics (``creditrl/spurious_ratio`` ...) and rollout metrics
    (``creditrl/power_proxy``, ``creditrl/energy_mean`` ...) go through TRL's ``_metrics``.
 
-TRL options that have no creditrl counterpart raise at construction (see ``UNSUPPORTED``).
+TRL options that have no creditrl counterpart raise at construction (see ``UNSUPPORTED``). TRL's
+``scale_rewards`` is ``grpo``'s ``scale`` (refused with other estimators); ``gdpo`` gets each reward
+function's values and ``reward_weights`` as its components (TRL's ``multi_objective_aggregation=
+"normalize_then_sum"`` asks for it). ``dynamic_sampling`` drops the groups whose signal does not vary
+from the loss (DAPO's filter; TRL's batch comes from its dataloader, so they are not refilled: creditrl
+train refills). DAPO's soft overlong punishment is TRL's own ``trl.rewards.get_soft_overlong_punishment``,
+a reward function (docs/trl.md).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -36,7 +43,7 @@ from trl.trainer.utils import add_fused_lm_head
 from creditrl.utils.validate import check_choice
 from creditrl.core.estimators import check_group_size, compute_advantages, list_estimators
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.core.groups import GroupIndex
+from creditrl.core.groups import GroupIndex, uniform_groups
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
 from creditrl.core.losses import PolicyLoss, power_proxy
 from creditrl.runtime.rollout import RolloutBatch
@@ -86,6 +93,17 @@ class _CreditGRPOFields(GRPOConfig):
     log_energy_metrics: bool = field(
         default=False, metadata={"help": "Compute the energy for estimators that do not need it, for the "
                                          "variance-proxy metric (one extra no-grad forward per generation)."})
+    dynamic_sampling: bool = field(
+        default=False, metadata={"help": "DAPO's dynamic sampling filter: the groups whose dynamic_sampling_signal "
+                                         "is the same for every completion leave the loss (their completion mask is "
+                                         "zeroed, so the loss counts the kept groups only; batch-level estimators "
+                                         "see the kept groups only); logged as creditrl/filtered_frac. Not refilled: "
+                                         "TRL's batch comes from its dataloader (creditrl train refills)."})
+    dynamic_sampling_signal: str = field(
+        default="reward", metadata={"help": "What must vary within a group: `reward` (the weighted sum of the "
+                                            "reward functions) or one reward function's name (e.g. the accuracy "
+                                            "reward when another one shapes length: filtering on a shaped score "
+                                            "is verl-recipe #125's pitfall)."})
 
     def __post_init__(self):
         super().__post_init__()
@@ -99,16 +117,35 @@ class _CreditGRPOFields(GRPOConfig):
         if self.maxk_k is not None and "k" in (self.estimator_options or {}):
             raise ValueError(f"maxk_k: an alias of estimator_options['k'], both set ({self.maxk_k} and "
                              f"{self.estimator_options['k']}); set one")
+        self.check_trl_aggregation()
         check_estimator_options(self.advantage_estimator, self.estimator_kwargs(), "estimator_options")
         for key in ("num_generations", "num_generations_eval"):   # each mode's group size, now, not at step 1
             if getattr(self, key, None) is not None:
                 check_group_size(self.advantage_estimator, self.estimator_kwargs(), getattr(self, key), key=key)
         self.policy_loss_terms()                # checks every loss option now
 
+    def check_trl_aggregation(self) -> None:
+        """TRL's own advantage settings, where creditrl's estimator replaces TRL's: ``scale_rewards`` is
+        grpo's ``scale``; ``multi_objective_aggregation="normalize_then_sum"`` is ``gdpo``."""
+        scale = self.scale_rewards
+        given = (self.estimator_options or {}).get("scale")
+        if scale != "group" and self.advantage_estimator != "grpo":
+            raise ValueError(f"scale_rewards: TRL's reward scaling is grpo's `scale` option, and "
+                             f"advantage_estimator={self.advantage_estimator!r} has none; expected 'group' (the "
+                             f"default), got {scale!r}")
+        if scale != "group" and given is not None and given != scale:
+            raise ValueError(f"scale_rewards: {scale!r} and estimator_options['scale']={given!r} disagree; set one")
+        if self.multi_objective_aggregation != "sum_then_normalize" and self.advantage_estimator != "gdpo":
+            raise ValueError(f"multi_objective_aggregation: {self.multi_objective_aggregation!r} normalises each "
+                             f"reward function before the sum, which is advantage_estimator='gdpo'; expected "
+                             f"'sum_then_normalize' with {self.advantage_estimator!r}")
+
     def estimator_kwargs(self) -> dict:
         options = dict(self.estimator_options or {})
         if self.maxk_k is not None:
             options["k"] = self.maxk_k
+        if self.advantage_estimator == "grpo" and self.scale_rewards != "group":
+            options["scale"] = self.scale_rewards
         return options
 
     def policy_loss_terms(self) -> dict:
@@ -162,6 +199,7 @@ class CreditGRPOTrainer(GRPOTrainer):
                              f"creditrl's {self.args.rollout_correction!r} instead of TRL's correction")
         self.estimator = self.args.advantage_estimator
         self.estimator_kwargs = self.args.estimator_kwargs()
+        self.filter_signal = self._check_dynamic_sampling() if self.args.dynamic_sampling else None
         self.wants_energy = get_estimator(self.estimator).needs_energy or self.args.log_energy_metrics
         self.policy_loss = PolicyLoss(self.args.policy_loss_terms())
         self.last_rollout: dict[str, Tensor] | None = None
@@ -171,6 +209,35 @@ class CreditGRPOTrainer(GRPOTrainer):
         add_fused_lm_head(self._policy_module, temperature=self.temperature,
                           cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                           outputs=("log_probs", "entropy", "log_sum_sq_probs"))
+
+    def _check_dynamic_sampling(self) -> int | None:
+        """The column of the reward function ``dynamic_sampling_signal`` names (None: the weighted sum),
+        checked before training: filtering the weighted sum while TRL's soft overlong punishment is one
+        of its terms would keep groups that differ only in length (verl-recipe #125)."""
+        signal, names = self.args.dynamic_sampling_signal, list(self.reward_func_names)
+        if signal != "reward" and signal not in names:
+            raise ValueError(f"dynamic_sampling_signal: expected 'reward' or a reward function's name {names}, "
+                             f"got {signal!r}")
+        shaping = [n for f, n in zip(self.reward_funcs, names) if type(f).__name__ == "_SoftOverlongPunishment"]
+        if signal == "reward" and shaping:
+            raise ValueError(f"dynamic_sampling_signal: 'reward' sums {shaping}, a length shaping, so groups that "
+                             f"differ only in length would count as informative (verl-recipe #125); name the "
+                             f"correctness reward instead, one of {[n for n in names if n not in shaping]}")
+        return None if signal == "reward" else names.index(signal)
+
+    def _filtered_rows(self, mode: str, rewards: Tensor, rewards_per_func: Tensor, group: Tensor) -> Tensor | None:
+        """[B_all] bool rows kept by dynamic sampling (train mode only), logging the filtered fraction."""
+        if not self.args.dynamic_sampling or mode != "train":
+            return None
+        signal = rewards if self.filter_signal is None else rewards_per_func[:, self.filter_signal]
+        uniform = uniform_groups(signal.double(), group)
+        self._log_creditrl(mode, {"filtered_frac": float(uniform.float().mean())})
+        if bool(uniform.all()):
+            warnings.warn(f"dynamic_sampling: every group of this generation batch had the same "
+                          f"{self.args.dynamic_sampling_signal} for all its completions, so its loss is 0; TRL still "
+                          f"takes the optimizer step (Adam's momentum moves the weights) and cannot refill the batch",
+                          stacklevel=2)
+        return ~uniform[GroupIndex.from_ids(group).dense]
 
     # ------------------------------------------------------------------ rollout
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -257,6 +324,13 @@ class CreditGRPOTrainer(GRPOTrainer):
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)[None]).nansum(dim=1)
         group = torch.arange(rewards.numel(), device=rewards.device) // group_size
         scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        kept = self._filtered_rows(mode, rewards, rewards_per_func, group)
+        if kept is not None:                             # out of the loss: its mask is zeroed
+            start = self.accelerator.process_index * local_rows
+            output["completion_mask"] = output["completion_mask"] * kept[start:start + local_rows, None]
+            mask = mask & kept[start:start + local_rows, None]
+            scorable = scorable & kept
+        components = rewards_per_func if get_estimator(self.estimator).reward_components else None
         if not bool(scorable.all()):  # every reward func returned None: group-mean reward, advantage 0
             groups = GroupIndex.from_ids(group)
             scored = scorable.float()
@@ -274,26 +348,29 @@ class CreditGRPOTrainer(GRPOTrainer):
                 output.update(creditrl_rewards=rewards[rows], creditrl_group=group[rows],
                               creditrl_scorable=scorable[rows].long(),
                               advantages=torch.zeros(local_rows, steps, device=mask.device))
+                if components is not None:
+                    output["creditrl_components"] = components[rows]
                 return output
             if energy is None:  # no forward of TRL's to reuse: one fused no-grad pass
                 batch_size = (self.args.per_device_train_batch_size if mode == "train"
                               else self.args.per_device_eval_batch_size)
                 energy = self._rollout_energy(output, batch_size)
             energy = torch.where(mask, energy, 0.0)
-        output["advantages"] = self._advantages(mode, rewards, group, scorable, mask, energy)
+        output["advantages"] = self._advantages(mode, rewards, group, scorable, mask, energy, components)
         return output
 
     def _advantages(self, mode: str, rewards: Tensor, group: Tensor, scorable: Tensor, mask: Tensor,
-                    energy: Tensor | None) -> Tensor:
+                    energy: Tensor | None, components: Tensor | None = None) -> Tensor:
         """creditrl's advantages of this process's rows [B_local, T]: rewards, group, scorable are
         [B_all] for every process in process order; mask, energy are this process's [B_local, T]
-        (gathered here, zero-padded to the longest completion). Logs the rollout metrics."""
+        (gathered here, zero-padded to the longest completion); components [B_all, reward funcs] for
+        gdpo. Rows not scorable (or filtered out) stay out of the estimator. Logs the rollout metrics."""
         local_rows, steps = mask.shape
         all_mask = self._gather_rows(mask.int()).bool() & scorable.bool()[:, None]
         all_energy = None if energy is None else self._gather_rows(energy)
         estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
-        advantages = compute_advantages(self.estimator, rewards=rewards, mask=all_mask, group=group,
-                                        energy=estimator_energy, **self.estimator_kwargs)
+        advantages = self._estimate(rewards, all_mask, group, scorable.bool(), estimator_energy, components)
+        self.last_rollout = {"components": components}
         start = self.accelerator.process_index * local_rows
         advantages = advantages[start:start + local_rows, :steps]
         metrics = {"advantage_abs_mean": advantages[mask].abs().mean() if mask.any() else advantages.new_zeros(())}
@@ -301,9 +378,27 @@ class CreditGRPOTrainer(GRPOTrainer):
             metrics["energy_mean"] = energy[mask].mean() if mask.any() else energy.new_zeros(())
             metrics["power_proxy"] = power_proxy(advantages, energy, mask)
         self._log_creditrl(mode, {k: float(v) for k, v in metrics.items()})
-        self.last_rollout = {"rewards": rewards, "group": group, "mask": mask, "energy": energy,
-                             "advantages": advantages, "estimator_mask": all_mask}
+        self.last_rollout.update(rewards=rewards, group=group, mask=mask, energy=energy, advantages=advantages,
+                                 estimator_mask=all_mask)
         return advantages
+
+    def _estimate(self, rewards: Tensor, mask: Tensor, group: Tensor, scored: Tensor, energy: Tensor | None,
+                  components: Tensor | None) -> Tensor:
+        """``compute_advantages`` [B_all, T] with the reward functions as gdpo's components; under dynamic
+        sampling only on the kept rows (a batch-level estimator's statistics are the kept groups')."""
+        rows = torch.nonzero(scored).flatten() if self.args.dynamic_sampling else None
+        parts = {} if components is None else dict(components=components,
+                                                   component_weights=self.reward_weights.to(components.device))
+        if rows is None:
+            return compute_advantages(self.estimator, rewards=rewards, mask=mask, group=group, energy=energy,
+                                      **parts, **self.estimator_kwargs)
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        if rows.numel():
+            parts = {k: v[rows] if k == "components" else v for k, v in parts.items()}
+            out[rows] = compute_advantages(self.estimator, rewards=rewards[rows], mask=mask[rows], group=group[rows],
+                                           energy=None if energy is None else energy[rows], **parts,
+                                           **self.estimator_kwargs)
+        return out
 
     # ------------------------------------------------------------------ loss
     def _compute_loss(self, model, inputs):
@@ -324,9 +419,11 @@ class CreditGRPOTrainer(GRPOTrainer):
                 log_sum_p2 = torch.cat(sum_p2_chunks, dim=0)[:, -steps:]
                 energy = torch.where(mask.bool(), energy_from_logp(logp, log_sum_p2.exp()), 0.0)
                 gather = self.accelerator.gather
+                components = inputs.get("creditrl_components")
                 advantages = self._advantages(
                     "train", gather(inputs["creditrl_rewards"]), gather(inputs["creditrl_group"]),
-                    gather(inputs["creditrl_scorable"]), mask.bool(), energy)
+                    gather(inputs["creditrl_scorable"]), mask.bool(), energy,
+                    None if components is None else gather(components))
         if "importance_sampling_ratio" in inputs:  # TRL's vLLM correction: w >= 0 factors out of the clip
             advantages = advantages * inputs["importance_sampling_ratio"]
         loss, metrics = self.policy_loss(

@@ -13,7 +13,8 @@ registrations and refuses names bound to somebody else's function.
 
   Energy w_t = 1 - 2 exp(old_log_probs) + sum_pi_squared (OTB eq. 7); IS weights from
   ``rollout_is_weights`` (OTB App. D). Estimator options come from ``algorithm.creditrl``
-  (e.g. ``+algorithm.creditrl.k=4`` for maxpo).
+  (e.g. ``+algorithm.creditrl.k=4`` for maxpo). ``creditrl_gdpo`` reads its reward components from
+  the fields named by verl's own ``algorithm.gdpo_reward_keys`` (weights ``gdpo_reward_weights``).
 - Policy losses ``creditrl`` (any of creditrl's loss terms), ``creditrl_stapo`` and
   ``creditrl_grpo_lambda`` (the same with STAPO / GRPO-λ on) (``register_policy_loss``), verl's
   keyword set ``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
@@ -103,14 +104,35 @@ def estimator_options(config: Any) -> dict:
     return {} if node is None else {str(k): v for k, v in dict(node).items()}
 
 
+def reward_components(config: Any, non_tensor_batch: Any, rows: int,
+                      device: torch.device) -> tuple[Tensor | None, list | None]:
+    """The reward components [B,K] and weights of ``algorithm.gdpo_reward_keys`` /
+    ``gdpo_reward_weights`` (verl's own gdpo keys: fields of compute_score's returned dict, which verl
+    keeps in ``non_tensor_batch``); (None, None) when no keys are set."""
+    keys = None if config is None else config.get("gdpo_reward_keys", None)
+    if not keys:
+        return None, None
+    if non_tensor_batch is None:
+        raise ValueError("algorithm.gdpo_reward_keys: set, but verl passed no non_tensor_batch to the estimator; "
+                         "keep creditrl's trainer hook installed (legacy trainer, trainer.use_v1=False)")
+    missing = [k for k in keys if k not in non_tensor_batch]
+    if missing:
+        raise ValueError(f"algorithm.gdpo_reward_keys: {missing} not among the batch's reward fields "
+                         f"{sorted(non_tensor_batch)}; compute_score must return a dict holding them")
+    values = np.stack([np.asarray(non_tensor_batch[k], dtype=np.float64).reshape(rows) for k in keys], 1)
+    weights = config.get("gdpo_reward_weights", None)
+    return torch.from_numpy(values).to(device), None if weights is None else list(weights)
+
+
 def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     """verl-convention wrapper of creditrl's estimator ``name`` (see module docstring)."""
     needs_energy = get_estimator(name).needs_energy
+    reads_components = get_estimator(name).reward_components
 
     def estimator(token_level_rewards: Tensor, response_mask: Tensor, index: np.ndarray | None = None,
                   config: Any = None, *, old_log_probs: Tensor | None = None,
                   sum_pi_squared: Tensor | None = None, rollout_is_weights: Tensor | None = None,
-                  **kwargs) -> tuple[Tensor, Tensor]:
+                  non_tensor_batch: Any = None, **kwargs) -> tuple[Tensor, Tensor]:
         check_tensor("token_level_rewards", token_level_rewards, ndim=2)
         check_tensor("response_mask", response_mask, shape=list(token_level_rewards.shape))
         check_actor_stats(response_mask, old_log_probs, sum_pi_squared)
@@ -123,12 +145,15 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                 "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
         options = check_estimator_options(name, estimator_options(config), "algorithm.creditrl")
         gamma = options.pop("gamma", 1.0)
+        components, weights = reward_components(config, non_tensor_batch, response_mask.shape[0],
+                                                response_mask.device) if reads_components else (None, None)
         with torch.no_grad():
             # the rewards as verl gives them: a score on a masked token counts in the row total
             # (sequence-level) or at the nearest preceding valid token (token-level returns)
             batch = prepare(name, rewards=token_level_rewards, mask=response_mask,
                             group=group_ids(index, response_mask.shape[0], response_mask.device), energy=energy,
-                            is_weights=rollout_is_weights if energy is not None else None, gamma=gamma)
+                            is_weights=rollout_is_weights if energy is not None else None, gamma=gamma,
+                            components=components, component_weights=weights)
             advantages = estimate(name, batch, **options)
             # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
             # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)
@@ -304,6 +329,8 @@ def wrap_compute_advantage(original: Callable) -> Callable:
         if "response_mask" not in batch.keys():  # as verl does for trainers that do not set it
             batch["response_mask"] = sys.modules[original.__module__].compute_response_mask(data)
         extra = {k: batch[k] for k in ENERGY_KEYS if k in batch.keys()}
+        if get_estimator(name.removeprefix(PREFIX)).reward_components:    # gdpo: the reward fields
+            extra["non_tensor_batch"] = data.non_tensor_batch
         fn = core_algos.get_adv_estimator_fn(name)
         batch["advantages"], batch["returns"] = fn(
             token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],

@@ -19,7 +19,12 @@ A checker returns a number, None (no reward, TRL's convention) or a dict (verl's
 Several reward terms (the checker with weight 1, plus ``rewards: [{checker, weight}]``) are summed
 as TRL's ``sum_then_normalize`` does: Σ_i w_i r_i over the terms that gave a reward, NaN when none
 did. Each term's own reward is logged as ``reward/<name>`` when there are several (``term_keys``:
-the function's name, its full ``module.function`` name where two terms share one).
+the function's name, its full ``module.function`` name where two terms share one), and kept as a
+reward component (``Scores.components``: name, weight, values) for estimators that normalise each
+term on its own (``gdpo``).
+
+DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) is ``overlong_penalty``: applied by the
+rollout to the token lengths, after the task's reward, as its own component ``overlong``.
 
 Import-path checkers and ``math`` run in a child process (``creditrl.utils.bounded``): each
 per-completion call within ``timeout`` seconds, a TRL call within ``timeout`` x its batch size,
@@ -51,13 +56,35 @@ DEFAULT_TIMEOUT = 10.0   # seconds per completion: a checker takes milliseconds;
 _MATH_PATH = "creditrl.tasks.checkers:check_math"
 
 
+@dataclass(frozen=True)
+class RewardComponent:
+    """One reward term's own values (NaN where it gave none) and its weight in the total."""
+    name: str
+    weight: float
+    values: list[float]
+
+
 @dataclass
 class Scores:
     """Per completion: ``rewards`` (NaN = invalid), ``extras`` (logged values by name, NaN where a
-    completion has none) and ``timed_out`` (a call over its time limit)."""
+    completion has none) and ``timed_out`` (a call over its time limit); ``components``: each
+    reward term when there are several (empty for a single reward, which is its own component)."""
     rewards: list[float]
     extras: dict[str, list[float]] = field(default_factory=dict)
     timed_out: list[bool] = field(default_factory=list)
+    components: list[RewardComponent] = field(default_factory=list)
+
+
+def overlong_penalty(lengths: Sequence[int], limit: int, buffer: int, factor: float) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13) per response of
+    ``lengths`` sampled tokens, ``limit`` = the most a response may sample:
+
+        0 for L <= limit - buffer,   -factor * (L - (limit - buffer)) / buffer beyond (down to -factor at L = limit),
+
+    verl's DAPO reward manager (``overlong_buffer_cfg``: ``len`` = buffer, ``penalty_factor`` = factor)
+    and, with factor 1, TRL's ``get_soft_overlong_punishment(limit, buffer)``."""
+    start = limit - buffer
+    return [min(-(length - start) / buffer * factor, 0.0) for length in lengths]
 
 
 def columns_of(problem: Problem) -> dict[str, Any]:
@@ -306,11 +333,13 @@ def score_terms(terms: list[tuple[RewardFunction, float]], problems: Sequence[Pr
     for i in range(n):
         given = [w * s.rewards[i] for _, w, s in parts if not math.isnan(s.rewards[i])]
         total.append(math.fsum(given) if given else math.nan)
-    for (fn, _, s), name in zip(parts, term_keys([fn for fn, _ in terms])):
+    components = []
+    for (fn, weight, s), name in zip(parts, term_keys([fn for fn, _ in terms])):
         extras[name] = s.rewards
         extras.update({f"{name}/{k}": v for k, v in s.extras.items()})
+        components.append(RewardComponent(name, weight, s.rewards))
     timed_out = [any(s.timed_out[i] for _, _, s in parts) for i in range(n)]
-    return Scores(total, extras, timed_out)
+    return Scores(total, extras, timed_out, components)
 
 
 def term_keys(functions: Sequence[RewardFunction]) -> list[str]:

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from creditrl.config import (Config, ConfigError, check_complete, config_from_dict, config_to_dict, eval_settings,
-                             read_saved_config, resume_changes, save_config)
+from creditrl.config import (Config, ConfigError, check_complete, check_overlong, config_from_dict, config_to_dict,
+                             eval_settings, read_saved_config, resume_changes, save_config)
+from creditrl.core.estimators.registry import get_estimator
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
@@ -38,7 +39,8 @@ from creditrl.trainer.report import write_summary
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision
-from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
+from creditrl.runtime.dynamic_sampling import sample_varying_groups
+from creditrl.runtime.rollout import RolloutBatch, concat_rollouts, generate_rollouts, rollout_metrics, sample_metrics
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
 from creditrl.core.estimators.labels import LOO
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
@@ -95,6 +97,16 @@ def precision_notes(model, cfg: Config) -> list[str]:
             f"train.precision=bf16 (float32 weights, bf16 compute) instead"]
 
 
+def component_notes(cfg: Config) -> list[str]:
+    """A note when the estimator normalises each reward component (gdpo) but the run has one."""
+    if not get_estimator(cfg.algorithm.estimator).reward_components or cfg.rollout.overlong.buffer or \
+            cfg.task.options.get("rewards"):
+        return []
+    return [f"note: {cfg.algorithm.estimator} normalises each reward component on its own, and this run has one "
+            f"(the task's reward): it is GRPO's z-score rescaled over the batch. Components come from "
+            f"task.options.rewards (a file task's reward terms) and rollout.overlong"]
+
+
 def run_name(cfg: Config) -> str:
     task = cfg.task.name.replace(":", "-")   # a user task by import path
     return cfg.train.run_name or f"{task}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -122,7 +134,9 @@ class Trainer:
         if cfg.rollout.max_new_tokens is None:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new))
+            check_overlong(cfg.rollout.overlong, max_new)
         self.cfg = cfg
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.truncated_prompts = check_prompt_lengths(
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
             cfg.rollout.max_new_tokens)
@@ -138,7 +152,7 @@ class Trainer:
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = self.signal_streak = 0
-        self.notes = precision_notes(self.model, cfg)
+        self.notes = precision_notes(self.model, cfg) + component_notes(cfg)
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":
@@ -218,28 +232,61 @@ class Trainer:
         return {"step": self.step, "tokens_total": self.tokens_total, **result,
                 "time_eval": time.perf_counter() - start}
 
-    def train_step(self) -> tuple[dict, list[dict]]:
-        """One step; returns its metrics and its first ``logging.completions`` samples."""
+    def sample(self, count: int) -> RolloutBatch:
+        """Rollouts of ``count`` new prompts of the task stream, scored (with the overlong penalty)."""
         r = self.cfg.rollout
-        t0 = time.perf_counter()
-        problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
+        problems = [self.task.sample(self.task_rng) for _ in range(count)]
+        overlong = (r.overlong.buffer, r.overlong.penalty) if r.overlong.buffer else None
         with self.precision.autocast(self.model):
-            batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
-                                      temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                      generator=self.generator, max_tool_tokens=r.max_tool_tokens,
-                                      stop_strings=tuple(r.stop))
+            return generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
+                                     temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                                     generator=self.generator, max_tool_tokens=r.max_tool_tokens,
+                                     stop_strings=tuple(r.stop), overlong=overlong)
+
+    def rollouts(self) -> tuple[RolloutBatch | None, RolloutBatch, dict]:
+        """The batch to train on (None when dynamic sampling kept no group), everything sampled for
+        the step as one batch, and the dynamic-sampling metrics."""
+        r = self.cfg.rollout
+        if not r.dynamic_sampling.enabled:
+            batch = self.sample(r.prompts_per_step)
+            return batch, batch, {}
+        d = r.dynamic_sampling
+        out = sample_varying_groups(self.sample, r.prompts_per_step, d.signal, d.max_rounds, self.pad_id)
+        return out.batch, concat_rollouts(out.sampled, self.pad_id), out.metrics
+
+    def train_step(self) -> tuple[dict, list[dict]]:
+        """One step; returns its metrics and its first ``logging.completions`` samples. With dynamic
+        sampling the sampling metrics (reward, accuracy, lengths) describe everything sampled, the
+        update's the kept groups; a step that kept no group makes no update."""
+        t0 = time.perf_counter()
+        batch, everything, filtering = self.rollouts()
         t1 = time.perf_counter()
-        diagnosed = self.diagnose(batch)
+        count = self.cfg.logging.completions
+        diagnosed = {} if batch is None else self.diagnose(batch)
         t_update = time.perf_counter()
-        update = self.learner.update(batch, self.generator)
-        metrics = update.metrics
+        if batch is None:
+            metrics, samples = {"skipped_updates": 0}, completion_records(everything, count)
+        else:
+            update = self.learner.update(batch, self.generator)
+            metrics, samples = update.metrics, completion_records(batch, count, update.advantages)
         t2 = time.perf_counter()
         self.step += 1
-        self.tokens_total += batch.num_tokens
-        metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics, **rollout_metrics(batch, self.task),
-                   "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0,
-                   "time_update": t2 - t_update, **diagnosed}
-        return metrics, completion_records(batch, self.cfg.logging.completions, update.advantages)
+        self.tokens_total += everything.num_tokens
+        metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics,
+                   **(sample_metrics(everything) if filtering else {}), **filtering,
+                   **rollout_metrics(everything, self.task), "tokens_per_s": everything.num_tokens / (t2 - t0),
+                   "time_rollout": t1 - t0, "time_update": t2 - t_update, **diagnosed}
+        return metrics, samples
+
+    def uniform_warning(self, metrics: dict) -> str | None:
+        """The warning of a step whose dynamic sampling kept no group (so it made no update)."""
+        if metrics.get("kept_groups") != 0:
+            return None
+        d = self.cfg.rollout.dynamic_sampling
+        return (f"warning: step {self.step} made no update: dynamic sampling kept no group in "
+                f"{metrics['refill_rounds'] + 1} round(s) (rollout.dynamic_sampling.max_rounds={d.max_rounds}); "
+                f"every sampled group's {d.signal} was the same for all its responses (mean reward "
+                f"{metrics['reward_mean']:.3g}: the task may be too easy or too hard for the model)")
 
     def diagnose(self, batch) -> dict[str, float]:
         """On every ``logging.diagnose_every``-th step, the in-training diagnosis of this step's groups
@@ -302,7 +349,7 @@ class Trainer:
                 logger.log("metrics", metrics)
                 self.check_skipped(metrics)
                 self.signal_streak = self.signal_streak + 1 if no_signal(metrics) else 0
-                for warning in (self.clipped_warning(metrics["clipped_frac"]),
+                for warning in (self.clipped_warning(metrics["clipped_frac"]), self.uniform_warning(metrics),
                                 streak_warning(metrics, self.signal_streak)):
                     if warning:
                         logger.message(warning)

@@ -11,7 +11,7 @@ from pathlib import Path
 from creditrl.utils.plots import figure, save_figure
 
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
-                "power_proxy", "approx_kl", "clip_frac_high", "noise_scale")
+                "power_proxy", "approx_kl", "clip_frac_high", "noise_scale", "filtered_frac")
 LOG_SCALE = ("noise_scale",)   # B_simple spans orders of magnitude
 
 
@@ -158,16 +158,21 @@ NO_SIGNAL_STEPS = 5   # consecutive steps without a reward signal before the liv
 
 def no_signal(metrics: dict) -> str | None:
     """Why a step's rewards could not tell its responses apart: ``"invalid"`` (every reward
-    NaN/inf or a checker error, counted as 0), ``"zero_spread"`` (every group's rewards equal), or
-    None when some group had a spread."""
+    NaN/inf or a checker error, counted as 0), ``"uniform"`` (dynamic sampling kept no group: no
+    update), ``"zero_spread"`` (every group's rewards equal), or None when some group had a spread."""
     if (metrics.get("reward_invalid_frac") or 0) >= 1:
         return "invalid"
+    if metrics.get("kept_groups") == 0:
+        return "uniform"
     if (metrics.get("zero_spread_frac") or 0) >= 1:
         return "zero_spread"
     return None
 
 
 def _reason(kind: str | None, metrics: dict) -> str:
+    if kind == "uniform":
+        return ("dynamic sampling kept no group (every sampled group's signal was the same for all its responses), "
+                "so no update was made")
     if kind == "invalid":
         return ("every reward was invalid (NaN/inf, or the task's checker raised) and counted as 0: check the "
                 "checker (task.options.checker) against the completions in completions.jsonl")
@@ -190,9 +195,10 @@ def learned_nothing(metrics: list[dict], estimator: str) -> str | None:
     kinds = [no_signal(m) for m in metrics]
     if not metrics or None in kinds:
         return None
-    kind = "invalid" if all(k == "invalid" for k in kinds) else "zero_spread"
-    zero = all(m.get("adv_mean") == 0 and m.get("adv_std") == 0 for m in metrics)
-    effect = ("the advantages were 0 at every step, so nothing was learned from the rewards" if zero else
+    kind = kinds[0] if len(set(kinds)) == 1 else "zero_spread"
+    zero = all(m.get("kept_groups") == 0 or (m.get("adv_mean") == 0 and m.get("adv_std") == 0) for m in metrics)
+    effect = ("no step made an update" if kind == "uniform" else
+              "the advantages were 0 at every step, so nothing was learned from the rewards" if zero else
               f"{estimator} still gave advantages, but the rewards never said which responses were better")
     return (f"this run learned nothing from its task. At all {len(metrics)} steps "
             f"{_reason(kind, metrics[-1])}; {effect}")

@@ -24,12 +24,12 @@ from torch import Tensor
 
 from creditrl.config import Config
 from creditrl.core.estimators import compute_advantages
-from creditrl.core.groups import GroupIndex
+from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.gradients.noise_scale import NoiseScale
 from creditrl.core.losses import power_proxy
 from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
 from creditrl.core.token_stats import TokenStats
-from creditrl.runtime.rollout import RolloutBatch
+from creditrl.runtime.rollout import RolloutBatch, sample_metrics
 from creditrl.runtime.precision import Precision
 from creditrl.runtime.scoring import response_stats
 from creditrl.recipe.resolve import estimator_from_config, precision_of
@@ -41,20 +41,24 @@ class Batch:
     """A RolloutBatch's tensors on the learner's device; responses are the columns from P on.
 
     tensors: model inputs [B, P+R] (input_ids, attention_mask, position_ids, response_mask) and
-    ``group`` [B]; mask [B,R] float (trained-on tokens); rollout_logp [B,R]; rewards [B]."""
+    ``group`` [B]; mask [B,R] float (trained-on tokens); rollout_logp [B,R]; rewards [B];
+    components [B,K] and component_weights [K]: the reward terms' own values (None for one)."""
     tensors: dict[str, Tensor]
     mask: Tensor
     rollout_logp: Tensor
     rewards: Tensor
     prompt_len: int
+    components: Tensor | None = None
+    component_weights: list[float] | None = None
 
     @classmethod
     def from_rollout(cls, batch: RolloutBatch, device: torch.device) -> "Batch":
         names = ("input_ids", "attention_mask", "position_ids", "response_mask", "group")
         tensors = {k: getattr(batch, k).to(device) for k in names}
         p = batch.prompt_len
+        components = None if batch.components is None else batch.components.to(device)
         return cls(tensors, tensors["response_mask"][:, p:], batch.rollout_logp[:, p:].to(device),
-                   batch.rewards.to(device), p)
+                   batch.rewards.to(device), p, components, batch.component_weights)
 
     @property
     def size(self) -> int:
@@ -93,15 +97,19 @@ def advantages(estimator: str, options: dict, needs_energy: bool, batch: Batch, 
                correction: tuple[str | None, float]) -> Tensor:
     """[B,R] float32 advantages of ``estimator`` from the rewards, the groups and (OTB/OGB) the
     energies ŵ_t of π_old, times ρ̄_t² = min(π_old/π_rollout, cap)² under a rollout correction
-    (OTB App. D, eq. 58-60). ``correction``: (mode or None, cap)."""
+    (OTB App. D, eq. 58-60). ``correction``: (mode or None, cap). An estimator that reads the
+    reward components (gdpo) gets the batch's ``components``."""
     mode, cap = correction
     with torch.no_grad():
         is_weights = None
         if mode is not None and needs_energy:
             is_weights = torch.exp(old.logp - batch.rollout_logp).clamp(max=cap) * batch.mask
+        parts = {}
+        if batch.components is not None and get_estimator(estimator).reward_components:
+            parts = dict(components=batch.components, component_weights=batch.component_weights)
         return compute_advantages(estimator, rewards=batch.rewards, mask=batch.mask, group=batch.group,
                                   energy=old.energy if needs_energy else None, is_weights=is_weights,
-                                  **options).float()
+                                  **parts, **options).float()
 
 
 def micro_batches(rows: Tensor, micro: int, halves: int | None) -> list[Tensor]:
@@ -160,28 +168,14 @@ def masked_mean_std(x: Tensor, mask: Tensor) -> tuple[float, float]:
     return float(mean), float(masked_mean((x - mean).square(), keep).sqrt())
 
 
-def zero_spread_frac(rewards: Tensor, group: Tensor) -> float:
-    """Fraction of the groups whose rewards [B] are all equal (group ids [B]): no difference
-    between responses for a group-relative estimator to learn from."""
-    index = GroupIndex.from_ids(group)
-    high = rewards.new_zeros(index.num_groups).scatter_reduce(0, index.dense, rewards, "amax", include_self=False)
-    low = rewards.new_zeros(index.num_groups).scatter_reduce(0, index.dense, rewards, "amin", include_self=False)
-    return float((high == low).float().mean())
-
-
 def batch_metrics(rollout: RolloutBatch, batch: Batch, old: TokenStats, adv: Tensor) -> dict[str, float]:
-    """What the step sampled: rewards (with the share of invalid ones and of groups whose rewards
-    are all equal), accuracy, lengths, entropy, advantages, power proxy."""
+    """What the step sampled (``sample_metrics``: rewards, the share of invalid ones and of groups
+    whose rewards are all equal, accuracy, lengths) and what it trained on: entropy, advantages,
+    power proxy."""
     mask = batch.mask
     adv_mean, adv_std = masked_mean_std(adv, mask)
-    invalid = rollout.reward_invalid
-    return dict(reward_mean=float(rollout.rewards.mean()), reward_std=float(rollout.rewards.std(unbiased=False)),
-                zero_spread_frac=zero_spread_frac(batch.rewards, batch.group),
-                accuracy=float(rollout.correct.float().mean()), response_len=float(mask.sum(-1).float().mean()),
-                clipped_frac=float(1.0 - rollout.stopped.float().mean()),
-                reward_invalid_frac=0.0 if invalid is None else float(invalid.float().mean()),
-                entropy=masked_mean_std(old.entropy, mask)[0], adv_mean=adv_mean, adv_std=adv_std,
-                power_proxy=power_proxy(adv, old.energy, mask))
+    return dict(sample_metrics(rollout), entropy=masked_mean_std(old.entropy, mask)[0], adv_mean=adv_mean,
+                adv_std=adv_std, power_proxy=power_proxy(adv, old.energy, mask))
 
 
 class Learner:

@@ -77,14 +77,41 @@ def _check_device(device: torch.device, **tensors: Tensor | None) -> None:
             raise ValueError(f"{name}: expected a tensor on {device} (the mask's device), got {x.device}")
 
 
+def _components(components: Tensor | None, weights: object, num: int,
+                device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+    """Reward components [B,K] (NaN = no reward from that term; ±inf refused) and their weights
+    [K] (finite; ones when None) as float64."""
+    if components is None:
+        if weights is not None:
+            raise ValueError("component_weights: given without components; pass components [B,K] too")
+        return None, None
+    check_tensor("components", components, ndim=2)
+    _real("components", components)
+    check_tensor("components", components, shape=[num, None])
+    _check_device(device, components=components)
+    components = components.to(torch.float64)
+    infinite = torch.isinf(components)
+    if bool(infinite.any()):
+        raise ValueError(f"components: expected finite values or NaN (no reward from that term), got inf in rows "
+                         f"{bad_rows(infinite)}")
+    count = components.shape[1]
+    weights = torch.ones(count, dtype=torch.float64, device=device) if weights is None else \
+        torch.as_tensor(weights, dtype=torch.float64, device=device)
+    check_tensor("component_weights", weights, shape=[count])
+    check_finite("component_weights", weights)
+    return components, weights
+
+
 def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor | None = None,
-                is_weights: Tensor | None = None, gamma: float = 1.0) -> AdvantageBatch:
+                is_weights: Tensor | None = None, gamma: float = 1.0, components: Tensor | None = None,
+                component_weights: object = None) -> AdvantageBatch:
     """Validate raw inputs and build the ``AdvantageBatch`` every estimator consumes.
 
     rewards [B] (outcome) or [B,T] (per token; a reward on a masked token counts at the row's
     nearest preceding valid token, and in the row total R); mask [B,T]; group [B] int ids;
     energy, is_weights [B,T] floats (is_weights multiply energies by rho_bar^2, OTB App. D
-    eq. 58-60). Returns-to-go (computed only if an estimator reads them) use ``gamma`` over
+    eq. 58-60); components [B,K] each reward term's values (NaN where a term gave none) with
+    component_weights [K] (sequence or tensor; ones by default). Returns-to-go (computed only if an estimator reads them) use ``gamma`` over
     valid tokens. Every check is one cheap pass over its input.
     """
     mask = check_mask("mask", mask)
@@ -94,6 +121,7 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     check_tensor("group", group, shape=[num], integer=True)
     _check_device(mask.device, rewards=rewards, group=group, energy=energy, is_weights=is_weights)
     check_range("gamma", gamma, 0.0, 1.0)
+    components, component_weights = _components(components, component_weights, num, mask.device)
     token_rewards = None
     if rewards.dim() == 2:
         check_tensor("rewards", rewards, shape=[num, steps_t])
@@ -111,12 +139,13 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     elif is_weights is not None:
         _token_tensor("is_weights", is_weights, mask)  # validated; unused without energy
     return AdvantageBatch(rewards=seq_rewards, given_mask=mask, groups=GroupIndex.from_ids(group),
-                          raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma))
+                          raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma), components=components,
+                          component_weights=component_weights)
 
 
 def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,
                        energy: Tensor | None = None, is_weights: Tensor | None = None,
-                       **options) -> Tensor:
+                       components: Tensor | None = None, component_weights: object = None, **options) -> Tensor:
     """Advantages [B,T] float32 from the estimator ``name`` (see ``list_estimators()``).
 
     rewards: [B] outcome reward, or [B,T] token rewards (returns-to-go with option ``gamma``,
@@ -124,24 +153,28 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     returns a reward on a masked token counts at the row's nearest preceding valid token.
     mask: [B,T] bool/0-1. group: [B] int ids (any order, any sizes). energy: [B,T] w_t from
     ``token_stats`` (needed by ``ogb``, ``otb``, ``otb_isolated``); is_weights: [B,T] truncated
-    IS weights rho_bar_t. Estimator options (``k``, ``eps``, ``normalize``) are keywords.
+    IS weights rho_bar_t. components: [B,K] each reward term's own values (NaN where a term gave
+    none) and component_weights [K] their weights in the total (ones by default), read by ``gdpo``;
+    others ignore them. Estimator options (``k``, ``eps``, ``normalize``) are keywords.
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
     """
     spec = get_estimator(name)
     options = spec.resolve_options(options)          # before any work: unknown or mistyped options
     return estimate(name, prepare(name, rewards=rewards, mask=mask, group=group, energy=energy,
-                                  is_weights=is_weights, gamma=options.pop("gamma", 1.0)), **options)
+                                  is_weights=is_weights, gamma=options.pop("gamma", 1.0), components=components,
+                                  component_weights=component_weights), **options)
 
 
 def prepare(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor | None = None,
-            is_weights: Tensor | None = None, gamma: float = 1.0) -> AdvantageBatch:
+            is_weights: Tensor | None = None, gamma: float = 1.0, components: Tensor | None = None,
+            component_weights: object = None) -> AdvantageBatch:
     """``build_batch`` after checking that estimator ``name`` gets the energies it needs."""
     if get_estimator(name).needs_energy and energy is None:
         raise ValueError(f"energy: estimator {name!r} needs per-token energies [B,T] "
                          "(creditrl.token_stats(...).energy), got None")
     return build_batch(rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
-                       gamma=gamma)
+                       gamma=gamma, components=components, component_weights=component_weights)
 
 
 def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
@@ -179,7 +212,9 @@ def check_group_size(name: str, options: dict, group_size: int, key: str = "grou
     """Raise ValueError (naming ``key``) unless estimator ``name`` with ``options`` accepts groups of
     ``group_size`` responses: its declared K range first, then one dummy group of that size, so any
     option/size combination it rejects fails before training instead of at the first batch. Returns
-    whether a group of one gets a nonzero advantage (False: such groups learn nothing)."""
+    whether groups of one get a nonzero advantage (False: such groups learn nothing), probed on two
+    singleton groups with different rewards, so a batch-level estimator (``reinforce_plus_plus``)
+    that compares responses across prompts counts as learning."""
     spec = get_estimator(name)
     k = options.get("k")
     if spec.k_range is not None and isinstance(k, int) and not isinstance(k, bool) and \
@@ -189,8 +224,8 @@ def check_group_size(name: str, options: dict, group_size: int, key: str = "grou
         compute_advantages(name, rewards=(torch.arange(group_size) % 2).float(), mask=torch.ones(group_size, 2),
                            group=torch.zeros(group_size, dtype=torch.long), energy=torch.ones(group_size, 2),
                            **options)
-        alone = compute_advantages(name, rewards=torch.ones(1), mask=torch.ones(1, 2),
-                                   group=torch.zeros(1, dtype=torch.long), energy=torch.ones(1, 2), **options)
+        alone = compute_advantages(name, rewards=torch.tensor([0.0, 1.0]), mask=torch.ones(2, 2),
+                                   group=torch.arange(2), energy=torch.ones(2, 2), **options)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{key}={group_size} with estimator {name!r} and options {options}: {err}") from None
     return bool(alone.abs().sum() > 0)

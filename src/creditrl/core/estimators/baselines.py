@@ -17,7 +17,7 @@ unless omega is constant, its direction. ``leave_one_out=True`` gives A^LOO.
 """
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 
 import torch
@@ -100,16 +100,28 @@ def dr_grpo(batch: AdvantageBatch) -> Tensor:
     return drop_singletons(centred(batch), batch.groups)
 
 
-@register_estimator("grpo")
-def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the group std before dividing (> 0)"] = 1e-6
-         ) -> Tensor:
-    """GRPO (Shao et al. 2024): A = (R - mean_g R) / (std_g R + eps), std with N-1, [B].
+GrpoScale = Annotated[Literal["group", "batch", "none"], "what the centred reward R - mean_g R is divided by: "
+                      "`group` its group's std (GRPO), `batch` the std of every reward in the batch (TRL's "
+                      "scale_rewards='batch', LitePPO), `none` nothing (Dr.GRPO)"]
 
-    All-equal rewards give 0 (0 / eps); singletons give 0. ``eps`` must be > 0.
+
+@register_estimator("grpo")
+def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the std before dividing (> 0)"] = 1e-6,
+         scale: GrpoScale = "group") -> Tensor:
+    """GRPO (Shao et al. 2024): A = (R - mean_g R) / (std + eps), std with N-1, [B].
+
+    ``scale`` picks the std (TRL's ``scale_rewards``): ``group`` the group's std_g R; ``batch``
+    the std of all B rewards of the batch (TRL's ``scale_rewards="batch"``: the group mean
+    stays the baseline, one scale for the batch; LitePPO, Liu et al. 2025); ``none`` no division
+    (= ``dr_grpo``; ``eps`` unused). All-equal rewards give 0 (0 / eps); singletons give 0 and
+    count in the batch std. ``eps`` must be > 0.
     """
     r = batch.rewards.to(torch.float64)
     check_range("eps", eps, 0.0, low_inclusive=False)
-    return drop_singletons(centred(batch) / (group_std(r, batch.groups) + eps), batch.groups)
+    if scale == "none":
+        return drop_singletons(centred(batch), batch.groups)
+    std = group_std(r, batch.groups) if scale == "group" else r.std(unbiased=True).nan_to_num(0.0)
+    return drop_singletons(centred(batch) / (std + eps), batch.groups)
 
 
 @register_estimator("rloo")

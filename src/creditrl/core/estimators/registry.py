@@ -35,6 +35,9 @@ class AdvantageBatch:
                           the caller's tensor); None when not given
     token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards
     gamma:         discount of the returns-to-go
+    components:    [B,K]  float64 reward components (one column per reward term, e.g. each of
+                          ``task.options.rewards``; NaN where a term gave no reward), or None
+    component_weights: [K] float64 each component's weight in the total reward (ones if not given)
     Derived: ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid tokens per response;
     ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
@@ -48,6 +51,8 @@ class AdvantageBatch:
     raw_energy: Tensor | None
     token_rewards: Tensor | None
     gamma: float = 1.0
+    components: Tensor | None = None
+    component_weights: Tensor | None = None
 
     @property
     def token_level(self) -> bool:
@@ -144,6 +149,8 @@ class EstimatorSpec:
     masked_output: bool = False  # a [B,T] result is already finite and exactly 0 where mask == 0
     k_range: KRange | None = None
     token_level: bool = False
+    reward_components: bool = False
+    batch_level: bool = False
 
     @cached_property
     def option_specs(self) -> list[OptionSpec] | None:
@@ -172,6 +179,10 @@ class EstimatorSpec:
             (self.needs_energy, "needs the energies ŵ_t"),
             (self.k_range is not None, f"k: {self.k_range.text() if self.k_range else ''} (N the group size)"),
             (self.token_level, "token-level returns G_t (token rewards, gamma)"),
+            (self.reward_components, "reads the reward components [B,K] (task.options.rewards; the total reward "
+                                     "when there are none)"),
+            (self.batch_level, "batch-level: its statistics span the batch, so an advantage depends on the other "
+                               "prompts' responses"),
             (self.leave_one_out, "has a leave_one_out form")) if flag]
 
     def resolve_options(self, options: dict, where: str | None = None, strict: bool = True) -> dict:
@@ -193,13 +204,18 @@ BUILTINS = "creditrl.core.estimators"
 
 
 def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange | None = None,
-                       token_level: bool = False, masked_output: bool = False, overwrite: bool = False):
+                       token_level: bool = False, reward_components: bool = False, batch_level: bool = False,
+                       masked_output: bool = False, overwrite: bool = False):
     """Decorator: register ``fn(batch: AdvantageBatch, **options) -> [B] | [B,T]`` under ``name``.
 
     The facts every front end reads, declared here once:
     ``needs_energy``: ``compute_advantages`` requires the ``energy`` argument;
     ``k_range``: a max@K estimator's ``KRange`` (``fn`` takes ``k``; checked per group before it runs);
     ``token_level``: it reads the returns-to-go G_t (so token rewards and ``gamma`` matter);
+    ``reward_components``: it reads ``batch.components`` [B,K], each reward term's own values (the
+    trainer and the TRL/verl plug-ins pass them; ``compute_advantages(components=...)`` from Python);
+    ``batch_level``: its statistics span the whole batch (a whitening, a batch std, the across-prompt
+    mean), so one group's advantages depend on the other groups (``grpo`` is, with ``scale="batch"``);
     ``masked_output``: a [B,T] result is finite and exactly 0 where mask == 0, so
     ``compute_advantages`` skips its checking pass (the built-in token-level estimators; tested).
     Re-registering a name raises unless ``overwrite=True`` (or it is the same function).
@@ -217,7 +233,8 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
                 getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
             raise ValueError(f"estimator {name!r} is already registered to {old.fn!r}; pass overwrite=True")
         doc = (fn.__doc__ or "").strip().splitlines()
-        spec = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output, k_range, token_level)
+        spec = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output, k_range, token_level,
+                             reward_components, batch_level)
         takes_k = "k" in (spec.options or {})
         if (k_range is not None) != takes_k and spec.options is not None:
             raise ValueError(f"estimator {name!r}: k_range is declared for estimators that take a `k` option, and "

@@ -1,0 +1,406 @@
+"""The field's estimators (issue 34): REINFORCE++(-baseline), MaxRL, the James–Stein shrinkage baseline,
+GDPO and grpo's ``scale``, each against a straightforward loop written here, plus the properties their
+papers guarantee (hypothesis). Equality with verl's and TRL's own code: test_integration_verl.py,
+test_integration_trl.py."""
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from creditrl import compute_advantages, list_estimators
+from creditrl.core.estimators import check_group_size
+from creditrl.core.estimators.labels import all_labels
+from creditrl.core.estimators.registry import get_estimator
+from test_leave_one_out import random_batch
+
+NEW = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "maxrl", "shrinkage", "gdpo")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_batch(seed: int, sizes=(3, 4, 1, 5, 2), token_rewards: bool = False):
+    """test_leave_one_out's batch (shuffled group ids, a singleton, holey masks, an empty response)
+    without energies."""
+    batch = random_batch(seed, sizes, token_rewards=token_rewards)
+    del batch["energy"]
+    return batch
+
+
+def members(group):
+    return {gid: [i for i in range(group.numel()) if group[i] == gid] for gid in group.unique().tolist()}
+
+
+def seq_rewards(batch):
+    r = batch["rewards"]
+    return [float((r[i] * batch["mask"][i]).sum()) if r.dim() == 2 else float(r[i]) for i in range(r.shape[0])]
+
+
+def loop_whiten(values, mask, eps):
+    """values[b][t] over the valid tokens: (x - mean) / sqrt(var_{n-1} + eps), 0 elsewhere."""
+    cells = [(b, t) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
+    n = len(cells)
+    mean = sum(values[b][t] for b, t in cells) / max(n, 1)
+    var = sum((values[b][t] - mean) ** 2 for b, t in cells) / max(n - 1, 1)
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for b, t in cells:
+        out[b, t] = (values[b][t] - mean) / math.sqrt(var + eps)
+    return out
+
+
+def loop_returns(batch, gamma):
+    mask, r = batch["mask"], batch["rewards"]
+    out = [[0.0] * mask.shape[1] for _ in range(mask.shape[0])]
+    for b in range(mask.shape[0]):
+        acc = 0.0
+        for t in reversed([t for t in range(mask.shape[1]) if mask[b, t]]):
+            acc = (float(r[b, t]) if r.dim() == 2 else 0.0) + gamma * acc
+            out[b][t] = acc if r.dim() == 2 else float(r[b])
+    return out
+
+
+def loop_centred(batch):
+    r, out = seq_rewards(batch), [0.0] * len(batch["group"])
+    for idx in members(batch["group"]).values():
+        if len(idx) > 1:
+            mean = sum(r[i] for i in idx) / len(idx)
+            for i in idx:
+                out[i] = r[i] - mean
+    return out
+
+
+def broadcast(values, mask):
+    return torch.tensor(values, dtype=torch.float64)[:, None] * mask
+
+
+def check(ours, ref, atol=2e-5):
+    torch.testing.assert_close(ours.double(), ref.double(), atol=atol, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- loop references
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("gamma", [1.0, 0.8])
+@pytest.mark.parametrize("token_rewards", [False, True])
+def test_reinforce_plus_plus_matches_loop(seed, gamma, token_rewards):
+    batch = make_batch(seed, token_rewards=token_rewards)
+    ours = compute_advantages("reinforce_plus_plus", **batch, gamma=gamma)
+    check(ours, loop_whiten(loop_returns(batch, gamma), batch["mask"], 1e-8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reinforce_plus_plus_baseline_matches_loop(seed):
+    batch = make_batch(seed)
+    per_row = loop_centred(batch)
+    values = [[per_row[b]] * batch["mask"].shape[1] for b in range(len(per_row))]
+    check(compute_advantages("reinforce_plus_plus_baseline", **batch, eps=1e-6),
+          loop_whiten(values, batch["mask"], 1e-6))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_maxrl_matches_loop(seed):
+    batch = make_batch(seed)
+    batch["rewards"][batch["group"] == 7] = 0.0          # a group of all-zero rewards: mean 0
+    r, out = seq_rewards(batch), [0.0] * len(batch["group"])
+    for idx in members(batch["group"]).values():
+        mean = sum(r[i] for i in idx) / len(idx)
+        if len(idx) > 1 and mean > 0:
+            for i in idx:
+                out[i] = (r[i] - mean) / mean
+    check(compute_advantages("maxrl", **batch), broadcast(out, batch["mask"]))
+
+
+def loop_shrinkage(batch, leave_one_out):
+    """The authors' construction, sample by sample (JSPO-Official compute_jspo_outcome_advantage), for
+    ``leave_one_out``; the leave-in form from every prompt. Singletons: 0."""
+    r, groups = seq_rewards(batch), members(batch["group"])
+    prompts = {g: idx for g, idx in groups.items() if len(idx) > 1}
+    out = [0.0] * len(r)
+
+    def stats(keys):
+        means = {g: sum(r[i] for i in prompts[g]) / len(prompts[g]) for g in keys}
+        noise = {g: sum((r[i] - means[g]) ** 2 for i in prompts[g]) / (len(prompts[g]) - 1) / len(prompts[g])
+                 for g in keys}
+        grand = sum(means.values()) / len(keys)
+        v2 = sum(noise.values()) / len(keys)
+        s2 = sum((m - grand) ** 2 for m in means.values()) / len(keys)
+        return grand, (v2 / (v2 + s2) if v2 + s2 > 0 else 0.0)
+
+    for g, idx in prompts.items():
+        others = [h for h in prompts if h != g]
+        if leave_one_out:
+            grand, lam = stats(others) if others else (0.0, 0.0)
+        else:
+            grand, lam = stats(list(prompts))
+        for i in idx:
+            own = [r[j] for j in idx if j != i] if leave_one_out else [r[j] for j in idx]
+            out[i] = r[i] - ((1 - lam) * sum(own) / len(own) + lam * grand)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_shrinkage_matches_loop(seed, leave_one_out):
+    batch = make_batch(seed)
+    check(compute_advantages("shrinkage", **batch, leave_one_out=leave_one_out),
+          broadcast(loop_shrinkage(batch, leave_one_out), batch["mask"]))
+
+
+def test_shrinkage_with_one_prompt_is_dr_grpo_or_rloo():
+    batch = make_batch(0, sizes=(5, 1))
+    check(compute_advantages("shrinkage", **batch), compute_advantages("dr_grpo", **batch))
+    check(compute_advantages("shrinkage", **batch, leave_one_out=True), compute_advantages("rloo", **batch))
+
+
+def loop_gdpo(components, weights, group, eps):
+    b, k = components.shape
+    z = [[0.0] * k for _ in range(b)]
+    for idx in members(group).values():
+        for c in range(k):
+            vals = [(i, float(components[i, c])) for i in idx if not math.isnan(float(components[i, c]))]
+            if len(vals) < 2:
+                continue
+            mean = sum(v for _, v in vals) / len(vals)
+            std = math.sqrt(sum((v - mean) ** 2 for _, v in vals) / (len(vals) - 1))
+            for i, v in vals:
+                z[i][c] = (v - mean) / (std + eps)
+    scored = [i for i in range(b) if not all(math.isnan(float(components[i, c])) for c in range(k))]
+    total = [sum(w * zc for w, zc in zip(weights, z[i])) for i in range(b)]
+    mean = sum(total[i] for i in scored) / len(scored)
+    std = math.sqrt(sum((total[i] - mean) ** 2 for i in scored) / (len(scored) - 1))
+    return [(total[i] - mean) / (std + eps) if i in scored else 0.0 for i in range(b)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gdpo_matches_loop(seed):
+    batch = make_batch(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    components = torch.stack([batch["rewards"], torch.randint(0, 3, batch["rewards"].shape, generator=g).float(),
+                              torch.rand(batch["rewards"].shape, generator=g)], 1)
+    components[1, 1] = float("nan")                      # a term that gave no reward
+    components[2] = float("nan")                         # a response no term scored
+    weights = [1.0, 0.5, -0.25]
+    ours = compute_advantages("gdpo", **batch, components=components, component_weights=weights, eps=1e-4)
+    check(ours, broadcast(loop_gdpo(components, weights, batch["group"], 1e-4), batch["mask"]))
+    # no components: the total reward is the one component
+    total = batch["rewards"][:, None]
+    check(compute_advantages("gdpo", **batch), broadcast(loop_gdpo(total, [1.0], batch["group"], 1e-6), batch["mask"]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_grpo_scale_matches_loop(seed, scale):
+    batch = make_batch(seed)
+    r, centred = seq_rewards(batch), loop_centred(batch)
+    groups = members(batch["group"])
+    out = []
+    for i, value in enumerate(centred):
+        idx = next(v for v in groups.values() if i in v)
+        if scale == "group":
+            mean = sum(r[j] for j in idx) / len(idx)
+            std = math.sqrt(sum((r[j] - mean) ** 2 for j in idx) / max(len(idx) - 1, 1))
+        elif scale == "batch":
+            mean = sum(r) / len(r)
+            std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))
+        else:
+            std = 1.0 - 1e-6
+        out.append(value / (std + 1e-6))
+    check(compute_advantages("grpo", **batch, scale=scale), broadcast(out, batch["mask"]))
+
+
+# ---------------------------------------------------------------- what the papers guarantee
+
+rewards_st = st.lists(st.integers(0, 4), min_size=6, max_size=12)
+
+
+def batch_from(values, group_size=3, steps=4):
+    rewards = torch.tensor(values[: len(values) // group_size * group_size], dtype=torch.float32)
+    group = torch.arange(rewards.numel()) // group_size
+    mask = torch.ones(rewards.numel(), steps)
+    return dict(rewards=rewards, mask=mask, group=group)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rewards_st, st.floats(0.1, 10.0), st.floats(-5.0, 5.0))
+def test_reinforce_plus_plus_is_whitened_and_affine_invariant(values, scale, shift):
+    batch = batch_from(values)
+    for name in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        adv = compute_advantages(name, **batch).double()
+        valid = batch["mask"].bool()
+        n = int(valid.sum())
+        assert abs(float(adv[valid].sum())) <= 1e-4 * n
+        second = float(adv[valid].square().sum()) / (n - 1)
+        assert second <= 1 + 1e-5 and (second == 0 or second >= 1 - 1e-3)   # variance/(variance+eps)
+        moved = compute_advantages(name, **{**batch, "rewards": batch["rewards"] * scale + shift}).double()
+        if second > 0.5:     # well above eps: whitening removes any affine change of the rewards
+            torch.testing.assert_close(moved, adv, atol=1e-3, rtol=1e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 1), min_size=6, max_size=12), st.floats(0.1, 10.0))
+def test_maxrl_reweights_successes_by_inverse_pass_rate(values, scale):
+    """Binary rewards: A_i + 1 = R_i / p̂ (the 1/p weighting of maximum likelihood), each group's
+    advantages sum to 0, the advantage does not depend on the reward's scale; p̂ = 0 gives 0."""
+    batch = batch_from(values)
+    adv = compute_advantages("maxrl", **batch)[:, 0].double()
+    r, group = batch["rewards"].double(), batch["group"]
+    for gid in group.unique():
+        rows = group == gid
+        p = float(r[rows].mean())
+        if p == 0:
+            assert torch.all(adv[rows] == 0)
+            continue
+        torch.testing.assert_close(adv[rows] + 1, r[rows] / p)
+        assert abs(float(adv[rows].sum())) < 1e-5
+    scaled = compute_advantages("maxrl", **{**batch, "rewards": batch["rewards"] * scale})[:, 0].double()
+    torch.testing.assert_close(scaled, adv, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rewards_st, st.integers(0, 5), st.floats(-3.0, 3.0))
+def test_shrinkage_leave_one_out_baseline_ignores_the_own_reward(values, which, delta):
+    """Unbiasedness of the paper's form: b_i does not depend on R_i, so changing R_i by δ changes A_i
+    by exactly δ."""
+    batch = batch_from(values)
+    which = which % batch["rewards"].numel()
+    base = compute_advantages("shrinkage", **batch, leave_one_out=True)[:, 0].double()
+    moved_rewards = batch["rewards"].clone()
+    moved_rewards[which] += delta
+    moved = compute_advantages("shrinkage", **{**batch, "rewards": moved_rewards}, leave_one_out=True)[:, 0].double()
+    assert abs(float(moved[which] - base[which]) - delta) < 1e-5
+
+
+@settings(max_examples=40, deadline=None)
+@given(rewards_st, st.floats(0.1, 10.0), st.floats(-5.0, 5.0))
+def test_shrinkage_baseline_lies_between_the_prompt_and_the_batch_mean(values, scale, shift):
+    batch = batch_from(values)
+    r, group = batch["rewards"].double(), batch["group"]
+    adv = compute_advantages("shrinkage", **batch)[:, 0].double()
+    baseline = r - adv
+    grand = float(torch.stack([r[group == g].mean() for g in group.unique()]).mean())
+    for gid in group.unique():
+        own = float(r[group == gid].mean())
+        low, high = min(own, grand), max(own, grand)
+        assert torch.all(baseline[group == gid] >= low - 1e-5) and torch.all(baseline[group == gid] <= high + 1e-5)
+    moved = compute_advantages("shrinkage", **{**batch, "rewards": batch["rewards"] * scale + shift})[:, 0].double()
+    torch.testing.assert_close(moved, adv * scale, atol=1e-4 * max(scale, 1), rtol=1e-4)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rewards_st, st.lists(st.floats(0.1, 10.0), min_size=2, max_size=2),
+       st.lists(st.floats(-5.0, 5.0), min_size=2, max_size=2))
+def test_gdpo_ignores_each_components_scale_and_offset(values, scales, shifts):
+    """The point of normalise-then-sum: each component's own affine scale (a > 0) drops out (up to eps),
+    so no term dominates by its units; each group's summed z-scores add up to 0."""
+    batch = batch_from(values)
+    second = torch.tensor(values[::-1][: batch["rewards"].numel()], dtype=torch.float32) % 3
+    components = torch.stack([batch["rewards"], second], 1)
+    adv = compute_advantages("gdpo", **batch, components=components, eps=1e-9)[:, 0].double()
+    moved = components * torch.tensor(scales) + torch.tensor(shifts)
+    again = compute_advantages("gdpo", **batch, components=moved, eps=1e-9)[:, 0].double()
+    torch.testing.assert_close(again, adv, atol=1e-4, rtol=1e-4)
+    for gid in batch["group"].unique():
+        assert abs(float(adv[batch["group"] == gid].sum())) < 1e-4
+
+
+@settings(max_examples=40, deadline=None)
+@given(rewards_st, st.floats(0.1, 10.0), st.floats(-5.0, 5.0))
+def test_grpo_batch_scale_is_dr_grpo_over_one_batch_std(values, scale, shift):
+    batch = batch_from(values)
+    r = batch["rewards"].double()
+    adv = compute_advantages("grpo", **batch, scale="batch", eps=1e-9).double()
+    expected = compute_advantages("dr_grpo", **batch).double() / (float(r.std()) + 1e-9)
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=1e-5)
+    if float(r.std()) > 0:
+        moved = compute_advantages("grpo", **{**batch, "rewards": batch["rewards"] * scale + shift},
+                                   scale="batch", eps=1e-9).double()
+        torch.testing.assert_close(moved, adv, atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- degenerate input, bad input
+
+
+def test_gdpo_components_that_cancel_give_zero_not_an_amplified_residue():
+    """z_1 = -z_2 in every response: S = 0 exactly, and the eps terms' residue divided by its own batch
+    spread would be O(1) advantages (TRL's and verl's formula do that)."""
+    r = torch.tensor([1.0, 0.0, 1.0, 3.0, 1.0, 3.0, 3.0, 4.0, 3.0])
+    mirrored = torch.stack([r, -3.0 * r + 1.0], 1)
+    for eps in (1e-9, 1e-6, 1e-4):
+        adv = compute_advantages("gdpo", rewards=r, mask=torch.ones(9, 2), group=torch.arange(9) // 3,
+                                 components=mirrored, eps=eps)
+        assert torch.equal(adv, torch.zeros(9, 2))
+
+
+def test_degenerate_batches_give_zero_not_nan():
+    batch = dict(rewards=torch.ones(6), mask=torch.ones(6, 3), group=torch.arange(6) // 3)
+    for name in NEW:
+        assert torch.equal(compute_advantages(name, **batch), torch.zeros(6, 3)), name
+    zero = dict(batch, rewards=torch.zeros(6))
+    assert torch.equal(compute_advantages("maxrl", **zero), torch.zeros(6, 3))
+    signed = dict(batch, rewards=torch.tensor([-1.0, 1.0, 0.0, 2.0, 0.0, 1.0]))       # first group: mean 0
+    adv = compute_advantages("maxrl", **signed)
+    assert torch.equal(adv[:3], torch.zeros(3, 3)) and torch.isfinite(adv).all()
+    one_token = dict(rewards=torch.tensor([0.0, 1.0]), mask=torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+                     group=torch.zeros(2, dtype=torch.long))
+    assert torch.equal(compute_advantages("reinforce_plus_plus", **one_token), torch.zeros(2, 2))
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(name="rloo", scale="batch"), r"rloo: unknown option\(s\) \['scale'\]; valid options are \[\]"),
+    (dict(name="gdpo", scale="batch"), r"gdpo: unknown option\(s\) \['scale'\]"),
+    (dict(name="grpo", scale="global"), r"grpo.scale: unknown value 'global'; valid values are \['group', 'batch', 'none'\]"),
+    (dict(name="reinforce_plus_plus", eps=0.0), r"eps: expected a value in \(0, inf\], got"),
+    (dict(name="gdpo", eps=-1.0), r"eps: expected a value in \(0, inf\], got"),
+    (dict(name="maxrl", leave_one_out=True), r"maxrl: unknown option\(s\) \['leave_one_out'\]"),
+    (dict(name="gdpo", components=torch.ones(6, 2, 1)), r"components: expected a 2-D tensor"),
+    (dict(name="gdpo", components=torch.ones(5, 2)), r"components: expected shape \[6, \*\], got \[5, 2\]"),
+    (dict(name="gdpo", components=torch.full((6, 2), float("inf"))), r"components: expected finite values or NaN"),
+    (dict(name="gdpo", components=torch.ones(6, 2), component_weights=[1.0]), r"component_weights: expected shape \[2\]"),
+    (dict(name="gdpo", component_weights=[1.0]), r"component_weights: given without components"),
+])
+def test_bad_options_are_refused_naming_the_key(call, message):
+    call = dict(call)
+    name = call.pop("name")
+    with pytest.raises((ValueError, TypeError), match=message):
+        compute_advantages(name, rewards=torch.ones(6), mask=torch.ones(6, 3), group=torch.arange(6) // 3, **call)
+
+
+def test_group_size_one():
+    """Singletons learn only where the estimator compares responses across prompts."""
+    assert check_group_size("reinforce_plus_plus", {}, 1)
+    for name in ("reinforce_plus_plus_baseline", "maxrl", "shrinkage", "gdpo"):
+        assert not check_group_size(name, {}, 1), name
+
+
+# ---------------------------------------------------------------- the registry reaches every front end
+
+
+def test_facts_are_declared_in_the_decorator():
+    assert get_estimator("reinforce_plus_plus").token_level and "gamma" in get_estimator("reinforce_plus_plus").options
+    assert not get_estimator("reinforce_plus_plus_baseline").token_level
+    assert get_estimator("gdpo").reward_components
+    assert {n for n in list_estimators() if get_estimator(n).batch_level} == {
+        "reinforce_plus_plus", "reinforce_plus_plus_baseline", "gdpo", "shrinkage"}
+    assert get_estimator("shrinkage").leave_one_out and "shrinkage+loo" in all_labels(None)
+    assert get_estimator("grpo").options["scale"] == "group"
+    assert set(NEW) <= set(list_estimators())
+
+
+def test_every_estimator_is_listed_by_the_cli_the_docs_and_the_readme():
+    env = {"PYTHONPATH": str(ROOT / "src"), "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "creditrl.cli", "estimators"], capture_output=True, text=True,
+                         env=env, timeout=120).stdout
+    config = (ROOT / "docs" / "config.md").read_text()
+    table = (ROOT / "README.md").read_text().split("## Estimators", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([a-z_+]+)` \|.*\| ([^|]+) \|$", table, re.M)}
+    for name in list_estimators():
+        assert name in out, name
+        assert f"### `{name}`" in config, name
+        assert name in rows and rows[name].strip(), f"README's estimator table lacks {name} or its source"
+    assert "algorithm.options.scale" in config
