@@ -8,6 +8,7 @@ Run directory (``train.output_dir/<run_name>``)::
     checkpoints/     step_*/ (atomic, last K; none when save_every=0)
     final/           save_pretrained model (LoRA: adapters) + tokenizer
     plots/*.png      summary.md / summary.json
+    precision.json   train.precision=auto: the probe's timings and the choice (also in config.yaml's comment)
 
 Determinism: every random draw comes from the task stream ``random.Random(seed)`` or the
 trainer's ``torch.Generator`` (both checkpointed); evals use their own seeded generator.
@@ -36,7 +37,7 @@ from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import learned_nothing, no_signal, plot_run, streak_warning, write_summary
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
-from creditrl.runtime.precision import Precision
+from creditrl.runtime.precision import Precision, PrecisionChoice
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
 from creditrl.recipe.build import build_task, check_lora_source, default_max_new_tokens, load_configured_policy
@@ -44,10 +45,12 @@ from creditrl.utils.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.errors import CreditrlError
 from creditrl.utils.plots import require_matplotlib
-from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
+from creditrl.utils.io import MANIFEST, atomic_directory, atomic_write_text, manifest_problem, write_manifest
+from creditrl.trainer.precision import resolve_precision
 from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
+PRECISION_RECORD = "precision.json"   # train.precision=auto: what was timed and chosen
 CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
 MAX_SKIPPED_STEPS = 3          # consecutive steps whose every update was non-finite: stop the run
 
@@ -117,6 +120,7 @@ class Trainer:
         if cfg.rollout.max_new_tokens is None:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new))
+        cfg, self.precision_choice = resolve_precision(cfg, self.model, self.tokenizer, self.task)
         self.cfg = cfg
         self.truncated_prompts = check_prompt_lengths(
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
@@ -133,6 +137,8 @@ class Trainer:
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = self.signal_streak = 0
         self.notes = precision_notes(self.model, cfg)
+        if self.precision_choice is not None:
+            self.notes.append(f"note: {self.precision_choice.text()}")
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":
@@ -261,7 +267,9 @@ class Trainer:
     def run(self) -> Path:
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(c, self.run_dir / "config.yaml")
+        if self.precision_choice is not None:       # kept for a resumed run, whose config holds the result
+            atomic_write_text(self.run_dir / PRECISION_RECORD, json.dumps(self.precision_choice.record(), indent=2))
+        save_config(c, self.run_dir / "config.yaml", comments=precision_comments(self.run_dir))
         logger = RunLogger(self.run_dir, report_to=c.logging.report_to, config=config_to_dict(c),
                            progress=self.progress, total_steps=c.train.steps, start_step=self.step)
         started = time.perf_counter() - self.elapsed
@@ -320,6 +328,8 @@ class Trainer:
             extra["resumed"] = "; ".join(resume_note(r) for r in resumes)
         if self.truncated_prompts:
             extra["truncated_prompts"] = self.truncated_prompts
+        if precision_comments(self.run_dir):
+            extra["precision"] = precision_comments(self.run_dir)[0]
         if c.model.name.startswith("builtin:"):
             info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
                                                    c.model.cache_dir)) or {}
@@ -342,6 +352,14 @@ class Trainer:
             self.tokenizer.save_pretrained(tmp)
             write_manifest(tmp, step=self.step)
         return final
+
+
+def precision_comments(run_dir: Path) -> list[str]:
+    """How ``train.precision`` was chosen (``PRECISION_RECORD``), as config.yaml's comment lines."""
+    path = run_dir / PRECISION_RECORD
+    if not path.is_file():
+        return []
+    return [PrecisionChoice.from_record(json.loads(path.read_text())).text()]
 
 
 def located(cfg: Config, run_dir: Path) -> Config:
