@@ -1,7 +1,9 @@
-"""creditrl's advantage estimators against verl's own functions (verl from PyPI), side by side.
+"""creditrl's advantage estimators against verl's own functions (verl from PyPI), side by side,
+with what creditrl's plug-ins (verl's registry, TRL's CreditGRPOTrainer) and input checks cost.
 
-    python benchmarks/bench_peers.py            # the issue's sizes: B = 1024 (64 x 16), T in {4096, 16384}
-    python benchmarks/bench_peers.py --quick    # small smoke run (also run by the tests)
+    python benchmarks/bench_peers.py                  # the issue's sizes: B = 1024 (64 x 16), T in {4096, 16384}
+    python benchmarks/bench_peers.py --lengths 4096   # one length
+    python benchmarks/bench_peers.py --quick          # small smoke run (also run by the tests)
 
 For every case the same inputs go to
 - ``verl``:     verl's function (``compute_optimal_token_baseline_advantage`` or, for masks with
@@ -12,25 +14,37 @@ For every case the same inputs go to
 - ``direct``:   ``creditrl.compute_advantages`` (OTB's energy computed from the same
                 ``old_log_probs``/``sum_pi_squared`` inside the timed call);
 - ``plug-in``:  creditrl through verl's registry (``get_adv_estimator_fn("creditrl_<name>")``),
-                i.e. what a verl run calls;
+                i.e. what a verl run calls (uids mapped, actor stats checked, returns built);
+- ``TRL hook``: ``CreditGRPOTrainer._advantages`` (what TRL's generation step calls: gathers,
+                the estimator, its logged metrics) against ``[B]``, the direct call on the same
+                inputs (sequence rewards, TRL's bool mask, the masked energy);
 with token rewards [B,T] as verl passes them (the score on each row's last valid token), and
-for ``direct`` also with sequence rewards [B]. Masks are right-padded (lengths uniform in
-[T/4, T]) or have 5% holes (masked tool tokens) inside each response. Times are medians of
-``--repeats`` interleaved rounds on ``--threads`` torch threads; ``speed-up`` is verl's time
-over creditrl's; ``max|diff|`` compares advantages on valid tokens (verl's OTB runs with
-``handle_zero_tail=False``, the variant that estimates the same baseline; on steps where a
-group has one live member creditrl gives exactly 0 and verl G·(1 - W/(W + 1e-8)), both ≈ 0).
+for ``[B]`` with sequence rewards [B]. Masks are right-padded (lengths uniform in [T/4, T]) or
+have 5% holes (masked tool tokens) inside each response.
+
+Times are the median and the best of ``--repeats`` interleaved rounds on ``--threads`` torch
+threads; ratios are given for both (the best is what a busy machine cannot inflate).
+``speed-up`` is verl's time over creditrl's direct call; ``max|diff|`` compares advantages on
+valid tokens (verl's OTB runs with ``handle_zero_tail=False``, the variant that estimates the
+same baseline; on steps where a group has one live member creditrl gives exactly 0 and verl
+G·(1 - W/(W + 1e-8)), both ≈ 0).
+
+The checks table times each input check of creditrl alone, on the same inputs, as a share of
+the direct call it guards (budget: all validation <= 10%).
 """
 from __future__ import annotations
 
 import argparse
-import platform
+import statistics
+from collections import defaultdict
 
 import numpy as np
 import torch
-from timing import interleaved
+from timing import cpu_name, interleaved_samples
 
 ESTIMATORS = ("otb", "grpo", "dr_grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+TARGETS = {"plug-in / direct": 1.2, "TRL hook / [B]": 1.2, "creditrl otb (plug-in) / verl otb": 1.8,
+           "validation share": 0.10}
 
 
 def make_inputs(num_groups: int, size: int, length: int, holes: bool, seed: int = 0,
@@ -51,8 +65,9 @@ def make_inputs(num_groups: int, size: int, length: int, holes: bool, seed: int 
     token_rewards = torch.zeros(batch, length)
     token_rewards[torch.arange(batch), last] = scores
     vocab_p = torch.rand(batch, length, generator=gen)
-    old_log_probs = torch.log(vocab_p.clamp(min=1e-4))
-    sum_pi_squared = vocab_p.square() + (1 - vocab_p).square() * torch.rand(batch, length, generator=gen)
+    # verl zero-pads the actor's per-token stats (no_padding_2_padding): 0 off the response
+    old_log_probs = torch.log(vocab_p.clamp(min=1e-4)) * mask
+    sum_pi_squared = (vocab_p.square() + (1 - vocab_p).square() * torch.rand(batch, length, generator=gen)) * mask
     index = np.array([f"uid-{g}" for g in range(num_groups) for _ in range(size)], dtype=object)
     return {"token_level_rewards": token_rewards, "response_mask": mask.to(mask_dtype), "index": index,
             "old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared, "scores": scores,
@@ -107,9 +122,54 @@ def plugin_call(name: str, inputs: dict):
     return lambda: fn(**kwargs, config=None)[0]
 
 
+def trl_inputs(name: str, inputs: dict) -> dict:
+    """What CreditGRPOTrainer hands its estimator: sequence rewards, bool mask, masked energy."""
+    from creditrl.integrations import energy_from_logp
+
+    mask = inputs["response_mask"].bool()
+    energy = None
+    if name == "otb":
+        energy = torch.where(mask, energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"]), 0.0)
+    return {"rewards": inputs["scores"], "group": inputs["group"], "mask": mask, "energy": energy}
+
+
+def trl_direct_call(name: str, inputs: dict):
+    from creditrl import compute_advantages
+
+    given = trl_inputs(name, inputs)
+    return lambda: compute_advantages(name, **given)
+
+
+def trl_hook_call(name: str, inputs: dict):
+    """``CreditGRPOTrainer._advantages`` on a trainer holding only what that method reads
+    (one CPU process: TRL's gathers return the tensors as they are)."""
+    from accelerate import Accelerator
+    from creditrl.integrations.trl import CreditGRPOTrainer
+
+    threads = torch.get_num_threads()
+    trainer = object.__new__(CreditGRPOTrainer)
+    trainer.accelerator = Accelerator(cpu=True)
+    torch.set_num_threads(threads)
+    trainer.estimator, trainer.estimator_kwargs = name, {}
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    given = trl_inputs(name, inputs)
+    scorable = torch.ones_like(given["rewards"], dtype=torch.bool)
+    return lambda: trainer._advantages("train", given["rewards"], given["group"], scorable, given["mask"],
+                                       given["energy"])
+
+
+def summarize(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """ms per callable: the median and the best of its samples."""
+    return {k: {"median": 1e3 * statistics.median(v), "best": 1e3 * min(v)} for k, v in samples.items()}
+
+
+COLUMNS = (("verl", "verl"), ("direct", "direct"), ("seq", "[B]"), ("plugin", "plug-in"), ("trl_hook", "TRL hook"))
+
+
 def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dtype: torch.dtype) -> list[dict]:
-    print(f"{'case':<54}{'verl ms':>9}{'direct ms':>11}{'[B] ms':>9}{'plug-in ms':>12}"
-          f"{'speed-up':>10}{'plug/direct':>13}{'max|diff|':>11}")
+    print("ms, median / best of the interleaved rounds")
+    print(f"{'case':<32}" + "".join(f"{label:>15}" for _, label in COLUMNS) +
+          f"{'verl/direct':>13}{'plug-in/direct':>16}{'hook/[B]':>12}{'max|diff|':>10}")
     rows = []
     for length in lengths:
         for holes in (False, True):
@@ -117,23 +177,79 @@ def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dty
             valid = inputs["response_mask"].bool()
             for name in ESTIMATORS:
                 fns = {"verl": verl_call(name, holes, inputs), "direct": creditrl_call(name, inputs, False),
-                       "seq": creditrl_call(name, inputs, True), "plugin": plugin_call(name, inputs)}
-                times = interleaved(fns, repeats, settle=1)
+                       "seq": creditrl_call(name, inputs, True), "plugin": plugin_call(name, inputs),
+                       "trl_direct": trl_direct_call(name, inputs), "trl_hook": trl_hook_call(name, inputs)}
+                times = summarize(interleaved_samples(fns, repeats, settle=1))
                 outs = {k: fn() for k, fn in fns.items()}
-                diff = max(float((outs[k] - outs["verl"])[valid].abs().max()) for k in ("direct", "seq", "plugin"))
-                ms = {k: 1e3 * t for k, t in times.items()}
-                case = f"{name:<28} T={length:<6} {'5% holes' if holes else 'right-padded'}"
-                row = {"case": case, **ms, "speedup": ms["verl"] / ms["direct"],
-                       "plugin_ratio": ms["plugin"] / ms["direct"], "diff": diff}
+                diff = max(float((outs[k] - outs["verl"])[valid].abs().max())
+                           for k in ("direct", "seq", "plugin", "trl_direct", "trl_hook"))
+                case = f"{name:<8} T={length:<6} {'5% holes' if holes else 'right-padded'}"
+                row = {"case": case, "name": name, "length": length, "holes": holes, "ms": times, "diff": diff}
+                for stat in ("median", "best"):
+                    t = {k: v[stat] for k, v in times.items()}
+                    row[stat] = {"speedup": t["verl"] / t["direct"], "plugin_ratio": t["plugin"] / t["direct"],
+                                 "hook_ratio": t["trl_hook"] / t["trl_direct"],
+                                 "otb_plugin_speedup": t["verl"] / t["plugin"]}
                 rows.append(row)
-                print(f"{case:<54}{ms['verl']:>9.1f}{ms['direct']:>11.1f}{ms['seq']:>9.1f}{ms['plugin']:>12.1f}"
-                      f"{row['speedup']:>9.2f}x{row['plugin_ratio']:>12.2f}x{diff:>11.1e}")
+                cells = "".join(f"{times[k]['median']:>8.1f}/{times[k]['best']:<6.1f}" for k, _ in COLUMNS)
+                ratios = "".join(f"{row['median'][k]:>{w - 6}.2f}/{row['best'][k]:<5.2f}"
+                                 for k, w in (("speedup", 13), ("plugin_ratio", 16), ("hook_ratio", 12)))
+                print(f"{case:<32}{cells}{ratios}{diff:>10.1e}")
     return rows
+
+
+def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
+    """Best ms of each of creditrl's input checks alone, on the inputs of one case."""
+    from creditrl.core.estimators import _non_negative_stats
+    from creditrl.integrations import energy_from_logp
+    from creditrl.integrations.verl import check_actor_stats, group_ids
+    from creditrl.utils.validate import FusedChecks, check_mask
+
+    mask, rewards = inputs["response_mask"], inputs["token_level_rewards"]
+    energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"])
+    totals = rewards.sum(1)
+
+    def one_read(stats):
+        checks = FusedChecks()
+        checks.add(stats, lambda v: None)
+        checks.run()
+
+    fns = {"mask: 0/1 rule": lambda: check_mask("mask", mask),
+           "rewards: finite": lambda: one_read(torch.isfinite(totals).all()),
+           "energy: finite, >= 0": lambda: one_read(_non_negative_stats(energy)),
+           "plug-in: actor stats on valid tokens": lambda: check_actor_stats(mask, inputs["old_log_probs"],
+                                                                             inputs["sum_pi_squared"]),
+           "plug-in: uids -> group ids": lambda: group_ids(inputs["index"], mask.shape[0], mask.device)}
+    return {k: v["best"] for k, v in summarize(interleaved_samples(fns, repeats, settle=1)).items()}
+
+
+def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
+    """The checks' cost against the direct and plug-in calls they guard; returns the largest share."""
+    costs = check_costs(inputs, repeats)
+    print(f"\ninput checks, best ms, on the inputs of T={rows[0]['length']} right-padded "
+          "(the direct call runs the first three, the plug-in all)")
+    for name, ms in costs.items():
+        print(f"  {name:<40}{ms:>8.3f}")
+    direct = sum(v for k, v in costs.items() if not k.startswith("plug-in"))
+    worst = 0.0
+    for row in rows:
+        if row["length"] != rows[0]["length"] or row["holes"]:
+            continue
+        own = direct - (costs["energy: finite, >= 0"] if row["name"] != "otb" else 0.0)
+        plug = own + costs["plug-in: actor stats on valid tokens"] * (row["name"] == "otb") + \
+            costs["plug-in: uids -> group ids"]
+        share, plug_share = own / row["ms"]["direct"]["best"], plug / row["ms"]["plugin"]["best"]
+        worst = max(worst, share, plug_share)
+        print(f"  {row['name']:<8} validation {own:6.2f} ms = {share:6.1%} of the direct call "
+              f"({row['ms']['direct']['best']:.1f} ms); plug-in {plug:6.2f} ms = {plug_share:6.1%} of "
+              f"{row['ms']['plugin']['best']:.1f} ms")
+    return worst
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="B = 64 (4 x 16), T in {256}: a smoke run")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help="response lengths T")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--mask-dtype", default="float32", choices=["float32", "int64", "bool"],
@@ -144,17 +260,23 @@ def main(argv: list[str] | None = None) -> None:
     import verl
 
     mask_dtype = getattr(torch, args.mask_dtype)
-    print(f"verl {verl.__version__}, torch {torch.__version__}, {args.threads} threads, "
-          f"{platform.processor() or platform.machine()}; median of {args.repeats} interleaved rounds; "
-          f"response_mask {args.mask_dtype}")
-    if args.quick:
-        rows = bench([256], 4, 16, 3, mask_dtype)
-    else:
-        rows = bench([4096, 16384], 64, 16, args.repeats, mask_dtype)
-    worst = {name: min(r["speedup"] for r in rows if r["case"].startswith(name + " ")) for name in ESTIMATORS}
-    print("slowest speed-up per estimator (verl / direct): " +
-          ", ".join(f"{k} {v:.2f}x" for k, v in worst.items()))
-    print(f"largest plug-in / direct ratio: {max(r['plugin_ratio'] for r in rows):.2f}x; "
+    lengths, groups, repeats = ([256], 4, 3) if args.quick else (args.lengths, 64, args.repeats)
+    print(f"verl {verl.__version__}, torch {torch.__version__}, {args.threads} threads, {cpu_name()}; "
+          f"B = {groups * 16} ({groups} x 16); {repeats} interleaved rounds; response_mask {args.mask_dtype}")
+    rows = bench(lengths, groups, 16, repeats, mask_dtype)
+    share = print_check_costs(rows, make_inputs(groups, 16, lengths[0], False, mask_dtype=mask_dtype), repeats)
+    print()
+    for stat in ("median", "best"):
+        worst = {name: min(r[stat]["speedup"] for r in rows if r["name"] == name) for name in ESTIMATORS}
+        otb = min(r[stat]["otb_plugin_speedup"] for r in rows if r["name"] == "otb")
+        print(f"{stat}: slowest speed-up per estimator (verl / direct): " +
+              ", ".join(f"{k} {v:.2f}x" for k, v in worst.items()) +
+              f"; largest plug-in / direct {max(r[stat]['plugin_ratio'] for r in rows):.2f}x "
+              f"(target <= {TARGETS['plug-in / direct']}x); largest TRL hook / [B] "
+              f"{max(r[stat]['hook_ratio'] for r in rows):.2f}x (target <= {TARGETS['TRL hook / [B]']}x); "
+              f"creditrl otb through the plug-in / verl's otb, slowest {otb:.2f}x "
+              f"(target >= {TARGETS['creditrl otb (plug-in) / verl otb']}x)")
+    print(f"largest validation share {share:.1%} (target <= {TARGETS['validation share']:.0%}); "
           f"largest max|diff|: {max(r['diff'] for r in rows):.1e}")
 
 

@@ -20,14 +20,17 @@ x 8 = 16 completions per step, <= 32 new tokens, temperature 0.7; both stop at `
     python benchmarks/bench_trainer.py --model builtin:smollm2-135m --threads 2 --steps 6
     python benchmarks/bench_trainer.py --precision fp32  # one precision only
     python benchmarks/bench_trainer.py --trl-overhead [--model ...]  # CreditGRPOTrainer vs GRPOTrainer
+    python benchmarks/bench_trainer.py --profile --model builtin:smollm2-135m --threads 2 --precision fp32
 
-Prints the median steps/s and completion tokens/s of interleaved repeats and the ratio
-creditrl / TRL (target >= 1.5x). Timings on a shared machine are noisy; run it on an idle
-one for numbers you quote.
+Prints the median steps/s and completion tokens/s of interleaved repeats, their spread
+((max - min) / median) and each run's steps/s, and the ratio creditrl / TRL (target >= 1.5x on
+builtin:tiny, >= 2.5x on SmolLM2, best against best). Timings on a shared machine are noisy;
+run it on an idle one for numbers you quote.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -36,6 +39,7 @@ import time
 import warnings
 
 import torch
+from timing import cpu_name
 
 from creditrl.config import load_config
 from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
@@ -64,7 +68,7 @@ def setup(seed: int = 0):
     return task, tok, model
 
 
-def bench_creditrl(steps: int, warmup: int, max_len: int, precision: str) -> dict:
+def bench_creditrl(steps: int, warmup: int, max_len: int, precision: str, clock=None) -> dict:
     task, tok, model = setup()
     s = SETTINGS[MODEL]
     prompts, group = s["prompts"], s["group"]
@@ -79,12 +83,17 @@ def bench_creditrl(steps: int, warmup: int, max_len: int, precision: str) -> dic
     for i in range(warmup + steps):
         if i == warmup:
             start, tokens = time.perf_counter(), 0
-        with Precision(precision).autocast(model):          # sampling as the trainer does it (the update sets its own)
+            if clock is not None:
+                clock.attach(model)
+        with (clock.phase("sampling") if clock else contextlib.nullcontext()), Precision(precision).autocast(model):
             batch = generate_rollouts(model, tok, task, [task.sample(rng) for _ in range(prompts)], group_size=group,
                                       max_new_tokens=max_len, generator=gen, temperature=s["temperature"])
-        learner.update(batch, gen)
+        with clock.phase("update") if clock else contextlib.nullcontext():
+            learner.update(batch, gen)
         tokens += batch.num_tokens
     elapsed = time.perf_counter() - start
+    if clock is not None:
+        clock.detach()
     return {"steps_per_s": steps / elapsed, "tokens_per_s": tokens / elapsed,
             "mean_len": tokens / steps / (prompts * group)}
 
@@ -170,6 +179,9 @@ def main() -> None:
                         help="precisions timed for both trainers (default both; the ratios take each trainer's best)")
     parser.add_argument("--trl-overhead", action="store_true", help="time CreditGRPOTrainer (grpo, otb) against "
                         "plain GRPOTrainer with identical settings (gradient checkpointing off) instead")
+    parser.add_argument("--profile", action="store_true", help="where creditrl's step goes (first --precision, "
+                        "first --threads): sampling / update split into forward, token_stats, backward, optimizer "
+                        "and the rest, against this CPU's matmul throughput, instead of the comparison")
     args = parser.parse_args()
     global MODEL
     MODEL = args.model
@@ -179,6 +191,8 @@ def main() -> None:
     steps = args.steps or (4 if args.quick else 12)
     repeats = args.repeats or (1 if args.quick else 3)
     warmup = 2
+    if args.profile:
+        return profile(steps, warmup, args.max_len, args.precision[0], args.threads[0])
     # interleave trainers and thread counts so a load change on a shared machine hits all alike
     benches = OVERHEAD if args.trl_overhead else trainers(args.precision)
     runs = {(threads, name): [] for threads in args.threads for name, _ in benches}
@@ -195,11 +209,12 @@ def main() -> None:
         med = {name: {k: statistics.median(r[k] for r in runs[threads, name]) for k in runs[threads, name][0]}
                for name, _ in benches}  # per-metric medians
         print(f"\ntorch threads {threads}")
-        print(f"{'':<48}{'steps/s':>9}{'tokens/s':>10}{'mean len':>10}   steps/s of each run")
+        print(f"{'':<48}{'steps/s':>9}{'spread':>9}{'tokens/s':>10}{'mean len':>10}   steps/s of each run")
         for name, r in med.items():
-            each = " ".join(f"{x['steps_per_s']:.2f}" for x in runs[threads, name])
-            print(f"{name:<48}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>10.1f}{r['mean_len']:>10.2f}"
-                  f"   {each}")
+            each = [x["steps_per_s"] for x in runs[threads, name]]
+            spread = (max(each) - min(each)) / r["steps_per_s"]
+            print(f"{name:<48}{r['steps_per_s']:>9.3f}{spread:>9.0%}{r['tokens_per_s']:>10.1f}{r['mean_len']:>10.2f}"
+                  f"   {' '.join(f'{x:.3f}' for x in each)}")
         if args.trl_overhead:
             plain = med["TRL GRPOTrainer"]["steps_per_s"]
             for name, target in OVERHEAD_TARGETS.items():
@@ -209,9 +224,26 @@ def main() -> None:
         print_ratios(med, args.precision)
 
 
+def profile(steps: int, warmup: int, max_len: int, precision: str, threads: int) -> None:
+    """creditrl's step, part by part (``step_profile``), against this CPU's matmul throughput."""
+    from step_profile import StepClock, matmul_gflops
+
+    torch.set_num_threads(threads)
+    hidden = setup()[2].config.hidden_size
+    inner = setup()[2].config.intermediate_size
+    peak = {rows: matmul_gflops(rows, hidden, inner) for rows in (16, 512)}
+    clock = StepClock()
+    result = bench_creditrl(steps, warmup, max_len, precision, clock)
+    print(f"creditrl {precision}, {MODEL}, {threads} torch thread(s), {cpu_name()}: {result['steps_per_s']:.3f} "
+          f"steps/s, {result['mean_len']:.1f} tokens per completion; {steps} timed steps")
+    print(f"this CPU's fp32 matmul [rows, {hidden}] @ [{hidden}, {inner}]: {peak[16]:.0f} GFLOP/s at 16 rows "
+          f"(a decoding step's shape), {peak[512]:.0f} GFLOP/s at 512 rows (the peak below)")
+    print("\n".join(clock.report(steps, peak[512])))
+
+
 def print_ratios(med: dict, precisions: list[str]) -> None:
     """creditrl / TRL in each precision side by side, then each trainer at its best precision."""
-    target = 1.5 if MODEL == "builtin:tiny" else 2.0
+    target = 1.5 if MODEL == "builtin:tiny" else 2.5
     for p in precisions:
         ours = med[f"creditrl {p}"]
         for name, r in med.items():

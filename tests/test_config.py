@@ -33,7 +33,7 @@ def test_packaged_reasoning_gym_config_loads_and_builds_its_task():
     cfg = resolve_config(load_config("smollm2-reasoning-gym"))
     assert cfg.model.name == "builtin:smollm2-135m" and cfg.task.name == "reasoning_gym"
     assert cfg.task.options["dataset"] == "basic_arithmetic" and cfg.rollout.stop == ["</answer>"]
-    assert cfg.train.precision == "bf16" and cfg.rollout.max_new_tokens == 12
+    assert cfg.train.precision == "auto" and cfg.rollout.max_new_tokens == 12
     task = build_task(cfg)
     test = task.test_set()
     assert len(test) == cfg.task.options["test_size"] == cfg.train.eval_problems

@@ -305,7 +305,12 @@ class CreditGRPOTrainer(GRPOTrainer):
         return energy_from_logp(old, torch.cat(taken, dim=0)[:, -old.shape[1]:].exp())
 
     def _gather_rows(self, x: Tensor) -> Tensor:
-        """[B_local, T_local] of every process -> [B_all, T_max] (zero-padded on the right)."""
+        """[B_local, T_local] of every process -> [B_all, T_max] (zero-padded on the right); ``x``
+        itself in a single process (nothing to pad or gather)."""
+        if self.accelerator.num_processes == 1:
+            return x
+        if x.dtype == torch.bool:                 # collectives move numbers
+            return self._gather_rows(x.int()).bool()
         return self.accelerator.gather(self.accelerator.pad_across_processes(x, dim=1, pad_index=0))
 
     def _generate_and_score_completions(self, inputs):
@@ -362,22 +367,28 @@ class CreditGRPOTrainer(GRPOTrainer):
     def _advantages(self, mode: str, rewards: Tensor, group: Tensor, scorable: Tensor, mask: Tensor,
                     energy: Tensor | None, components: Tensor | None = None) -> Tensor:
         """creditrl's advantages of this process's rows [B_local, T]: rewards, group, scorable are
-        [B_all] for every process in process order; mask, energy are this process's [B_local, T]
-        (gathered here, zero-padded to the longest completion); components [B_all, reward funcs] for
-        gdpo. Rows not scorable (or filtered out) stay out of the estimator. Logs the rollout metrics."""
+        [B_all] for every process in process order; mask, energy (0 off the mask) are this
+        process's [B_local, T] (gathered here, zero-padded to the longest completion); components
+        [B_all, reward funcs] for gdpo. Rows not scorable (or filtered out) stay out of the estimator.
+        Logs the rollout metrics from masked sums (advantages are exactly 0 off the mask), one host read."""
         local_rows, steps = mask.shape
-        all_mask = self._gather_rows(mask.int()).bool() & scorable.bool()[:, None]
+        all_mask = self._gather_rows(mask)
+        if not bool(scorable.all()):
+            all_mask = all_mask & scorable.bool()[:, None]
         all_energy = None if energy is None else self._gather_rows(energy)
         estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
         advantages = self._estimate(rewards, all_mask, group, scorable.bool(), estimator_energy, components)
         self.last_rollout = {"components": components}
         start = self.accelerator.process_index * local_rows
         advantages = advantages[start:start + local_rows, :steps]
-        metrics = {"advantage_abs_mean": advantages[mask].abs().mean() if mask.any() else advantages.new_zeros(())}
+        tokens = torch.count_nonzero(mask).clamp(min=1)  # (integer sums of bools cast element by element)
+        metrics = {"advantage_abs_mean": torch.linalg.vector_norm(advantages, 1) / tokens}
         if energy is not None:
-            metrics["energy_mean"] = energy[mask].mean() if mask.any() else energy.new_zeros(())
-            metrics["power_proxy"] = power_proxy(advantages, energy, mask)
-        self._log_creditrl(mode, {k: float(v) for k, v in metrics.items()})
+            metrics["energy_mean"] = energy.sum() / tokens
+        values = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))
+        if energy is not None:
+            values["power_proxy"] = power_proxy(advantages, energy, mask)
+        self._log_creditrl(mode, values)
         self.last_rollout.update(rewards=rewards, group=group, mask=mask, energy=energy, advantages=advantages,
                                  estimator_mask=all_mask)
         return advantages

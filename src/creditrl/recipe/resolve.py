@@ -16,7 +16,7 @@ from creditrl.core.estimators import check_group_size
 from creditrl.core.estimators.labels import label_options
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import get_loss_term, list_loss_terms
-from creditrl.runtime.precision import Precision
+from creditrl.runtime.precision import UNTIMED_MODELS, Precision
 from creditrl.tasks import task_options
 from creditrl.utils.options import coerce, instantiate
 
@@ -30,10 +30,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def precision_of(cfg: Config) -> Precision:
-    """The run's ``Precision``, checked against its device."""
-    precision = Precision(cfg.train.precision)
+    """The run's ``Precision``, checked against its device. ``auto`` stays unresolved (the trainer
+    times the model when a run starts, ``trainer.precision``) except for the models it does not
+    time (builtin:tiny: fp32)."""
+    name = cfg.train.precision
+    precision = Precision("fp32" if name == "auto" and cfg.model.name in UNTIMED_MODELS else name)
     precision.check_device(resolve_device(cfg.train.device))
     return precision
+
 
 def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
     """(estimator name, its options with defaults filled, whether it needs energies)."""

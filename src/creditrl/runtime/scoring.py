@@ -83,7 +83,10 @@ def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
     if bool(differ.any()):
         raise ValueError(f"group: expected rows of one group to share their first {p} (prompt) columns, "
                          f"got different prompts in rows {torch.nonzero(differ).flatten().tolist()[:10]}")
-    prefix = model(input_ids=input_ids[first_row, :p], attention_mask=attention_mask[first_row, :p],
+    # one embedding lookup for every call below: its backward builds one dense [V, d] gradient
+    # (zeroed, scattered into, added to a tied output head's) instead of one per call
+    embeds = model.get_input_embeddings()(input_ids)
+    prefix = model(inputs_embeds=embeds[first_row, :p], attention_mask=attention_mask[first_row, :p],
                    position_ids=position_ids[first_row, :p], use_cache=True, logits_to_keep=1)
     kv = [(layer.keys, layer.values) for layer in prefix.past_key_values.layers]
     head = token_stats(prefix.logits[inverse], tokens[:, :1], mask[:, :1], temperature=temperature, **kwargs)
@@ -97,7 +100,7 @@ def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
         w = int(lengths[rows[-1]])                           # tokens 1..w-1 need inputs 0..w-2
         if w > 1:
             cache = type(prefix.past_key_values)(ddp_cache_data=[(k[inverse[rows]], v[inverse[rows]]) for k, v in kv])
-            out = model(input_ids=tokens[rows, :w - 1], attention_mask=attention_mask[rows, :p + w - 1],
+            out = model(inputs_embeds=embeds[rows, p:p + w - 1], attention_mask=attention_mask[rows, :p + w - 1],
                         position_ids=position_ids[rows, p:p + w - 1], past_key_values=cache, use_cache=True)
             stats = token_stats(out.logits, tokens[rows, 1:w], mask[rows, 1:w], temperature=temperature, **kwargs)
             pieces.append({f: torch.nn.functional.pad(getattr(stats, f), (0, width - p - w)) for f in names})

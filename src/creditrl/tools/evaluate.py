@@ -4,6 +4,7 @@ model the config keys name. Prints JSON."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from creditrl.config import apply_overrides, eval_settings, load_config, load_saved_config
@@ -13,6 +14,7 @@ from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
 from creditrl.runtime.evaluation import evaluate
 from creditrl.trainer.checkpoint import list_checkpoints
 from creditrl.trainer.loop import final_problem
+from creditrl.trainer.precision import resolve_precision
 from creditrl.utils import cli
 from creditrl.utils.rundir import check_writable
 
@@ -106,6 +108,9 @@ def run(args) -> int:
         check_writable(Path(args.out).expanduser().resolve().parent, "--out")
     model, tokenizer = load_configured_policy(cfg, task, resolve_device(cfg.train.device), not args.no_progress,
                                               name=weights)
+    cfg, choice = resolve_precision(cfg, model, tokenizer, task)     # auto: timed on this model
+    if choice is not None:
+        print(f"note: {choice.text()}", file=sys.stderr)
     r = cfg.rollout
     with precision_of(cfg).autocast(model):
         result = evaluate(model, tokenizer, task, problems, n=n, ks=ks, temperature=r.temperature, top_p=r.top_p,

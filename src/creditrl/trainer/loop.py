@@ -8,6 +8,7 @@ Run directory (``train.output_dir/<run_name>``)::
     checkpoints/     step_*/ (atomic, last K; none when save_every=0)
     final/           save_pretrained model (LoRA: adapters) + tokenizer
     plots/*.png      summary.md / summary.json
+    precision.json   train.precision=auto: the probe's timings and the choice (also in config.yaml's comment)
 
 Determinism: every random draw comes from the task stream ``random.Random(seed)`` or the
 trainer's ``torch.Generator`` (both checkpointed); evals use their own seeded generator.
@@ -38,7 +39,7 @@ from creditrl.trainer.report import diagnosis_section, learned_nothing, no_signa
 from creditrl.trainer.report import write_summary
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
-from creditrl.runtime.precision import Precision
+from creditrl.runtime.precision import Precision, PrecisionChoice
 from creditrl.runtime.dynamic_sampling import sample_varying_groups
 from creditrl.runtime.rollout import RolloutBatch, concat_rollouts, generate_rollouts, rollout_metrics, sample_metrics
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
@@ -50,10 +51,12 @@ from creditrl.utils.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.errors import CreditrlError
 from creditrl.utils.plots import require_matplotlib
-from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
+from creditrl.utils.io import MANIFEST, atomic_directory, atomic_write_text, manifest_problem, write_manifest
+from creditrl.trainer.precision import resolve_precision
 from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
+PRECISION_RECORD = "precision.json"   # train.precision=auto: what was timed and chosen
 CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
 MAX_SKIPPED_STEPS = 3          # consecutive steps whose every update was non-finite: stop the run
 
@@ -135,6 +138,7 @@ class Trainer:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new))
             check_overlong(cfg.rollout.overlong, max_new)
+        cfg, self.precision_choice = resolve_precision(cfg, self.model, self.tokenizer, self.task)
         self.cfg = cfg
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.truncated_prompts = check_prompt_lengths(
@@ -153,6 +157,8 @@ class Trainer:
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = self.signal_streak = 0
         self.notes = precision_notes(self.model, cfg) + component_notes(cfg)
+        if self.precision_choice is not None:
+            self.notes.append(f"note: {self.precision_choice.text()}")
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":
@@ -331,7 +337,9 @@ class Trainer:
     def run(self) -> Path:
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(c, self.run_dir / "config.yaml")
+        if self.precision_choice is not None:       # kept for a resumed run, whose config holds the result
+            atomic_write_text(self.run_dir / PRECISION_RECORD, json.dumps(self.precision_choice.record(), indent=2))
+        save_config(c, self.run_dir / "config.yaml", comments=precision_comments(self.run_dir))
         logger = RunLogger(self.run_dir, report_to=c.logging.report_to, config=config_to_dict(c),
                            progress=self.progress, total_steps=c.train.steps, start_step=self.step)
         started = time.perf_counter() - self.elapsed
@@ -390,6 +398,8 @@ class Trainer:
             extra["resumed"] = "; ".join(resume_note(r) for r in resumes)
         if self.truncated_prompts:
             extra["truncated_prompts"] = self.truncated_prompts
+        if precision_comments(self.run_dir):
+            extra["precision"] = precision_comments(self.run_dir)[0]
         if c.model.name.startswith("builtin:"):
             info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
                                                    c.model.cache_dir)) or {}
@@ -424,6 +434,14 @@ def step_diagnosis(model, cfg: Config, learner: Learner) -> StepDiagnosis:
     return StepDiagnosis(model, rows, configured, learner.loss.loss, temperature=cfg.rollout.temperature,
                          window=cfg.logging.diagnose_window, groups=cfg.rollout.prompts_per_step,
                          seed=cfg.train.seed)
+
+
+def precision_comments(run_dir: Path) -> list[str]:
+    """How ``train.precision`` was chosen (``PRECISION_RECORD``), as config.yaml's comment lines."""
+    path = run_dir / PRECISION_RECORD
+    if not path.is_file():
+        return []
+    return [PrecisionChoice.from_record(json.loads(path.read_text())).text()]
 
 
 def located(cfg: Config, run_dir: Path) -> Config:

@@ -189,7 +189,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, **fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.precision = precision_of(cfg)
+        self.precision = precision_of(cfg).require_resolved()     # auto: resolved by the Trainer first
         self.scaler = torch.amp.GradScaler("cuda") if self.precision.scales_loss else None
         self.estimator, self.estimator_options, self.needs_energy = estimator_from_config(cfg)
         self.loss = policy_loss_from_config(cfg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -109,14 +109,8 @@ def check_same_shape(a_name: str, a: Tensor, b_name: str, b: Tensor) -> None:
 
 def as_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
     """Check a [B,T] mask (bool, or numeric holding only 0/1), against ``shape`` when given; return bool."""
-    mask = check_tensor(name, mask, ndim=2) if shape is None else check_tensor(name, mask, shape=list(shape))
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_complex():
-        raise TypeError(f"{name}: expected a bool or 0/1 mask, got dtype {mask.dtype}")
-    if bool(((mask != 0) & (mask != 1)).any()):
-        _raise_not_0_1(name, mask)
-    return mask != 0
+    mask = check_mask(name, mask, shape)
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
 def _raise_not_0_1(name: str, mask: Tensor) -> None:
@@ -126,43 +120,95 @@ def _raise_not_0_1(name: str, mask: Tensor) -> None:
                      f"(dtype {mask.dtype}) in rows {bad_rows(outside)}")
 
 
-ONE_FLOAT32_BITS = 0x3F800000  # the bit pattern of 1.0f
+ONE_FLOAT32_BITS = 0x3F800000       # the bit pattern of 1.0f
+INF_FLOAT32_BITS = 0x7F800000       # the bit pattern of +inf
 
 
-def _check_ones(name: str, mask: Tensor, nonzero: int) -> Tensor:
-    """``mask`` (float, values known to lie in [0, 1]) holds only 0 and 1: its sum equals its
-    number of nonzeros (row sums of 0/1 values are exact integers, totalled in float64)."""
-    if float(mask.sum(1, dtype=torch.float32).double().sum()) != nonzero:
-        _raise_not_0_1(name, mask)
-    return mask
+def float32_bits(x: Tensor) -> Tensor:
+    """The int32 view of a float32 tensor (no copy). Non-negative floats order like their bit
+    patterns, so one integer ``aminmax`` over it (twice as fast as the float one, which must
+    propagate NaN) bounds the values: ``0 <= low`` and ``high < INF_FLOAT32_BITS`` mean every value
+    is finite and >= +0.0 (-0.0, negatives and NaNs of either sign fall outside)."""
+    return x.view(torch.int32)
+
+
+class FusedChecks:
+    """Several checks' statistics, reduced where the tensors live and read back in one transfer.
+
+    ``add(stats, verdict)`` queues a check: ``stats`` a tensor of a few statistics (reductions,
+    computed now, not read), ``verdict(values)`` their values as Python floats, called in the
+    order added once all are read; it raises on a failure (after an exact, slower pass that
+    names the rows, where needed) and may return anything. ``run()`` does the one host read
+    (one device sync on a GPU, however many checks) and returns the verdicts' results.
+    """
+
+    def __init__(self):
+        self._pending: list[tuple[Tensor, Callable[[list[float]], Any]]] = []
+
+    def add(self, stats: Tensor, verdict: Callable[[list[float]], Any]) -> int:
+        """Queue a check; returns its index in ``run()``'s results."""
+        self._pending.append((stats.reshape(-1), verdict))
+        return len(self._pending) - 1
+
+    def run(self) -> list[Any]:
+        if not self._pending:
+            return []
+        values = torch.cat([stats.to(torch.float64) for stats, _ in self._pending]).tolist()
+        results, start = [], 0
+        for stats, verdict in self._pending:
+            results.append(verdict(values[start:start + stats.numel()]))
+            start += stats.numel()
+        self._pending = []
+        return results
+
+
+def mask_stats(mask: Tensor, *, bits: bool = True) -> Tensor | None:
+    """The statistics of the 0/1 rule for a numeric mask, float64 [2] or [4] (None for bool:
+    nothing to check), reduced on the mask's device and not read.
+
+    Integers: min, max. Floats: min, max, the number of nonzeros, the total of the row sums; on
+    the int32 bit patterns for float32 (``bits``; non-negative floats order like them, and the
+    integer passes are twice as fast). Inside [0, 1], sum == number of nonzeros means every
+    nonzero is 1: row sums of 0/1 values are exact integers, totalled in float64."""
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return None
+    if not mask.is_floating_point():
+        return torch.stack(torch.aminmax(mask)).to(torch.float64)
+    values = float32_bits(mask) if bits and mask.dtype == torch.float32 else mask
+    low, high = torch.aminmax(values)
+    total = mask.sum(1, dtype=torch.float32).to(torch.float64).sum()
+    return torch.stack([low.to(torch.float64), high.to(torch.float64),
+                        torch.count_nonzero(values).to(torch.float64), total])
+
+
+def mask_verdict(name: str, mask: Tensor, values: list[float], *, bits: bool = True) -> None:
+    """Raise unless ``values`` (``mask_stats`` of ``mask``) show a 0/1 mask. When the float32
+    bit-pattern test fails (e.g. on -0.0, whose pattern is negative) the value test decides."""
+    on_bits = bits and mask.dtype == torch.float32
+    one = ONE_FLOAT32_BITS if on_bits else 1
+    low, high = values[:2]
+    if low >= 0 and high <= one and (not mask.is_floating_point() or values[2] == values[3]):
+        return
+    if on_bits:
+        return mask_verdict(name, mask, mask_stats(mask, bits=False).tolist(), bits=False)
+    _raise_not_0_1(name, mask)
 
 
 def check_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
-    """The one mask rule (bool, or numeric holding only 0/1) checked in a few cheap read passes,
-    without a copy; returns ``mask`` itself.
+    """The one mask rule (bool, or numeric holding only 0/1) from a few read passes reduced on the
+    mask's device, without a copy, and one host read; returns ``mask`` itself.
 
     Bool masks: nothing to check. Integer masks: one min/max pass. Float masks: min/max in
-    [0, 1] and sum == number of nonzeros (inside [0, 1] equality means every nonzero is 1; row
-    sums are exact integers, totalled in float64). A value within float32 rounding of 1
+    [0, 1] and sum == number of nonzeros (``mask_stats``). A value within float32 rounding of 1
     (0.99999994) is not told apart from 1 by these sums and counts as 1.
     """
     mask = check_tensor(name, mask, ndim=2) if shape is None else check_tensor(name, mask, shape=list(shape))
     if mask.is_complex():
         raise TypeError(f"{name}: expected a bool or 0/1 mask, got dtype {mask.dtype}")
-    if mask.dtype == torch.bool or mask.numel() == 0:
-        return mask
-    if mask.dtype == torch.float32:
-        # Non-negative float32 values order like their int32 bit patterns: one integer min/max
-        # pass puts every value in [+0, 1] (no -0.0, NaN or negatives), and integer nonzero
-        # counting is twice as fast as float's. Anything else takes the float path below.
-        bits = mask.view(torch.int32)
-        low, high = (int(v) for v in torch.aminmax(bits))
-        if low >= 0 and high <= ONE_FLOAT32_BITS:
-            return _check_ones(name, mask, int(torch.count_nonzero(bits)))
-    low, high = (float(v) for v in torch.aminmax(mask))
-    if not (low >= 0 and high <= 1):
-        _raise_not_0_1(name, mask)
-    return _check_ones(name, mask, int(torch.count_nonzero(mask))) if mask.is_floating_point() else mask
+    stats = mask_stats(mask)
+    if stats is not None:
+        mask_verdict(name, mask, stats.tolist())
+    return mask
 
 
 def token_advantages(advantages: Tensor, like: Tensor, like_name: str = "logp") -> Tensor:

@@ -6,13 +6,12 @@ to the response's valid tokens.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name
-from creditrl.utils.validate import bad_rows, check_finite, check_mask, check_range, check_tensor
+from creditrl.utils.validate import (INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
+                                    check_tensor, float32_bits, mask_stats, mask_verdict)
 from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, KRange, get_estimator, list_estimators,
                                                register_estimator)
 from creditrl.core.estimators.steps import returns_to_go
@@ -32,22 +31,23 @@ def _real(name: str, x: Tensor) -> Tensor:
 
 
 def _token_tensor(name: str, x: object, mask: Tensor) -> Tensor:
-    """A [B,T] non-negative float input (energy, is_weights) as float32, finite and >= 0 on valid
-    tokens (masked tokens keep whatever finite value >= 0 they held; estimators mask them).
-
-    Values below -ENERGY_TOLERANCE * eps(dtype) on valid tokens raise (they are not rounding)
-    and the rest are clamped at 0. One min/max pass over the input checks the common good case
-    without allocating; only a failing input is copied.
-    """
+    """A [B,T] non-negative float input (energy, is_weights) as float32 (checked by ``build_batch``)."""
     check_tensor(name, x, shape=list(mask.shape), floating=True)
-    tolerance = ENERGY_TOLERANCE * torch.finfo(x.dtype).eps
-    x = x.to(torch.float32)
-    if x.numel() == 0:
-        return x
-    low, high = (float(v) for v in torch.aminmax(x))
-    if math.isfinite(low) and math.isfinite(high) and low >= 0:
-        return x
-    x = torch.where(mask.bool(), x, 0.0)                        # only valid tokens are checked
+    return x.to(torch.float32)
+
+
+def _non_negative_stats(x: Tensor) -> Tensor:
+    """min, max of the float32 bit patterns of ``x``: in [0, INF_FLOAT32_BITS) iff every value is
+    finite and >= +0.0 (``float32_bits``). One integer pass, no copy."""
+    return torch.stack(torch.aminmax(float32_bits(x))) if x.numel() else torch.zeros(2, dtype=torch.int32)
+
+
+def _valid_non_negative(name: str, x: Tensor, mask: Tensor, original: torch.dtype) -> Tensor:
+    """``x`` checked on the valid tokens only, with 0 on masked ones: finite and >= 0 (values
+    below -ENERGY_TOLERANCE * eps(``original``) raise, as they are not rounding; the rest are
+    clamped at 0). The exact path, taken when the one-pass test fails."""
+    tolerance = ENERGY_TOLERANCE * torch.finfo(original).eps
+    x = torch.where(mask.bool(), x, 0.0)
     check_finite(name, x)
     low = float(x.min())
     if low < -tolerance:
@@ -55,20 +55,15 @@ def _token_tensor(name: str, x: object, mask: Tensor) -> Tensor:
     return x.clamp_(min=0)
 
 
-def _row_totals(rewards: Tensor) -> Tensor:
-    """[B,T] token rewards -> [B] float32 row sums; every value must be finite.
-
-    A non-finite value makes its row's sum non-finite, so the common case costs one sum; a
-    float32 overflow of finite values is summed again in float64."""
-    totals = rewards.sum(1)
-    if not bool(torch.isfinite(totals).all()):
-        check_finite("rewards", rewards)
-        totals = rewards.to(torch.float64).sum(1)
-        if not bool(torch.isfinite(totals.float()).all()):
-            raise ValueError("rewards: row sums exceed the float32 range in rows "
-                             f"{bad_rows(~torch.isfinite(totals.float()))}")
-        totals = totals.float()
-    return totals
+def _exact_row_totals(rewards: Tensor) -> Tensor:
+    """[B] float32 row sums of token rewards whose float32 sums were not all finite: raises naming
+    the rows with NaN/inf, or sums again in float64 (a float32 overflow of finite values)."""
+    check_finite("rewards", rewards)
+    totals = rewards.to(torch.float64).sum(1)
+    if not bool(torch.isfinite(totals.float()).all()):
+        raise ValueError("rewards: row sums exceed the float32 range in rows "
+                         f"{bad_rows(~torch.isfinite(totals.float()))}")
+    return totals.float()
 
 
 def _check_device(device: torch.device, **tensors: Tensor | None) -> None:
@@ -111,33 +106,51 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     nearest preceding valid token, and in the row total R); mask [B,T]; group [B] int ids;
     energy, is_weights [B,T] floats (is_weights multiply energies by rho_bar^2, OTB App. D
     eq. 58-60); components [B,K] each reward term's values (NaN where a term gave none) with
-    component_weights [K] (sequence or tensor; ones by default). Returns-to-go (computed only if an estimator reads them) use ``gamma`` over
-    valid tokens. Every check is one cheap pass over its input.
+    component_weights [K] (sequence or tensor; ones by default). Returns-to-go (computed only if an
+    estimator reads them) use ``gamma`` over valid tokens.
+
+    Shapes, dtypes and devices are checked first. Every value check is then one reduction pass
+    per tensor, all read back in one host read (``FusedChecks``): the mask's 0/1 rule
+    (``mask_stats``), finite rewards (a non-finite value makes its row's sum non-finite, so token
+    rewards cost the one sum R needs), energies and IS weights finite and >= 0 (one integer
+    min/max pass). Only a failing test takes an exact, slower pass, to name the rows or to accept
+    what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
+    overflow of the row sums).
     """
-    mask = check_mask("mask", mask)
+    mask = check_tensor("mask", mask, ndim=2)
+    if mask.is_complex():
+        raise TypeError(f"mask: expected a bool or 0/1 mask, got dtype {mask.dtype}")
     num, steps_t = mask.shape
     check_tensor("rewards", rewards, ndim=(1, 2))
     _real("rewards", rewards)
+    check_tensor("rewards", rewards, shape=[num, steps_t] if rewards.dim() == 2 else [num])
     check_tensor("group", group, shape=[num], integer=True)
     _check_device(mask.device, rewards=rewards, group=group, energy=energy, is_weights=is_weights)
     check_range("gamma", gamma, 0.0, 1.0)
     components, component_weights = _components(components, component_weights, num, mask.device)
-    token_rewards = None
-    if rewards.dim() == 2:
-        check_tensor("rewards", rewards, shape=[num, steps_t])
-        token_rewards = rewards.to(torch.float32)
-        seq_rewards = _row_totals(token_rewards)
-    else:
-        check_tensor("rewards", rewards, shape=[num])
-        seq_rewards = rewards.to(torch.float32)
-        check_finite("rewards", seq_rewards)
+    token_rewards = rewards.to(torch.float32) if rewards.dim() == 2 else None
+    seq_rewards = rewards.to(torch.float32) if token_rewards is None else token_rewards.sum(1)
+    inputs = {name: _token_tensor(name, x, mask) for name, x in (("energy", energy), ("is_weights", is_weights))
+              if x is not None}
+    originals = {"energy": getattr(energy, "dtype", None), "is_weights": getattr(is_weights, "dtype", None)}
 
-    if energy is not None:  # checked on valid tokens; masked ones are zeroed where an estimator reads them
-        energy = _token_tensor("energy", energy, mask)
-        if is_weights is not None:
-            energy = energy * _token_tensor("is_weights", is_weights, mask).square()
-    elif is_weights is not None:
-        _token_tensor("is_weights", is_weights, mask)  # validated; unused without energy
+    checks = FusedChecks()
+    stats = mask_stats(mask)
+    if stats is not None:
+        checks.add(stats, lambda values: mask_verdict("mask", mask, values))
+    finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
+    good = {name: checks.add(_non_negative_stats(x), lambda v: v[0] >= 0 and v[1] < INF_FLOAT32_BITS)
+            for name, x in inputs.items()}
+    results = checks.run()                       # the one host read; a bad mask raises here
+    if not results[finite] and token_rewards is None:
+        check_finite("rewards", seq_rewards)             # raises, naming the rows
+    elif not results[finite]:
+        seq_rewards = _exact_row_totals(token_rewards)
+    inputs = {name: x if results[good[name]] else _valid_non_negative(name, x, mask, originals[name])
+              for name, x in inputs.items()}
+    energy = inputs.get("energy")
+    if energy is not None and "is_weights" in inputs:  # masked tokens are zeroed where an estimator reads them
+        energy = energy * inputs["is_weights"].square()
     return AdvantageBatch(rewards=seq_rewards, given_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma), components=components,
                           component_weights=component_weights)

@@ -65,8 +65,8 @@ class AdvantageBatch:
     @cached_property
     def lengths(self) -> Tensor:
         mask = self.given_mask
-        if mask.dtype == torch.bool:
-            return mask.view(torch.uint8).sum(1, dtype=torch.int64)
+        if mask.dtype == torch.bool:      # on the CPU, integer sums of bools cast element by element
+            return self.valid.sum(1).long()
         return mask.sum(1).long()  # in the mask's own dtype: exact for 0/1 rows, no converted copy
 
     @cached_property
@@ -82,12 +82,14 @@ class AdvantageBatch:
         return StepIndex.from_mask(self.given_mask, self.valid, self.lengths)
 
     def broadcast(self, per_row: Tensor) -> Tensor:
-        """[B] float32 -> [B,T] float32: the value on each row's valid tokens, exactly 0 elsewhere
-        (finite values times the mask as given: one pass, no converted copy of the mask)."""
+        """[B] float32 -> [B,T] float32: the value on each row's valid tokens, exactly 0 elsewhere.
+        Finite values times a float32 mask as given (one pass, no converted copy); a bool mask
+        selects (a float32 times a bool or an int64 mask casts element by element, ~10x slower);
+        other masks multiply their float32 ``valid``."""
         mask = self.given_mask
-        if mask.is_floating_point() and mask.dtype != torch.float32:
-            mask = self.valid
-        return per_row[:, None] * mask
+        if mask.dtype == torch.bool:
+            return torch.where(mask, per_row[:, None], 0.0)
+        return per_row[:, None] * (mask if mask.dtype == torch.float32 else self.valid)
 
     @cached_property
     def constant_returns(self) -> bool:

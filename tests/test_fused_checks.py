@@ -1,0 +1,170 @@
+"""The input checks computed in one pass per tensor and read back once (issue 32) decide exactly
+what a token-by-token loop decides: the loops here are the reference, over values chosen to hit
+every edge of the bit-pattern tests (-0.0, NaN of either sign, infinities, denormals, rounding)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import creditrl.utils.validate as validate
+from creditrl import compute_advantages
+from creditrl.core.estimators import ENERGY_TOLERANCE
+from creditrl.utils.validate import check_mask
+
+NEG_NAN = -float("nan")          # on x86 the NaN of an invalid operation has its sign bit set
+SPECIAL = [0.0, 1.0, -0.0, 0.5, 2.0, -1.0, float("nan"), NEG_NAN, float("inf"), -float("inf"), 1e-30, 1e-45,
+           0.99999994, 1.0000001, -1e-8, 3e38]
+
+
+def float32_values(draw_from: list[float]):
+    return st.lists(st.sampled_from(draw_from), min_size=1, max_size=12)
+
+
+def loop_is_0_1(values: list[float], dtype: torch.dtype) -> bool | None:
+    """The mask rule in a loop, on the values as ``dtype`` holds them: 0 (either sign) or 1. None
+    where the only others are float32's 0.99999994, which the documented exception lets count as
+    1 (whether it does depends on the row sums it rounds into)."""
+    held = torch.tensor(values, dtype=torch.float64).to(dtype).tolist()
+    rounding = [v for v in held if dtype == torch.float32 and math.isclose(v, 0.99999994, rel_tol=1e-9)]
+    others = [v for v in held if v not in (0, 1) and v not in rounding]
+    return None if rounding and not others else not others
+
+
+@settings(max_examples=150, deadline=None)
+@given(values=float32_values(SPECIAL), rows=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.float64,
+                                                                                       torch.bfloat16]),
+       strided=st.booleans())
+def test_mask_rule_matches_a_loop(values, rows, dtype, strided):
+    mask = torch.tensor(values, dtype=torch.float64).to(dtype).repeat(rows, 1)
+    if strided:                                                   # a non-contiguous view is checked alike
+        wide = torch.zeros(rows, 2 * len(values), dtype=dtype)
+        wide[:, ::2] = mask
+        mask = wide[:, ::2]
+    verdict = loop_is_0_1(values, dtype)
+    if verdict is None:
+        return
+    if verdict:
+        assert check_mask("mask", mask) is mask
+    else:
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[0"):
+            check_mask("mask", mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.int8])
+def test_integer_masks_need_one_min_max(dtype):
+    ok = torch.tensor([[0, 1, 1], [1, 0, 0]], dtype=dtype)
+    assert check_mask("mask", ok) is ok
+    bad = ok.clone()
+    bad[1, 2] = 2
+    with pytest.raises(ValueError, match=r"in rows \[1\]"):
+        check_mask("mask", bad)
+    if dtype.is_signed:
+        bad[1, 2] = -1
+        with pytest.raises(ValueError, match=r"in rows \[1\]"):
+            check_mask("mask", bad)
+
+
+def count_reads(monkeypatch) -> list[int]:
+    """Count the one host read of every ``FusedChecks.run``."""
+    reads = []
+    run = validate.FusedChecks.run
+
+    def counted(self):
+        if self._pending:                          # nothing queued: nothing is read
+            reads.append(len(self._pending))
+        return run(self)
+    monkeypatch.setattr(validate.FusedChecks, "run", counted)
+    return reads
+
+
+def test_compute_advantages_checks_every_input_in_one_read(monkeypatch):
+    """mask, token rewards, energy and IS weights: four checks, one read."""
+    reads = count_reads(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    mask = (torch.rand(8, 6, generator=gen) < 0.8).float()
+    compute_advantages("otb", rewards=torch.randn(8, 6, generator=gen) * mask, mask=mask,
+                       group=torch.arange(8) // 4, energy=torch.rand(8, 6, generator=gen),
+                       is_weights=torch.rand(8, 6, generator=gen))
+    assert reads == [4]
+
+
+@settings(max_examples=120, deadline=None)
+@given(valid_values=float32_values(SPECIAL), masked_values=float32_values(SPECIAL), seed=st.integers(0, 99))
+def test_energy_check_matches_a_loop(valid_values, masked_values, seed):
+    """Energies: finite and >= 0 on valid tokens (rounding below 0 clamped), anything off the mask."""
+    steps = len(valid_values) + len(masked_values)
+    order = torch.randperm(steps, generator=torch.Generator().manual_seed(seed))
+    energy = torch.tensor(valid_values + masked_values, dtype=torch.float32)[order][None]
+    mask = (order < len(valid_values))[None]
+    tolerance = ENERGY_TOLERANCE * torch.finfo(torch.float32).eps
+    held = torch.tensor(valid_values, dtype=torch.float32).tolist()
+    good = all(math.isfinite(v) and v >= -tolerance for v in held)
+    args = dict(rewards=torch.ones(1), mask=mask, group=torch.zeros(1, dtype=torch.long), energy=energy)
+    if good:
+        out = compute_advantages("otb", **args)                   # a singleton: advantage 0 on valid tokens
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        with pytest.raises(ValueError, match="energy: "):
+            compute_advantages("otb", **args)
+
+
+# ----------------------------------------------------------------------------- verl's plug-in
+
+verl = pytest.importorskip("verl")
+from creditrl.integrations.verl import LOGP_TOLERANCE, check_actor_stats, group_ids  # noqa: E402
+
+ACTOR = [0.0, -0.0, 0.5, 1.0, 1.0005, 1.002, -0.5, -3.0, float("nan"), NEG_NAN, float("inf"), -float("inf"),
+         1e-45, -1e-45, 5.0, -20.0]
+
+
+def loop_actor_ok(logp: list[float], sum_p2: list[float]) -> tuple[bool, bool]:
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32).tolist()   # noqa: E731
+    high = float(torch.tensor(1.0 + LOGP_TOLERANCE, dtype=torch.float32))
+    return (all(v <= float(torch.tensor(LOGP_TOLERANCE, dtype=torch.float32)) for v in f32(logp)),
+            all(0 < v <= high for v in f32(sum_p2)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(valid=st.lists(st.tuples(st.sampled_from(ACTOR), st.sampled_from(ACTOR)), min_size=1, max_size=8),
+       masked=st.lists(st.tuples(st.sampled_from(ACTOR), st.sampled_from(ACTOR)), max_size=8),
+       mask_dtype=st.sampled_from([torch.float32, torch.bool, torch.int64]), seed=st.integers(0, 99))
+def test_actor_stats_check_matches_a_loop(valid, masked, mask_dtype, seed):
+    """old_log_probs <= 0 and sum_pi_squared in (0, 1] (within LOGP_TOLERANCE) on valid tokens
+    only, whatever the padding holds (verl pads with 0), for every mask dtype verl may pass."""
+    pairs = valid + masked
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
+    logp = torch.tensor([p[0] for p in pairs], dtype=torch.float32)[order][None]
+    sum_p2 = torch.tensor([p[1] for p in pairs], dtype=torch.float32)[order][None]
+    mask = (order < len(valid))[None].to(mask_dtype)
+    logp_ok, p2_ok = loop_actor_ok([p[0] for p in valid], [p[1] for p in valid])
+    if logp_ok and p2_ok:
+        check_actor_stats(mask, logp, sum_p2)
+    else:
+        with pytest.raises(ValueError, match="old_log_probs" if not logp_ok else "sum_pi_squared"):
+            check_actor_stats(mask, logp, sum_p2)
+
+
+def test_actor_stats_take_one_read_when_in_range_and_two_with_zero_padding(monkeypatch):
+    reads = count_reads(monkeypatch)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, -2.0]]), torch.tensor([[0.5, 0.9, 0.3]]))
+    assert reads == [2]
+    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]]))
+    assert reads == [2, 2, 1]                        # sum_pi_squared's zero padding: checked on valid tokens
+
+
+def test_group_ids_match_a_loop_over_uids():
+    uids = np.array(["b", "a", "b", "c", "a", "c", "c"], dtype=object)
+    ids = group_ids(uids, 7, torch.device("cpu"))
+    first = {}
+    for i, uid in enumerate(uids):                  # same uid <=> same id, in sorted uid order
+        first.setdefault(uid, int(ids[i]))
+        assert int(ids[i]) == first[uid]
+    assert sorted(first, key=first.get) == sorted(first)
+    assert group_ids(np.array([3, 1, 3]), 3, torch.device("cpu")).tolist() == [1, 0, 1]
+    with pytest.raises(ValueError, match=r"None/NaN at rows \[1\]"):
+        group_ids(np.array([1.0, float("nan"), 2.0]), 3, torch.device("cpu"))
