@@ -8,6 +8,10 @@ CREDITRL_TEST_CACHE to reuse a directory across runs while developing.
 before each test (code under test may change the count: the trainer sets ``train.threads``) and
 exported as ``OMP_NUM_THREADS`` to child processes; ``make test-portable`` uses it with one thread.
 
+The tests whose assertions rest on floating-point tolerances or sampled statistics carry the
+``numerics`` marker (``NUMERIC_FILES``): CI runs them again under other CPU kernels and one thread
+(``.ci/run``); ``make test-portable`` runs the whole suite under each setting.
+
 Device-sensitive tests carry the ``cuda`` marker (``make test-gpu`` runs them alone); without a
 CUDA device they are skipped, and pytest counts them as skipped. The ``device`` fixture runs a
 test once on the CPU and once on CUDA (that case marked ``cuda``).
@@ -47,7 +51,23 @@ def _torch_threads():
     torch.set_num_threads(THREADS)
 
 
+# files of estimators, losses, token statistics, gradients and statistics: the arithmetic that differs
+# across CPU kernels and thread counts (the rest checks control flow, files and messages)
+NUMERIC_FILES = {
+    "test_estimators.py", "test_estimators_menu.py", "test_leave_one_out.py", "test_maxk.py", "test_traces.py",
+    "test_stapo.py", "test_losses.py", "test_loss_terms.py", "test_policy_gradients.py",
+    "test_policy_loss_reference.py", "test_surrogates.py", "test_entropy_terms.py", "test_kl_and_truncation.py",
+    "test_delta_l_norm.py", "test_token_stats.py", "test_fused_checks.py", "test_group_gradients.py",
+    "test_gradient_quality.py", "test_evidence_rules.py", "test_synthetic_policy.py", "test_safe_math.py",
+    "test_integration_verl.py", "test_diagnose.py", "test_sampling_controls.py", "test_time_to_accuracy.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    numerics = pytest.mark.numerics
+    for item in items:
+        if item.path.name in NUMERIC_FILES:
+            item.add_marker(numerics)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (make test-gpu on a GPU machine)")
