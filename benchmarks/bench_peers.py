@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections import defaultdict
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -151,6 +152,7 @@ def trl_hook_call(name: str, inputs: dict):
     trainer.accelerator = Accelerator(cpu=True)
     torch.set_num_threads(threads)
     trainer.estimator, trainer.estimator_kwargs = name, {}
+    trainer.args = SimpleNamespace(dynamic_sampling=False)
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     given = trl_inputs(name, inputs)
     scorable = torch.ones_like(given["rewards"], dtype=torch.bool)
