@@ -495,6 +495,8 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     head = text.split("## Reproducibility")[0]
     assert all(f"| {v.claim} ({v.source}) |" in head for v in verdicts)
     assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same run checked against itself
+    assert "| pooled (secondary) |" in text and "DerSimonian–Laird" in text   # the pre-registered secondary column
+    assert "— (not pooled: its rule reads no interval)" in text                # maxk-bandit's slope verdict
     partial_count = len(experiments.get_experiment("grad-variance").verdicts(partial / "grad-variance"))
     assert f"`{partial}` (only `grad-variance`)" in text
     assert f"{partial_count} of {partial_count} verdicts agree" in text and "(not run)" in text
