@@ -308,3 +308,103 @@ def test_pooled_ratio_outcome(per_setting, pooled, paper, outcome):
     est = lambda low, high: rules.Estimate((low + high) / 2, low, high, math.nan, 5)  # noqa: E731
     got = rules.pooled_ratio_outcome([est(*x) for x in per_setting], est(*pooled), paper)
     assert got == outcome
+
+
+# ---------------------------------------------------------------- pooling over seed sets (issue 35)
+def set_estimate(value, se, df, log=False):
+    """A seed set's estimate with the t-interval value ± t_df · se (on the log scale for a ratio)."""
+    t = rules.t_quantile(df) if math.isfinite(df) else 1.96
+    if log:
+        return rules.Estimate(value, value * math.exp(-t * se), value * math.exp(t * se), math.nan, 3, df=df, log=True)
+    return rules.Estimate(value, value - t * se, value + t * se, math.nan, 3, df=df)
+
+
+def pool_by_hand(ys, ses, dfs):
+    """DerSimonian–Laird written out step by step, with Satterthwaite's df."""
+    k = len(ys)
+    w = [1 / s ** 2 for s in ses]
+    fixed = sum(wi * yi for wi, yi in zip(w, ys)) / sum(w)
+    q = sum(wi * (yi - fixed) ** 2 for wi, yi in zip(w, ys))
+    tau2 = max(0.0, (q - (k - 1)) / (sum(w) - sum(wi ** 2 for wi in w) / sum(w)))
+    star = [1 / (s ** 2 + tau2) for s in ses]
+    mean = sum(wi * yi for wi, yi in zip(star, ys)) / sum(star)
+    var = 1 / sum(star)
+    c = [wi / sum(star) for wi in star]
+    denom = sum((ci ** 2 * s ** 2) ** 2 / d for ci, s, d in zip(c, ses, dfs))
+    denom += (tau2 * sum(ci ** 2 for ci in c)) ** 2 / (k - 1) if tau2 > 0 else 0.0
+    df = math.floor(var ** 2 / denom + 1e-9)
+    return mean, mean - rules.t_quantile(df) * math.sqrt(var), mean + rules.t_quantile(df) * math.sqrt(var), df
+
+
+def test_pool_sets_matches_a_hand_computation():
+    # three sets: 1.0 (se 0.5, 4 df), 2.0 (se 0.5, 4 df), 4.0 (se 1, 9 df). By hand: w = 4, 4, 1;
+    # ȳ_w = 16/9; Q = 7.5556; τ² = (Q − 2)/(9 − 33/9) = 1.0417; w* = 0.7742, 0.7742, 0.4898;
+    # ȳ = 2.1008, V = 0.49063; df = V² / (2·(0.14428·0.25)²/4 + (0.05775)²/9 + (1.0417·0.34631)²/2) = 3.64 -> 3
+    got = rules.pool_sets([set_estimate(1.0, 0.5, 4), set_estimate(2.0, 0.5, 4), set_estimate(4.0, 1.0, 9)])
+    assert got.value == pytest.approx(2.10077, abs=1e-4) and got.df == 3
+    assert got.high - got.value == pytest.approx(3.182 * math.sqrt(0.490633), abs=1e-4)
+    mean, low, high, df = pool_by_hand([1.0, 2.0, 4.0], [0.5, 0.5, 1.0], [4, 4, 9])
+    assert (got.value, got.low, got.high, got.df) == pytest.approx((mean, low, high, df), rel=1e-12)
+    assert got.se == pytest.approx(math.sqrt(0.490633), abs=1e-5)   # read back from the pooled interval
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(-3, 3), st.floats(0.05, 2), st.integers(2, 12)), min_size=2, max_size=5),
+       st.booleans())
+def test_pool_sets_matches_the_loop_on_either_scale(sets, log):
+    ests = [set_estimate(math.exp(y) if log else y, s, d, log) for y, s, d in sets]
+    for e, (_, s, _) in zip(ests, sets):
+        assert e.se == pytest.approx(s, rel=1e-9)      # the SE comes back from the interval
+    got = rules.pool_sets(ests)
+    mean, low, high, df = pool_by_hand(*zip(*sets))
+    back = math.exp if log else float
+    assert (got.value, got.low, got.high) == pytest.approx((back(mean), back(low), back(high)), rel=1e-9, abs=1e-12)
+    assert got.df == df and got.log is log and got.n == 3 * len(sets)
+
+
+def test_pool_sets_special_cases():
+    one = set_estimate(0.8, 0.1, 5, log=True)
+    alone = rules.pool_sets([one])                               # one set: itself, same df
+    assert (alone.value, alone.low, alone.high, alone.df) == pytest.approx((one.value, one.low, one.high, 5))
+    same = rules.pool_sets([set_estimate(1.0, 0.3, 4)] * 3)      # no spread between sets: τ² = 0, df 3 × 4
+    assert same.df == 12 and same.value == pytest.approx(1.0)
+    assert same.high - same.value == pytest.approx(rules.t_quantile(12) * 0.3 / math.sqrt(3))
+    nan = rules.Estimate(math.nan, math.nan, math.nan, math.nan, 3, df=2, log=True)
+    unbounded = rules.cluster_ratio_contrast([[0.9]], [1.0])     # one cluster: no weight
+    assert rules.pool_sets([one, nan, unbounded]).value == pytest.approx(one.value)
+    assert math.isnan(rules.pool_sets([nan]).value)
+    exact = rules.Estimate(1.0, 1.0, 1.0, 0.0, 3, df=math.inf, log=True)   # e.g. Dr.GRPO ≡ RLOO
+    assert (rules.pool_sets([exact, exact]).low, rules.pool_sets([exact, exact]).high) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="estimates: expected one scale"):
+        rules.pool_sets([one, set_estimate(0.8, 0.1, 5)])
+    # the estimators say on which scale and with which df their intervals were built
+    d = rules.paired_difference([0.1, 0.3, 0.2, 0.4], [0.0] * 4)
+    assert d.df == 3 and not d.log and d.se == pytest.approx(d.detectable / rules.POWER_FACTOR)
+    r = rules.cluster_ratio_contrast([[0.8, 1.0, 1.25]], [1.0])
+    assert r.df == 2 and r.log and r.se == pytest.approx(math.sqrt(sum(math.log(x) ** 2 for x in (0.8, 1, 1.25)) / 6))
+    b = rules.paired_ratio([1.0, 2.0, 3.0], [2.0, 2.0, 2.0], n_boot=200)
+    assert b.log and b.df == math.inf and b.se > 0
+
+
+def test_pooled_verdict_applies_the_verdicts_own_rule():
+    def decide(statistics):
+        return rules.interval_outcome(statistics["d"], ">")
+
+    def verdict(est, met=True):
+        return rules.Verdict("c", "§", "p", str(est), "r", decide({"d": est}) if met else "inconclusive", "pw",
+                             statistics={"d": est}, decide=decide, condition_met=met)
+
+    weak = [verdict(set_estimate(0.1, 0.06, 4)), verdict(set_estimate(0.12, 0.06, 4)), verdict(set_estimate(0.09, 0.06, 4))]
+    assert [v.outcome for v in weak] == ["inconclusive"] * 3           # each set alone: CI covers 0
+    outcome, text = rules.pooled_verdict(weak)
+    assert outcome == "reproduces" and text.startswith("d 0.103 [")    # together: above 0
+    assert rules.pooled_verdict(weak[:1]) == ("—", "one seed set")
+    assert rules.pooled_verdict([*weak[:2], verdict(set_estimate(0.1, 0.06, 4), met=False)])[0] == "inconclusive"
+    plain = rules.Verdict("c", "§", "p", "o", "r", "reproduces", "pw")
+    assert rules.pooled_verdict([weak[0], plain]) == ("—", "not pooled: its rule reads no interval")
+    other = rules.Verdict("c", "§", "p", "o", "r", "reproduces", "pw", statistics={"e": set_estimate(1, 0.1, 4)},
+                          decide=lambda s: rules.interval_outcome(s["e"], ">"))
+    assert rules.pooled_verdict([weak[0], other])[1] == "not pooled: the seed sets measured different statistics"
+    with pytest.raises(ValueError, match="decide: expected the rule on the verdict's statistics to give its outcome"):
+        rules.Verdict("c", "§", "p", "o", "r", "reproduces", "pw", statistics={"d": weak[0].statistics["d"]},
+                      decide=decide)

@@ -346,21 +346,100 @@ def test_horizon_fast_preset(fast_root, tmp_path):
     out = fast_run(fast_root, "horizon")
     rows = tables.read_csv(out / "quality.csv")
     cfg = hz.PRESETS["fast"]
-    assert {(r["mode"], r["group_size"], r["horizon"]) for r in rows} == {
-        (m, n, t) for m in cfg.modes for n in cfg.group_sizes for t in cfg.horizons}
+    assert {(r["family"], r["mode"], r["group_size"], r["horizon"]) for r in rows} == {
+        (f, m, n, t) for f in cfg.families for m in cfg.modes for n in cfg.group_sizes for t in cfg.horizons}
+    forks = {(r["family"], r["horizon"]): r["forks"] for r in rows}
+    assert [forks[("constant", t)] for t in cfg.horizons] == [4, 4, 4]                  # the same at every T
+    assert [forks[("density", t)] for t in cfg.horizons] == [t // cfg.spacing for t in cfg.horizons]   # ∝ T
+    for name in ("rloo", "otb+loo", "otb_isolated+loo", "ogb+loo"):   # unbiased: c ≈ 1 over the cells
+        scales = torch.tensor([r["scale"] for r in rows if r["estimator"] == name], dtype=torch.float64)
+        assert abs(float(scales.mean()) - 1) < 4 * float(scales.std()) / scales.numel() ** 0.5 + 0.02, name
     for r in rows:
-        if r["estimator"] in ("rloo", "otb+loo", "otb_isolated+loo"):   # unbiased: c ≈ 1 within its interval
-            assert r["scale_low"] <= 1.0 <= r["scale_high"] or abs(r["scale"] - 1) < 0.15, r
         if r["estimator"] == "dr_grpo":
             n = r["group_size"]
             assert r["efficiency"] == pytest.approx(1.0) and r["raw_ratio"] == pytest.approx(((n - 1) / n) ** 2)
-    assert len(hz.verdicts(out)) == 2 and "Efficiency against RLOO at matched signal" in hz.report(out, "figures/horizon.png")
+    found = hz.verdicts(out)
+    assert [v.claim.split(" (")[0] for v in found][:2] == [
+        "OTB's efficiency advantage over RLOO/Dr.GRPO grows with the horizon",
+        "OTB's efficiency advantage over RLOO/Dr.GRPO grows with the horizon when the decisions grow with it"]
+    assert len(found) == 4 and all(v.decide is not None for v in found)
+    assert "eff(T=64) / eff(T=32)" in found[0].ours and "Outside the rule, from T = 8 to T = 32" in found[0].note
+    assert "Efficiency against RLOO at matched signal" in hz.report(out, "figures/horizon.png")
     with pytest.raises(ValueError, match=r"modes: expected a non-empty subset of \['fixed', 'eos'\]"):
         hz.run(dataclasses.replace(cfg, modes=("nope",)), tmp_path / "x")
-    small = dataclasses.replace(cfg, horizons=(8,), instances=1, groups=32)
+    with pytest.raises(ValueError, match=r"families: expected a non-empty subset of \['constant', 'density'\]"):
+        hz.run(dataclasses.replace(cfg, families=()), tmp_path / "x")
+    with pytest.raises(ValueError, match="growth_from: expected at least two horizons >= growth_from"):
+        hz.run(dataclasses.replace(cfg, growth_from=64), tmp_path / "x")
+    small = dataclasses.replace(cfg, horizons=(8, 32, 64), families=("density",), instances=1, groups=32)
     hz.run(small, tmp_path / "b")
     hz.run(small, tmp_path / "c")
     assert (tmp_path / "b" / "stats.json").read_text() == (tmp_path / "c" / "stats.json").read_text()
+
+
+def horizon_rows(efficiency, instances=5, horizons=(8, 32, 128, 2048)):
+    """Constructed quality rows: ``efficiency(estimator, family, mode, T, instance)`` against RLOO."""
+    from creditrl_research.experiments import horizon as hz
+
+    return [{"family": f, "mode": m, "group_size": 4, "horizon": t, "instance": i, "estimator": e,
+             "efficiency": efficiency(e, f, m, t, i), "raw_ratio": 0.5}
+            for f in hz.FAMILIES for m in hz.MODES for t in horizons for i in range(instances)
+            for e in ("rloo", "otb", "otb+loo", "ogb", "ogb+loo", "otb_isolated", "otb_isolated+loo")]
+
+
+NOISE = (0.98, 1.02, 1.0, 1.01, 0.99)
+
+
+@pytest.mark.parametrize("shape, outcome", [
+    ("jump at 8, flat after", "inconclusive"),      # the old rule (T = 8 to 2,048) would call this growth
+    ("grows after 32", "reproduces"),
+    ("falls after 32", "does not reproduce"),
+])
+def test_horizon_growth_rule_reads_only_the_horizons_from_32(shape, outcome):
+    from creditrl_research.experiments import horizon as hz
+
+    def eff(e, f, m, t, i):
+        if e != "otb":
+            return 1.0
+        level = {"jump at 8, flat after": 1.0 if t == 8 else 1.25,
+                 "grows after 32": 1.0 + 0.1 * math.log2(t / 8),
+                 "falls after 32": 1.3 - 0.05 * math.log2(t / 8)}[shape]
+        return level * (NOISE[i] if t == 2048 else 1.0)
+
+    cfg = {"horizons": [8, 32, 128, 2048], "growth_from": 32, "spacing": 8}
+    for family in hz.FAMILIES:
+        v = hz.growth_verdict(horizon_rows(eff), cfg, family, "power")
+        assert v.outcome == outcome and "eff(T=2048) / eff(T=32)" in v.ours
+        assert v.decide(v.statistics) == outcome and "Outside the rule, from T = 8 to T = 32" in v.note
+    jump = hz.growth_verdict(horizon_rows(eff), cfg, "density", "power").note
+    assert shape != "jump at 8, flat after" or "fixed N=4: 1.25 [1.25, 1.25]" in jump
+
+
+def test_horizon_level_rule_has_grad_variances_shape():
+    """OTB beats RLOO and the leave-one-out forms everywhere, but OGB beats OTB at fixed lengths and
+    isolated energy beats it at EOS lengths: grad-variance's rule gives 'partly'; the energy claim alone
+    does not reproduce."""
+    from creditrl_research.experiments import horizon as hz
+
+    def eff(e, f, m, t, i):
+        base = {"rloo": 1.0, "otb": 1.2, "otb+loo": 1.05, "ogb+loo": 1.0, "otb_isolated+loo": 0.95,
+                "ogb": 1.35 if m == "fixed" else 1.05, "otb_isolated": 1.0 if m == "fixed" else 1.6}[e]
+        return base * NOISE[(i + len(e)) % 5]
+
+    cfg = {"horizons": [8, 32, 128, 2048], "growth_from": 32, "spacing": 8}
+    rows = horizon_rows(eff)
+    names = {r["estimator"] for r in rows}
+    level = hz.level_verdict(rows, cfg, names, "power")
+    assert level.outcome == "partly" and "efficiency OTB/ogb: constant fixed N=4 0.889" in level.ours
+    per_rival = hz.unpack(level.statistics, hz.RIVALS)
+    wins = {r: rules.pooled_ratio_outcome(each, pooled, claimed=">") for r, (each, pooled) in per_rival.items()}
+    assert wins == {"rloo": "reproduces", "ogb": "does not reproduce", "ogb+loo": "reproduces",
+                    "otb_isolated": "does not reproduce", "otb_isolated+loo": "reproduces"}
+    energy = hz.energy_verdict(rows, cfg, names, "power")
+    assert energy.outcome == "does not reproduce" and "With leave_one_out" in energy.note
+    # pooled over the 4 settings: per instance the geometric mean of the 4 ratios, t over the 5 instances
+    each, pooled = per_rival["rloo"]
+    assert pooled.value == pytest.approx(1.2 * math.prod(NOISE) ** (1 / 5) / 1.0, rel=1e-2) and pooled.df == 4
 
 
 def test_proxy_fidelity_fast_preset(fast_root):
@@ -435,6 +514,8 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     head = text.split("## Reproducibility")[0]
     assert all(f"| {v.claim} ({v.source}) |" in head for v in verdicts)
     assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same run checked against itself
+    assert "| pooled (secondary) |" in text and "DerSimonian–Laird" in text   # the pre-registered secondary column
+    assert "— (not pooled: its rule reads no interval)" in text                # maxk-bandit's slope verdict
     partial_count = len(experiments.get_experiment("grad-variance").verdicts(partial / "grad-variance"))
     assert f"`{partial}` (only `grad-variance`)" in text
     assert f"{partial_count} of {partial_count} verdicts agree" in text and "(not run)" in text

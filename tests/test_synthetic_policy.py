@@ -39,6 +39,8 @@ def responses(policy: sp.SyntheticPolicy):
 
 
 def reward_of(policy, seq) -> float:
+    if policy.budget is not None:     # fork-density family: at most `budget` mistakes (token 1 anywhere)
+        return float(sum(y == 1 for y in seq) <= policy.budget)
     errors = any(y == 1 and int(policy.kind[t]) != sp.FORK for t, y in enumerate(seq))
     right = sum(1 for t, y in enumerate(seq) if y == 0 and int(policy.kind[t]) == sp.FORK)
     return float(not errors and right >= policy.need)
@@ -53,9 +55,14 @@ POLICIES = [dict(horizon=6, eos=eos, shared=shared, errors=0.9, stop=1.2, forks=
             for eos in (False, True) for shared in (True, False)]
 
 
-@pytest.mark.parametrize("kwargs", POLICIES, ids=lambda k: f"eos={k['eos']}-shared={k['shared']}")
+DENSITY = [dict(horizon=6, spacing=2, eos=eos, shared=shared, error_rate=0.15, stop=0.6, budget=budget)
+           for eos in (False, True) for shared in (True, False) for budget in (None, 1)]
+
+
+@pytest.mark.parametrize("kwargs", POLICIES + DENSITY, ids=lambda k: "-".join(f"{a}={k[a]}" for a in (
+    "eos", "shared", "spacing", "budget") if a in k))
 def test_success_probability_and_gradient_match_an_enumeration(kwargs):
-    policy = sp.make_policy(**kwargs)
+    policy = (sp.make_density_policy if "spacing" in kwargs else sp.make_policy)(**kwargs)
     theta = policy.theta.clone().requires_grad_(True)
     seqs = responses(policy)
     total = sum(log_prob(policy, theta, s).exp() for s in seqs)
@@ -171,3 +178,71 @@ def test_bad_policy_arguments_are_refused():
         sp.make_policy(0)
     with pytest.raises(ValueError, match=r"stop: expected a value in \[0, "):
         sp.make_policy(4, eos=True, stop=5.0)
+
+
+# ---------------------------------------------------------------- the fork-density family (issue 35)
+def test_density_family_decisions_grow_with_the_horizon():
+    """Forks at a constant density over the whole response, a constant error rate per position: the
+    expected forks and mistakes grow ∝ T (exactly, for fixed lengths and T a multiple of the spacing)."""
+    p, eps = 0.6, 0.01
+    expected = {}
+    for horizon in (32, 64, 128, 512, 2048):
+        policy = sp.make_density_policy(horizon, spacing=8, fork_prob=p, error_rate=eps)
+        forks = (policy.kind == sp.FORK).nonzero().flatten()
+        assert forks.numel() == horizon // 8
+        assert set(forks.diff().tolist()) == {8} and int(forks[0]) == 4           # evenly, over the whole response
+        assert bool((policy.kind[horizon // 2:] == sp.FORK).any())                 # the second half holds forks too
+        dist = sp.mistake_distribution(policy)
+        assert float(dist.sum()) == pytest.approx(1.0, abs=1e-10)
+        mean = float((torch.arange(horizon + 1, dtype=torch.float64) * dist).sum())
+        assert mean == pytest.approx(forks.numel() * (1 - p) + (horizon - forks.numel()) * eps, rel=1e-10)
+        expected[horizon] = mean
+    assert expected[2048] / expected[32] == pytest.approx(64.0, rel=1e-10)
+    assert (sp.make_density_policy(8).kind == sp.FORK).sum() == 1 and (sp.make_density_policy(3).kind == sp.FORK).sum() == 1
+
+
+@pytest.mark.parametrize("eos", [False, True])
+def test_density_budget_puts_the_success_rate_nearest_one_half(eos):
+    for horizon in (8, 32, 256):
+        policy = sp.random_density_policy(horizon, torch.Generator().manual_seed(horizon), eos=eos)
+        cdf = sp.mistake_distribution(policy).cumsum(0)
+        J = float(sp.success_probability(policy))
+        assert J == pytest.approx(float(cdf[policy.budget]), abs=1e-12)
+        assert abs(J - 0.5) == pytest.approx(float((cdf - 0.5).abs().min()), abs=1e-12)
+
+
+def test_density_instance_matches_its_constant_twin_at_the_reference_horizon():
+    """Instance i draws the same fork probability and stop rate in both families; at T = 32 the density
+    family holds the constant family's 4 forks and the same expected errors per response."""
+    T = sp.DENSITY_REFERENCE
+    for i in range(3):
+        const = sp.random_policy(T, torch.Generator().manual_seed(i), eos=False)
+        dense = sp.random_density_policy(T, torch.Generator().manual_seed(i), eos=False)
+        torch.testing.assert_close(const.probs[sp.FORK], dense.probs[sp.FORK], rtol=0, atol=0)
+        assert int((const.kind == sp.FORK).sum()) == int((dense.kind == sp.FORK).sum()) == 4
+        def errors(policy):
+            return float((policy.probs[policy.row][policy.kind != sp.FORK, 1]).sum())
+        assert errors(const) == pytest.approx(errors(dense), rel=1e-12)
+
+
+def test_density_sampling_matches_the_exact_mistake_distribution():
+    policy = sp.make_density_policy(12, spacing=3, eos=True, error_rate=0.08, stop=1.5)
+    n = 200_000
+    tokens, mask, rewards = sp.sample(policy, n, torch.Generator().manual_seed(4))
+    dist = sp.mistake_distribution(policy)
+    counts = torch.bincount((tokens == 1).sum(1), minlength=13).double() / n
+    for k in range(13):
+        q = float(dist[k])
+        assert abs(float(counts[k]) - q) < 4.5 * math.sqrt(q * (1 - q) / n) + 1e-9
+    J = float(sp.success_probability(policy))
+    assert abs(float(rewards.mean()) - J) < 4.5 * math.sqrt(J * (1 - J) / n)
+    assert not bool(((tokens == sp.EOS) & (policy.kind == sp.FORK)).any())    # a fork never ends the response
+
+
+def test_bad_density_arguments_are_refused():
+    with pytest.raises(ValueError, match="spacing: expected"):
+        sp.make_density_policy(8, spacing=0)
+    with pytest.raises(ValueError, match=r"error_rate: expected a value in \(0, 1\)"):
+        sp.make_density_policy(8, error_rate=1.0)
+    with pytest.raises(ValueError, match="budget: expected"):
+        sp.make_density_policy(8, budget=-1)

@@ -58,11 +58,6 @@ def pooled_efficiency(per_setting: dict[object, Sequence[float]], unit: str) -> 
     return each, pooled
 
 
-def efficiency_outcome(each: dict, pooled: rules.Estimate, paper: float | None = None) -> str:
-    """The matched-signal rule (``EFFICIENCY_RULE``): "e is more efficient than b"."""
-    return rules.pooled_ratio_outcome(list(each.values()), pooled, paper=paper, claimed=">")
-
-
 def efficiency_text(label: str, each: dict, pooled: rules.Estimate, names: dict) -> str:
     """"label: <setting> eff [CI], ..., geometric mean eff [CI]" (``names``: setting -> its label)."""
     text = ", ".join(f"{names[s]} {e}" for s, e in each.items())

@@ -18,6 +18,14 @@ sequence-level reward of moderate success rate). Its success probability J(theta
 (a Poisson-binomial over the forks times the error-free probabilities of the pre region and of the
 tail, whose length is geometric), so grad J is exact by autograd, in float64. Scores are exact too:
 d log pi(y_t) / d theta = e_y - pi on the position's row (softmax logits are the parameters).
+
+The *fork-density* family (``make_density_policy``) is the one in which the decisions grow with the
+horizon: a fork every ``spacing`` tokens over the whole response (F = max(1, round(T / spacing))), an
+error possible at every other position with the same probability at every T, so the expected number of
+forks and of errors both grow ∝ T. A *mistake* is token 1 anywhere (a wrong fork or an error); the
+reward is 1 for at most ``budget`` mistakes, the budget whose success rate under the policy is closest
+to 1/2 (the reward's variance then changes little with T; the count is coarse at small T). Its J is
+exact through a pass over the positions that carries the distribution of the mistake count.
 """
 from __future__ import annotations
 
@@ -37,12 +45,15 @@ PRE, FORK, TAIL = 0, 1, 2
 @dataclass(frozen=True)
 class SyntheticPolicy:
     """theta [rows, 3] float64 logits (-inf where impossible); kind [T] PRE/FORK/TAIL per position;
-    row [T] the parameter row of each position; need: right forks required; eos: EOS-ended lengths."""
+    row [T] the parameter row of each position; need: right forks required; eos: EOS-ended lengths;
+    budget: None for the reward "no error and at least ``need`` right forks", else the reward "at most
+    ``budget`` mistakes" of the fork-density family."""
     theta: Tensor
     kind: Tensor
     row: Tensor
     need: int
     eos: bool
+    budget: int | None = None
 
     @property
     def horizon(self) -> int:
@@ -73,14 +84,22 @@ def make_policy(horizon: int, *, forks: int = 4, need: int = 3, fork_prob: float
     eps, tail = errors / horizon, horizon - pre
     hazard = stop / tail if eos and tail else 0.0
     check_range("stop", hazard, 0.0, 1.0 - eps, high_inclusive=False)
+    theta, row = parameters(logit_rows(eps, fork_prob, hazard), kind, shared)
+    return SyntheticPolicy(theta, kind, row, need, bool(hazard))
+
+
+def logit_rows(eps: float, fork_prob: float, hazard: float) -> Tensor:
+    """[3, 3] float64 logits of the PRE / FORK / TAIL rows (-inf where a token is impossible)."""
     ninf = -math.inf
-    rows = torch.tensor([[math.log1p(-eps), math.log(eps), ninf],
+    return torch.tensor([[math.log1p(-eps), math.log(eps), ninf],
                          [math.log(fork_prob), math.log1p(-fork_prob), ninf],
                          [math.log1p(-eps - hazard), math.log(eps), math.log(hazard) if hazard else ninf]],
                         dtype=torch.float64)
-    if shared:
-        return SyntheticPolicy(rows, kind, kind.clone(), need, bool(hazard))
-    return SyntheticPolicy(rows[kind].clone(), kind, torch.arange(horizon), need, bool(hazard))
+
+
+def parameters(rows: Tensor, kind: Tensor, shared: bool) -> tuple[Tensor, Tensor]:
+    """(theta, row): the three rows shared by kind, or one row per position."""
+    return (rows, kind.clone()) if shared else (rows[kind].clone(), torch.arange(kind.numel()))
 
 
 def random_policy(horizon: int, generator: torch.Generator, *, eos: bool, shared: bool = True,
@@ -93,8 +112,65 @@ def random_policy(horizon: int, generator: torch.Generator, *, eos: bool, shared
                        stop=0.5 + stop, eos=eos, shared=shared)
 
 
+DENSITY_REFERENCE = 32   # the horizon at which a density instance expects the errors of its constant-family twin
+
+
+def make_density_policy(horizon: int, *, spacing: int = 8, fork_prob: float = 0.6, error_rate: float = 0.0125,
+                        stop: float = 1.0, eos: bool = False, shared: bool = True,
+                        budget: int | None = None) -> SyntheticPolicy:
+    """The fork-density family of the module docstring: F = max(1, round(T / spacing)) forks at positions
+    floor((i + 1/2) T / F) (evenly over the whole response, so in the EOS tail too, where a fork never
+    ends the response), ``error_rate`` per other position, EOS hazard stop / (tail positions that are
+    not forks). ``budget`` None: the b whose success rate P(mistakes <= b) is closest to 1/2."""
+    horizon, spacing = check_int("horizon", horizon, 1), check_int("spacing", spacing, 1)
+    check_range("fork_prob", fork_prob, 0.0, 1.0, low_inclusive=False, high_inclusive=False)
+    check_range("error_rate", error_rate, 0.0, 1.0, low_inclusive=False, high_inclusive=False)
+    forks = max(1, round(horizon / spacing))
+    pre = -(-horizon // 2)
+    kind = torch.where(torch.arange(horizon) < pre, PRE, TAIL)
+    kind[((torch.arange(forks, dtype=torch.float64) + 0.5) * horizon / forks).long()] = FORK
+    tail = int((kind == TAIL).sum())
+    hazard = stop / tail if eos and tail else 0.0
+    check_range("stop", hazard, 0.0, 1.0 - error_rate, high_inclusive=False)
+    theta, row = parameters(logit_rows(error_rate, fork_prob, hazard), kind, shared)
+    policy = SyntheticPolicy(theta, kind, row, 0, bool(hazard), 0)
+    if budget is None:   # the success rate closest to 1/2 (ties: the smaller budget)
+        budget = int((mistake_distribution(policy).cumsum(0) - 0.5).abs().argmin())
+    return SyntheticPolicy(theta, kind, row, 0, bool(hazard), check_int("budget", budget, 0))
+
+
+def random_density_policy(horizon: int, generator: torch.Generator, *, eos: bool, shared: bool = True,
+                          spacing: int = 8) -> SyntheticPolicy:
+    """An instance of the fork-density family, drawn as ``random_policy`` draws (the same generator state
+    gives the same fork probability and stop rate, so instance i pairs up across T and with its twin of
+    the constant family): errors per response ~ U(0.2, 0.6) at T = ``DENSITY_REFERENCE``, the same rate
+    per position at every T."""
+    fork_prob, errors, stop = (float(v) for v in torch.rand(3, generator=generator, dtype=torch.float64))
+    return make_density_policy(horizon, spacing=spacing, fork_prob=0.5 + 0.25 * fork_prob,
+                               error_rate=(0.2 + 0.4 * errors) / DENSITY_REFERENCE, stop=0.5 + stop, eos=eos,
+                               shared=shared)
+
+
+def mistake_distribution(policy: SyntheticPolicy, theta: Tensor | None = None) -> Tensor:
+    """[T + 1] float64, differentiable in ``theta``: P(the response holds k mistakes), k = 0..T (a mistake
+    is token 1 at any position: a wrong fork or an error). One pass over the positions carrying the
+    distribution of the count among responses still going and among those ended by EOS (once per policy,
+    not per sample)."""
+    p = torch.softmax(policy.theta if theta is None else theta, -1)[policy.row]          # [T, 3]
+    alive = torch.zeros(policy.horizon + 1, dtype=p.dtype)
+    alive[0] = 1.0
+    ended = torch.zeros_like(alive)
+    for t in range(policy.horizon):
+        ended = ended + alive * p[t, EOS]
+        alive = alive * p[t, 0] + torch.cat([alive.new_zeros(1), alive[:-1]]) * p[t, 1]
+    return ended + alive
+
+
 def success_probability(policy: SyntheticPolicy, theta: Tensor | None = None) -> Tensor:
-    """J = P(no error, at least ``need`` right forks) in closed form, differentiable in ``theta``."""
+    """J = P(no error, at least ``need`` right forks) in closed form, differentiable in ``theta``; for the
+    fork-density family J = P(at most ``budget`` mistakes) (``mistake_distribution``)."""
+    if policy.budget is not None:
+        return mistake_distribution(policy, theta)[:policy.budget + 1].sum()
     p = torch.softmax(policy.theta if theta is None else theta, -1)[policy.row]          # [T, 3] per position
     pre_ok = torch.where(policy.kind == PRE, p[:, 0], 1.0).prod()
     right = p[policy.kind == FORK, 0]
@@ -126,6 +202,8 @@ def sample(policy: SyntheticPolicy, count: int, generator: torch.Generator) -> t
     ended = torch.cumsum((tokens == EOS).long(), 1)
     mask = (ended - (tokens == EOS).long()) == 0                                         # up to the first EOS
     tokens = tokens * mask
+    if policy.budget is not None:
+        return tokens, mask, ((tokens == 1).sum(1) <= policy.budget).float()
     errors = ((tokens == 1) & (policy.kind != FORK) & mask).any(1)
     right = ((tokens == 0) & (policy.kind == FORK) & mask).sum(1)
     return tokens, mask, ((~errors) & (right >= policy.need)).float()

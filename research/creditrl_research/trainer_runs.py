@@ -2,7 +2,8 @@
 seed, runs × seeds through ``creditrl compare``, and the per-seed readings the verdicts pair up.
 
 A study is a dict ``{"task": name, "overrides": [...], "warm_start": [...], "runs": {run: [...]}}``
-of ``creditrl train`` overrides. Seed s warm-starts its own checkpoint (warm-start seed s) and every
+of ``creditrl train`` overrides (and optionally ``"task_options"``: the task's keyword options, for the
+warm start; the runs take them as ``task.options.*`` overrides). Seed s warm-starts its own checkpoint (warm-start seed s) and every
 run of seed s starts from it (passed as a local model dir): runs of one seed differ by RL alone and
 pair up (seed s of run a against seed s of run b), while the spread over seeds includes the
 checkpoint's. One checkpoint shared by all seeds made every interval conditional on that one
@@ -30,11 +31,12 @@ UNSTABLE_STUDY = {"task": "multiplication", "warm_start": ["model.warm_start.tar
                   "overrides": ["optim.lr=3e-4", "optim.max_grad_norm=1e6"]}
 
 
-def seed_checkpoint(task_name: str, warm_start: list[str], seed: int, threads: int) -> Path:
-    """Warm-start ``builtin:tiny`` on ``task_name`` with ``seed`` once (cached per machine) and
-    return its dir."""
+def seed_checkpoint(task_name: str, warm_start: list[str], seed: int, threads: int,
+                    task_options: dict | None = None) -> Path:
+    """Warm-start ``builtin:tiny`` on ``task_name`` (with ``task_options``) with ``seed`` once (cached per
+    machine) and return its dir."""
     model = load_config(None, warm_start).model
-    task = get_task(task_name)
+    task = get_task(task_name, **(task_options or {}))
     with torch_threads(threads):
         load_policy("builtin:tiny", task, model_cfg=model.tiny, warm_start=model.warm_start, seed=seed, progress=False)
     return tiny_cache_path(task, model.tiny, model.warm_start, seed)
@@ -56,7 +58,8 @@ def run_study(cfg, study: dict, runs: dict[str, list[str]], seeds: list[int], ou
     compare report."""
     plans = []
     for seed in seeds:
-        checkpoint = seed_checkpoint(study["task"], warm_start_overrides(cfg, study), seed, cfg.threads)
+        checkpoint = seed_checkpoint(study["task"], warm_start_overrides(cfg, study), seed, cfg.threads,
+                                     study.get("task_options"))
         spec = compare.CompareSpec(runs=runs, seeds=[seed], overrides=[
             *common_overrides(cfg), f"model.name={checkpoint}", f"task.name={study['task']}", *study["overrides"]])
         plans += compare.plan_runs(spec, out, progress=False)

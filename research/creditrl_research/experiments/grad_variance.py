@@ -210,6 +210,21 @@ def plot(out_dir: Path) -> Path:
 def comparison(records: list[dict], e: str, b: str, label: str, lengths: dict, reference: str = REFERENCE,
                paper: float | None = None) -> tuple[str, str]:
     """(text, outcome) of the claim "e is more efficient than b", with the raw ratio beside it."""
+    text, statistics = compared(records, e, b, label, lengths, reference)
+    return text, outcome_of(statistics, paper)
+
+
+def outcome_of(statistics: dict[str, rules.Estimate], paper: float | None = None) -> str:
+    """The matched-signal rule on one comparison's statistics (its lengths and their geometric mean)."""
+    each = [est for key, est in statistics.items() if not key.endswith("| pooled")]
+    pooled = next(est for key, est in statistics.items() if key.endswith("| pooled"))
+    return rules.pooled_ratio_outcome(each, pooled, paper=paper, claimed=">")
+
+
+def compared(records: list[dict], e: str, b: str, label: str, lengths: dict,
+             reference: str = REFERENCE) -> tuple[str, dict[str, rules.Estimate]]:
+    """(text, statistics) of the claim "e is more efficient than b": the efficiency per length (keyed by
+    digits, the same in every seed set) and pooled over the lengths, with the raw ratio in the text."""
     per = efficiencies(records, e, b, reference)
     each, pooled = ge.pooled_efficiency(per, "checkpoints")
     raw_each, raw_pooled = ge.pooled_efficiency(raw_ratios(records, e, b), "checkpoints")
@@ -222,7 +237,8 @@ def comparison(records: list[dict], e: str, b: str, label: str, lengths: dict, r
                                                    for d, n in undefined.items() if n)
                  + f" had {reference}'s mean gradient (the scale's reference) not resolved above its noise "
                  "(cross-fitted signal ≤ 0), so the rule reads the lengths that are defined")
-    return text, ge.efficiency_outcome(each, pooled, paper)
+    statistics = {f"{label} | {d} digits": est for d, est in each.items()}
+    return text, {**statistics, f"{label} | pooled": pooled}
 
 
 def verdicts(out_dir: Path) -> list[rules.Verdict]:
@@ -249,18 +265,24 @@ def otb_verdict(records, names, lengths, power) -> rules.Verdict | None:
     rivals = [r for r in OTB_RIVALS if r in names]
     if "otb" not in names or not rivals:
         return None
-    compared = [comparison(records, "otb", r, f"OTB/{r}", lengths) for r in rivals]
+    found = {r: compared(records, "otb", r, f"OTB/{r}", lengths) for r in rivals}
     loo = [comparison(records, f"{e}+loo", "rloo", f"{e}+loo/rloo", lengths)[0] for e in ("otb", "ogb")
            if f"{e}+loo" in names]
     scales = "; ".join(f"c(OTB) at {lengths[d]:.0f} tokens {ge.cluster_efficiency(v, 'checkpoints')}"
                        for d, v in scale_values(records, "otb").items())
+    statistics = {k: est for _, stats in found.values() for k, est in stats.items()}
+
+    def decide(statistics) -> str:   # every rival's comparison, combined
+        return rules.combined_outcome([outcome_of({k: e for k, e in statistics.items() if k.startswith(f"OTB/{r} |")})
+                                       for r in rivals])
+
     return rules.Verdict(
         "OTB is more efficient than RLOO/Dr.GRPO and OGB at matched signal", "OTB §5.2–5.3",
-        "lower variance than OGB and the group-mean baselines", "; ".join(t for t, _ in compared),
+        "lower variance than OGB and the group-mean baselines", "; ".join(t for t, _ in found.values()),
         rule("RLOO") + "; all rivals won reproduces, some partly, none with a loss does not, else inconclusive",
-        rules.combined_outcome([o for _, o in compared]), power,
+        decide(statistics), power,
         f"Dr.GRPO is exactly (N−1)/N × RLOO, so its efficiency equals RLOO's. OTB's mean gradient is shrunk: {scales}. "
-        "With leave_one_out (unbiased): " + "; ".join(loo) + ".")
+        "With leave_one_out (unbiased): " + "; ".join(loo) + ".", statistics=statistics, decide=decide)
 
 
 def scale_values(records: list[dict], e: str, reference: str = REFERENCE) -> dict[int, list[float]]:
@@ -281,14 +303,19 @@ def horizon_verdict(records, names, lengths, power) -> rules.Verdict | None:
         "the gain of token-level baselines grows with the horizon",
         f"(efficiency OTB/RLOO at {lengths[digits[-1]]:.0f} tokens) / (at {lengths[digits[0]]:.0f} tokens) = {grow}",
         "95% t-interval over the checkpoints of both lengths (log scale, Welch df) above 1 reproduces, below 1 does "
-        "not, else inconclusive", rules.interval_outcome(grow, ">", null=1.0), power,
-        "Two lengths of 13 and 33 tokens; the `horizon` experiment tests the claim from 8 to thousands of tokens.")
+        "not, else inconclusive", growth_outcome({"growth": grow}), power,
+        "Two lengths of 13 and 33 tokens; the `horizon` experiment tests the claim from 8 to thousands of tokens.",
+        statistics={"growth": grow}, decide=growth_outcome)
+
+
+def growth_outcome(statistics) -> str:
+    return rules.interval_outcome(statistics["growth"], ">", null=1.0)
 
 
 def energy_verdict(records, names, lengths, power) -> rules.Verdict | None:
     if not {"otb", "otb_isolated"} <= names:
         return None
-    text, outcome = comparison(records, "otb", "otb_isolated", "OTB/isolated", lengths)
+    text, statistics = compared(records, "otb", "otb_isolated", "OTB/isolated", lengths)
     note = ""
     if {"otb+loo", "otb_isolated+loo"} <= names:
         note = "With leave_one_out: " + comparison(records, "otb+loo", "otb_isolated+loo", "OTB+loo/isolated+loo",
@@ -296,14 +323,19 @@ def energy_verdict(records, names, lengths, power) -> rules.Verdict | None:
     return rules.Verdict(
         "Cumulative energy (OTB) beats isolated per-token energy at matched signal", "OTB App. C.7, F.5",
         "cumulative W_t argued over isolated w_t", text,
-        rule("RLOO") + ": a win reproduces, a loss does not, a tie is inconclusive", outcome, power, note)
+        rule("RLOO") + ": a win reproduces, a loss does not, a tie is inconclusive", outcome_of(statistics), power,
+        note, statistics=statistics, decide=outcome_of)
 
 
 def maxpo_verdict(records, names, lengths, power, out_dir) -> rules.Verdict | None:
     if not {"maxpo", "ei"} <= names:
         return None
     paper = 1 / PAPER_MAXPO_VARIANCE_RATIO
-    text, outcome = comparison(records, "maxpo", "ei", "MaxPO/EI", lengths, reference="ei", paper=paper)
+    text, statistics = compared(records, "maxpo", "ei", "MaxPO/EI", lengths, reference="ei")
+
+    def decide(statistics) -> str:
+        return outcome_of(statistics, paper)
+
     summary = tables.read_json(Path(out_dir) / "summary.json")
     stars = "; ".join(f"{lengths[int(d)]:.0f} tokens: b* {b['b_star']:.3f} vs mean reward "
                       f"{b['reward_mean_pooled']:.3f}" for d, b in summary["baselines"].items())
@@ -311,8 +343,9 @@ def maxpo_verdict(records, names, lengths, power, out_dir) -> rules.Verdict | No
         "MaxPO (EI − L2O) is more efficient than raw EI", "MaxPO §3.2, §5.2.3",
         "77.4% lower variance (Adam proxy, Llama-3.2-3B): efficiency 4.4 (same expected gradient)", text,
         rule("EI", f" or below the paper's {paper:.2f}") + ": a win reproduces, a loss does not, a tie is inconclusive",
-        outcome, power, f"The variance-optimal baseline b* = ΣRW/ΣW against the mean reward — {stars}: a baseline "
-        "built from rewards alone (L2O) sits above b* when incorrect responses carry most of the gradient energy.")
+        decide(statistics), power, f"The variance-optimal baseline b* = ΣRW/ΣW against the mean reward — {stars}: a "
+        "baseline built from rewards alone (L2O) sits above b* when incorrect responses carry most of the gradient "
+        "energy.", statistics=statistics, decide=decide)
 
 
 def quality_table(rows: list[tables.Row], reference: str) -> str:

@@ -292,20 +292,18 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
     var_n = tables.read_csv(out_dir / "variance_actions.csv")
     ns = sorted({r["num_actions"] for r in var_n})
     by_n = {n: ratio_to_ei(var_n, "num_actions", n, "EI+L2O", n_boot) for n in ns}
-    below = [n for n in ns if by_n[n].high < 1]
     above = [n for n in ns if by_n[n].low > 1]
-    grows = by_n[ns[-1]].high < by_n[ns[0]].low
-    outcome = ("reproduces" if len(below) == len(ns) - (ns[0] <= 2) and grows else "partly" if below else
-               "does not reproduce" if above else "inconclusive")
+    statistics = {f"n={n}": e for n, e in by_n.items()}
     out.append(rules.Verdict(
         "L2O lowers the variance versus EI, more so with more actions", "MaxPO §5.1, App. G.1",
         "variance ratios consistently below 1 (maze G.2.2)",
         "Var(EI+L2O)/Var(EI) " + ", ".join(f"n={n}: {by_n[n]}" for n in ns),
         "paired bootstrap CIs over instances: below 1 at every n > 2 and the largest n's CI below the smallest n's "
-        "reproduces; below 1 somewhere: partly; nowhere and above 1 somewhere: does not; else inconclusive", outcome,
-        f"{cfg.get('seeds')} instances × {cfg.get('variance_batches')} batches per point",
-        "" if not above else f"L2O raises the variance at n = {', '.join(map(str, above))}: with few actions most "
-        "batches repeat the same actions and EI has little variance to remove."))
+        "reproduces; below 1 somewhere: partly; nowhere and above 1 somewhere: does not; else inconclusive",
+        fewer_with_actions(statistics), f"{cfg.get('seeds')} instances × {cfg.get('variance_batches')} batches per "
+        "point", "" if not above else f"L2O raises the variance at n = {', '.join(map(str, above))}: with few "
+        "actions most batches repeat the same actions and EI has little variance to remove.",
+        statistics=statistics, decide=fewer_with_actions))
     var_k = tables.read_csv(out_dir / "variance_k.csv")
     ks = sorted({r["k"] for r in var_k})
     by_k = {k: ratio_to_ei(var_k, "k", k, "EI+L2O", n_boot) for k in ks}
@@ -314,20 +312,40 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
     sweep = [k for k in ks if k >= 2]
     best = min(sweep, key=lambda k: by_k[k].value)
     raises = [k for k in ks if by_k[k].low > 1]
-    interior = sweep[0] < best < sweep[-1] and by_k[best].high < 1
-    fades = all(by_k[k].low > by_k[best].high for k in (sweep[0], sweep[-1]))
-    outcome = ("reproduces" if interior and fades else "partly" if interior else
-               "does not reproduce" if best in (sweep[0], sweep[-1]) else "inconclusive")
+    statistics = {f"K={k}": e for k, e in by_k.items()}
     out.append(rules.Verdict(
         "L2O helps most at moderate K", "MaxPO §5.1", "L2O is most effective for moderate K",
         "Var(EI+L2O)/Var(EI) " + ", ".join(f"K={k}: {by_k[k]}" for k in ks) + f"; smallest over K ≥ 2 at K={best}",
         "over K ≥ 2 (K = 1 is degenerate): the smallest ratio at an interior K with its CI below 1 and both end "
         "ratios' CIs above it reproduces; interior but not separated: partly; at an end of the sweep: does not",
-        outcome, f"{cfg.get('seeds')} paired instances × {cfg.get('variance_batches')} batches per K",
+        best_at_moderate_k(statistics), f"{cfg.get('seeds')} paired instances × {cfg.get('variance_batches')} "
+        "batches per K",
         (f"L2O raises the variance above EI at K = {', '.join(map(str, raises))} (CI above 1). " if raises else "")
         + ("At K=1 L2O is RLOO against REINFORCE, so that point measures centring of the raw reward and is left "
-           "out of the rule." if ks[0] == 1 else "")))
+           "out of the rule." if ks[0] == 1 else ""), statistics=statistics, decide=best_at_moderate_k))
     return out
+
+
+def fewer_with_actions(statistics) -> str:
+    """Rule (b) on {"n=…": Var(EI+L2O)/Var(EI)}, n ascending."""
+    by_n = {int(k[2:]): e for k, e in statistics.items()}
+    ns = sorted(by_n)
+    below = [n for n in ns if by_n[n].high < 1]
+    above = [n for n in ns if by_n[n].low > 1]
+    grows = by_n[ns[-1]].high < by_n[ns[0]].low
+    return ("reproduces" if len(below) == len(ns) - (ns[0] <= 2) and grows else "partly" if below else
+            "does not reproduce" if above else "inconclusive")
+
+
+def best_at_moderate_k(statistics) -> str:
+    """Rule (c) on {"K=…": Var(EI+L2O)/Var(EI)}: over K ≥ 2 (K = 1 is degenerate)."""
+    by_k = {int(k[2:]): e for k, e in statistics.items()}
+    sweep = sorted(k for k in by_k if k >= 2)
+    best = min(sweep, key=lambda k: by_k[k].value)
+    interior = sweep[0] < best < sweep[-1] and by_k[best].high < 1
+    fades = all(by_k[k].low > by_k[best].high for k in (sweep[0], sweep[-1]))
+    return ("reproduces" if interior and fades else "partly" if interior else
+            "does not reproduce" if best in (sweep[0], sweep[-1]) else "inconclusive")
 
 
 def report(out_dir: Path, figure_path: str) -> str:

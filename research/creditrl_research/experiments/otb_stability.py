@@ -120,7 +120,7 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
     n = len(studies.by_seed(rows, "grpo-n4", "collapsed"))
     g4, o4 = count["grpo-n4"], count["otb-n4"]
     kept = studies.paired(rows, "otb-n4", "grpo-n4", "mean_change")
-    outcome = "inconclusive" if g4 < min(3, n) else rules.interval_outcome(kept, ">")
+    outcome = "inconclusive" if g4 < min(3, n) else kept_more({"accuracy change OTB-N4 − GRPO-N4": kept})
     acc = studies.paired(rows, "otb-n4", "grpo-n4", "end_acc")
     out = [rules.Verdict(
         "OTB at N=4 stays stable where GRPO at N=4 collapses", "OTB §6.3, Fig. 1",
@@ -133,18 +133,17 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
         "inconclusive", outcome,
         f"{n} seeds: detectable ≥ {tables.fmt(kept.detectable)} accuracy; collapse counts are descriptive "
         f"(no count difference over {n} seeds is significant at 5%)",
-        "" if g4 >= min(3, n) else "GRPO at N=4 did not collapse often enough in this regime.")]
+        "" if g4 >= min(3, n) else "GRPO at N=4 did not collapse often enough in this regime.",
+        statistics={"accuracy change OTB-N4 − GRPO-N4": kept}, decide=kept_more, condition_met=g4 >= min(3, n))]
     ratio = studies.paired_ratio(rows, "otb-n4", "grpo-n16", "gain", cfg["bootstrap"])
     tokens = sum(studies.by_seed(rows, "otb-n4", "tokens").values()) / max(
         sum(studies.by_seed(rows, "grpo-n16", "tokens").values()), 1)
     g16 = rules.mean_estimate(list(studies.by_seed(rows, "grpo-n16", "gain").values()))
     g4_gain = rules.mean_estimate(list(studies.by_seed(rows, "otb-n4", "gain").values()))
     no_gain = rules.interval_outcome(g16) != "reproduces"
-    if no_gain or not math.isfinite(ratio.low):
-        eff = "inconclusive"
-    else:
-        eff = ("reproduces" if ratio.low >= 0.9 and tokens <= 0.5 else "does not reproduce" if ratio.high < 0.9
-               else "inconclusive")
+    statistics = {"gain ratio OTB-N4 / GRPO-N16": ratio, "GRPO-N16 gain": g16,
+                  "token ratio": rules.Estimate(tokens, tokens, tokens, 0.0, n, df=math.inf, log=True)}
+    eff = gain_matched(statistics)
     # a ratio over a gain that may be 0 is meaningless (e.g. −76 [−88, 59]): not printed then
     shown = "not defined (GRPO-N16's gain is not above 0)" if no_gain else str(ratio)
     out.append(rules.Verdict(
@@ -157,8 +156,22 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
         f"{n} seeds; GRPO-N16 gain detectable ≥ {tables.fmt(g16.detectable)}",
         "" if eff != "inconclusive" else "GRPO-N16 gained nothing clearly above 0 in this unstable regime, so "
         "there is no gain to match." if rules.interval_outcome(g16) != "reproduces" else
-        "The interval covers 0.9."))
+        "The interval covers 0.9.", statistics=statistics, decide=gain_matched))
     return out
+
+
+def kept_more(statistics) -> str:
+    return rules.interval_outcome(statistics["accuracy change OTB-N4 − GRPO-N4"], ">")
+
+
+def gain_matched(statistics) -> str:
+    """Σ gain ratio's low end ≥ 0.9 at ≤ 0.5× the tokens reproduces, high end < 0.9 does not; inconclusive
+    unless GRPO-N16's gain interval is above 0."""
+    ratio, tokens = statistics["gain ratio OTB-N4 / GRPO-N16"], statistics["token ratio"].value
+    if rules.interval_outcome(statistics["GRPO-N16 gain"]) != "reproduces" or not math.isfinite(ratio.low):
+        return "inconclusive"
+    return ("reproduces" if ratio.low >= 0.9 and tokens <= 0.5 else "does not reproduce" if ratio.high < 0.9
+            else "inconclusive")
 
 
 def report(out_dir: Path, figure_path: str) -> str:

@@ -146,22 +146,28 @@ def token_spearman_ci(out_dir: Path, n_boot: int) -> rules.Estimate:
     low, high = torch.tensor(boots, dtype=torch.float64).nanquantile(torch.tensor([0.025, 0.975],
                                                                                   dtype=torch.float64)).tolist()
     return rules.Estimate(spearman(torch.cat(true), torch.cat(proxy)), low, high, math.nan, len(by_resp),
-                              "responses")
+                          "responses", df=math.inf)
+
+
+def tracks(statistics) -> str:
+    """Low end ≥ 0.5 reproduces, ≥ 0.2 partly, high end < 0.2 does not, else inconclusive."""
+    rho = statistics["Spearman"]
+    return ("reproduces" if rho.low >= 0.5 else "does not reproduce" if rho.high < 0.2 else
+            "partly" if rho.low >= 0.2 else "inconclusive")
 
 
 def verdicts(out_dir: Path) -> list[rules.Verdict]:
     out_dir = Path(out_dir)
     s = tables.read_json(out_dir / "summary.json")
     rho = token_spearman_ci(out_dir, s["config"]["bootstrap"])
-    outcome = ("reproduces" if rho.low >= 0.5 else "does not reproduce" if rho.high < 0.2 else
-               "partly" if rho.low >= 0.2 else "inconclusive")
     return [rules.Verdict(
         "The logit-gradient proxy ŵ_t tracks the true per-token gradient norm", "OTB §5.3, eq. 7",
         "‖s_t‖² ∝ ‖δ_t‖² (argued, no correlation reported)",
         f"Spearman over {s['tokens']} tokens {rho} (Pearson {s['token_pearson']:.2f}, log-log "
         f"{s['token_pearson_log']:.2f})",
         "bootstrap CI over responses: low end ≥ 0.5 reproduces, ≥ 0.2 partly, high end < 0.2 does not, else "
-        "inconclusive", outcome, f"{rho.n} responses")]
+        "inconclusive", tracks({"Spearman": rho}), f"{rho.n} responses", statistics={"Spearman": rho},
+        decide=tracks)]
 
 
 def report(out_dir: Path, figure_path: str) -> str:

@@ -180,7 +180,7 @@ def length_verdict(out_dir: Path, cfg: dict) -> rules.Verdict:
     if n:
         low, high = rules.bootstrap_ci(lambda idx: rhos[idx].mean(-1), n, n_boot=cfg["bootstrap"],
                                            generator=torch.Generator().manual_seed(0))
-        rho = rules.Estimate(float(rhos.mean()), float(low), float(high), math.nan, n, "groups")
+        rho = rules.Estimate(float(rhos.mean()), float(low), float(high), math.nan, n, "groups", df=math.inf)
     else:
         rho = rules.Estimate(math.nan, math.nan, math.nan, math.nan, 0, "groups")
     return rules.Verdict(
@@ -188,16 +188,26 @@ def length_verdict(out_dir: Path, cfg: dict) -> rules.Verdict:
         "longer sequences possess lower energy inside a group",
         f"mean within-group Spearman(Σŵ, length) {rho} over {n} groups with a length spread",
         "bootstrap CI over groups below 0 reproduces, above 0 does not, else inconclusive; inconclusive with < 5 "
-        "groups", "inconclusive" if n < 5 else rules.interval_outcome(rho, "<"),
+        "groups", "inconclusive" if n < 5 else below_zero({"spearman": rho}),
         f"{n} groups (of {cfg['length_groups']}); the CI width is the resolution",
         f"The energy per token is nearly constant here (mean {float(per_token.mean()):.2f}, sd "
         f"{float(per_token.std()) if per_token.numel() > 1 else 0.0:.2f} over responses), so the total grows with "
         f"the length; {100 * clipped:.0f}% of responses reached the token cap. The paper's observation is on "
-        "reasoning traces of thousands of tokens, a regime this CPU cannot sample.")
+        "reasoning traces of thousands of tokens, a regime this CPU cannot sample.",
+        statistics={"spearman": rho}, decide=below_zero, condition_met=n >= 5)
 
 
-def as_estimate(iv, unit: str = "folds of groups") -> rules.Estimate:
-    return rules.Estimate(iv.value, iv.low, iv.high, math.nan, iv.folds, unit)
+def below_zero(statistics) -> str:
+    return rules.interval_outcome(statistics["spearman"], "<")
+
+
+def as_estimate(iv, unit: str = "folds of groups", log: bool = True) -> rules.Estimate:
+    """A jackknife ``Interval`` (t with folds − 1 df; log scale for a ratio) as an ``Estimate``."""
+    return rules.Estimate(iv.value, iv.low, iv.high, math.nan, iv.folds, unit, df=iv.folds - 1, log=log)
+
+
+def all_won(statistics) -> str:
+    return rules.combined_outcome([rules.interval_outcome(e, ">", null=1.0) for e in statistics.values()])
 
 
 def efficiency_verdict(out_dir: Path, cfg: dict) -> rules.Verdict:
@@ -205,16 +215,16 @@ def efficiency_verdict(out_dir: Path, cfg: dict) -> rules.Verdict:
     groups = tables.read_csv(out_dir / "groups.csv")
     mixed = sum(g["mixed"] for g in groups)
     rivals = [r for r in RIVALS if r in stats.names]
-    parts, outcomes = [], []
+    parts, statistics = [], {}
     for rival in rivals:
         q = gradient_quality(stats, "rloo", rival)["otb"]
-        outcomes.append(rules.interval_outcome(as_estimate(q.efficiency), ">", null=1.0))
+        statistics[f"OTB/{rival}"] = as_estimate(q.efficiency)
         parts.append(f"efficiency OTB/{rival} {as_estimate(q.efficiency)} (raw tr Cov ratio, raw: "
                      f"{as_estimate(q.raw_ratio)})")
     quality = gradient_quality(stats, "rloo")
-    extra = [f"{n}: c {as_estimate(quality[n].scale)}, efficiency vs RLOO {as_estimate(quality[n].efficiency)}"
-             for n in ("otb", "otb+loo", "otb_isolated", "dr_grpo") if n in quality]
-    outcome = "inconclusive" if mixed < 5 else rules.combined_outcome(outcomes)
+    extra = [f"{n}: c {as_estimate(quality[n].scale, log=False)}, efficiency vs RLOO "
+             f"{as_estimate(quality[n].efficiency)}" for n in ("otb", "otb+loo", "otb_isolated", "dr_grpo") if n in quality]
+    outcome = "inconclusive" if mixed < 5 else all_won(statistics)
     return rules.Verdict(
         "OTB is more efficient than RLOO/Dr.GRPO and OGB at matched signal on a real model (SmolLM2-135M)",
         "OTB §5.2–5.3", "lower variance than OGB and the group-mean baselines", "; ".join(parts),
@@ -222,7 +232,7 @@ def efficiency_verdict(out_dir: Path, cfg: dict) -> rules.Verdict:
         "t-interval over folds of groups: above 1 a win, below 1 a loss; all wins reproduces, some partly, none "
         "with a loss does not, else inconclusive; inconclusive with fewer than 5 groups with mixed rewards",
         outcome, f"{len(groups)} groups in {stats.draws.numel()} folds; {mixed} with mixed rewards carry signal",
-        "; ".join(extra) + ".")
+        "; ".join(extra) + ".", statistics=statistics, decide=all_won, condition_met=mixed >= 5)
 
 
 def verdicts(out_dir: Path) -> list[rules.Verdict]:

@@ -178,7 +178,20 @@ def _norm_ratio(tokens: list[tables.Row], n_boot: int) -> rules.Estimate:
     boots = a[ia].mean(-1) / b[ib].mean(-1)
     low, high = torch.quantile(boots, torch.tensor([0.025, 0.975], dtype=torch.float64))
     return rules.Estimate(float(a.mean() / b.mean()), float(low), float(high), math.nan, int(a.numel()),
-                              "silenced tokens")
+                          "silenced tokens", df=math.inf, log=True)
+
+
+def within_ten_times(statistics) -> str:
+    """Census rule (a): the silenced share within 10× of the paper's 0.01%."""
+    return "reproduces" if 1e-5 <= statistics["silenced share"].value <= 1e-3 else "does not reproduce"
+
+
+def norm_above(statistics) -> str:
+    return rules.interval_outcome(statistics["norm ratio"], ">", null=1.0)
+
+
+def entropy_kept(statistics) -> str:
+    return rules.interval_outcome(statistics["|entropy change| without − with"])
 
 
 def verdicts(out_dir: Path) -> list[rules.Verdict]:
@@ -198,9 +211,10 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
         f"{100 * ratio.value:.4f}% [{100 * ratio.low:.4f}, {100 * ratio.high:.4f}]% of {total} tokens "
         f"({silenced} silenced; peak batch {100 * max(per_batch):.3f}%)",
         "reproduces if within 10× of 0.01% (0.001–0.1%), else does not; inconclusive below 10 silenced tokens",
-        "inconclusive" if not enough else "reproduces" if 1e-5 <= ratio.value <= 1e-3 else "does not reproduce",
+        "inconclusive" if not enough else within_ten_times({"silenced share": ratio}),
         f"{len(batches)} batches of {cfg['prompts_per_batch']}×{cfg['group_size']} responses; the CI's width bounds "
-        "what can be resolved", why_few)]
+        "what can be resolved", why_few, statistics={"silenced share": ratio}, decide=within_ten_times,
+        condition_met=enough)]
     norm = _norm_ratio(tokens, cfg["bootstrap"])
     n_sil = sum(r["silenced"] for r in tokens)
     # like for like: silenced tokens against other tokens as improbable (π < τ_p) but high-entropy
@@ -214,9 +228,9 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
         "Silenced tokens have larger gradient norms than the others", "STAPO §3.2, Fig. 2b", "+16.7%",
         f"ratio {norm} ({n_sil} silenced vs {len(tokens) - n_sil} other tokens with exact norms)",
         "CI of the mean-norm ratio above 1 reproduces, below 1 does not, else inconclusive; inconclusive below 10 "
-        "silenced tokens", "inconclusive" if n_sil < 10 else rules.interval_outcome(norm, ">", null=1.0),
+        "silenced tokens", "inconclusive" if n_sil < 10 else norm_above({"norm ratio": norm}),
         "bootstrap over tokens (tokens of one response are correlated: the interval is optimistic)",
-        why_few or magnitude))
+        why_few or magnitude, statistics={"norm ratio": norm}, decide=norm_above, condition_met=n_sil >= 10))
     training = tables.read_csv(out_dir / "training.csv")
     stable = studies.paired(training, "grpo", "grpo+stapo", "abs_entropy_change")
     acc = studies.paired(training, "grpo+stapo", "grpo", "end_acc")
@@ -225,9 +239,10 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
         "STAPO keeps the entropy stable", "STAPO §5.2", "avoids late-stage collapse, entropy stays stable",
         f"|entropy change| without − with STAPO {stable}; end accuracy with − without {acc}",
         "95% interval of the paired |entropy change| difference above 0 reproduces, below 0 does not, else "
-        "inconclusive", rules.interval_outcome(stable) if fired > 0 else "inconclusive",
+        "inconclusive", entropy_kept({"|entropy change| without − with": stable}) if fired > 0 else "inconclusive",
         f"{stable.n} seeds; detectable ≥ {tables.fmt(stable.detectable)}",
-        "" if fired > 0 else "STAPO silenced nothing during training."))
+        "" if fired > 0 else "STAPO silenced nothing during training.",
+        statistics={"|entropy change| without − with": stable}, decide=entropy_kept, condition_met=fired > 0))
     return out
 
 
