@@ -183,8 +183,8 @@ def markdown(result: dict) -> str:
              *undefined_notes(result["rows"], result["reference"]["needed"], s["prompts"]),
              *noise_section(result["noise"], s["group_size"]), *loss_lines(result),
              "## Gradient space and cost\n", f"{s['space']}.", result["sketch_error"] or "",
-             f"\nSampling {result['timing']['sampling_s_per_group']:.2f} s per group (a round's groups in one "
-             f"batched generate call), gradients {result['timing']['gradients_s_per_group']:.2f} s per group "
+             f"\nSampling {result['timing']['sampling_s_per_group']:.3g} s per group (a round's groups in one "
+             f"batched generate call), gradients {result['timing']['gradients_s_per_group']:.3g} s per group "
              f"({result['measurement']['backward']} backward passes: a row whose cotangent is 0 or a multiple of "
              f"another's needs none), statistics {result['timing']['statistics_s']:.0f} s in all. The energies ŵ_t "
              f"come from the gradient's own forward, so an estimator's extra cost is its advantage computation.\n"]
