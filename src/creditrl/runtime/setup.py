@@ -198,6 +198,10 @@ def resolve_config(cfg: Config) -> Config:
     _check_task(cfg)
     loss = resolve_loss(cfg.loss)
     _check_combinations(cfg, loss)
+    try:                                   # terms that cannot combine (two surrogates, a term given twice)
+        policy_loss_from_config(dataclasses.replace(cfg, loss=loss))
+    except ValueError as err:
+        raise ConfigError(f"loss: {err}") from None
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
 
 
@@ -273,9 +277,11 @@ def policy_loss_from_config(cfg: Config) -> ConfiguredLoss:
             chosen[term.name] = term.options(**{f.name: loss[f.name] for f in dataclasses.fields(term.options)})
         elif loss[term.name]["enabled"]:
             chosen[term.name] = term.options(**{k: v for k, v in loss[term.name].items() if k != "enabled"})
-    for spec in loss["terms"]:
+    for i, spec in enumerate(loss["terms"]):
         term = get_loss_term(spec["path"])
-        chosen[spec["path"]] = term.options(**{k: v for k, v in spec.items() if k != "path"})
+        if term.name in chosen:
+            raise ValueError(f"loss.terms[{i}]: loss term {term.name!r} is also on as loss.{term.name}; set it one way")
+        chosen[term.name] = term.options(**{k: v for k, v in spec.items() if k != "path"})
     if chosen["aggregation"].max_len is None:
         chosen["aggregation"] = dataclasses.replace(chosen["aggregation"], max_len=cfg.rollout.max_new_tokens)
     return ConfiguredLoss(PolicyLoss(chosen), needs_reference=loss["kl_coef"] > 0,

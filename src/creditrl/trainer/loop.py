@@ -42,6 +42,7 @@ from creditrl.runtime.setup import (build_task, check_lora_source, default_max_n
 from creditrl.trainer.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
+from creditrl.core.losses import EntropyControl
 from creditrl.trainer.update import Learner, autocast
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
@@ -161,6 +162,8 @@ class Trainer:
         self.learner.follow_config()
         if self.learner.noise is not None and state.get("noise_scale") is not None:
             self.learner.noise.load_state_dict(state["noise_scale"])
+        if self.learner.entropy_control is not None and state.get("entropy_control") is not None:
+            self.learner.entropy_control = EntropyControl(**state["entropy_control"])
         ckpt.set_rng_state(state["rng"], self.generator, self.task_rng)
         self.step, self.tokens_total, self.elapsed = state["step"], state["tokens_total"], state["elapsed"]
 
@@ -190,7 +193,9 @@ class Trainer:
         state = {"optimizer": optimizer, "scheduler": self.learner.scheduler.state_dict(),
                  "rng": ckpt.rng_state(self.generator, self.task_rng),
                  "tokens_total": self.tokens_total, "elapsed": self.elapsed, "config": config_to_dict(self.cfg),
-                 "noise_scale": None if self.learner.noise is None else self.learner.noise.state_dict()}
+                 "noise_scale": None if self.learner.noise is None else self.learner.noise.state_dict(),
+                 "entropy_control": None if self.learner.entropy_control is None else
+                 dataclasses.asdict(self.learner.entropy_control)}
         return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
                                     self.cfg.train.keep_last)
 

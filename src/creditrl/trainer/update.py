@@ -16,6 +16,7 @@ chunk at a time, so no [B,T,V] float32 copy of the logits exists.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from creditrl.config import Config
 from creditrl.core.estimators import compute_advantages
 from creditrl.core.groups import GroupIndex
 from creditrl.core.gradients.noise_scale import NoiseScale
-from creditrl.core.losses import power_proxy
+from creditrl.core.losses import EntropyControl, power_proxy
 from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
 from creditrl.core.token_stats import TokenStats
 from creditrl.runtime.rollout import RolloutBatch
@@ -43,12 +44,14 @@ class Batch:
     """A RolloutBatch's tensors on the learner's device; responses are the columns from P on.
 
     tensors: model inputs [B, P+R] (input_ids, attention_mask, position_ids, response_mask) and
-    ``group`` [B]; mask [B,R] float (trained-on tokens); rollout_logp [B,R]; rewards [B]."""
+    ``group`` [B]; mask [B,R] float (trained-on tokens); rollout_logp [B,R]; rewards [B];
+    truncated [B] bool (the response hit ``rollout.max_new_tokens`` without stopping)."""
     tensors: dict[str, Tensor]
     mask: Tensor
     rollout_logp: Tensor
     rewards: Tensor
     prompt_len: int
+    truncated: Tensor
 
     @classmethod
     def from_rollout(cls, batch: RolloutBatch, device: torch.device) -> "Batch":
@@ -56,7 +59,7 @@ class Batch:
         tensors = {k: getattr(batch, k).to(device) for k in names}
         p = batch.prompt_len
         return cls(tensors, tensors["response_mask"][:, p:], batch.rollout_logp[:, p:].to(device),
-                   batch.rewards.to(device), p)
+                   batch.rewards.to(device), p, ~batch.stopped.to(device))
 
     @property
     def size(self) -> int:
@@ -211,6 +214,9 @@ class Learner:
         self.estimator, self.estimator_options, self.needs_energy = estimator_from_config(cfg)
         self.loss = policy_loss_from_config(cfg)
         self.noise = NoiseScale() if cfg.logging.grad_noise_scale else None
+        bonus = self.loss.loss.options_of("entropy_bonus")        # the configured options (adaptive: β₀, target)
+        self.entropy_options = bonus if bonus is not None and bonus.adaptive else None
+        self.entropy_control = None if self.entropy_options is None else EntropyControl(bonus.coef)
 
     def follow_config(self) -> None:
         """Point the optimizer and the schedule at this config's ``optim.lr``, ``weight_decay`` and
@@ -220,6 +226,18 @@ class Learner:
         self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
         for group in self.optimizer.param_groups:
             group.update(initial_lr=lr, lr=lr * factor, weight_decay=self.cfg.optim.weight_decay)
+
+    def apply_entropy_control(self) -> None:
+        """Adaptive entropy bonus: the loss applies the controller's β for the coming optimizer step."""
+        if self.entropy_control is not None:
+            applied = dataclasses.replace(self.entropy_options, coef=self.entropy_control.applied(self.entropy_options))
+            self.loss = dataclasses.replace(self.loss, loss=self.loss.loss.with_options("entropy_bonus", applied))
+
+    def observe_entropy(self, metrics: dict[str, float], skipped: bool) -> None:
+        """After an optimizer step: the controller reads the step's mean entropy over the bonus's
+        tokens (a skipped step changes nothing)."""
+        if self.entropy_control is not None and not skipped and "bonus_entropy" in metrics:
+            self.entropy_control = self.entropy_control.update(metrics["bonus_entropy"], self.entropy_options)
 
     def reference_logp(self, batch: Batch) -> Tensor | None:
         """log π_ref [B,R] for the KL term (None without one)."""
@@ -257,10 +275,12 @@ class Learner:
             for rows in order.to(batch.mask.device).split(mb):
                 chunks = first if single_pass else micro_batches(rows, micro, None)
                 self.optimizer.zero_grad(set_to_none=True)
+                self.apply_entropy_control()
                 metrics = self.accumulate(batch, chunks, live if single_pass else [None] * len(chunks),
                                           old, adv, ref_logp, halves)
                 grad_norm, skip = optimizer_step(self.optimizer, self.params, cfg.optim.max_grad_norm,
                                                  all(math.isfinite(v) for v in metrics.values()), self.scaler)
+                self.observe_entropy(metrics, skip)
                 for k, v in {**metrics, "grad_norm": grad_norm}.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps, skipped = steps + 1, skipped + skip
@@ -286,7 +306,8 @@ class Learner:
             try:
                 loss, metrics = self.loss(stats.logp.float(), old.logp[rows], adv[rows], batch.mask[rows],
                                           ref_logp=None if ref_logp is None else ref_logp[rows],
-                                          rollout_logp=batch.rollout_logp[rows], entropy=stats.entropy.float())
+                                          rollout_logp=batch.rollout_logp[rows], entropy=stats.entropy.float(),
+                                          truncated=batch.truncated[rows])
             except NonFiniteError:               # NaN/inf log-probs or advantages: skip this step
                 return {"loss": math.nan}
             count = max(metrics.pop("agg_count"), 1e-12) if len(chunks) > 1 else 1.0
