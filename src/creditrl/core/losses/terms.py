@@ -227,6 +227,8 @@ def get_loss_term(name: str) -> LossTerm:
     if not isinstance(name, str):
         raise TypeError(f"loss term: expected a registered name or 'package.module:function', got "
                         f"{type(name).__name__}")
+    if name in _REGISTRY:                       # the common case, without building the error text
+        return _REGISTRY[name]
     return registered_entry(
         _REGISTRY, name, what="loss term",
         unknown=f"loss term: unknown name {name!r}; registered terms are {list_loss_terms()}, or give an import "
