@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from creditrl import policy_loss, token_stats
 from creditrl.core.losses import EntropyBonusOptions, EntropyControl, PolicyLoss, TopEntropyOptions
+from test_stapo import loop_quantile
 
 
 def batch(seed, rows=6, length=10, dtype=torch.float64):
@@ -127,6 +128,13 @@ def test_entropy_control_follows_trls_adaptive_rule(entropies, coef, target, del
         assert all(later >= earlier for (_, earlier), (_, later) in zip(got, got[1:]))
 
 
+def test_entropy_control_gives_the_loss_the_applied_coefficient_even_below_coef_min():
+    options = EntropyBonusOptions(coef=0.05, adaptive=True, coef_min=0.01, target=0.3)
+    first = EntropyControl(0.05).loss_options(options)            # no step measured yet: β applied = 0
+    assert first.coef == 0.0 and not first.adaptive
+    assert EntropyControl(0.05, 0.1).loss_options(options).coef == 0.05
+
+
 def test_entropy_control_ignores_a_step_that_measured_nothing():
     options = EntropyBonusOptions(coef=0.1, adaptive=True)
     control = EntropyControl(0.1, 0.1)
@@ -155,14 +163,6 @@ def test_with_options_replaces_one_terms_options():
 
 
 # ---- top-ρ entropy mask -------------------------------------------------------------------------
-
-def loop_quantile(values, q):
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (pos - lo) * (s[hi] - s[lo])
-
 
 def trl_high_entropy_mask(entropies, mask, threshold):
     """TRL 1.16's GRPOTrainer.get_high_entropy_mask on one process (its gather is the identity)."""

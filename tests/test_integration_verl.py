@@ -340,7 +340,7 @@ def test_each_verl_named_loss_through_the_plugin_equals_verls_own(name):
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-12)
             grads = torch.autograd.grad(ours, lp_ours)[0], torch.autograd.grad(theirs, lp_verl)[0]
             torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-12)
-    assert f"actor/creditrl/kept_frac" in metrics
+    assert "actor/creditrl/kept_frac" in metrics
 
 
 def test_verl_plugin_refuses_what_a_verl_policy_loss_cannot_be_fed_and_feeds_the_entropy_bonus():

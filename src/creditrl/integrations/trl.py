@@ -371,8 +371,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         if self.entropy_options is None:
             return self.policy_loss
         control = EntropyControl(self.entropy_coef, self._last_world_entropy)
-        applied = dataclasses.replace(self.entropy_options, coef=control.applied(self.entropy_options))
-        return self.policy_loss.with_options("entropy_bonus", applied)
+        return self.policy_loss.with_options("entropy_bonus", control.loss_options(self.entropy_options))
 
     def _observe_entropy(self, metrics: dict[str, float], mask: Tensor) -> None:
         """Sum the entropy over the bonus's tokens through the accumulation window; at its end

@@ -230,7 +230,7 @@ class Learner:
     def apply_entropy_control(self) -> None:
         """Adaptive entropy bonus: the loss applies the controller's β for the coming optimizer step."""
         if self.entropy_control is not None:
-            applied = dataclasses.replace(self.entropy_options, coef=self.entropy_control.applied(self.entropy_options))
+            applied = self.entropy_control.loss_options(self.entropy_options)
             self.loss = dataclasses.replace(self.loss, loss=self.loss.loss.with_options("entropy_bonus", applied))
 
     def observe_entropy(self, metrics: dict[str, float], skipped: bool) -> None:

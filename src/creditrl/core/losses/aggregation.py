@@ -96,7 +96,7 @@ def aggregation(state: LossState, options: AggregationOptions) -> LossState:
 
     Also the metric ``agg_count``, the aggregation's denominator (``agg_denominator``): what
     gradient accumulation weights micro-batches by."""
-    keep_f = state.valid_f if state.keep is state.valid else state.keep.to(state.valid_f.dtype)
+    keep_f = state.keep_f
     keep_rows = keep_f.sum(dim=1)
     loss = reduce_kept(state.token_loss * keep_f, keep_rows, options.agg, max_len=options.max_len)
     state = dataclasses.replace(state, loss=loss)

@@ -36,9 +36,9 @@ def cispo(state: LossState, options: CispoOptions) -> LossState:
     bounds = state.flat["clip"]
     with torch.no_grad():
         ratio = clamp_log_ratio(state.log_ratio).exp()
-        truncated = ratio.clamp(1.0 - bounds.clip_low, 1.0 + bounds.high)
+        weight = ratio.clamp(1.0 - bounds.clip_low, 1.0 + bounds.high)
         n_keep = state.keep.sum().to(ratio.dtype).clamp(min=1)
         metrics = {"clip_frac_low": (ratio < 1.0 - bounds.clip_low).logical_and_(state.keep).sum() / n_keep,
                    "clip_frac_high": (ratio > 1.0 + bounds.high).logical_and_(state.keep).sum() / n_keep}
-    token_loss = (truncated * state.advantages).neg_() * state.score_logp()
+    token_loss = (weight * state.advantages).neg_() * state.score_logp()
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(**metrics)

@@ -18,6 +18,7 @@ as ``torch.quantile``). As in TRL the other tokens stay in the denominators and 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -65,6 +66,11 @@ class EntropyControl:
     def applied(self, options: EntropyBonusOptions) -> float:
         """β of the next step: c while the last step's entropy was ≤ target, else 0."""
         return self.coef if self.last_entropy <= options.target else 0.0
+
+    def loss_options(self, options: EntropyBonusOptions) -> EntropyBonusOptions:
+        """The term's options for the next step: the applied β as a static coefficient (it may be
+        0, below ``coef_min``: the controller's bounds hold for c, not for what it applies)."""
+        return dataclasses.replace(options, coef=self.applied(options), adaptive=False)
 
     def update(self, entropy: float, options: EntropyBonusOptions) -> EntropyControl:
         """After an optimizer step whose mean entropy over the bonus's tokens was ``entropy``."""
