@@ -119,7 +119,8 @@ def loss_terms_from(get: Callable[[str], Any], native: Mapping[str, Any] | None 
     return terms
 
 
-def _add_user_term(terms: dict[str, Any], entry: Any, native_options: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def _add_user_term(terms: dict[str, Any], entry: Any,
+                   native_options: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     (name, options), = resolve_loss_terms([dict(entry)]).items()
     if name in native_options:           # the framework's own fields, under what the entry sets itself
         (name, options), = resolve_loss_terms([{**native_options[name], **dict(entry)}]).items()

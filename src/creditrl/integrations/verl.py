@@ -310,8 +310,9 @@ def make_policy_loss(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, An
                              "calculate_entropy=True and keep creditrl's trainer hook installed (docs/verl.md)")
         mask = response_mask.bool()
         # verl's rollout_is_weights multiply the surrogate (pg_losses * rollout_is_weights): creditrl's data weights
-        loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask,
-                                entropy=None if entropy is None else entropy if loss_fn.entropy_grad else entropy.detach(),
+        if entropy is not None and not loss_fn.entropy_grad:
+            entropy = entropy.detach()
+        loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask, entropy=entropy,
                                 weights=None if rollout_is_weights is None else rollout_is_weights.detach())
         own_aggregation = any(term.stage == "aggregate" and not term.flat for term, _ in loss_fn.terms)
         loss = global_scale(loss, mask, "responses" if own_aggregation else loss_agg_mode,

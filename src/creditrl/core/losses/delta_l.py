@@ -41,7 +41,7 @@ class DeltaLNormOptions:
 
 @register_loss_term("delta_l_norm", options=DeltaLNormOptions, stage="aggregate")
 def delta_l_norm(state: LossState, options: DeltaLNormOptions) -> LossState:
-    """ΔL normalisation L = (1/M)·Σ_b n_b^{−α}·Σ_t ℓ_bt / Σ_b' n_b'^{−α} (unbiased, minimum variance at α = 1).
+    """ΔL normalisation L = (1/M)·Σ_b n_b^{−α}·Σ_t ℓ_bt / Σ_b' n_b'^{−α} (unbiased; least variance at α = 1).
 
     Metric ``agg_count``: Σ_b n_b^{−α} over responses with a kept token."""
     keep_f = state.keep_f

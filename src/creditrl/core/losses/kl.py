@@ -60,7 +60,7 @@ def kl_penalty(state: LossState, options: KLOptions) -> torch.Tensor:
 @register_loss_term("kl", options=KLOptions, stage="penalty", flat=True, needs=("ref_logp",),
                     when=lambda options: options.kl_coef > 0)
 def kl(state: LossState, options: KLOptions) -> LossState:
-    """KL penalty ℓ_t += β·k(log π_ref − log π_θ), k1/k2/k3 or k1+/k3+, optionally ratio-weighted (Schulman; verl; TRL).
+    """KL penalty ℓ_t += β·k(log π_ref − log π_θ), k1/k2/k3, k1+/k3+, optionally times r (Schulman; verl; TRL).
 
     Metric ``ref_kl``: the penalty's mean over valid tokens (its value: the estimate, times the
     ratio under ``kl_bias_correction``), whenever ``ref_logp`` is given."""
