@@ -94,6 +94,30 @@ def test_entropy_bonus_gradient_through_token_stats_equals_brute_force_softmax(c
     assert want[mask].abs().sum() > 0
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), coef=st.floats(0.01, 1.0), scale=st.floats(0.1, 5.0))
+def test_a_small_step_against_the_bonus_gradient_raises_the_entropy(seed, coef, scale):
+    """What the bonus is for: with the policy terms silent (A = 0), a small gradient step on the
+    logits raises the mean entropy of the kept tokens, to first order by lr·coef·‖∂H̄/∂x‖² > 0."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(3, 5, 11, generator=g, dtype=torch.float64) * scale).requires_grad_()
+    tokens = torch.randint(0, 11, (3, 5), generator=g)
+    mask = torch.rand(3, 5, generator=g) < 0.8
+    mask[0, 0] = True
+
+    def mean_entropy(x):
+        log_p = torch.log_softmax(x, -1)
+        return (-(log_p.exp() * log_p).sum(-1) * mask).sum() / mask.sum()
+    stats = token_stats(logits, tokens, mask)
+    loss, _ = policy_loss(stats.logp.double(), stats.logp.double().detach(), torch.zeros(3, dtype=torch.float64),
+                          mask, entropy=stats.entropy.double(), entropy_bonus=EntropyBonusOptions(coef=coef))
+    (grad,) = torch.autograd.grad(loss, logits)
+    lr = 1e-4 / max(float(grad.norm()), 1e-12)
+    with torch.no_grad():
+        before, after = mean_entropy(logits), mean_entropy(logits - lr * grad)
+    assert after > before or float(grad.norm()) < 1e-9
+
+
 def trl_adaptive_loop(coef, entropies, target, low, high, delta):
     """TRL 1.16 GRPOTrainer._compute_loss's controller, written out: (applied, coef) per step."""
     last, out = float("inf"), []

@@ -125,3 +125,25 @@ def test_mask_truncated_needs_the_rows_and_checks_them():
         policy_loss(logp, old, adv, mask, mask_truncated=True, truncated=torch.zeros(2, dtype=torch.bool))
     every = policy_loss(logp.requires_grad_(), old, adv, mask, mask_truncated=True, truncated=torch.ones(3))
     assert every[0].item() == 0.0 and every[1]["kept_frac"] == 0.0      # all cut: loss 0, said by kept_frac
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), cut=st.lists(st.booleans(), min_size=5, max_size=5), shift=st.floats(-5, 5))
+def test_truncated_rows_never_reach_the_loss_or_its_gradient(seed, cut, shift):
+    """Whatever the truncated responses' log-probs, advantages and lengths, the loss and the other
+    rows' gradient are those of the batch without them (the rows leave every denominator)."""
+    logp, old, _, mask = kl_batch(seed, rows=5)
+    adv = torch.randn(5, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    truncated = torch.tensor(cut)
+    moved, moved_adv = logp.clone(), adv.clone()
+    moved[truncated] += shift
+    moved_adv[truncated] *= -3.0
+    for lp, a in ((logp, adv), (moved, moved_adv)):
+        x = lp.clone().requires_grad_()
+        loss, _ = policy_loss(x, old, a, mask, mask_truncated=True, truncated=truncated, agg="seq-mean-token-mean")
+        (grad,) = torch.autograd.grad(loss, x)
+        y = lp.clone().requires_grad_()
+        alone, _ = policy_loss(y, old, a, mask & ~truncated[:, None], agg="seq-mean-token-mean")
+        (want,) = torch.autograd.grad(alone, y)
+        torch.testing.assert_close(loss, alone, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(grad, want, rtol=1e-12, atol=1e-14)
