@@ -201,7 +201,8 @@ def resolve_config(cfg: Config) -> Config:
     try:                                   # terms that cannot combine (two surrogates, a term given twice)
         policy_loss_from_config(dataclasses.replace(cfg, loss=loss))
     except ValueError as err:
-        raise ConfigError(f"loss: {err}") from None
+        message = str(err).removeprefix("terms: ")
+        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
 
 
