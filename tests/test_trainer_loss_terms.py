@@ -124,6 +124,19 @@ def test_config_refuses_what_cannot_combine_before_any_work():
     assert cfg.loss["terms"] == [{"path": "kl_cov", "kl_cov_ratio": 0.01, "ppo_kl_coef": 0.1}]
 
 
+def test_a_surrogate_that_cannot_act_on_policy_is_noted():
+    from creditrl.runtime.setup import policy_loss_from_config
+    from creditrl.trainer.loop import on_policy_notes
+
+    cfg = config("loss.terms=[{path: cispo}]")
+    (note,) = on_policy_notes(policy_loss_from_config(cfg).loss, cfg)
+    assert note.startswith("note: loss.cispo: every update of this run is on-policy")
+    for other in (config("loss.terms=[{path: cispo}]", "optim.epochs=2"),
+                  config("loss.terms=[{path: cispo}]", "optim.minibatch_size=8"),
+                  config("loss.terms=[{path: clip_cov}]")):
+        assert on_policy_notes(policy_loss_from_config(other).loss, other) == []
+
+
 def test_a_run_that_keeps_no_token_says_so():
     step = {"step": 1, "reward_invalid_frac": 0.0, "zero_spread_frac": 0.5, "kept_frac": 0.0, "clipped_frac": 1.0,
             "adv_mean": 0.1, "adv_std": 0.5}

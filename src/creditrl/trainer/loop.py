@@ -42,7 +42,7 @@ from creditrl.runtime.setup import (build_task, check_lora_source, default_max_n
 from creditrl.trainer.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
-from creditrl.core.losses import EntropyControl
+from creditrl.core.losses import ON_POLICY_AS_CLIP, EntropyControl
 from creditrl.trainer.update import Learner, autocast
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
@@ -88,6 +88,20 @@ def precision_notes(model, cfg: Config) -> list[str]:
             f"train.precision=bf16 (float32 weights, bf16 compute) instead"]
 
 
+def on_policy_notes(loss, cfg: Config) -> list[str]:
+    """A note when the chosen surrogate cannot act: in an on-policy single pass (one epoch, one
+    mini-batch) every update has r = 1, where its gradient is the clip surrogate's."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if cfg.optim.epochs != 1 or (cfg.optim.minibatch_size or batch) < batch:
+        return []
+    same = [term.name for term, _ in loss.terms if term.name in ON_POLICY_AS_CLIP]
+    if not same:
+        return []
+    return [f"note: loss.{same[0]}: every update of this run is on-policy (optim.epochs=1, one mini-batch: "
+            f"π_θ = π_old, r = 1), where {same[0]}'s gradient is the clipped surrogate's A·∇log π, so it trains "
+            f"exactly as the default loss; it acts from optim.epochs > 1 or optim.minibatch_size < {batch}"]
+
+
 def run_name(cfg: Config) -> str:
     task = cfg.task.name.replace(":", "-")   # a user task by import path
     return cfg.train.run_name or f"{task}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -127,7 +141,7 @@ class Trainer:
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = self.signal_streak = 0
-        self.notes = precision_notes(self.model, cfg)
+        self.notes = precision_notes(self.model, cfg) + on_policy_notes(self.learner.loss.loss, cfg)
 
     @classmethod
     def resume(cls, run_dir: str | Path, *, progress: bool | None = None) -> "Trainer":

@@ -45,10 +45,14 @@ from creditrl.core.losses.terms import resolve_loss_terms
 from creditrl.utils.validate import NonFiniteError, as_mask, check_finite, check_same_shape, check_tensor
 from creditrl.utils.validate import token_advantages
 
+# terms whose gradient at r = 1 (π_θ = π_old) is the clip surrogate's, A·∇log π (tests/test_surrogates.py):
+# in an on-policy single pass they train exactly as the default loss
+ON_POLICY_AS_CLIP = ("gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "kl_cov")
+
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
                "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
 
-__all__ = ["METRIC_KEYS", "PolicyLoss", "policy_loss"]
+__all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "PolicyLoss", "policy_loss"]
 
 
 class PolicyLoss:
