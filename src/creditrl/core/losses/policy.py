@@ -130,14 +130,15 @@ class PolicyLoss:
         data weights of the surrogate (verl's ``rollout_is_weights``, TRL's vLLM importance
         sampling ratio), multiplied with those of the terms (TIS, traces) and detached.
 
-        Returns (scalar loss, metrics); the gradient reaches ``logp`` only (and ``entropy`` under an
-        entropy bonus; an empty batch, B = 0 or T = 0, gives loss 0 with zero gradients and every metric 0.0). Metrics are
-        Python floats, 0.0 when not applicable: clip fractions over kept tokens; approx_kl (k3,
-        KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3, KL(π_rollout‖π_old)),
-        adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs rollout); is_masked_frac,
-        spurious_ratio, kept_frac as fractions of valid tokens; agg_count, the aggregation's
-        denominator (what gradient accumulation weights micro-batches by); plus each chosen term's own
-        (``cov_selected_frac``, ``high_entropy_frac``, ``bonus_entropy``, ..., a user term's).
+        Returns (scalar loss, metrics); the gradient reaches ``logp`` only, and ``entropy`` under
+        an entropy bonus (an empty batch, B = 0 or T = 0, gives loss 0 with zero gradients and
+        every metric 0.0). Metrics are Python floats, 0.0 when not applicable: clip fractions over
+        kept tokens; approx_kl (k3, KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3,
+        KL(π_rollout‖π_old)), adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs
+        rollout); is_masked_frac, spurious_ratio, kept_frac as fractions of valid tokens;
+        agg_count, the aggregation's denominator (what gradient accumulation weights
+        micro-batches by); plus each chosen term's own (``cov_selected_frac``,
+        ``high_entropy_frac``, ``bonus_entropy``, ..., a user term's).
         """
         logp_in = check_tensor("logp", logp, ndim=2, floating=True)
         valid = as_mask("mask", mask, logp_in.shape)
