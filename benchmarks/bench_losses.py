@@ -122,7 +122,8 @@ def load_policy_loss(src: str):
 
 def loss_variants(old, rows: int, length: int, stapo_cls, trace_cls) -> dict:
     gen = torch.Generator().manual_seed(1)
-    rollout = dict(rollout_logp=old + 0.05 * torch.randn(rows, length, generator=gen), rollout_correction="tis")
+    rollout = dict(rollout_logp=(old + 0.05 * torch.randn(rows, length, generator=gen)).clamp(max=0),
+                   rollout_correction="tis")
     stapo = dict(stapo=stapo_cls(), entropy=torch.rand(rows, length, generator=gen) * 2)
     everything = dict(clip_high=0.28, clip_c=3.0, ref_logp=old - 0.05, kl_coef=0.01, **rollout, **stapo)
     return {
@@ -143,7 +144,7 @@ def bench_policy_loss(rows, length, repeats, baseline: str | None = None) -> Non
     torch.manual_seed(0)
     logp = -torch.rand(rows, length) * 3
     logp[torch.rand(rows, length) < 0.01] = -7.0     # 1% of tokens with π < τ_p: STAPO candidates
-    old = logp + 0.1 * torch.randn(rows, length)
+    old = (logp + 0.1 * torch.randn(rows, length)).clamp(max=0)    # log-probs: <= 0 (policy_loss checks)
     data = dict(old_logp=old, advantages=torch.randn(rows), mask=torch.rand(rows, length) > 0.1)
     impls = {"composition": (policy_loss, StapoOptions, TraceOptions)}
     if baseline:

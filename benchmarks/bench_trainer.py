@@ -42,8 +42,9 @@ from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_m
 from creditrl.tasks import get_task
 from creditrl.tasks.base import Problem
 from creditrl.runtime.rollout import generate_rollouts
-from creditrl.runtime.setup import resolve_config
-from creditrl.trainer.update import Learner, autocast
+from creditrl.recipe.resolve import resolve_config
+from creditrl.runtime.precision import Precision
+from creditrl.trainer.update import Learner
 
 SETTINGS = {  # model -> prompts per step, completions per prompt, temperature, default max new tokens
     "builtin:tiny": {"prompts": 8, "group": 8, "temperature": 1.0, "max_len": 16},
@@ -78,7 +79,7 @@ def bench_creditrl(steps: int, warmup: int, max_len: int, precision: str) -> dic
     for i in range(warmup + steps):
         if i == warmup:
             start, tokens = time.perf_counter(), 0
-        with autocast(model, precision):          # sampling as the trainer does it (the update sets its own)
+        with Precision(precision).autocast(model):          # sampling as the trainer does it (the update sets its own)
             batch = generate_rollouts(model, tok, task, [task.sample(rng) for _ in range(prompts)], group_size=group,
                                       max_new_tokens=max_len, generator=gen, temperature=s["temperature"])
         learner.update(batch, gen)

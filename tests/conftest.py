@@ -4,6 +4,10 @@ Warm-started ``builtin:tiny`` models go to a fresh per-session cache, so a run n
 (or pollutes) the user's ~/.cache/creditrl: every test passes from a clean machine. Set
 CREDITRL_TEST_CACHE to reuse a directory across runs while developing.
 
+``--threads N`` (or ``CREDITRL_TEST_THREADS=N``) runs every test with N torch CPU threads, set
+before each test (code under test may change the count: the trainer sets ``train.threads``) and
+exported as ``OMP_NUM_THREADS`` to child processes; ``make test-portable`` uses it with one thread.
+
 Device-sensitive tests carry the ``cuda`` marker (``make test-gpu`` runs them alone); without a
 CUDA device they are skipped, and pytest counts them as skipped. The ``device`` fixture runs a
 test once on the CPU and once on CUDA (that case marked ``cuda``).
@@ -14,6 +18,33 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+THREADS = torch.get_num_threads()   # replaced by --threads / CREDITRL_TEST_THREADS in pytest_configure
+
+
+def pytest_addoption(parser):
+    parser.addoption("--threads", type=int, default=None, metavar="N",
+                     help="torch CPU threads for every test (default: $CREDITRL_TEST_THREADS, else torch's default)")
+
+
+def pytest_configure(config):
+    global THREADS
+    chosen = config.getoption("--threads") or os.environ.get("CREDITRL_TEST_THREADS")
+    if chosen:
+        THREADS = int(chosen)
+        if THREADS < 1:
+            raise pytest.UsageError(f"--threads: expected an int >= 1, got {THREADS}")
+        os.environ["OMP_NUM_THREADS"] = str(THREADS)   # child interpreters (CLI runs, compare --jobs)
+
+
+def pytest_report_header(config):
+    return (f"torch {torch.__version__}: CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{THREADS} thread(s) per test")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with the session's thread count, whatever the tests before it set."""
+    torch.set_num_threads(THREADS)
 
 
 def pytest_collection_modifyitems(config, items):

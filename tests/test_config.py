@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from importlib import resources
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from creditrl.config import (Config, ConfigError, config_from_dict, config_to_dict, flat_items, load_config,
                              parse_override, save_config)
-from creditrl.runtime.setup import resolve_config
+from creditrl.recipe.resolve import resolve_config
 
 
 def resolved(overrides=(), path=None):
@@ -27,7 +28,7 @@ def test_packaged_reasoning_gym_config_loads_and_builds_its_task():
     """``--config smollm2-reasoning-gym`` resolves, and its task builds (no model is loaded): a held-out
     set of exactly the evaluated problems, prompts ending in the prefill, training problems off it."""
     pytest.importorskip("reasoning_gym")
-    from creditrl.runtime.setup import build_task
+    from creditrl.recipe.build import build_task
 
     cfg = resolve_config(load_config("smollm2-reasoning-gym"))
     assert cfg.model.name == "builtin:smollm2-135m" and cfg.task.name == "reasoning_gym"
@@ -54,7 +55,7 @@ def test_overrides_are_typed_and_nested():
     assert cfg.loss["stapo"]["enabled"] is True and cfg.loss["stapo"]["tau_p"] == 1e-3
     assert cfg.task.options == {"digits": 3}
     assert cfg.loss["clip_c"] == 3.0 and isinstance(cfg.loss["clip_c"], float)
-    assert cfg.algorithm.options == {"gamma": 1.0, "k": 2, "normalize": "std", "eps": 1e-6}
+    assert cfg.algorithm.options == {"k": 2, "normalize": "std", "eps": 1e-6}     # no gamma: maxpo reads R
 
 
 def test_old_algorithm_keys_are_read_as_options():
@@ -86,7 +87,7 @@ def test_saved_config_round_trips(tmp_path):
     ("loss.agg=mean", "loss.agg: unknown value 'mean'; valid values are ['token-mean'"),
     ("loss.bogus=1", "loss.bogus: unknown key; valid keys of loss are"),
     ("loss.stapo.bogus=1", "loss.stapo: unknown option(s) ['bogus']"),
-    ("algorithm.options.k=2", "algorithm.options: unknown option(s) ['k']; valid options are ['gamma'"),
+    ("algorithm.options.k=2", "algorithm.options: unknown option(s) ['k']; valid options are ['gamma', 'leave_one_out']"),
     ("optim.schedule=linear", "optim.schedule: unknown value 'linear'; valid values are ['constant', 'cosine']"),
     ("optim.lr=fast", "optim.lr: expected float, got 'fast'"),
     ("rollout.group_size=2.5", "rollout.group_size: expected int, got 2.5"),
@@ -122,6 +123,9 @@ def test_bad_values_name_the_key(override, message):
     (["loss.stapo.enabled=true", "optim.micro_batch_size=4"], "STAPO's silencing threshold is a quantile"),
     (["logging.grad_noise_scale=true", "optim.epochs=2"], "logging.grad_noise_scale: measured on the on-policy"),
     (["train.precision=fp16", "train.device=cpu"], "train.precision: fp16 needs CUDA"),
+    (["algorithm.estimator=grpo", "algorithm.options.gamma=0.9"], "grpo uses the total reward R"),
+    (["algorithm.estimator=opo", 'algorithm.options.leave_one_out="false"'], "algorithm.options.leave_one_out: expected bool"),
+    (["algorithm.estimator=otb", "algorithm.options.leave_one_out=1"], "algorithm.options.leave_one_out: expected bool"),
 ])
 def test_invalid_combinations(overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -146,7 +150,7 @@ def test_config_reference_is_generated_from_the_declarations():
     """docs/config.md is exactly `creditrl config`'s output, which lists every key and option."""
     from pathlib import Path
 
-    from creditrl import reference
+    from creditrl.recipe import reference
     doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     text = reference.markdown()
     assert doc.read_text() == text, "docs/config.md is stale: regenerate it with `creditrl config > docs/config.md`"
@@ -155,7 +159,7 @@ def test_config_reference_is_generated_from_the_declarations():
 
 
 def test_every_key_has_help_and_is_listed_for_help():
-    from creditrl import reference
+    from creditrl.recipe import reference
     keys = {key: (default, text) for key, default, text in flat_items(Config())}
     assert keys["optim.lr"][0] == Config().optim.lr and "model.warm_start.target_accuracy" in keys
     assert not [k for k, (_, text) in keys.items() if not text], "every config key needs its help text"
@@ -174,3 +178,29 @@ def test_parse_override_builds_nested_mapping():
     assert parse_override("a.b.c=5") == {"a": {"b": {"c": 5}}}
     assert parse_override("a=hello world") == {"a": "hello world"}
     assert parse_override("a=") == {"a": None}
+
+
+def test_a_user_module_that_raises_on_import_is_named_with_its_key(tmp_path, monkeypatch):
+    """Case 17: a user's module that raises on import (estimator, loss term, checker, task) gave a raw
+    traceback. The error names the config key and the import path and keeps the module's own error
+    (type, message, file and line; chained for CREDITRL_DEBUG)."""
+    from creditrl.recipe.build import build_task
+    from creditrl.recipe.resolve import resolve_config
+
+    (tmp_path / "broken_plugin.py").write_text("import math\nraise RuntimeError('no GPU found')\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    own = (r"importing module 'broken_plugin' of 'broken_plugin:fn' raised RuntimeError: no GPU found \(at .*broken_plugin.py:2\)$")
+    for overrides, key in ((["algorithm.estimator=broken_plugin:fn"], "algorithm.estimator"),
+                           (['loss.terms=[{path: "broken_plugin:fn"}]'], r"loss.terms\[0\].path"),
+                           (["task.name=broken_plugin:fn"], "task.name"),
+                           (["task.name=jsonl", f"task.options.path={data}", "task.options.checker=broken_plugin:fn"],
+                            "task.options.checker")):
+        with pytest.raises(ValueError, match=rf"^{key}: {own}") as info:
+            build_task(resolve_config(load_config(None, overrides)))
+        causes, err = [], info.value
+        while err is not None:
+            causes, err = causes + [err], err.__cause__
+        assert isinstance(causes[-1], RuntimeError), key       # the module's own error, in the chain
+        sys.modules.pop("broken_plugin", None)

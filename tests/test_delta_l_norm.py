@@ -32,7 +32,7 @@ def test_delta_l_norm_matches_a_loop():
     g = torch.Generator().manual_seed(1)
     lengths = [5, 0, 12, 3, 8]
     old, mask = ragged(lengths, width=14)
-    logp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    logp = (old + 0.3 * torch.randn(old.shape, generator=g, dtype=torch.float64)).clamp(max=0)   # log-probs: <= 0
     adv = torch.randn(5, generator=g, dtype=torch.float64)
     for alpha in (0.0, 0.5, 0.75, 1.0):
         loss, metrics = policy_loss(logp, old, adv, mask, delta_l_norm=DeltaLNormOptions(alpha), max_len=20)
@@ -105,7 +105,7 @@ def test_alpha_one_has_the_least_variance_of_the_unbiased_weightings(lengths, se
 def test_micro_batches_weighted_by_agg_count_give_the_batch_loss(alpha):
     g = torch.Generator().manual_seed(5)
     old, mask = ragged([3, 9, 0, 6, 1, 12, 7], width=12)
-    logp = old + 0.4 * torch.randn(old.shape, generator=g, dtype=torch.float64)
+    logp = (old + 0.4 * torch.randn(old.shape, generator=g, dtype=torch.float64)).clamp(max=0)   # log-probs: <= 0
     adv = torch.randn(7, generator=g, dtype=torch.float64)
     options = dict(delta_l_norm=DeltaLNormOptions(alpha), max_len=16)
     whole, _ = policy_loss(logp, old, adv, mask, **options)

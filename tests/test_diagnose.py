@@ -1,32 +1,45 @@
-"""`creditrl diagnose`: its measurement against exact values on the enumerable policy, against the
-grad-variance experiment and against itself with a count sketch on builtin:tiny, its refusals, its
-atomic report, the CLI end to end and the TRL-style function."""
+"""`creditrl diagnose` on builtin:tiny: its measurement against the grad-variance experiment and
+against itself with a count sketch, the rows read from the registries (a throwaway estimator and a
+throwaway loss term appear with no list to edit), the loss it measures (exactly the configured
+loss's gradient on the enumerable policy), the Adam column, its refusals before any sampling, the
+cases of issue 30 it owns, its atomic report without a "nan" anywhere, the CLI end to end and the
+TRL-style function. Its calibration (null runs, coverage) is in test_diagnose_calibration.py."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import random
 import json
 import math
+import random
+import re
+import warnings
 
 import pytest
 import torch
 
 import creditrl
 from creditrl.cli import main
-from creditrl.config import load_config
-from creditrl.core.gradients import exact_quality
-from creditrl.runtime.group_gradients import GroupDraws
-from creditrl.runtime.setup import build_task, default_max_new_tokens, load_configured_policy, resolve_config
+from creditrl.config import load_diagnose_config
+from creditrl.core.estimators import register_estimator
+from creditrl.core.estimators.registry import _REGISTRY as ESTIMATORS
+from creditrl.core.gradients import CountSketch, Interval, moments_from_draws
+from creditrl.core.losses import PolicyLoss, register_loss_term
+from creditrl.core.losses.terms import _REGISTRY as TERMS, LossState
+from creditrl.core.token_stats import TokenStats
+from creditrl.recipe.build import build_task, default_max_new_tokens, load_configured_policy
+from creditrl.recipe.resolve import resolve_config
+from creditrl.runtime.gradient_space import choose_space
+from creditrl.runtime.group_gradients import group_gradients, row_cotangents, select_parameters
+from creditrl.tasks.rewards import score_terms
+from creditrl.tools.diagnose import recommend as rc
+from creditrl.tools.diagnose import report
+from creditrl.tools.diagnose.api import DatasetTask
+from creditrl.tools.diagnose.command import make_plan
+from creditrl.tools.diagnose.measure import Accumulator, Measurement, ModelSource, measure
 from creditrl.utils.threads import torch_threads
-from creditrl.core.gradients import CountSketch, GradientMoments
-from creditrl.studies.diagnose import measure as dm
-from creditrl.studies.diagnose import recommend as rc
-from creditrl.studies.diagnose import report
-from creditrl.studies.diagnose.command import make_plan
-from creditrl.studies.diagnose.plan import choose_space
-from creditrl.studies.experiments import grad_variance as gv
-from enumerable_policy import GROUP, THETA, enumerate_policy, outcome_gradients, reward
+from creditrl_research.experiments import grad_variance as gv
+from enumerable_policy import (GROUP, STEPS, THETA, enumerate_policy, estimator_output, policy_logits, reward,
+                               true_gradient)
 
 # a tiny model warm-started to ~30% on 1-digit addition in a few seconds (the same as test_trainer's, cached)
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
@@ -38,44 +51,13 @@ def within(value: float, iv, slack: float = 1e-9) -> bool:
     return iv.low - slack <= value <= iv.high + slack
 
 
-# ---------------------------------------------------------------- exact values on the enumerable policy
+def configs(extra: list[str]):
+    cfg, d = load_diagnose_config(None, [*TINY, *extra])
+    return resolve_config(cfg), d
 
 
-def test_measurement_equals_the_exact_values_on_the_enumerable_policy():
-    """Two prompts (two parameter vectors of the enumerable policy), 3 groups of 3 per prompt: the
-    command's accumulation (prompts as units, dr_grpo derived) brackets exact_quality's values."""
-    cfg = resolve_config(load_config(None, ["rollout.group_size=3", "diagnose.prompts=600", "diagnose.folds=20",
-                                            "diagnose.estimators=[rloo,grpo,otb,otb+loo,otb_isolated,ogb+loo]"]))
-    plan = make_plan(cfg)
-    thetas = [THETA, THETA.flip(0) * 0.7]
-    # the registered functions themselves take no gamma (compute_advantages applies it; 1 here)
-    specs = [(n, {k: v for k, v in o.items() if k != "gamma"}) for n, o in plan.specs.values()]
-    outcomes = [outcome_gradients(t, False, specs) for t in thetas]
-    rewards = [torch.tensor([reward(r[0]) for r in enumerate_policy(t, False)]) for t in thetas]
-    combos = torch.tensor(list(itertools.product(range(rewards[0].numel()), repeat=GROUP)))     # [O, N]
-    gen = torch.Generator().manual_seed(0)
-    moments, out = dm.start(plan, THETA.numel())
-    for prompt in range(plan.prompts):
-        which = int(torch.randint(2, (1,), generator=gen))
-        grads, probs = outcomes[which]
-        picked = torch.multinomial(probs, plan.groups_per_prompt, replacement=True, generator=gen)
-        draws = GroupDraws(tuple(plan.specs), grads[picked], torch.zeros(picked.numel() * GROUP),
-                           rewards[which][combos[picked]].flatten().float(), torch.full((picked.numel() * GROUP,), 3))
-        dm.add_prompt(moments, out, prompt, draws, plan)
-    table = {r["estimator"]: r for r in rc.rows(dm.finish(moments, out, plan), plan)}
-    specs = [*specs, ("dr_grpo", {})]
-    names = [*plan.specs, "dr_grpo"]
-    exact_grads = torch.cat([outcome_gradients(t, False, specs)[0] for t in thetas])
-    exact_probs = torch.cat([outcome_gradients(t, False, specs)[1] / 2 for t in thetas])
-    exact = exact_quality(names, exact_grads, exact_probs, reference="rloo")
-    exact_grpo = exact_quality(names, exact_grads, exact_probs, reference="rloo", baseline="grpo")
-    for name in names:
-        for key, truth in (("efficiency_vs_rloo", exact[name].efficiency), ("scale", exact[name].scale),
-                           ("efficiency_vs_grpo", exact_grpo[name].efficiency)):
-            if name == "rloo" and key != "efficiency_vs_grpo":
-                continue
-            assert within(truth.value, table[name][key]), (name, key, table[name][key], truth.value)
-    assert exact["otb"].scale.value < 0.95 and table["dr_grpo"]["scale"].value == pytest.approx(2 / 3)
+def tiny_plan(extra: list[str]):
+    return make_plan(*configs(["rollout.group_size=4", *extra]))
 
 
 # ---------------------------------------------------------------- builtin:tiny
@@ -84,16 +66,12 @@ def test_measurement_equals_the_exact_values_on_the_enumerable_policy():
 @pytest.fixture(scope="module")
 def tiny():
     """The checkpoint, with one torch thread (as the command uses for builtin:tiny)."""
-    cfg = resolve_config(load_config(None, TINY))
+    cfg, _ = configs([])
     task = build_task(cfg)
     with torch_threads(1):
         model, tokenizer = load_configured_policy(cfg, task, "cpu", progress=False)
         model.eval()
         yield task, model, tokenizer
-
-
-def tiny_plan(extra: list[str]):
-    return make_plan(resolve_config(load_config(None, [*TINY, "rollout.group_size=4", *extra])))
 
 
 def rollout_of(task, tokenizer) -> dict:
@@ -103,106 +81,390 @@ def rollout_of(task, tokenizer) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_measured(tiny):
-    """diagnose's measurement on the checkpoint (48 prompts × 2 groups of 8), its draws also fed,
-    count-sketched (d = 4096), through the same accumulation."""
+    """diagnose's measurement on the checkpoint (48 prompts × 2 groups of 8, two rounds, plain
+    gradients of rloo / grpo / otb / otb+loo / dr_grpo), its draws also fed, count-sketched (d = 4096), through the
+    same accumulation."""
     task, model, tokenizer = tiny
-    plan = tiny_plan(["rollout.group_size=8", "diagnose.estimators=[rloo,otb,otb+loo]", "diagnose.prompts=48",
-                      "diagnose.groups_per_prompt=2", "diagnose.folds=8"])
-    space = choose_space(model, None, len(plan.specs), plan.folds, plan.groups_per_prompt, 2.0, 4096)
+    plan = dataclasses.replace(tiny_plan(["rollout.group_size=8", "diagnose.estimators=[rloo,otb,otb+loo,dr_grpo]",
+                                          "diagnose.prompts=24", "diagnose.folds=8", "algorithm.estimator=rloo"]),
+                               budget_s=1e9, target_width=1e-6)
+    space = choose_space(model, None, len(plan.rows), plan.folds, plan.groups_per_prompt, 2.0, 4096)
     assert space.kind == "all"
     sketch = CountSketch([(space.dim,)], 4096, seed=0)
-    sketched: tuple[GradientMoments, dm.Measurement] = dm.start(plan, 4096)
-    add = dm.add_prompt
+    sketched = Accumulator(plan, 4096, adam=False)
 
-    def tee(moments, out, prompt, draws, plan):
-        add(moments, out, prompt, draws, plan)
-        grads = torch.stack([torch.stack([sketch([g]) for g in group]) for group in draws.grads])
-        add(*sketched, prompt, dataclasses.replace(draws, grads=grads), plan)
+    class Tee(Accumulator):
+        def add(self, draws):
+            grads = torch.stack([torch.stack([sketch([g]) for g in group]) for group in draws.grads])
+            sketched.add(dataclasses.replace(draws, grads=grads))
+            super().add(draws)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dm, "add_prompt", tee)
-        flat = dm.measure(model, tokenizer, task, plan, space, rollout_of(task, tokenizer))
-    rows = {r["estimator"]: r for r in rc.rows(flat, plan)}
-    return plan, rows, {r["estimator"]: r for r in rc.rows(dm.finish(*sketched, plan), plan)}
+    class TwoRounds(ModelSource):
+        def prompts(self, count):
+            return super().prompts(count) if len(self.draw.seen) < 48 else []
+
+    with torch_threads(1):
+        source = TwoRounds(model, tokenizer, task, plan, space, rollout_of(task, tokenizer))
+        flat = measure(source, plan, Tee(plan, space.dim, adam=False))
+    assert flat.prompts == 48 and flat.stop == "exhausted"
+    rows = {r["row"]: r for r in rc.rows(flat, plan)}
+    return plan, flat, rows, {r["row"]: r for r in rc.rows(sketched.finish(), plan)}
 
 
 def test_ranking_agrees_with_the_grad_variance_experiment(tiny, tiny_measured, monkeypatch):
     task, model, tokenizer = tiny
-    plan, ours, _ = tiny_measured
+    plan, _, ours, _ = tiny_measured
     params = [p for p in model.parameters() if p.requires_grad]
     monkeypatch.setattr(gv, "load_tiny_checkpoint", lambda *a, **k: (task, model, tokenizer, params))
     cfg = gv.GradVarianceConfig(task="addition", digits=(1,), warm_start_accuracy=(0.3,), checkpoints=1, group_size=8,
                                 estimators=("rloo", "otb"), groups=(96,), batch_groups=8, folds=8,
                                 max_new_tokens=rollout_of(task, tokenizer)["max_new_tokens"], threads=1, seed=1)
-    stats, _ = gv.measure_checkpoint(cfg, 1, 96, 1)
-    theirs = gv.gradient_quality(gv.ge.with_derived(stats, 8), "rloo")
-    for name in ("otb", "dr_grpo"):
-        a, b = ours[name]["efficiency_vs_rloo"], theirs[name].efficiency
-        assert all(math.isfinite(x) for x in (a.low, a.high, b.low, b.high)), (name, a, b)
-        assert a.low <= b.high and b.low <= a.high, (name, a, b)           # the intervals overlap
-        assert not ((a.low > 1 and b.high < 1) or (a.high < 1 and b.low > 1)), (name, a, b)   # no opposite ranking
+    with torch_threads(1):
+        stats, _ = gv.measure_checkpoint(cfg, 1, 96, 1)
+    theirs = gv.gradient_quality(stats, "rloo")
+    a, b = ours["otb"]["efficiency_vs_rloo"], theirs["otb"].efficiency
+    assert a.defined and b.defined, (a, b)
+    assert a.low <= b.high and b.low <= a.high, (a, b)                         # the intervals overlap
+    assert not ((a.low > 1 and b.high < 1) or (a.high < 1 and b.low > 1)), (a, b)   # no opposite ranking
 
 
 def test_sketch_efficiencies_agree_with_exact_ones(tiny_measured):
-    _, exact, sketched = tiny_measured
+    _, _, exact, sketched = tiny_measured
     for name in ("otb", "otb+loo", "grpo", "dr_grpo"):
         for key in ("efficiency_vs_rloo", "scale"):
             e, s = exact[name][key], sketched[name][key]
-            assert math.isfinite(e.low) and math.isfinite(s.low), (name, key, e, s)
+            assert e.defined and s.defined, (name, key, e, s)
             assert within(e.value, s) and within(s.value, e), (name, key, e, s)
 
 
-# ---------------------------------------------------------------- refusals
+def test_dr_grpo_is_exactly_a_multiple_of_rloo_and_needs_no_backward(tiny_measured):
+    plan, meas, rows, _ = tiny_measured
+    assert rows["dr_grpo"]["scale"].value == pytest.approx(7 / 8, rel=1e-5)
+    assert rows["dr_grpo"]["efficiency_vs_rloo"].value == pytest.approx(1.0, rel=1e-5)
+    # rows: reference, rloo, grpo, otb, otb+loo, dr_grpo: the reference, rloo (token-mean at ratio 1 has rloo's
+    # cotangent) and dr_grpo ((N−1)/N × it) share one backward; a group without reward spread needs none
+    informative = sum(g["informative"] for g in meas.groups)
+    assert 0 < meas.backward <= 4 * informative
 
 
-def test_bad_input_is_refused_before_any_work(tiny):
+# ---------------------------------------------------------------- the registries: no list to edit
+
+
+def test_a_registered_estimator_and_loss_term_appear_in_the_plan(monkeypatch):
+    @register_estimator("throwaway_mean_baseline")
+    def throwaway(batch, leave_one_out: bool = False):
+        """R minus the group mean (a test-only estimator)."""
+        return batch.rewards - batch.groups.gather(batch.groups.sum(batch.rewards) / batch.groups.sizes)
+
+    @dataclasses.dataclass(frozen=True)
+    class ThrowawayOptions:
+        coef: float = dataclasses.field(default=0.1, metadata={"help": "penalty per token"})
+
+    def throwaway_penalty(state: LossState, options: ThrowawayOptions) -> LossState:
+        """A test-only per-token penalty."""
+        return state.add_token_loss(options.coef * torch.exp(state.logp - state.old_logp))
+
+    throwaway_penalty.__module__ = "creditrl.core.losses.throwaway"     # as if a built-in module declared it
+    try:
+        register_loss_term("throwaway_penalty", options=ThrowawayOptions, stage="penalty")(throwaway_penalty)
+        plan = tiny_plan(["loss.throwaway_penalty.enabled=true", "loss.throwaway_penalty.coef=0.2",
+                          "diagnose.losses=[{throwaway_penalty: {enabled: false}, name: plain}]"])
+        assert {"throwaway_mean_baseline", "throwaway_mean_baseline+loo"} <= set(plan.estimators)
+        assert "throwaway_penalty(coef=0.2)" in plan.losses[0].text
+        assert "throwaway_penalty" not in plan.losses[1].text and plan.losses[1].name == "plain"
+        assert "throwaway_mean_baseline · plain" in plan.rows
+    finally:
+        ESTIMATORS.pop("throwaway_mean_baseline", None)
+        TERMS.pop("throwaway_penalty", None)
+
+
+def test_a_term_that_depends_on_the_whole_mini_batch_is_named():
+    plan = tiny_plan(["loss.stapo.enabled=true"])
+    assert any("`stapo` cannot be measured group by group" in note for note in plan.losses[0].notes)
+    assert not tiny_plan([]).losses[0].notes
+
+
+# ---------------------------------------------------------------- the loss measured: exact on the enumerable policy
+
+
+def enumerated_group(theta):
+    """Every outcome of a group of 3 (EOS-ended lengths): its rows' log-probs [O·N, T] (float64, with
+    their per-token scores [O·N, T, P]), rewards, mask, energies and probabilities [O]."""
+    rows = enumerate_policy(theta, True)
+    index = torch.tensor(list(itertools.product(range(len(rows)), repeat=GROUP))).flatten()
+    lengths = torch.tensor([len(r[0]) for r in rows])[index]
+    mask = torch.arange(STEPS)[None, :] < lengths[:, None]
+    logp = torch.zeros(len(rows), STEPS, dtype=torch.float64)
+    for i, (seq, _, _, _) in enumerate(rows):
+        for t, y in enumerate(seq):
+            logp[i, t] = torch.log_softmax(policy_logits(theta, seq[t - 1] if t else 3, t, True), -1)[y]
+    rewards = torch.tensor([reward(r[0]) for r in rows])[index].float()
+    scores = torch.stack([r[2] for r in rows])[index]
+    energy = torch.stack([r[3] for r in rows])[index].float()
+    probs = torch.stack([r[1] for r in rows])[index].view(-1, GROUP).prod(1)
+    return logp[index] * mask, scores, rewards, mask, energy, probs
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_the_measured_gradient_is_the_configured_losss(agg):
+    """E over every outcome of diagnose's group draw (``row_cotangents`` through the policy's scores)
+    equals the exact gradient of that loss, written out here: at ratio 1 the clipped surrogate's
+    token loss is −A_t·π/π_old, aggregated as configured; the draw is −(1/N)∇(count · L)."""
+    theta = THETA * 0.8
+    logp, scores, rewards, mask, energy, probs = enumerated_group(theta)
+    outcomes = probs.numel()
+    specs = {"rloo": ("rloo", {}), "otb": ("otb", {})}
+    loss = PolicyLoss({"aggregation": {"agg": agg, "max_len": 5}, "clip": {"clip_high": 0.28}})
+    got = torch.zeros(2, theta.numel(), dtype=torch.float64)
+    want = torch.zeros_like(got)
+    # advantages are float32 (compute_advantages' contract): agreement to float32 rounding, 1e-6 relative
+    for o in range(outcomes):
+        rows = slice(o * GROUP, (o + 1) * GROUP)
+        batch = type("B", (), {"response_mask": mask[rows].float(), "prompt_len": 0, "rewards": rewards[rows],
+                               "group": torch.zeros(GROUP, dtype=torch.long),
+                               "rollout_logp": logp[rows].float()})()
+        stats = TokenStats(logp=logp[rows], entropy=torch.zeros_like(logp[rows]), sum_p2=torch.zeros_like(logp[rows]),
+                           energy=energy[rows].double())
+        cot = row_cotangents(batch, slice(0, GROUP), stats, specs, {"rloo": loss, "otb": loss})
+        got += probs[o] * torch.einsum("ebt,btp->ep", cot.double(), scores[rows])
+        for e, (name, options) in enumerate(specs.values()):
+            adv = estimator_output(name, dict(rewards=rewards[rows], mask=mask[rows],
+                                              group=torch.zeros(GROUP, dtype=torch.long), energy=energy[rows]))
+            n = mask[rows].sum(1).double()
+            # d(ℓ_t)/d logp_t = −A_t at ratio 1; count · L per aggregation, differentiated by hand
+            per_token = {"token-mean": torch.ones_like(n), "seq-mean-token-mean": 1 / n,
+                         "seq-mean-token-sum-norm": torch.full_like(n, 1 / 5)}[agg]
+            weight = adv * mask[rows] * per_token[:, None]
+            want[e] += probs[o] * torch.einsum("bt,btp->p", weight, scores[rows]) / GROUP
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale)
+    assert not torch.allclose(want[0], want[1], rtol=1e-3)                  # the two estimators differ
+    if agg == "token-mean":   # the sum over tokens: rloo's mean draw is the exact gradient of E[R]
+        torch.testing.assert_close(got[0], true_gradient(theta, True), rtol=1e-6, atol=1e-6 * scale)
+
+
+# ---------------------------------------------------------------- the Adam column
+
+
+def test_adam_column_equals_the_plain_one_under_a_constant_v(tiny):
+    """With v̂ constant the preconditioned draws are the plain ones times a constant: every statistic
+    scales by its square, so the Adam column's efficiencies equal the plain ones; a varying v̂ changes them."""
+    task, model, tokenizer = tiny
+    from creditrl.runtime.rollout import generate_rollouts
+    plan = tiny_plan(["diagnose.estimators=[rloo,otb,grpo]", "algorithm.estimator=otb"])
+    params = select_parameters(model)
+    constant = [torch.full_like(p, 3.0) for p in params]
+    varying = [torch.rand(p.shape, generator=torch.Generator().manual_seed(i)) * 4 + 0.1 for i, p in enumerate(params)]
+    accs = {"constant": Accumulator(plan, sum(p.numel() for p in params), adam=True),
+            "varying": Accumulator(plan, sum(p.numel() for p in params), adam=True)}
+    with torch_threads(1):
+        for i in range(16):
+            batch = generate_rollouts(model, tokenizer, task, [task.sample(random.Random(i))] * 2, group_size=4,
+                                      max_new_tokens=6, generator=torch.Generator().manual_seed(i))
+            batch.rewards = (torch.arange(8) % 3 == i % 3).float()
+            for name, factors in (("constant", constant), ("varying", varying)):
+                draws = group_gradients(model, batch, plan.rows, temperature=1.0, params=params,
+                                        losses=plan.row_losses, precondition=factors, dedupe=True)
+                accs[name].add(draws)
+    flat = torch.cat([f.reshape(-1) for f in varying])
+    torch.testing.assert_close(draws.preconditioned, draws.grads * flat, rtol=1e-6, atol=1e-9)
+    meas = accs["constant"].finish()
+    # float32 draws: the products of g·3 and of g agree to float32 rounding, ~1e-6 relative
+    torch.testing.assert_close(meas.adam.cross, 9 * meas.stats.cross, rtol=1e-5, atol=1e-8 * float(meas.stats.cross.abs().max()))
+    plain_rows, adam_rows = rc.rows(meas, plan), rc.rows(accs["varying"].finish(), plan)
+    checked = 0
+    for row in plain_rows:
+        a, b = row["efficiency_vs_configured"], row["adam_vs_configured"]
+        if a.defined:
+            checked += 1
+            assert (a.value, a.low, a.high) == pytest.approx((b.value, b.low, b.high), rel=1e-4), row["row"]
+    assert checked >= 3
+    assert any(r["adam_vs_configured"].value != pytest.approx(p["adam_vs_configured"].value, rel=1e-3)
+               for r, p in zip(adam_rows, plain_rows) if r["adam_vs_configured"].defined)
+
+
+# ---------------------------------------------------------------- refusals before any work
+
+
+def test_bad_input_is_refused_before_any_work(tiny, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"diagnose.estimators: unknown estimator 'nope'; expected one of \["):
         tiny_plan(["diagnose.estimators=[rloo,nope]"])
     with pytest.raises(ValueError, match=r"diagnose.estimators: unknown estimator 'rloo\+loo'"):
         tiny_plan(["diagnose.estimators=[rloo+loo]"])
-    with pytest.raises(ValueError, match=r"rollout.group_size: expected at least 2 responses per group .* got 1"):
-        make_plan(resolve_config(load_config(None, ["rollout.group_size=1", "algorithm.estimator=reinforce"])))
     with pytest.raises(ValueError, match=r"diagnose.k: estimator 'maxpo' needs K"):
         tiny_plan(["diagnose.estimators=[maxpo]"])
+    with pytest.raises(ValueError, match=r"diagnose.losses\[0\].nope: unknown key; valid keys of loss are"):
+        tiny_plan(["diagnose.losses=[{nope: {enabled: true}}]"])
+    with pytest.raises(ValueError, match=r"diagnose.losses\[0\]: .*unknown name 'no_such_term'"):
+        tiny_plan(["diagnose.losses=[{terms: [{path: no_such_term}]}]"])
+    for key, value in (("target_width", "0"), ("target_width", "-0.1"), ("budget_min", "0"), ("budget_min", "-2")):
+        with pytest.raises(ValueError, match=rf"diagnose.{key}: expected a value > 0, got"):
+            load_diagnose_config(None, [f"diagnose.{key}={value}"])
+    with pytest.raises(ValueError, match=r"logging.diagnose_every: .* needs rollout.group_size >= 2, got 1"):
+        load_diagnose_config(None, ["logging.diagnose_every=2", "rollout.group_size=1", "algorithm.estimator=reinforce"])
     _, model, _ = tiny
     with pytest.raises(ValueError, match=r"diagnose.max_memory_gb: expected at least 0.\d+ GB \(a count sketch of "
-                                         r"dimension diagnose.sketch_dim=65536 .* got 1e-05"):
+                                         r"dimension 65536 .* got 1e-05"):
         choose_space(model, None, 3, 8, 3, 1e-5, 65536)
     with pytest.raises(ValueError, match=r"diagnose.params: expected prefixes of trainable parameter names"):
         choose_space(model, ["nothing."], 3, 8, 3, 1e-3, 16)
     assert choose_space(model, ["lm_head", "model.norm"], 3, 8, 3, 1e-3, 16).kind == "subset"
     assert choose_space(model, None, 3, 8, 3, 1e-3, 16).kind == "sketch"
     with pytest.raises(ValueError, match=r"diagnose.folds: expected at most diagnose.prompts=4"):
-        load_config(None, ["diagnose.prompts=4", "diagnose.folds=5"])
+        load_diagnose_config(None, ["diagnose.prompts=4", "diagnose.folds=5"])
 
 
-def test_rewards_that_never_vary_are_refused(tiny, tmp_path):
+def test_an_optimizer_state_from_another_model_is_refused_before_sampling(tmp_path, monkeypatch):
+    from creditrl.tools.diagnose import command
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    cfg, d = configs(["model.tiny.hidden_size=48"])
+    from creditrl.config import save_config
+    save_config(cfg, run / "config.yaml")
+    ours, d = load_diagnose_config(None, [*TINY, f"diagnose.optimizer_state={run}", f"train.output_dir={tmp_path}"])
+    monkeypatch.setattr(command, "build_task", lambda cfg: pytest.fail("the task was built"))
+    with pytest.raises(ValueError, match=r"diagnose.optimizer_state: the run at .* trained a model with other "
+                                         r"model.tiny settings \(hidden_size=48\)"):
+        command.run_command(ours, d, progress=False)
+    other, d = load_diagnose_config(None, [*TINY, "model.name=/no/such/model", f"diagnose.optimizer_state={run}"])
+    with pytest.raises(ValueError, match=r"trained model.name='builtin:tiny', but this config diagnoses"):
+        from creditrl.tools.diagnose.optimizer_state import check_run
+        check_run(str(run), other)
+    with pytest.raises(ValueError, match=r"diagnose.optimizer_state: expected a creditrl training run directory"):
+        check_run(str(tmp_path / "nothing"), other)
+
+
+def test_an_optimizer_state_whose_parameters_differ_is_refused(tiny, tmp_path):
+    from creditrl.tools.diagnose.optimizer_state import from_checkpoint
+    from creditrl.trainer.checkpoint import save_checkpoint
+    _, model, _ = tiny
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    weights = {n: p.detach() for n, p in named[:-1]}                     # one tensor fewer
+    save_checkpoint(tmp_path, 1, weights, {"optimizer": {"state": {}, "param_groups": [{"betas": (0.9, 0.999)}]}}, 1)
+    space = choose_space(model, None, 3, 8, 2, 2.0, 64)
+    with pytest.raises(ValueError, match=r"diagnose.optimizer_state: the run at .* trained a different model"):
+        from_checkpoint(tmp_path, model, space)
+    exp = {i: {"step": torch.tensor(4.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.full_like(p, 0.5)}
+           for i, (_, p) in enumerate(named)}
+    save_checkpoint(tmp_path, 2, {n: p.detach() for n, p in named},
+                    {"optimizer": {"state": exp, "param_groups": [{"betas": (0.9, 0.5)}]}}, 1)
+    vhat = from_checkpoint(tmp_path, model, space)
+    assert len(vhat) == len(named) and float(vhat[0].flatten()[0]) == pytest.approx(0.5 / (1 - 0.5 ** 4))
+
+
+# ---------------------------------------------------------------- issue 30's cases, and impossible values
+
+
+def test_keyword_arguments_are_checked_as_the_cli_checks_them(tiny):
+    _, model, tokenizer = tiny
+    rows = [{"prompt": "1+1="}]
+
+    def call(**kwargs):
+        return creditrl.diagnose(model, tokenizer, rows, lambda prompts, completions, **kw: [0.0] * len(prompts),
+                                 progress=False, **kwargs)
+
+    for kwargs, message in (({"max_new_tokens": 0}, r"max_new_tokens: expected a value > 0, got 0"),
+                            ({"max_new_tokens": -3}, r"max_new_tokens: expected a value > 0, got -3"),
+                            ({"top_p": 0}, r"top_p: expected a value in \(0, 1\], got 0"),
+                            ({"prompts": "3"}, r"prompts: expected int, got '3' \(str\)"),
+                            ({"reward_weights": [math.nan, 1]}, r"reward_weights: expected a list of 1 finite"),
+                            ({"reward_weights": [1.0, 2.0]}, r"reward_weights: expected a list of 1 finite"),
+                            ({"estimator": "nope"}, r"estimator: unknown estimator 'nope'"),
+                            ({"target_width": 0}, r"target_width: expected a value > 0"),
+                            ({"budget_min": -1}, r"budget_min: expected a value > 0"),
+                            ({"group_size": 1}, r"^group_size: expected at least 2"),
+                            ({"temperature": 0.0}, r"^temperature: expected a value > 0"),
+                            ({"temperature": 20.0}, r"^temperature: expected a value in \[0.05, 10.0\]")):
+        with pytest.raises(ValueError, match=message):
+            call(**kwargs)
+
+
+def test_one_reward_function_keeps_its_weight():
+    task = DatasetTask([{"prompt": "a"}], lambda prompts, completions, **kw: [1.0, None][:len(prompts)], [5.0])
+    scores = task.score([task.problems[0]] * 2, ["x", "y"])
+    assert scores.rewards[0] == 5.0 and math.isnan(scores.rewards[1])
+    assert score_terms(task._terms, [task.problems[0]], ["x"]).rewards == [5.0]
+
+
+def test_fewer_distinct_prompts_than_asked_uses_each_once_and_says_so(tiny, tmp_path):
     task, model, tokenizer = tiny
-    rows = [{"prompt": task.sample(random.Random(i)).prompt} for i in range(4)]
-    with pytest.raises(ValueError, match=r"every group is uninformative .* no estimator can be ranked; raise the "
-                                         r"temperature \(rollout.temperature\) or pick easier prompts"):
-        creditrl.diagnose(model, tokenizer, rows, lambda prompts, completions, **kw: [0.0] * len(prompts),
-                          group_size=2, prompts=2, groups_per_prompt=2, estimators=["rloo"], max_new_tokens=4,
-                          progress=False, output_dir=tmp_path / "run")
+    rows = [{"prompt": p.prompt, "answer": p.answer} for p in (task.sample(random.Random(i)) for i in range(40))]
+    rows = [dict(r) for r in {r["prompt"]: r for r in rows}.values()][:6]
+
+    def correct(prompts, completions, answer, **kwargs):
+        return [float(c.strip() == a) + 0.1 * len(c) for c, a in zip(completions, answer)]
+
+    with torch_threads(1):
+        result = creditrl.diagnose(model, tokenizer, rows * 3, correct, group_size=4, prompts=24, estimators=["rloo"],
+                                   max_new_tokens=6, progress=False, adam_warmup=0, output_dir=tmp_path / "r")
+    assert result["setting"]["prompts"] == 6 and result["measurement"]["exhausted"]
+    assert result["setting"]["groups"] == 12
+    text = (tmp_path / "r" / "diagnose.md").read_text()
+    assert "ran out of distinct prompts after 6" in text and "6 distinct prompts" in text
+
+
+def test_every_reward_invalid_is_said_so(tiny, tmp_path):
+    task, model, tokenizer = tiny
+    rows = [{"prompt": task.sample(random.Random(i)).prompt} for i in range(8)]
+    for func, why in ((lambda prompts, completions, **kw: [None] * len(prompts), r"returned None, NaN or inf"),
+                      (lambda prompts, completions, **kw: ["1"] * len(prompts), r"returned a str, not a number"),
+                      (lambda prompts, completions, **kw: 1 / 0, r"raised ZeroDivisionError")):
+        with pytest.raises(ValueError, match=rf"reward: every reward was invalid \(\d+ of \d+ completions.*{why}"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                creditrl.diagnose(model, tokenizer, rows, func, group_size=2, prompts=4, estimators=["rloo"],
+                                  max_new_tokens=4, progress=False, adam_warmup=0, output_dir=tmp_path / "run")
     assert not (tmp_path / "run" / "diagnose.md").exists()
+    with pytest.raises(ValueError, match=r"every group is uninformative .* raise the temperature"):
+        creditrl.diagnose(model, tokenizer, rows, lambda prompts, completions, **kw: [0.0] * len(prompts),
+                          group_size=2, prompts=4, estimators=["rloo"], max_new_tokens=4, progress=False,
+                          adam_warmup=0)
+
+
+def test_impossible_values_are_never_reported():
+    """A share outside [0, 1], a doubling gain below 1 or a cosine above 1 is an estimate of a
+    bounded quantity: reported clamped into its range, with the raw estimate named."""
+    gen = torch.Generator().manual_seed(3)
+    names = ("reference", "rloo", "otb")
+    grads = torch.randn(40, 3, 6, generator=gen, dtype=torch.float64) + 0.05
+    stats = moments_from_draws(names, grads, units=[i // 2 for i in range(40)], folds=5)
+    meas = Measurement(stats=stats, groups=[{"informative": True}] * 40, nonzero=dict.fromkeys(names, 40))
+    plan = type("P", (), {"configured": "otb", "batch": 8})()
+    out = rc.noise(meas, plan)
+    for key, (low, high) in rc.BOUNDS.items():
+        iv = out[key]
+        for x in (iv.value, iv.low, iv.high):
+            assert not math.isfinite(x) or low <= x <= high, (key, iv)
+    assert Interval(1.3, 0.9, 1.7, 5).clamped(-1, 1) == Interval(1.0, 0.9, 1.0, 5)
+    assert str(Interval(math.nan, math.nan, math.nan, 5)) == "undefined"
+    assert "nan" not in str(Interval(2.0, math.nan, math.nan, 5))
 
 
 # ---------------------------------------------------------------- outputs, CLI, TRL function
 
 
+def no_nan(text: str) -> bool:
+    return re.search(r"\bnan\b|\bNaN\b|\binf\b|Infinity", text) is None
+
+
 def test_cli_end_to_end_and_the_report_is_never_half_written(tmp_path, monkeypatch, capsys):
     args = ["diagnose", "--no-progress", *TINY, "rollout.group_size=4", "diagnose.prompts=4",
-            "diagnose.groups_per_prompt=2", "diagnose.estimators=[rloo,otb,otb+loo]", f"train.output_dir={tmp_path}",
-            "diagnose.run_name=d", "diagnose.max_memory_gb=0.001", "diagnose.sketch_dim=512"]   # the sketch path
+            "diagnose.estimators=[rloo,otb,otb+loo]", f"train.output_dir={tmp_path}", "diagnose.budget_min=0.1",
+            "diagnose.run_name=d", "diagnose.max_memory_gb=0.001", "diagnose.sketch_dim=512", "diagnose.adam_warmup=8"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "gradient space: a count sketch of dimension 512" in out and "cost estimate: 4 prompts × 2 groups" in out and "diagnose.prompts=" in out
+    assert "gradient space: a count sketch of dimension 512" in out and "in rounds of 4 prompts × 2 groups of 4" in out
     run = tmp_path / "d"
     text = (run / "diagnose.md").read_text()
-    for part in ("## Recommendation", "efficiency vs rloo", "Var<Sa, Sb> ≤ 2‖a‖²‖b‖²/d", "raw tr Cov (raw)", "B_simple", "Doubling the group size"):
-        assert part in text
-    data = json.loads((run / "diagnose.json").read_text())
-    assert {r["estimator"] for r in data["estimators"]} == {"rloo", "grpo", "otb", "otb+loo", "dr_grpo"}
+    for part in ("## Recommendation", "efficiency vs configured", "Adam: vs configured", "**Power:**",
+                 "Var<Sa, Sb> ≤ 2‖a‖²‖b‖²/d", "raw tr Cov (raw)", "B_simple", "Doubling the group size",
+                 "The labels and the recommendation read the **plain** column", "## The loss measured",
+                 "clip(clip_high=0.28) + aggregation(agg='token-mean')"):
+        assert part in text, part
+    raw = (run / "diagnose.json").read_text()
+    assert no_nan(text) and no_nan(raw)
+    data = json.loads(raw)
+    assert {r["row"] for r in data["rows"]} == {"rloo", "grpo", "otb", "otb+loo"}
     assert (run / "diagnose.png").stat().st_size > 1000
     assert main(args) == 2 and "diagnose.run_name: the run directory" in capsys.readouterr().err
     monkeypatch.setattr(report, "markdown", lambda result: (_ for _ in ()).throw(OSError("disk full")))
@@ -211,16 +473,31 @@ def test_cli_end_to_end_and_the_report_is_never_half_written(tmp_path, monkeypat
     assert not list(run.glob(".*tmp*")) and not list(tmp_path.glob(".tmp*"))
 
 
+def test_a_config_file_with_a_diagnose_section_serves_both_commands(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text("rollout:\n  group_size: 4\ndiagnose:\n  prompts: 12\n  target_width: 0.2\n")
+    cfg, d = load_diagnose_config(path, ["diagnose.prompts=48"])
+    assert d.prompts == 48 and d.target_width == 0.2 and cfg.rollout.group_size == 4
+    from creditrl.config import config_from_dict, config_to_dict, load_config
+    assert not hasattr(load_config(path), "diagnose") and "diagnose" not in config_to_dict(cfg)
+    old = {**config_to_dict(cfg), "diagnose": {"prompts": 6, "groups_per_prompt": 3}}     # an old config.yaml
+    assert config_from_dict(old).rollout.group_size == 4
+
+
 def test_trl_style_function_on_builtin_tiny(tiny, tmp_path):
     task, model, tokenizer = tiny
     rng = random.Random(0)
-    rows = [{"prompt": p.prompt, "answer": p.answer} for p in (task.sample(rng) for _ in range(32))]
+    rows = [{"prompt": p.prompt, "answer": p.answer} for p in (task.sample(rng) for _ in range(64))]
 
     def correct(prompts, completions, answer, **kwargs):
         return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
-    result = creditrl.diagnose(model, tokenizer, rows, correct, group_size=4, prompts=6, groups_per_prompt=2,
-                               estimators=["rloo", "otb"], max_new_tokens=6, progress=False, output_dir=tmp_path / "r")
+    with torch_threads(1):
+        result = creditrl.diagnose(model, tokenizer, rows, correct, group_size=4, prompts=8, budget_min=0.2,
+                                   estimators=["rloo", "otb"], estimator="otb", max_new_tokens=6, progress=False,
+                                   adam_warmup=8, losses={"seq": {"agg": "seq-mean-token-mean"}},
+                                   output_dir=tmp_path / "r")
     assert result["informative_fraction"] > 0 and (tmp_path / "r" / "diagnose.md").is_file()
-    assert {r["estimator"] for r in result["estimators"]} == {"rloo", "grpo", "otb", "dr_grpo"}
-    assert result["recommendation"]["text"]
+    assert {r["row"] for r in result["rows"]} == {"rloo", "grpo", "otb", "rloo · seq", "grpo · seq", "otb · seq"}
+    assert result["recommendation"]["text"] and result["rows"][0]["adam_vs_configured"] is not None
+    assert no_nan((tmp_path / "r" / "diagnose.md").read_text())

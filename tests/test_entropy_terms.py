@@ -21,7 +21,7 @@ def batch(seed, rows=6, length=10, dtype=torch.float64):
     mask[0] = False
     mask[:, 0] |= torch.arange(rows) > 0
     old = -torch.rand(rows, length, generator=g, dtype=dtype) * 3
-    logp = old + 0.4 * torch.randn(rows, length, generator=g, dtype=dtype)
+    logp = (old + 0.4 * torch.randn(rows, length, generator=g, dtype=dtype)).clamp(max=0)   # log-probs: <= 0
     adv = torch.randn(rows, generator=g, dtype=dtype)
     entropy = torch.rand(rows, length, generator=g, dtype=dtype) * 2.5
     return logp, old, adv, mask, entropy

@@ -13,6 +13,13 @@ from hypothesis import given, settings, strategies as st
 from creditrl.core.gradients import (CountSketch, GradientMoments, NoiseScale, exact_quality, gradient_quality,
                                      moments_from_draws, noise_scale_terms)
 from enumerable_policy import THETA, outcome_gradients, true_gradient
+from tolerances import sum_rtol
+
+# Tolerances (tests/tolerances.py). Everything here is float64. MOMENTS: Gram sums over <= 21 draws of D = 5
+# standard normals (products <= ~20, sums of <= 21·21 of them). EXACT: expectations over an enumerable policy's
+# group outcomes (<= 3375) and the ratios of such sums (a ratio of ratios: 4 of them), relative.
+MOMENTS = sum_rtol(21 * 21 * 5, torch.float64) * 20
+EXACT = 4 * sum_rtol(3375 + 16, torch.float64)
 
 NAMES = ("rloo", "dr_grpo", "otb", "otb_loo", "otb_isolated", "otb_isolated_loo", "ogb_loo", "opo_loo")
 SPECS = [("rloo", {}), ("dr_grpo", {}), ("otb", {}), ("otb", {"leave_one_out": True}), ("otb_isolated", {}),
@@ -57,7 +64,7 @@ def test_moments_match_loops(sizes, folds, seed):
     for got in (moments_from_draws(("a", "b", "c"), grads, units, folds), streamed.stats()):
         assert got.draws.tolist() == n and got.same_unit.tolist() == m
         for mine, ref in ((got.second, second), (got.within, within), (got.cross, cross)):
-            torch.testing.assert_close(mine, ref, atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(mine, ref, atol=MOMENTS, rtol=0)
     again = type(got).from_dict(got.to_dict())
     torch.testing.assert_close(again.cross, got.cross)
 
@@ -108,8 +115,11 @@ def test_signal_and_variance_estimates_are_unbiased(units):
             signal = (stats.cross.sum((0, 1)) - stats.within.sum(0)) / pairs
             expect += weight * signal
             expect_var += weight * torch.diagonal(stats.second.sum(0) / stats.draws.sum() - signal)
-    torch.testing.assert_close(expect, truth_signal, atol=1e-12, rtol=0)
-    torch.testing.assert_close(expect_var, torch.diagonal(truth_second - truth_signal), atol=1e-12, rtol=0)
+    # expectations over every tuple (<= 2^4 x 3^7 of them) of normal draws' products: within that many eps64
+    tuples = prompts ** len(unit_ids) * outcomes ** len(units)
+    atol = sum_rtol(tuples + 16, torch.float64) * float(truth_second.abs().max() + 1)
+    torch.testing.assert_close(expect, truth_signal, atol=atol, rtol=0)
+    torch.testing.assert_close(expect_var, torch.diagonal(truth_second - truth_signal), atol=atol, rtol=0)
 
 
 # ---------------------------------------------------------------- exact values on the enumerable policy
@@ -136,18 +146,18 @@ def test_exact_quality_on_the_enumerable_policy(outcomes, eos):
     for e, name in enumerate(NAMES):
         var, scale, eff = loop_quality(grads, probs, e)
         q = exact[name]
-        assert q.variance.value == pytest.approx(var, rel=1e-10)
-        assert q.scale.value == pytest.approx(scale, rel=1e-10)
-        assert q.efficiency.value == pytest.approx(eff, rel=1e-10)
+        assert q.variance.value == pytest.approx(var, rel=EXACT)
+        assert q.scale.value == pytest.approx(scale, rel=EXACT)
+        assert q.efficiency.value == pytest.approx(eff, rel=EXACT)
     # unbiased forms have c = 1 and point along ∇J; dr_grpo is (N−1)/N·rloo: c = 2/3, efficiency exactly 1
     grad = true_gradient(THETA, eos)
     for name in ("rloo", "otb_loo", "otb_isolated_loo", "ogb_loo", "opo_loo"):
-        assert exact[name].scale.value == pytest.approx(1.0, abs=1e-9)
-        assert exact[name].cosine.value == pytest.approx(1.0, abs=1e-9)
-    assert exact["dr_grpo"].scale.value == pytest.approx(2 / 3, rel=1e-10)
-    assert exact["dr_grpo"].efficiency.value == pytest.approx(1.0, rel=1e-10)
-    assert exact["dr_grpo"].raw_ratio.value == pytest.approx(4 / 9, rel=1e-10)
-    torch.testing.assert_close(probs @ grads[:, 0], grad, atol=1e-9, rtol=0)
+        assert exact[name].scale.value == pytest.approx(1.0, abs=EXACT)
+        assert exact[name].cosine.value == pytest.approx(1.0, abs=EXACT)
+    assert exact["dr_grpo"].scale.value == pytest.approx(2 / 3, rel=EXACT)
+    assert exact["dr_grpo"].efficiency.value == pytest.approx(1.0, rel=EXACT)
+    assert exact["dr_grpo"].raw_ratio.value == pytest.approx(4 / 9, rel=EXACT)
+    torch.testing.assert_close(probs @ grads[:, 0], grad, atol=EXACT * float(grads.abs().max()), rtol=0)
     assert exact["otb"].scale.value < 1 and exact["otb_isolated"].scale.value < 1   # leave-in shrinks
 
 
@@ -156,35 +166,48 @@ def sample_stats(grads, probs, draws, folds, seed):
     return moments_from_draws(NAMES, grads[idx], folds=folds)
 
 
+# Relative error of each statistic at 4000 draws: about twice the worst of 1000 seeds (tests/scripts/
+# seed_margins.py sampled_quality: variance 0.126, scale 0.046, cosine 0.014, efficiency 0.090, raw ratio 0.051,
+# all on the EOS-ended policy), so no sample path fails by chance.
+SAMPLED_REL = {"variance": 0.25, "scale": 0.1, "cosine": 0.03, "efficiency": 0.2, "raw_ratio": 0.1}
+
+
 @pytest.mark.parametrize("eos", [False, True], ids=["fixed-length", "eos-ended"])
-def test_sampled_quality_brackets_the_exact_values(outcomes, eos):
-    """4000 sampled groups in 20 folds: every estimator's intervals hold the exact V, c, cosine and
-    efficiency (a fixed seed; the coverage test below checks the intervals' rate)."""
+def test_sampled_quality_is_near_the_exact_values(outcomes, eos):
+    """4000 sampled groups in 20 folds: every estimator's V, c, cosine, efficiency and raw ratio near its
+    exact value (``SAMPLED_REL``). Not "every 95% interval holds the truth": on a given path about 5% of
+    the 46 intervals miss (and the cosine's, whose truth sits at its bound 1, miss more), so that would rest
+    on one lucky seed. The intervals' rate is the coverage test's."""
     grads, probs = outcomes[eos]
     exact = exact_quality(NAMES, grads, probs, reference="rloo")
     got = gradient_quality(sample_stats(grads, probs, 4000, 20, seed=1), reference="rloo")
     for name in NAMES:
-        for key in ("variance", "scale", "cosine", "efficiency", "raw_ratio"):
+        for key, bound in SAMPLED_REL.items():
             est, truth = getattr(got[name], key), getattr(exact[name], key).value
-            if name == "rloo" and key in ("scale", "efficiency", "raw_ratio"):
-                assert est.value == pytest.approx(1.0) and math.isnan(est.low) is False
+            if name == "rloo" and key in ("scale", "efficiency", "raw_ratio"):   # its own reference: exactly 1
+                assert est.value == pytest.approx(1.0, rel=1e-12) and math.isfinite(est.low)
                 continue
-            assert est.low - 1e-9 <= truth <= est.high + 1e-9, (name, key, est, truth)   # exact ties: rounding
+            assert abs(est.value / truth - 1) <= bound, (name, key, est, truth)
+            assert est.low <= est.value <= est.high, (name, key, est)
+
+
+COVERAGE_REPS, COVERAGE_MIN = 400, 0.87
 
 
 def test_efficiency_intervals_cover_at_about_their_rate(outcomes):
-    """200 independent samples of 600 groups: the 95% jackknife intervals of the efficiency and the
-    scale cover the exact values in at least 88% of them (binomial 2.5% quantile at 95% is ~92%)."""
+    """400 independent samples of 600 groups: the 95% jackknife intervals of OTB's efficiency, scale and
+    variance each cover the exact value in at least 87% of them. Over 50 blocks of 400 (tests/scripts/
+    seed_margins.py coverage) they covered 95.0%, 94.7% and 94.6%, and the lowest block 91.25%: 87% is ~6.7
+    binomial sd below the rate. (With 200 samples and 88% the lowest of 50 blocks came within 3 hits.)"""
     grads, probs = outcomes[True]
     exact = exact_quality(NAMES, grads, probs, reference="rloo")
     hits = {key: 0 for key in ("efficiency", "scale", "variance")}
-    reps = 200
-    for rep in range(reps):
+    for rep in range(COVERAGE_REPS):
         q = gradient_quality(sample_stats(grads, probs, 600, 20, seed=100 + rep), reference="rloo")["otb"]
         for key in hits:
             iv = getattr(q, key)
             hits[key] += iv.low <= getattr(exact["otb"], key).value <= iv.high
-    assert all(h >= 0.88 * reps for h in hits.values()), hits
+    assert all(h >= COVERAGE_MIN * COVERAGE_REPS for h in hits.values()), hits
 
 
 def test_exact_reference_vector_as_a_pseudo_estimator(outcomes):
@@ -195,8 +218,9 @@ def test_exact_reference_vector_as_a_pseudo_estimator(outcomes):
     idx = torch.multinomial(probs, 3000, replacement=True, generator=torch.Generator().manual_seed(5))
     draws = torch.cat([grads[idx], grad.expand(3000, 1, -1)], 1)
     q = gradient_quality(moments_from_draws((*NAMES, "exact"), draws, folds=10), reference="exact", baseline="rloo")
-    assert q["exact"].variance.value == pytest.approx(0.0, abs=1e-12)
-    assert q["exact"].signal == pytest.approx(float(grad @ grad), rel=1e-12)
+    # a constant draw: its variance is a difference of equal float64 sums over 3000 draws
+    assert q["exact"].variance.value == pytest.approx(0.0, abs=sum_rtol(3000, torch.float64) * float(grad @ grad))
+    assert q["exact"].signal == pytest.approx(float(grad @ grad), rel=sum_rtol(3000, torch.float64))
     exact = exact_quality(NAMES, grads, probs, reference="rloo")
     for name in ("rloo", "otb", "otb_loo"):
         assert q[name].scale.low <= exact[name].scale.value <= q[name].scale.high
@@ -217,12 +241,15 @@ def test_noise_scale_terms_are_unbiased_by_enumeration():
         t, s = noise_scale_terms(values[a], (values[b1] + values[b2]) / 2, 1, 2)
         expect_trace += w * t
         expect_sq += w * s
-    assert expect_trace == pytest.approx(trace, abs=1e-12)
-    assert expect_sq == pytest.approx(float(G @ G), abs=1e-12)
+    assert expect_trace == pytest.approx(trace, abs=sum_rtol(27 * 8, torch.float64) * 10)   # 27 tuples, values <= 10
+    assert expect_sq == pytest.approx(float(G @ G), abs=sum_rtol(27 * 8, torch.float64) * 10)
 
 
 def test_noise_scale_recovers_a_known_gaussian_problem():
-    """g ~ N(G, Σ) per draw, halves of 8 draws, 4000 steps smoothed: B_simple → tr Σ / ||G||²."""
+    """g ~ N(G, Σ) per draw, halves of 8 draws, 4000 steps smoothed: B_simple → tr Σ / ||G||², within 25%. The
+    smoother averages ~1000 steps (decay 0.999), so the estimate keeps a few % of noise: over 200 seeds
+    (tests/scripts/seed_margins.py noise_scale) the worst error was 12.4%, and 4 of 200 exceeded the
+    earlier 10% bound."""
     gen = torch.Generator().manual_seed(0)
     G = torch.tensor([1.0, -0.5, 0.25, 0.0], dtype=torch.float64)
     scales = torch.tensor([2.0, 1.0, 0.5, 3.0], dtype=torch.float64)          # Σ = diag(scales²)
@@ -231,7 +258,7 @@ def test_noise_scale_recovers_a_known_gaussian_problem():
     for _ in range(steps):
         draws = G + scales * torch.randn(16, 4, generator=gen, dtype=torch.float64)
         value = smoother.update(draws[:8].mean(0), draws[8:].mean(0), 8, 8)
-    assert value == pytest.approx(truth, rel=0.1)
+    assert value == pytest.approx(truth, rel=0.25)
     restored = NoiseScale()
     restored.load_state_dict(smoother.state_dict())
     assert restored.value == smoother.value
@@ -256,9 +283,14 @@ def test_noise_scale_smoother_and_errors():
 
 
 def test_count_sketch_matches_its_definition_and_is_unbiased():
+    """The sketched inner product over 4000 sketch seeds: its mean within 5 standard errors of the exact
+    one and its variance within 15% of the formula's (~6 sd of a 4000-draw variance here). Over 200 input and
+    sketch seeds (tests/scripts/seed_margins.py count_sketch) the worst were |z| 3.44 and 7.6%: the earlier
+    4 and 10% left under one sd of margin."""
     shapes = [(3, 4), (5,)]
-    x = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
-    y = [torch.randn(3, 4, dtype=torch.float64), torch.randn(5, dtype=torch.float64)]
+    gen = torch.Generator().manual_seed(0)      # seeded (the global generator's state depends on test order)
+    x = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    y = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
     sketch = CountSketch(shapes, dim=4, seed=0)
     loop = torch.zeros(4, dtype=torch.float64)
     for tensor, bucket, sign in zip(x, sketch.buckets, sketch.signs):
@@ -271,8 +303,8 @@ def test_count_sketch_matches_its_definition_and_is_unbiased():
     exact = float(flat_x @ flat_y)
     var = (float(flat_x @ flat_x) * float(flat_y @ flat_y) + exact ** 2
            - 2 * float((flat_x ** 2 * flat_y ** 2).sum())) / 4
-    assert abs(float(dots.mean()) - exact) < 4 * math.sqrt(var / 4000)
-    assert float(dots.var()) == pytest.approx(var, rel=0.1)
+    assert abs(float(dots.mean()) - exact) < 5 * math.sqrt(var / 4000)
+    assert float(dots.var()) == pytest.approx(var, rel=0.15)
     assert torch.equal(sketch([None, y[1]]), CountSketch(shapes, 4, 0)([torch.zeros(3, 4, dtype=torch.float64), y[1]]))
     with pytest.raises(ValueError, match=r"tensors: expected shape \[5\], got \[4\]"):
         sketch([x[0], torch.zeros(4)])
@@ -288,4 +320,4 @@ def test_an_exact_multiple_is_added_without_a_gradient():
     for key in ("second", "within", "cross"):
         torch.testing.assert_close(getattr(got, key), getattr(want, key))
     q = gradient_quality(got)
-    assert q["dr"].scale.value == pytest.approx(0.75) and q["dr"].efficiency.value == pytest.approx(1.0)
+    assert q["dr"].scale.value == pytest.approx(0.75, rel=EXACT) and q["dr"].efficiency.value == pytest.approx(1.0, rel=EXACT)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,8 @@ pytest.importorskip("verl")
 import torch  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
+
+from tolerances import EPS32, sum_rtol  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 import creditrl  # noqa: E402
@@ -37,6 +40,12 @@ def verl_batch(seed=0, lengths=(5, 3, 6, 6, 2, 4, 1, 6, 6), uids=("a", "a", "a",
     stats = creditrl.token_stats(logits, tokens, mask)
     return dict(token_level_rewards=rewards, response_mask=mask, index=np.array(uids, dtype=object),
                 old_log_probs=stats.logp, sum_pi_squared=stats.sum_p2, stats=stats)
+
+
+# creditrl's OTB and verl's, both float32, against each other: B_t = Σ G W / Σ W over a group's <= 3 members of
+# cumulative energies over <= 7 steps; each sum within (21 + 8)·eps32 of its magnitude, so the ratio within
+# twice that times max |G| (scores in [0, 1]), and A = G − B one more rounding (tests/tolerances.py)
+OTB_ATOL = 2 * sum_rtol(21 + 8) * 1.0 + EPS32
 
 
 def group_of(uids):
@@ -69,7 +78,11 @@ def test_registered_estimator_matches_direct_call(name):
                              old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
     expected = creditrl.compute_advantages(name, rewards=batch["token_level_rewards"], mask=batch["response_mask"],
                                            group=group_of(batch["index"]), energy=batch["stats"].energy, **options)
-    torch.testing.assert_close(advantages, expected)
+    # the plug-in rebuilds the energies as 1 − 2π_y + Σπ² from verl's log-probs and Σπ² (within 4·eps32 per token
+    # of token_stats' energy); a baseline Σ G W / Σ W moves by <= max|G|·Σ|ΔW| / Σ W over a group's 21 tokens
+    energy = batch["stats"].energy
+    lowest = min(float(energy[group_of(batch["index"]) == g].sum()) for g in group_of(batch["index"]).unique())
+    torch.testing.assert_close(advantages, expected, atol=OTB_ATOL + 2 * 21 * 4 * EPS32 / lowest, rtol=0)
     if name not in ("reinforce", "otb", "otb_isolated"):  # sequence-level: verl's convention, returns = advantages
         assert returns is advantages
         return
@@ -81,7 +94,19 @@ def test_registered_estimator_matches_direct_call(name):
         for t in reversed(range(rewards.shape[1])):
             running += float(rewards[b, t] * mask[b, t])
             loop[b, t] = running * mask[b, t]
-    torch.testing.assert_close(returns, loop)
+    assert torch.equal(returns, loop)        # the score on each row's last token: every return is it, exactly
+
+
+@pytest.mark.parametrize("value", ["false", 1, None])
+def test_bool_estimator_option_takes_a_bool(value):
+    """algorithm.creditrl.leave_one_out="false" would be truthy: refused, naming the key."""
+    batch = verl_batch()
+    with pytest.raises(ValueError, match=r"algorithm.creditrl.leave_one_out: expected bool, got "
+                                         + ("null" if value is None else re.escape(f"{value!r} ({type(value).__name__})"))):
+        core_algos.get_adv_estimator_fn("creditrl_otb")(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=batch["index"], config={"creditrl": {"leave_one_out": value}},
+            old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
 
 
 def test_energy_estimator_without_actor_energy_names_the_fix():
@@ -143,12 +168,12 @@ def test_verl_otb_agrees_where_the_definitions_coincide(seed):
     batch = verl_batch(seed, lengths=(5, 3, 6, 6, 2, 6), uids=("a", "a", "a", "b", "b", "b"))
     ours, our_returns = credit_otb(batch)
     theirs, their_returns = verl_otb(batch, handle_zero_tail=False)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, theirs, atol=OTB_ATOL, rtol=0)
     torch.testing.assert_close(our_returns, their_returns)
     weights = torch.rand(batch["response_mask"].shape, generator=torch.Generator().manual_seed(seed)) + 0.5
     ours, _ = credit_otb(batch, rollout_is_weights=weights)
     theirs, _ = verl_otb(batch, handle_zero_tail=False, rollout_is_weights=weights)
-    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, theirs, atol=OTB_ATOL, rtol=0)
 
 
 def test_verl_otb_differs_on_the_zero_tail_singletons_and_zero_energy():
@@ -164,7 +189,7 @@ def test_verl_otb_differs_on_the_zero_tail_singletons_and_zero_energy():
     tail[5, :6] = True
     torch.testing.assert_close(theirs[tail], returns[tail])
     assert torch.all(ours[tail] == 0)
-    torch.testing.assert_close(ours[~tail], theirs[~tail], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[~tail], theirs[~tail], atol=OTB_ATOL, rtol=0)
     # all energies 0 (every token certain): verl divides by eps (baseline 0, A = G_t);
     # creditrl falls back to the plain group mean of the returns.
     zero = dict(batch, old_log_probs=torch.zeros_like(batch["old_log_probs"]),
@@ -174,7 +199,7 @@ def test_verl_otb_differs_on_the_zero_tail_singletons_and_zero_energy():
     valid = batch["response_mask"].bool()
     torch.testing.assert_close(theirs[valid], returns[valid])
     mean_a = returns[:3, 0].mean()
-    assert torch.isclose(ours[0, 0], returns[0, 0] - mean_a)
+    assert torch.isclose(ours[0, 0], returns[0, 0] - mean_a, atol=sum_rtol(3 + 2) * 1.0, rtol=0)   # a mean of 3
 
 
 def actor_config(**policy_loss):
@@ -185,7 +210,7 @@ def actor_config(**policy_loss):
 def loss_inputs(seed=0, shape=(6, 5)):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(shape, generator=gen) * 3
-    logp = (old + 0.3 * torch.randn(shape, generator=gen)).requires_grad_()
+    logp = (old + 0.3 * torch.randn(shape, generator=gen)).clamp(max=0).requires_grad_()   # log-probs: <= 0
     mask = torch.ones(shape)
     mask[0, 3:] = 0
     mask[4, 1:] = 0
@@ -434,8 +459,10 @@ def test_scores_on_masked_tokens_follow_verl(layout):
     ours, _ = core_algos.get_adv_estimator_fn("creditrl_grpo")(
         token_level_rewards=rewards, response_mask=mask, index=index, config=None)
     theirs, _ = core_algos.compute_grpo_vectorized_outcome_advantage(rewards, mask, index)
-    torch.testing.assert_close(ours, theirs.float())
-    assert torch.allclose(ours[:, 0], torch.tensor([0.866, -0.866, 0.866, -0.866]), atol=1e-3)
+    # verl's z-scores and ours: a mean and a std of 4 float32 values, then a division (|z| <= 1)
+    torch.testing.assert_close(ours, theirs.float(), atol=2 * sum_rtol(4 + 4), rtol=0)
+    # ±1/√(4/3) to the 3 digits written (the 1e-6 std guard moves it by ~1e-6)
+    assert torch.allclose(ours[:, 0], torch.tensor([0.866, -0.866, 0.866, -0.866]), atol=5e-4)
     _, returns = core_algos.get_adv_estimator_fn("creditrl_reinforce")(
         token_level_rewards=rewards, response_mask=mask, index=index, config=None)
     assert torch.equal(returns, rewards[:, 4:5] * mask)   # the score reaches every valid token
@@ -474,3 +501,17 @@ def test_trainer_hooks_install_from_verl_extension_points():
         assert alias.ppo_loss is losses.ppo_loss and wrapped.__creditrl__ is original
     finally:
         del sys.modules[alias.__name__]
+
+
+@pytest.mark.parametrize("value", ["false", 1, "no"])
+def test_a_boolean_option_takes_a_bool(value):
+    """``leave_one_out="false"`` once computed the leave-one-out form (a truthy string)."""
+    batch = verl_batch()
+    fn = core_algos.get_adv_estimator_fn(plugin.PREFIX + "otb")
+    with pytest.raises(ValueError, match=r"algorithm.creditrl.leave_one_out: expected bool"):
+        fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+           index=batch["index"], config={"creditrl": {"leave_one_out": value}},
+           old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
+    with pytest.raises(ValueError, match=r"otb.leave_one_out: expected bool"):
+        creditrl.compute_advantages("otb", rewards=batch["token_level_rewards"], mask=batch["response_mask"],
+                                    group=group_of(batch["index"]), energy=batch["stats"].energy, leave_one_out=value)

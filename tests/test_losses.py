@@ -8,8 +8,11 @@ from hypothesis import given, settings, strategies as st
 
 import creditrl
 from creditrl import StapoOptions, TraceOptions, agg_loss, policy_loss, power_proxy, variance_proxy
-from creditrl.core.losses import (METRIC_KEYS, ClipCovOptions, DeltaLNormOptions, EntropyBonusOptions, KLCovOptions, SapoOptions,
-                                  TopEntropyOptions)
+from creditrl.core.losses import (METRIC_KEYS, ClipCovOptions, DeltaLNormOptions, EntropyBonusOptions, KLCovOptions,
+                                  SapoOptions, TopEntropyOptions)
+from tolerances import SUBNORMAL32, sum_rtol
+
+F64 = torch.float64
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -28,10 +31,19 @@ def loop_agg(loss, mask, mode, max_len=None):
     return sum(sum(r) for r in per_row) / (rows * (max_len or length))
 
 
+def f32_tol(token: torch.Tensor, mask: torch.Tensor, mode: str, max_len=None, ops: int = 8) -> float:
+    """Float32 rounding bound of an aggregated loss against its float64 loop (tests/tolerances.py): every mode
+    is a positive-weighted sum of the per-token terms ``token`` over the mask's n tokens, each term a few
+    (``ops``) float32 operations (exp, clamp, products): within (n + ops)·eps32 of agg(|terms|), plus (n + ops)
+    half-spacings of float32's subnormals (2^-149), where rounding errors are absolute."""
+    n = int(mask.sum()) + ops
+    return sum_rtol(n) * loop_agg(token.abs(), mask, mode, max_len) + n * SUBNORMAL32
+
+
 def make_batch(seed=0, rows=5, length=7, token_adv=False, spread=0.4):
     gen = torch.Generator().manual_seed(seed)
     logp = -torch.rand(rows, length, generator=gen) * 4
-    old = logp + spread * torch.randn(rows, length, generator=gen)
+    old = (logp + spread * torch.randn(rows, length, generator=gen)).clamp(max=0)   # log-probs: <= 0
     adv = torch.randn((rows, length) if token_adv else (rows,), generator=gen)
     mask = torch.rand(rows, length, generator=gen) > 0.3
     mask[0] = False                     # an empty response
@@ -50,7 +62,8 @@ def test_agg_loss_matches_loop(mode):
     loss[~mask] = float("nan")                  # masked garbage must not leak
     for max_len in (None, 16):
         got = agg_loss(loss, mask, mode, max_len=max_len)
-        assert got.item() == pytest.approx(loop_agg(loss, mask, mode, max_len), rel=1e-6)
+        tol = f32_tol(torch.where(mask, loss, 0.0), mask, mode, max_len, ops=1)
+        assert got.item() == pytest.approx(loop_agg(loss, mask, mode, max_len), abs=tol)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -66,7 +79,9 @@ def test_agg_loss_empty_mask_is_zero_with_grad(mode):
 def test_agg_loss_of_constant_is_constant(seed, value, mode):
     mask = torch.rand(4, 6, generator=torch.Generator().manual_seed(seed)) > 0.5
     mask[0, 0] = True
-    assert agg_loss(torch.full((4, 6), value), mask, mode).item() == pytest.approx(value, abs=1e-5)
+    # a mean of n equal float32 values (the value rounded to float32 first): within n·eps32 of it
+    x = torch.full((4, 6), value)
+    assert agg_loss(x, mask, mode).item() == pytest.approx(x[0, 0].item(), abs=f32_tol(x, mask, mode, ops=1))
 
 
 def test_agg_loss_bad_input():
@@ -81,7 +96,12 @@ def test_agg_loss_bad_input():
 # ---- plain clipped loss -----------------------------------------------------------------------
 
 def loop_policy_loss(logp, old, adv, mask, clip_low, clip_high, clip_c, mode, kl=None):
-    """Per-token PPO/DAPO/dual-clip written out with Python floats."""
+    """Per-token PPO/DAPO/dual-clip written out with Python floats, aggregated by ``mode``."""
+    return loop_agg(loop_policy_tokens(logp, old, adv, clip_low, clip_high, clip_c, kl), mask, mode)
+
+
+def loop_policy_tokens(logp, old, adv, clip_low, clip_high, clip_c, kl=None):
+    """The per-token terms of ``loop_policy_loss`` [B,T] float64."""
     token = torch.zeros(logp.shape, dtype=torch.float64)
     for b in range(logp.shape[0]):
         for t in range(logp.shape[1]):
@@ -95,7 +115,7 @@ def loop_policy_loss(logp, old, adv, mask, clip_low, clip_high, clip_c, mode, kl
                 x = ref[b, t].item() - logp[b, t].item()
                 loss += coef * {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1 - x}[est]
             token[b, t] = loss
-    return loop_agg(token, mask, mode)
+    return token
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -104,7 +124,8 @@ def test_plain_loss_matches_loop(mode, clip_high, clip_c, token_adv):
     logp, old, adv, mask = make_batch(2, token_adv=token_adv)
     loss, metrics = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=clip_high, clip_c=clip_c, agg=mode)
     ch = 0.2 if clip_high is None else clip_high
-    assert loss.item() == pytest.approx(loop_policy_loss(logp, old, adv, mask, 0.2, ch, clip_c, mode), rel=1e-5)
+    token = loop_policy_tokens(logp, old, adv, 0.2, ch, clip_c)
+    assert loss.item() == pytest.approx(loop_agg(token, mask, mode), abs=f32_tol(token, mask, mode))
     # clip fractions by loop
     ratio = torch.exp(logp - old)
     a = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
@@ -120,24 +141,26 @@ def test_everything_off_is_exactly_the_plain_loss():
     off, m_off = policy_loss(logp, old, adv, mask, clip_high=None, clip_c=None, ref_logp=old, kl_coef=0.0,
                              rollout_logp=None, rollout_correction=None, stapo=False, trace=None)
     assert torch.equal(plain, off)
-    assert plain.item() == pytest.approx(loop_policy_loss(logp, old, adv, mask, 0.2, 0.2, None, "token-mean"), rel=1e-6)
+    token = loop_policy_tokens(logp, old, adv, 0.2, 0.2, None)
+    assert plain.item() == pytest.approx(loop_agg(token, mask, "token-mean"), abs=f32_tol(token, mask, "token-mean"))
     assert set(m_plain) == set(METRIC_KEYS) and all(type(v) is float for v in m_plain.values())
     for key in ("ref_kl", "mismatch_kl", "ppl_gap", "is_masked_frac", "spurious_ratio"):
         assert m_plain[key] == 0.0
     assert m_plain["kept_frac"] == 1.0
     assert m_plain["adv_abs_mean"] == pytest.approx((adv.abs()[:, None].expand_as(mask)[mask]).mean().item())
-    k3 = (torch.exp(logp - old) - 1 - (logp - old))[mask].mean().item()
-    assert m_plain["approx_kl"] == pytest.approx(k3, rel=1e-5)
+    k3 = torch.where(mask, torch.exp(logp - old).double() - 1 - (logp - old), 0.0)
+    assert m_plain["approx_kl"] == pytest.approx(loop_agg(k3, mask, "token-mean"), abs=f32_tol(k3, mask, "token-mean"))
 
 
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
 def test_kl_penalty_matches_loop(est):
     logp, old, adv, mask = make_batch(4)
-    ref = logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9))
+    ref = (logp + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9))).clamp(max=0)
     loss, metrics = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean", ref_logp=ref,
                                 kl_coef=0.05, kl_estimator=est)
-    expected = loop_policy_loss(logp, old, adv, mask, 0.2, 0.2, None, "seq-mean-token-mean", (0.05, est, ref))
-    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    token = loop_policy_tokens(logp, old, adv, 0.2, 0.2, None, (0.05, est, ref))
+    mode = "seq-mean-token-mean"
+    assert loss.item() == pytest.approx(loop_agg(token, mask, mode), abs=f32_tol(token, mask, mode))
     assert metrics["ref_kl"] != 0.0
 
 
@@ -164,6 +187,8 @@ def loop_rollout(old, rollout, mask, mode, cap):
 def test_rollout_correction_matches_loop(mode):
     logp, old, adv, mask = make_batch(5)
     rollout = old + 0.8 * torch.randn(old.shape, generator=torch.Generator().manual_seed(11))
+    shift = rollout.max().clamp(min=0)       # log-probs <= 0, every difference between them kept
+    logp, old, rollout = logp - shift, old - shift, rollout - shift
     cap = 1.5
     loss, metrics = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_correction=mode,
                                 rollout_cap=cap, agg="token-mean")
@@ -172,19 +197,21 @@ def test_rollout_correction_matches_loop(mode):
     a = adv[:, None].double()
     token = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.2)) * weight
     expected = token[keep].sum() / keep.sum()
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert loss.item() == pytest.approx(expected.item(), abs=f32_tol(torch.where(keep, token, 0.0), keep, "token-mean"))
     assert metrics["is_masked_frac"] == pytest.approx(((mask & ~keep).sum() / mask.sum()).item())
     if mode.endswith("mis"):
         assert 0 < metrics["is_masked_frac"] < 1
-    rho = old - rollout
-    assert metrics["mismatch_kl"] == pytest.approx((torch.exp(rho) - 1 - rho)[mask].mean().item(), rel=1e-5)
+    rho = (old - rollout).double()
+    k3 = torch.where(mask, torch.exp(rho) - 1 - rho, 0.0)
+    assert metrics["mismatch_kl"] == pytest.approx(loop_agg(k3, mask, "token-mean"), abs=f32_tol(k3, mask, "token-mean"))
     gaps = [abs((old[b] - rollout[b])[mask[b]].mean().item()) for b in range(mask.shape[0]) if mask[b].any()]
-    assert metrics["ppl_gap"] == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
+    tol = f32_tol(torch.where(mask, rho, 0.0), mask, "seq-mean-token-mean")   # a mean of per-row |means|
+    assert metrics["ppl_gap"] == pytest.approx(sum(gaps) / len(gaps), abs=tol)
 
 
 def test_tis_weight_is_detached():
     logp, old, adv, mask = make_batch(6)
-    rollout = (old + 0.5).requires_grad_()
+    rollout = (old - 0.5).requires_grad_()
     loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_correction="tis")
     assert not loss.requires_grad  # only logp may carry gradient; here it has none
 
@@ -226,8 +253,8 @@ COMBOS = [(a,) for a in OPTIONS] + [(a, b) for a, b in itertools.combinations(OP
 
 def option_kwargs(combo, old, gen):
     """policy_loss keywords for the options in ``combo`` with the inputs they need."""
-    kwargs = dict(ref_logp=old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen),
-                  rollout_logp=old + 0.5 * torch.randn(old.shape, generator=gen),
+    kwargs = dict(ref_logp=(old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen)).clamp(max=0),   # log-probs <= 0
+                  rollout_logp=(old + 0.5 * torch.randn(old.shape, generator=gen)).clamp(max=0),
                   entropy=torch.rand(old.shape, generator=gen), truncated=torch.arange(old.shape[0]) == old.shape[0] - 1)
     for name in combo:
         kwargs.update(OPTIONS[name])
@@ -251,7 +278,7 @@ def test_all_options_bf16_and_extreme_ratios():
     old[1, 0] = logp[1, 0] - 60.0                     # exp would overflow without the clamp
     lp = logp.bfloat16().requires_grad_()
     loss, metrics = policy_loss(lp, old.bfloat16(), adv.bfloat16(), mask, clip_high=0.28, clip_c=3.0,
-                                ref_logp=old, kl_coef=0.1, rollout_logp=old + 0.3, rollout_correction="seq-tis",
+                                ref_logp=old, kl_coef=0.1, rollout_logp=old - 0.3, rollout_correction="seq-tis",
                                 stapo=True, entropy=torch.rand(mask.shape), trace=TraceOptions(lam=0.99))
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(lp.grad.float()).all()
@@ -331,16 +358,24 @@ def test_variance_proxies_match_brute_force_per_sample_gradients(seed):
     stats = variance_proxy(grads)
     # eq. 65-67 against the unbiased variance of the mean, computed from deviations
     mean = grads.mean(0)
-    assert stats["total_power"] == pytest.approx(float(grads.square().sum(1).mean()), rel=1e-12)
-    assert stats["signal"] == pytest.approx(float(mean.square().sum()), rel=1e-12)
-    assert stats["variance"] == pytest.approx(float((grads - mean).square().sum() / (n * (n - 1))), rel=1e-9)
+    # float64 sums over the n x D = 5 x 24 gradient entries (sums of squares: no cancellation)
+    assert stats["total_power"] == pytest.approx(float(grads.square().sum(1).mean()), rel=sum_rtol(grads.numel(), F64))
+    assert stats["signal"] == pytest.approx(float(mean.square().sum()), rel=sum_rtol(grads.numel(), F64))
+    # variance = (total power − n·signal)/(n − 1) against the deviations' sum: cancels to within the
+    # rounding of the larger terms, power/variance x (n·D)·eps64
+    cancel = stats["total_power"] * n / max(stats["variance"] * n * (n - 1), 1e-300)
+    assert stats["variance"] == pytest.approx(float((grads - mean).square().sum() / (n * (n - 1))),
+                                              rel=sum_rtol(grads.numel(), F64) * cancel)
     # the logit-gradient proxy of eq. 63-65 is exact for this policy, token-level advantages included
     stats_t = creditrl.token_stats(theta.detach().expand(n, -1, -1), tokens, mask)
-    assert power_proxy(adv, stats_t.energy, mask) == pytest.approx(stats["total_power"], rel=1e-6)
+    # token_stats' energies are float32 (the library's accuracy: ~1e-6 relative of float64 for float32 logits,
+    # tests/test_token_stats.py), summed over <= T = 6 tokens per response with float64 advantages
+    energy_rtol = 1e-6 + sum_rtol(6)
+    assert power_proxy(adv, stats_t.energy, mask) == pytest.approx(stats["total_power"], rel=energy_rtol)
     seq_adv = adv[:, 0]
     seq_grads = brute_force_sample_grads(theta, tokens, mask, seq_adv[:, None].expand_as(adv))
     assert power_proxy(seq_adv, stats_t.energy, mask) == pytest.approx(variance_proxy(seq_grads)["total_power"],
-                                                                        rel=1e-6)
+                                                                        rel=energy_rtol)
 
 
 def test_variance_proxy_inputs():
@@ -374,3 +409,30 @@ def test_policy_loss_names_non_finite_inputs():
     garbage[~mask] = float("nan")               # padding may hold anything
     loss, metrics = policy_loss(garbage, old, adv, mask, ref_logp=garbage, kl_coef=0.1)
     assert torch.isfinite(loss) and all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", ["logp", "old_logp", "ref_logp", "rollout_logp"])
+def test_log_probs_above_zero_are_refused_naming_the_argument(name, device):
+    """Logits or probabilities passed as log-probs give an error naming the argument, on the CPU
+    before any work and on a GPU with the metrics' one copy; rounding up to LOGP_TOLERANCE above 0
+    and any value off the mask (padding) pass."""
+    from creditrl.utils.validate import LOGP_TOLERANCE
+
+    logp, old, adv, mask = make_batch(2)
+    inputs = {"logp": logp, "old_logp": old, "ref_logp": old - 0.1, "rollout_logp": old - 0.2}
+
+    def call(x):
+        x = {k: v.to(device) for k, v in x.items()}
+        return policy_loss(x["logp"].detach().clone().requires_grad_(), x["old_logp"], adv.to(device), mask.to(device),
+                           ref_logp=x["ref_logp"], kl_coef=0.1, rollout_logp=x["rollout_logp"],
+                           rollout_correction="tis")
+
+    bad = dict(inputs, **{name: inputs[name].clone()})
+    bad[name][0] = 7.0                              # row 0 is all off the mask: padding may hold anything
+    bad[name][1, 2] = LOGP_TOLERANCE / 2            # rounding just above 0
+    loss, _ = call(bad)
+    assert torch.isfinite(loss)
+    bad[name][1, 2] = 0.5                           # row 1 is all valid
+    with pytest.raises(ValueError, match=rf"^{name}: expected log-probabilities <= 0 \(up to 0.001 of rounding\) "
+                                         r"on the mask's tokens, got values up to 0\.5 \(logits or probabilities"):
+        call(bad)

@@ -1,6 +1,8 @@
 """builtin:tiny: char tokenizer, tiny Llama, warm start, caching; local HF directories."""
+import dataclasses
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -190,3 +192,22 @@ def test_warm_start_accuracy_slice_is_many_distinct_problems():
     problems = held_out_problems(task, WarmStartConfig(eval_size=128))
     assert len(problems) == 128
     assert len({p.prompt for p in problems}) > 100
+
+
+@pytest.mark.parametrize("body, why", [("raise RuntimeError('no parser')", r"raised RuntimeError: no parser"),
+                                       ("return None", r"\(it returned None or NaN\)")])
+def test_warm_start_refuses_a_reward_that_is_never_valid(tmp_path, monkeypatch, body, why):
+    """Case 13: a checker that always raises or returns None cached 2,000 SFT steps with accuracy NaN
+    ("a sampled mean reward of nan"). It is refused before any training, naming the checker and why,
+    and nothing is cached."""
+    (tmp_path / "never_valid.py").write_text(f"def score(prompt, response, answer):\n    {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "answer": "{i + 1}"}}\n' for i in range(20)))
+    task = get_task("jsonl", path=str(data), checker="never_valid:score", checker_timeout=None)
+    with pytest.raises(ValueError, match=rf"^task.options.checker: the task's reward is invalid for all 16 reference "
+                                         rf"responses of builtin:tiny's warm start .*{why}"):
+        load_policy("builtin:tiny", task, model_cfg=SMALL, warm_start=dataclasses.replace(QUICK, eval_size=16),
+                    cache_dir=str(tmp_path / "cache"), progress=False)
+    assert not any((tmp_path / "cache").glob("tiny-*"))
+    sys.modules.pop("never_valid", None)

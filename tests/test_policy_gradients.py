@@ -13,6 +13,7 @@ import torch
 from creditrl import StapoOptions, TraceOptions, policy_loss, spurious_token_mask
 from test_losses import COMBOS, loop_rollout, make_batch, option_kwargs
 from test_traces import dense_trace_matrix
+from tolerances import assert_close_normwise, sum_rtol
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -45,8 +46,10 @@ def per_row_trace(values, mask, opts):
 def reference_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=None, clip_c=None, agg="token-mean",
                    max_len=None, ref_logp=None, kl_coef=0.0, kl_estimator="k3", kl_bias_correction=False,
                    rollout_logp=None, rollout_correction=None, rollout_cap=2.0, stapo=None, entropy=None,
-                   truncated=None, trace=None, **terms):
-    """The whole loss written out; ``terms``: the other terms by name -> options (None = off)."""
+                   truncated=None, trace=None, magnitude=False, **terms):
+    """The loss written out densely in float64; ``terms``: the other terms by name -> options (None =
+    off); ``magnitude``: the same aggregate of the per-token terms' absolute values (the scale of the
+    loss's rounding, ``loss_atol``)."""
     terms = {name: options for name, options in terms.items() if options is not None}
     unknown = set(terms) - set(SURROGATES) - {"gspo", "entropy_bonus", "top_entropy", "mask_truncated",
                                                "delta_l_norm"}
@@ -86,9 +89,28 @@ def reference_loss(logp, old, adv, mask, *, clip_low=0.2, clip_high=None, clip_c
         tok = tok + kl_coef * reference_kl(logp, old, ref_logp, kl_estimator, kl_bias_correction)
     if "entropy_bonus" in terms:
         tok = tok - terms["entropy_bonus"].coef * entropy
+    tok = tok.abs() if magnitude else tok
     if "delta_l_norm" in terms:
         return reference_delta_l(tok, keep, terms["delta_l_norm"].alpha, max_len)
     return reference_agg(tok, keep, agg, max_len)
+
+
+OPS = 12   # float32/64 operations per token term: ratio, exp, clamps, products, trace or KL, weights
+
+
+def loss_atol(logp, old, adv, mask, dtype=torch.float32, **kwargs) -> float:
+    """Rounding bound of the loss (tests/tolerances.py): a positive-weighted sum over the mask's n tokens of
+    terms of a few operations each: (n + OPS)·eps of the aggregated magnitudes (``reference_loss``), in the
+    computation's dtype (float32 unless every input is float64)."""
+    with torch.no_grad():
+        scale = float(reference_loss(logp.detach(), old, adv, mask, magnitude=True, **kwargs))
+    return sum_rtol(int(mask.sum()) + OPS, dtype) * scale
+
+
+def grad_rtol(mask, dtype=torch.float32) -> float:
+    """Normwise rounding bound of the gradient: each element is one token's derivative times its weight, or
+    (traces) a sum of at most T of them, each of a few operations."""
+    return sum_rtol(mask.shape[1] + OPS, dtype)
 
 
 def reference_kl(logp, old, ref_logp, estimator, bias_correction):
@@ -205,8 +227,8 @@ def assert_same_loss_and_grad(logp, old, adv, mask, **kwargs):
     ref = reference_loss(lp_ref, old, adv, mask, **kwargs)
     loss.backward()
     ref.backward()
-    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(lp_fast.grad.double(), lp_ref.grad.double(), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(loss.double(), ref.double(), atol=loss_atol(logp, old, adv, mask, **kwargs), rtol=0)
+    assert_close_normwise(lp_fast.grad, lp_ref.grad, grad_rtol(mask), "gradient")
     return lp_fast.grad
 
 
@@ -236,7 +258,7 @@ def test_gradient_matches_autograd_reference(combo, token_adv):
 @pytest.mark.parametrize("est", ["k1", "k2", "k3"])
 def test_gradient_every_aggregation_and_kl_estimator(mode, est):
     logp, old, adv, mask = make_batch(3, rows=5, length=40, spread=0.6)
-    ref = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))
+    ref = (old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(2))).clamp(max=0)
     assert_same_loss_and_grad(logp, old, adv, mask, agg=mode, max_len=50, ref_logp=ref, kl_coef=0.2,
                               kl_estimator=est, clip_high=0.28, clip_c=2.5)
 
@@ -246,7 +268,7 @@ def test_gradient_all_options_together_long_rows():
     logp, old, adv, mask = make_batch(9, rows=4, length=120, token_adv=True, spread=0.5)
     gen = torch.Generator().manual_seed(4)
     common = dict(clip_high=0.28, clip_c=3.0, ref_logp=old - 0.1, kl_coef=0.05, agg="seq-mean-token-mean",
-                  rollout_logp=old + 0.3 * torch.randn(old.shape, generator=gen), rollout_correction="mis",
+                  rollout_logp=(old + 0.3 * torch.randn(old.shape, generator=gen)).clamp(max=0), rollout_correction="mis",
                   stapo=StapoOptions(tau_p=0.05, high_entropy_fraction=0.5),
                   entropy=torch.rand(old.shape, generator=gen))
     for opts in (TraceOptions(lam=0.97, style="both", floor=0.01), TraceOptions(lam=0.9, update="weight"),
@@ -257,14 +279,16 @@ def test_gradient_all_options_together_long_rows():
 def test_gradient_is_zero_where_the_log_ratio_clamp_binds():
     """|log π − log π_old| > 20: the ratio is clamped and, as with autograd, passes no gradient."""
     logp, old, adv, mask = make_batch(5, rows=4, length=10)
-    old = old.clone()
+    logp, old = logp.clone(), old.clone()
+    logp[1, :5] -= 30.0                      # log-probs stay <= 0
     old[1, :5] = logp[1, :5] + 30.0          # r = e^−30 → clamped to e^−20
     old[1, 5:] = logp[1, 5:] - 30.0          # r = e^30 → clamped to e^20
     for sign in (1.0, -1.0):
         a = adv.abs() * sign
         grad = assert_same_loss_and_grad(logp, old, a, mask)
         assert torch.all(grad[1] == 0)
-        assert_same_loss_and_grad(logp, old, a, mask, ref_logp=logp + 25.0, kl_coef=0.1)
+        low, old_low = logp - 26.0, old - 26.0   # every log-prob, the reference's too, stays <= 0
+        assert_same_loss_and_grad(low, old_low, a, mask, ref_logp=low + 25.0, kl_coef=0.1)
 
 
 def test_bf16_logp_gets_a_bf16_gradient():

@@ -74,6 +74,10 @@ ROWS = [{"prompt": f"q{i}", "answer": str(i), "difficulty": i % 3, "source": "sk
         for i in range(12)]
 
 
+# Rewards are float64 sums of a few weighted terms (math.fsum): exact to a rounding, inside pytest.approx's
+# default 1e-6 relative used below.
+
+
 def test_trl_reward_function_gets_dataset_columns(tmp_path, user_module):
     task = get_task("jsonl", path=_jsonl(tmp_path / "d.jsonl", ROWS), checker="user_rewards:trl_reward",
                     test_fraction=0.5)
@@ -284,3 +288,47 @@ def test_verl_dataset_and_verls_own_compute_score_unchanged(tmp_path):
     assert task._terms[0][0].convention == "verl"
     p = next(q for q in task.train_set() + task.test_set() if q.answer == "8")
     assert task.score([p, p], ["4 + 4 = 8\n#### 8", "#### 9"]).rewards == [1.0, 0.0]
+
+
+def test_terms_sharing_a_function_name_get_distinct_metrics(tmp_path, monkeypatch):
+    """Case 9: two verl compute_score from different modules logged one reward/compute_score (the second's
+    0.25) while the reward was 1.25. Each term's metric key is unique: the full module.function name where
+    two share a name, and _2, _3 for the same function twice; the weighted sum is unchanged."""
+    for module, value in (("score_a", 1.0), ("score_b", 0.25)):
+        (tmp_path / f"{module}.py").write_text(
+            f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {value}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = get_task("jsonl", path=_jsonl(tmp_path / "d.jsonl", ROWS), checker="score_a:compute_score",
+                    rewards=[{"checker": "score_b:compute_score"}, {"checker": "exact"}, {"checker": "exact"}],
+                    checker_timeout=None)
+    scores = task.score([task.train_set()[0]], ["wrong"])
+    assert scores.rewards == [1.25]
+    assert scores.extras == {"score_a.compute_score": [1.0], "score_b.compute_score": [0.25], "exact": [0.0],
+                             "exact_2": [0.0]}
+    for module in ("score_a", "score_b"):
+        sys.modules.pop(module, None)
+
+
+def test_checkers_returning_tensors_in_every_convention(tmp_path, monkeypatch):
+    """Case 15: a checker in a child process that returned a torch.Tensor crashed with
+    'AuthenticationError: digest sent was rejected' (multiprocessing's pickler sends tensors as
+    shared-memory handles). A 0-d tensor is a number, a TRL function's 1-D tensor its list of rewards."""
+    (tmp_path / "tensor_rewards.py").write_text(
+        "import torch\n"
+        "def creditrl_style(prompt, response, answer):\n    return torch.tensor(0.5)\n"
+        "def trl_style(prompts, completions, **kwargs):\n    return torch.full((len(prompts),), 0.25)\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': torch.tensor(1.0), 'acc': torch.tensor(1.0)}\n"
+        "def many(prompt, response, answer):\n    return torch.ones(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    problems = [Problem("q1", "1"), Problem("q2", "2")]
+    for name, want in (("creditrl_style", 0.5), ("trl_style", 0.25), ("compute_score", 1.0)):
+        fn = RewardFunction(f"tensor_rewards:{name}")            # a child process (the default time limit)
+        scores = fn.score(problems, ["1", "x"])
+        fn.close()
+        assert scores.rewards == [want, want], name
+    fn = RewardFunction("tensor_rewards:many")
+    with pytest.warns(UserWarning, match="returned a Tensor, not a number"):
+        assert all(math.isnan(r) for r in fn.score(problems, ["1", "x"]).rewards)
+    fn.close()
+    sys.modules.pop("tensor_rewards", None)

@@ -130,10 +130,11 @@ def test_policy_loss_renormalises_over_kept_tokens():
     opts = StapoOptions(tau_p=0.05, high_entropy_fraction=0.5)
     keep = spurious_token_mask(logp, entropy, adv, mask, tau_p=0.05, high_entropy_fraction=0.5)
     assert (mask & ~keep).any()
-    loss, metrics = policy_loss(logp, logp + 0.1, adv, mask, stapo=opts, entropy=entropy)
-    token = -adv[:, None] * torch.exp(torch.tensor(-0.1)).clamp(0.8, 1.2)
+    loss, metrics = policy_loss(logp, logp - 0.1, adv, mask, stapo=opts, entropy=entropy)
+    token = -adv[:, None] * torch.exp(torch.tensor(0.1)).clamp(0.8, 1.2)
     expected = token.expand_as(mask)[keep].sum() / keep.sum()
     torch.testing.assert_close(loss, expected)
+    # fractions of token counts: one float division each side (pytest.approx's default 1e-6 holds it)
     assert metrics["spurious_ratio"] == pytest.approx(((mask & ~keep).sum() / mask.sum()).item())
     assert metrics["kept_frac"] == pytest.approx((keep.sum() / mask.sum()).item())
     with pytest.raises(ValueError, match="entropy: expected a \\[B,T\\] tensor when loss term 'stapo' is on"):

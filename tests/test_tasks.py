@@ -287,8 +287,58 @@ def test_jsonl_errors(tmp_path):
     with pytest.raises(ValueError, match="path: expected a file ending in"):
         get_task("jsonl", path=str(tmp_path / "d.csv"))
     one = _write_jsonl(tmp_path / "one.jsonl", ROWS[:1])
-    with pytest.raises(ValueError, match="at least 2 rows"):
+    with pytest.raises(ValueError, match=r"at least 2 distinct prompts to split into train/test, got 1 in 1 row"):
         get_task("jsonl", path=one)
+
+
+@pytest.mark.parametrize("value", [-5, 0, 2.5, "abc", True])
+def test_jsonl_test_size_is_checked(tmp_path, value):
+    """Case 6: test_size=-5 held out 95 of 100 rows (order[:-5]); 2.5 and 'abc' raised tracebacks."""
+    from creditrl.config import load_config
+    from creditrl.recipe.build import build_task
+
+    path = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(ValueError, match=rf"^test_size: expected a positive int \(held-out prompts\) or null, "
+                                         rf"got {re.escape(repr(value))}$"):
+        get_task("jsonl", path=path, test_size=value)
+    cfg = load_config(None, ["task.name=jsonl", f"task.options.path={path}", f"task.options.test_size={value}"])
+    with pytest.raises(ValueError, match=r"^task.options.test_size: expected a positive int"):
+        build_task(cfg)
+    assert len(get_task("jsonl", path=path, test_size=3).test_set()) == 3
+
+
+def test_jsonl_repeated_prompts_stay_on_one_side_of_the_split(tmp_path):
+    """Case 7: a file with repeated rows put the same prompts in the training and held-out sets. The
+    split is by distinct prompt, with a warning giving the count; a file without repeats splits as before."""
+    rows = [{"prompt": f"q{i % 20}", "answer": str(i)} for i in range(60)]        # every prompt 3 times
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.warns(UserWarning, match=r"d.jsonl: 40 of 60 rows repeat the prompt of another row; the "
+                                         r"train/held-out split is by distinct prompt \(20\)"):
+        task = get_task("jsonl", path=path, test_fraction=0.25)
+    test, train = task.test_set(), task.train_set()
+    assert not {p.prompt for p in test} & {p.prompt for p in train}
+    assert len({p.prompt for p in test}) == 5 and len(test) == 15 and len(train) == 45
+    unique = _write_jsonl(tmp_path / "u.jsonl", ROWS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        split = get_task("jsonl", path=unique, test_fraction=0.25)
+    order = list(range(len(ROWS)))
+    random.Random(0).shuffle(order)          # the split of the rows as before, without repeats
+    assert [p.prompt for p in split.test_set()] == [ROWS[i]["prompt"] for i in order[:10]]
+
+
+def test_empty_parquet_says_it_has_no_rows(tmp_path):
+    """Case 22: a Parquet file with a schema and 0 rows was reported as 'cannot read it as Parquet'."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), path)
+    with pytest.raises(ValueError, match=r"^path: empty.parquet has no rows; expected a Parquet file with prompt"):
+        get_task("jsonl", path=str(path))
+    (tmp_path / "junk.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match=r"^path: junk.parquet: cannot read it as Parquet"):
+        get_task("jsonl", path=str(tmp_path / "junk.parquet"))
 
 
 # --- a user's task by import path, chat prefills ----------------------------------------

@@ -6,6 +6,7 @@ import torch
 
 from creditrl import token_stats
 from creditrl.utils.memory import PeakMemory
+from tolerances import SUBNORMAL32, assert_close_normwise, sum_rtol
 
 
 def reference(logits, tokens, mask, temperature=1.0):
@@ -15,7 +16,10 @@ def reference(logits, tokens, mask, temperature=1.0):
     logp = logp_all.gather(-1, tokens[..., None]).squeeze(-1)
     entropy = -(p * logp_all).sum(-1)
     sum_p2 = (p * p).sum(-1)
-    energy = ((torch.nn.functional.one_hot(tokens, logits.shape[-1]) - p) ** 2).sum(-1)  # ||e_y - pi||^2
+    # ||e_y − π||² = (1 − π_y)² + Σ_{v≠y} π_v², with 1 − π_y summed over the other tokens: written as
+    # Σ (e_y − π)², 1 − π_y would cancel to float64's eps (2% of a near-certain token's 1e-29 energy)
+    others = p * (1 - torch.nn.functional.one_hot(tokens, logits.shape[-1]))
+    energy = others.sum(-1).square() + others.square().sum(-1)
     m = mask.double()
     return logp * m, entropy * m, sum_p2 * m, energy * m
 
@@ -31,8 +35,24 @@ def sample(seed, shape=(3, 7, 50), scale=3.0):
     return logits, tokens, mask
 
 
-def close(got, want, rtol=1e-5, atol=1e-6):
-    return torch.allclose(got.double(), want, rtol=rtol, atol=atol)
+def magnitudes(logits, tokens, mask, temperature=1.0):
+    """What each statistic's float32 rounding scales with (float64): logp = z_y − m − log s and the entropy
+    add terms up to |z − m| and log s; Σπ² and the energy are sums of positive terms (the energy written
+    without cancellation), so their own size."""
+    logp_all = torch.log_softmax(logits.double() / temperature, -1)
+    p = logp_all.exp()
+    log_v = torch.log(torch.tensor(float(logits.shape[-1]), dtype=torch.float64))
+    logp, _, sum_p2, energy = reference(logits, tokens, mask, temperature)
+    spread = -(p * logp_all).sum(-1) + (p * logp_all.abs()).sum(-1)      # Σ p |log p| (>= the entropy)
+    return logp.abs() + 2 * log_v, spread + log_v, sum_p2, energy
+
+
+def close(got, want, scale, vocab):
+    """|got − want| <= (V + 8)·eps32·scale elementwise: every statistic is a float32 sum over the V
+    logits of terms of a few operations each (exp, log, products), in any order, plus as many subnormal
+    spacings where a result falls below float32's range (tests/tolerances.py)."""
+    tol = sum_rtol(vocab + 8) * scale + (vocab + 8) * SUBNORMAL32
+    return bool(((got.double() - want).abs() <= tol).all())
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
@@ -41,10 +61,11 @@ def test_matches_float64_reference(temperature, chunk_size):
     logits, tokens, mask = sample(0)
     stats = token_stats(logits, tokens, mask, temperature=temperature, chunk_size=chunk_size)
     ref = reference(logits, tokens.clamp(min=0), mask, temperature)
-    for name, want in zip(("logp", "entropy", "sum_p2", "energy"), ref):
+    scales = magnitudes(logits, tokens.clamp(min=0), mask, temperature)
+    for name, want, scale in zip(("logp", "entropy", "sum_p2", "energy"), ref, scales):
         got = getattr(stats, name)
         assert got.dtype == torch.float32 and got.shape == mask.shape
-        assert close(got, want), name
+        assert close(got, want, scale, logits.shape[-1]), name
         assert torch.equal(got[~mask], torch.zeros(int((~mask).sum())))
     assert (stats.energy >= 0).all()
 
@@ -60,7 +81,8 @@ def test_gradients_match_reference(temperature):
     x64 = logits.double().requires_grad_()
     logp, entropy, _, _ = reference(x64, tokens.clamp(min=0), mask, temperature)
     (logp * w_logp + entropy * w_ent).sum().backward()
-    assert torch.allclose(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+    # each logit's gradient: a few products with π, log π and H (themselves V-term sums): normwise (V + 8)·eps32
+    assert_close_normwise(x.grad, x64.grad, sum_rtol(logits.shape[-1] + 8), "logits' gradient")
     assert not stats.sum_p2.requires_grad and not stats.energy.requires_grad
     # only logp used: the entropy gradient slot arrives as None
     x.grad = None
@@ -73,9 +95,10 @@ def test_bf16_input():
     low = logits.bfloat16()
     stats = token_stats(low, tokens, mask, chunk_size=5)
     ref = reference(low.float(), tokens.clamp(min=0), mask)  # same (rounded) logits in float64
-    for name, want in zip(("logp", "entropy", "sum_p2", "energy"), ref):
+    scales = magnitudes(low.float(), tokens.clamp(min=0), mask)
+    for name, want, scale in zip(("logp", "entropy", "sum_p2", "energy"), ref, scales):
         assert getattr(stats, name).dtype == torch.float32
-        assert close(getattr(stats, name), want), name
+        assert close(getattr(stats, name), want, scale, logits.shape[-1]), name
     x = low.clone().requires_grad_()
     token_stats(x, tokens, mask).entropy.sum().backward()
     assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
@@ -86,8 +109,9 @@ def test_default_mask_and_noncontiguous_logits():
     tokens = tokens.clamp(min=0)
     strided = logits.transpose(0, 1).contiguous().transpose(0, 1)
     full = token_stats(strided, tokens)
-    ref = reference(logits, tokens, torch.ones_like(tokens, dtype=torch.bool))
-    assert close(full.entropy, ref[1]) and close(full.logp, ref[0])
+    every = torch.ones_like(tokens, dtype=torch.bool)
+    ref, scales = reference(logits, tokens, every), magnitudes(logits, tokens, every)
+    assert close(full.entropy, ref[1], scales[1], 50) and close(full.logp, ref[0], scales[0], 50)
 
 
 def test_chunking_bounds_peak_memory():
@@ -157,5 +181,16 @@ def test_energy_is_accurate_for_near_certain_tokens():
     got = token_stats(logits, tokens).energy[0].double()
     pi = torch.softmax(logits.double(), -1)[0]
     want = ((torch.nn.functional.one_hot(tokens[0], vocab).double() - pi) ** 2).sum(-1)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+    torch.testing.assert_close(got, want, rtol=sum_rtol(vocab + 8), atol=0)   # positive sums: relative accuracy
     assert bool((got[1:] < got[:-1]).all())  # strictly ordered by certainty, down to ~1e-15
+
+
+def test_meta_tensors_are_refused_naming_the_argument():
+    """A tensor on the meta device has a shape and no values: an error naming it, not torch's
+    'Tensor.item() cannot be called on meta tensors'."""
+    logits, tokens = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
+    for name, args in (("logits", (logits.to("meta"), tokens)), ("tokens", (logits, tokens.to("meta"))),
+                       ("mask", (logits, tokens, torch.ones(2, 3, device="meta")))):
+        with pytest.raises(ValueError, match=rf"^{name}: expected a tensor with values \(on the CPU or a GPU\), got a "
+                                             r"tensor on the 'meta' device \(shape \[2, 3(, 5)?\] only"):
+            token_stats(*args)

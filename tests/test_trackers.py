@@ -36,6 +36,10 @@ def monkeypatch_module():
         yield mp
 
 
+# The trackers store scalars as float32 (TensorBoard, wandb's history as JSON of them): within eps32/2 = 6e-8
+# relative of metrics.jsonl's float64, inside pytest.approx's default 1e-6 used below.
+
+
 def jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -188,3 +192,29 @@ def test_trackers_hold_the_metrics_history_after_a_kill_and_resume(tiny_chat_mod
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                for r in wandb_records(log) if r.WhichOneof("record_type") == "history"]
     assert [h["_step"] for h in history if "metrics/reward_mean" in h] == expected
+
+
+def test_a_tracker_that_fails_to_start_leaves_no_run_directory(tiny_chat_model_dir, tmp_path, monkeypatch):
+    """Case 20: a tracker that imports but fails when the run starts (wandb without a login, a full disk)
+    left a run directory holding only config.yaml, which blocked a re-run. A run that fails before
+    logging anything leaves nothing behind (and an --overwrite of an old run leaves it cleared, not
+    half-written); the error names the tracker."""
+    import creditrl.trainer.logging as run_logging
+
+    class Broken:
+        folder, replays = "tensorboard", True
+
+        def __init__(self, *args):
+            raise OSError("disk full")
+
+    monkeypatch.setitem(run_logging.TRACKER_CLASSES, "tensorboard", Broken)
+    cfg = load_config(None, [f"model.name={tiny_chat_model_dir}", "task.name=addition", "rollout.group_size=2",
+                             "rollout.prompts_per_step=1", "rollout.max_new_tokens=4", "train.steps=1",
+                             "train.eval_problems=2", "train.save_every=0", "logging.report_to=[tensorboard]",
+                             "logging.plots=false", f"train.output_dir={tmp_path}", "train.run_name=x"])
+    with pytest.raises(OSError, match=r"logging.report_to: tracker 'tensorboard' could not start: OSError: disk full"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "x").exists()
+    monkeypatch.undo()
+    monkeypatch.setitem(run_logging.TRACKER_CLASSES, "tensorboard", run_logging.TRACKER_CLASSES["tensorboard"])
+    assert (train(cfg, progress=False) / "metrics.jsonl").is_file()      # the re-run is not blocked

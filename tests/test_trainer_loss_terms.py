@@ -15,7 +15,7 @@ from creditrl.config import ConfigError, load_config
 from creditrl.core.losses import PolicyLoss
 from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
 from creditrl.runtime.rollout import generate_rollouts
-from creditrl.runtime.setup import resolve_config
+from creditrl.recipe.resolve import resolve_config
 from creditrl.tasks import get_task
 from creditrl.trainer.report import learned_nothing, no_signal
 from creditrl.trainer.update import Batch, Learner
@@ -116,24 +116,25 @@ def test_adaptive_entropy_applies_the_controllers_coefficient_step_by_step(setup
 def test_config_refuses_what_cannot_combine_before_any_work():
     with pytest.raises(ConfigError, match="^loss: loss terms 'cispo' and 'sapo' are both surrogate terms"):
         resolve_config(load_config(None, ["loss.cispo.enabled=true", "loss.sapo.enabled=true"]))
-    with pytest.raises(ConfigError, match=r"^loss.terms\[0\]: loss term 'cispo' is also on as loss.cispo"):
-        resolve_config(load_config(None, ["loss.cispo.enabled=true", "loss.terms=[{path: cispo}]"]))
+    with pytest.raises(ConfigError, match=r"^loss.terms\[0\]: 'cispo' is creditrl's own loss term 'cispo', set by "
+                                          r"its keys loss.cispo.enabled=true"):
+        resolve_config(load_config(None, ["loss.terms=[{path: cispo}]"]))
     with pytest.raises(ConfigError, match=r"loss.sapo.tau_neg: expected a value in \(0, inf\], got 0"):
         resolve_config(load_config(None, ["loss.sapo.enabled=true", "loss.sapo.tau_neg=0"]))
-    cfg = resolve_config(load_config(None, ["loss.terms=[{path: kl_cov, kl_cov_ratio: 0.01}]"]))
-    assert cfg.loss["terms"] == [{"path": "kl_cov", "kl_cov_ratio": 0.01, "ppo_kl_coef": 0.1}]
+    cfg = resolve_config(load_config(None, ["loss.kl_cov.enabled=true", "loss.kl_cov.kl_cov_ratio=0.01"]))
+    assert cfg.loss["kl_cov"] == {"enabled": True, "kl_cov_ratio": 0.01, "ppo_kl_coef": 0.1}
 
 
 def test_a_surrogate_that_cannot_act_on_policy_is_noted():
-    from creditrl.runtime.setup import policy_loss_from_config
+    from creditrl.recipe.build import policy_loss_from_config
     from creditrl.trainer.loop import on_policy_notes
 
-    cfg = config("loss.terms=[{path: cispo}]")
+    cfg = config("loss.cispo.enabled=true")
     (note,) = on_policy_notes(policy_loss_from_config(cfg).loss, cfg)
     assert note.startswith("note: loss.cispo: every update of this run is on-policy")
-    for other in (config("loss.terms=[{path: cispo}]", "optim.epochs=2"),
-                  config("loss.terms=[{path: cispo}]", "optim.minibatch_size=8"),
-                  config("loss.terms=[{path: clip_cov}]")):
+    for other in (config("loss.cispo.enabled=true", "optim.epochs=2"),
+                  config("loss.cispo.enabled=true", "optim.minibatch_size=8"),
+                  config("loss.clip_cov.enabled=true")):
         assert on_policy_notes(policy_loss_from_config(other).loss, other) == []
 
 
@@ -146,3 +147,26 @@ def test_a_run_that_keeps_no_token_says_so():
     assert no_signal({**step, "kept_frac": 0.5}) is None
     assert math.isfinite(PolicyLoss().__call__(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1),
                                                torch.zeros(1, 2))[1]["kept_frac"])
+
+
+def test_diagnose_names_the_new_terms_it_cannot_measure_group_by_group():
+    """diagnose measures a loss group by group through log π: clip_cov's draw and top_entropy's quantile
+    over the mini-batch are named as not separable, the entropy bonus as acting through the entropy;
+    the per-row and per-token terms, and delta_l_norm (count · L is a sum over rows), measure exactly;
+    mask_truncated gets the rollout's truncation flags (a cut row's cotangent is 0)."""
+    from creditrl.runtime.group_gradients import loss_cotangent, non_additive_terms
+    from creditrl.tools.diagnose.plan import loss_notes
+
+    named = {name: PolicyLoss({name: options}) for name, options in (
+        ("clip_cov", {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0}), ("top_entropy", {"quantile": 0.5}),
+        ("entropy_bonus", {"coef": 0.01}), ("kl_cov", None), ("gspo", None), ("cispo", None), ("sapo", None),
+        ("geo_mean", None), ("dppo_tv", None), ("dppo_kl", None), ("mask_truncated", None), ("delta_l_norm", None))}
+    assert {name for name, loss in named.items() if non_additive_terms(loss)} == {"clip_cov", "top_entropy"}
+    assert {name for name, loss in named.items() if loss_notes(loss)} == {"clip_cov", "top_entropy", "entropy_bonus"}
+    assert "acts through the entropy's gradient" in loss_notes(named["entropy_bonus"])[0]
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    adv, mask = torch.randn(3, generator=gen, dtype=torch.float64), torch.ones(3, 4, dtype=torch.bool)
+    cut = torch.tensor([False, True, False])
+    cot = loss_cotangent(named["mask_truncated"], logp, adv, mask, logp, torch.zeros_like(logp), cut)
+    assert (cot[1] == 0).all() and (cot[[0, 2]] != 0).all()

@@ -23,6 +23,7 @@ pytest.importorskip("trl")
 
 import torch  # noqa: E402
 
+from tolerances import EPS32, sum_rtol  # noqa: E402
 import creditrl  # noqa: E402
 from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model  # noqa: E402
 
@@ -68,7 +69,9 @@ def test_two_processes_match_one(model_dir, tmp_path, estimator):
         mask = a["estimator_mask"][:, :width]
         single = creditrl.compute_advantages(estimator, rewards=a["rewards"], mask=mask, group=a["group"],
                                              energy=energy if estimator == "otb" else None, **options)
-        assert (advantages - single).abs().max() <= 1e-6, f"step {step}"
+        # the same gathered inputs, computed in each process (its own thread split): float32 group sums over
+        # <= 4 completions x 8 tokens of rewards <= 8 (count_digits) (tests/tolerances.py)
+        assert (advantages - single).abs().max() <= sum_rtol(32 + 8) * 8, f"step {step}"
         assert a["group"].numel() == 2 * a["advantages"].shape[0]        # each process holds half the batch
     # metrics: averaged over the two processes and logged once per step by the main process
     history = [h for h in ranks[0]["log_history"] if "creditrl/advantage_abs_mean" in h]
@@ -76,4 +79,5 @@ def test_two_processes_match_one(model_dir, tmp_path, estimator):
     assert len(history) == len(train[0]) == len(train[1]) == 2
     for logged, m0, m1 in zip(history, *train):
         expected = (m0["advantage_abs_mean"] + m1["advantage_abs_mean"]) / 2
-        assert logged["creditrl/advantage_abs_mean"] == pytest.approx(expected, rel=1e-5)
+        # float32 metrics averaged over the processes: a few roundings of values of the same sign
+        assert logged["creditrl/advantage_abs_mean"] == pytest.approx(expected, rel=4 * EPS32)

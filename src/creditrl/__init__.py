@@ -11,6 +11,10 @@ Public API (lazily imported so ``import creditrl`` stays cheap):
                      ``ClipOptions``, ``AggregationOptions``, ``KLOptions``, ``RolloutCorrectionOptions``,
                      ``StapoOptions``, ``TraceOptions``
 - measurement:       ``diagnose`` (which estimator gives the best gradient on your model and data)
+- models and tasks:  ``load_policy`` (``builtin:tiny``, ``builtin:smollm2-135m`` or a model directory),
+                     ``TinyModelConfig``, ``WarmStartConfig``, ``get_task``, ``list_tasks``
+
+examples/minimal_loop.py is the whole RL loop on these names, in one file.
 """
 from __future__ import annotations
 
@@ -44,7 +48,12 @@ _EXPORTS = {
     "power_proxy": "creditrl.core.losses",
     "StapoOptions": "creditrl.core.losses",
     "TraceOptions": "creditrl.core.losses",
-    "diagnose": "creditrl.studies.diagnose",
+    "diagnose": "creditrl.tools.diagnose",
+    "load_policy": "creditrl.runtime.models",
+    "TinyModelConfig": "creditrl.config",
+    "WarmStartConfig": "creditrl.config",
+    "get_task": "creditrl.tasks",
+    "list_tasks": "creditrl.tasks",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -10,7 +10,7 @@ Every option is declared once, with its help text: the fields below for the run'
 and the library's declarations for what users extend. ``algorithm.options`` are the chosen
 estimator's keyword parameters, ``loss`` the options of the loss terms (``creditrl.core.losses``),
 ``task.options`` the task's constructor parameters: those three are mappings here, checked
-against their declarations when a run starts (``creditrl.runtime.setup.resolve_config``), so
+against their declarations when a run starts (``creditrl.recipe.resolve.resolve_config``), so
 loading a config imports no library code and no torch.
 """
 from __future__ import annotations
@@ -246,32 +246,65 @@ class LoggingConfig:
     grad_noise_scale: bool = opt(False, "Log the gradient noise scale B_simple = tr(Σ)/‖G‖² (McCandlish et al. "
                                         "2018), estimated without bias from two independent half-batches of groups "
                                         "each step (one extra gradient buffer); plotted in `plots/train.png`.")
+    diagnose_every: int = opt(0, "In-training diagnosis: every K steps, the step's own groups (before its update) "
+                                 "give the matched-signal efficiency of logging.diagnose_estimators against "
+                                 "algorithm.estimator under the configured loss, and the noise scale B_simple, "
+                                 "accumulated over the last logging.diagnose_window diagnosed steps with 95% "
+                                 "intervals: metrics `diagnose/<estimator>/efficiency` (+ `_low`, `_high`), "
+                                 "`diagnose/<estimator>/cosine`, `diagnose/noise_scale`, `time_diagnose`, and a "
+                                 "section of summary.md. Costs one forward and one backward per estimator per "
+                                 "group on those steps. 0 = off.")
+    diagnose_estimators: list[str] | None = opt(None, "Estimators compared during training (registered names, "
+                                                      "`NAME+loo` for the leave_one_out form); rloo (the unbiased "
+                                                      "reference) and algorithm.estimator are always measured. "
+                                                      "null = rloo, grpo and otb.")
+    diagnose_window: int = opt(8, "Diagnosed steps in the sliding window of the in-training diagnosis (its "
+                                  "intervals are over these steps, so they need at least 2).")
 
 
 @dataclass
 class DiagnoseConfig:
-    """`creditrl diagnose`: which estimator gives the best gradient on this model and task, and
-    whether a larger group pays (read by `creditrl diagnose` only; `train` ignores it)."""
-    prompts: int = opt(24, "P prompts sampled; the intervals are over prompts (the resampling unit). The run's "
-                           "cost is about P × groups_per_prompt × the probe's time per group (printed up front).")
-    groups_per_prompt: int = opt(3, "Independent groups of rollout.group_size responses per prompt (>= 2: two groups "
+    """`creditrl diagnose`: which estimator (and loss) gives the best gradient on this model and task,
+    and whether a larger group pays. Read by `creditrl diagnose` only, from the `diagnose` section of
+    the same config file as `train` (or `diagnose.*` overrides); a training run's config.yaml does
+    not hold it."""
+    prompts: int = opt(24, "P distinct prompts sampled per round (one batched generate call); rounds go on until "
+                           "the reference's mean gradient is resolved and the configured estimator's efficiency "
+                           "interval is within ±diagnose.target_width, or diagnose.budget_min runs out. The "
+                           "intervals are over prompts (the resampling unit).")
+    groups_per_prompt: int = opt(2, "Independent groups of rollout.group_size responses per prompt (>= 2: two groups "
                                     "of one prompt separate the variance within a prompt from that across prompts).")
+    target_width: float = opt(0.1, "Stop once the configured estimator's efficiency interval (against rloo; "
+                                   "against grpo when rloo is the configured one) lies within ×(1 ± target_width) of "
+                                   "its value (0.1: ±10%) and the reference is resolved.")
+    budget_min: float | None = opt(None, "Wall-time budget in minutes after the model has loaded (warm-up, rounds, "
+                                         "report); the run stops at the end of the prompt in progress. null = 2.5 for "
+                                         "builtin:tiny, 12 for other models.")
     estimators: list[str] | None = opt(None, "Estimators compared: registered names, `NAME+loo` for the "
                                              "`leave_one_out=true` form. null = every registered estimator and "
                                              "every leave_one_out form, at algorithm.options where they apply "
                                              "(the max@K ones only when diagnose.k or algorithm.options.k is set).")
+    losses: list[dict] | None = opt(None, "Further losses to compare, as (estimator × loss) rows: each a mapping of "
+                                          "`loss` keys over the configured loss (e.g. `[{agg: seq-mean-token-mean}, "
+                                          "{kl_coef: 0.05}]`; an optional `name` labels it). null = the configured "
+                                          "loss only.")
     k: int | None = opt(None, "K of the max@K estimators (maxpo, ei, pkpo, passk_chen, maxk_bon); null = "
                               "algorithm.options.k when set.")
-    params: list[str] | None = opt(None, "Parameter-name prefixes of the gradient subset used when all trainable "
-                                         "parameters do not fit in diagnose.max_memory_gb (e.g. `[lm_head]`, "
-                                         "`[model.layers.29]`, LoRA adapters are the trainable parameters already).")
-    max_memory_gb: float = opt(2.0, "Memory allowed for the per-estimator gradient statistics. The gradient space "
-                                    "is all trainable parameters if they fit, else diagnose.params, else a count "
-                                    "sketch of dimension diagnose.sketch_dim (the choice is printed).")
+    params: list[str] | None = opt(None, "Parameter-name prefixes whose gradient is measured (`[all]`: every trainable "
+                                         "parameter). null = all trainable parameters of a model up to 20M of them; "
+                                         "of a larger one the last block and the final norm (one backward per row "
+                                         "through that block only). LoRA: the adapters are the trainable ones.")
+    max_memory_gb: float = opt(2.0, "Memory allowed for the gradient statistics: the measured parameters flat when "
+                                    "they fit, else a count sketch of dimension diagnose.sketch_dim (printed).")
     sketch_dim: int = opt(65536, "Dimension d of the count sketch (inner products unbiased; a squared norm's "
                                  "relative error about sqrt(2/d)).")
+    optimizer_state: str | None = opt(None, "A training run directory whose newest checkpoint's AdamW state gives v̂ "
+                                            "for the Adam column (ĝ/√v̂); it must have trained the same model. null = "
+                                            "v̂ from diagnose.adam_warmup groups of the configured estimator.")
+    adam_warmup: int = opt(64, "Groups sampled before the rounds to estimate Adam's v̂ = E[ĝ_step²] per parameter "
+                               "when diagnose.optimizer_state is null; 0 = no Adam column.")
     folds: int | None = opt(None, "Jackknife folds of prompts behind the 95% intervals (2 <= folds <= "
-                                  "diagnose.prompts); null = min(8, diagnose.prompts).")
+                                  "diagnose.prompts); null = min(16, diagnose.prompts).")
     seed: int | None = opt(None, "Seed of the prompts and the sampling; null = train.seed.")
     run_name: str | None = opt(None, "Run directory under train.output_dir; null = "
                                      "`diagnose-<task>-<model>-s<seed>-<time>`.")
@@ -287,13 +320,12 @@ class Config:
                                    "surrogate, aggregation, KL and rollout correction flat (`loss.clip_low`, "
                                    "`loss.agg`, `loss.kl_coef`, ...), optional terms as sections "
                                    "(`loss.stapo.enabled=true`, `loss.trace.lam=0.99`; one surrogate in place of the "
-                                   "clip: `loss.cispo.enabled=true`), terms by name or your own by import path in "
-                                   "`loss.terms` (`[{path: cispo}]`); checked when the run starts. The trainer's recipe sets "
+                                   "clip: `loss.cispo.enabled=true`), your own terms by import path in `loss.terms`; "
+                                   "checked when the run starts. The trainer's recipe sets "
                                    "`clip_high: 0.28` (DAPO's clip-higher) over the library's default.")
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -318,7 +350,11 @@ def parse_override(text: str) -> dict:
 def migrate(data: Any) -> Any:
     """Older layouts read into today's: ``algorithm.<k|eps|gamma|normalize>`` becomes
     ``algorithm.options.<...>`` (a null there meant "the estimator's default" and is dropped);
-    ``logging.tensorboard: true/false`` becomes ``logging.report_to: [jsonl, tensorboard] / [jsonl]``."""
+    ``logging.tensorboard: true/false`` becomes ``logging.report_to: [jsonl, tensorboard] / [jsonl]``;
+    a saved run's ``diagnose`` section (config.yaml held one before `creditrl diagnose` got its own
+    config; training never read it) is dropped."""
+    if isinstance(data, dict) and "diagnose" in data:
+        data = {k: v for k, v in data.items() if k != "diagnose"}
     if isinstance(data, dict) and isinstance(data.get("logging"), dict) and "tensorboard" in data["logging"]:
         logging = dict(data["logging"])
         flag = logging.pop("tensorboard")
@@ -385,18 +421,48 @@ def merge_layers(cfg: Any, path: str | Path | None = None, overrides: list[str] 
 
     The one override mechanism of ``creditrl train``, ``eval``, ``compare``, ``diagnose`` and
     ``experiment``: the same typed merge for the trainer's ``Config`` and for each experiment's
-    config dataclass."""
-    fix = migrate if isinstance(cfg, Config) else (lambda data: data)
+    config dataclass. For a ``Config`` the ``diagnose`` section (in the file or as ``diagnose.*``
+    overrides) is checked as a ``DiagnoseConfig`` and set aside (``merge_with_diagnose``)."""
+    if isinstance(cfg, Config):
+        return merge_with_diagnose(cfg, DiagnoseConfig(), path, overrides)[0]
     if path is not None:
-        cfg = merge(cfg, fix(read_yaml(resolve_config_path(path)) or {}))
+        cfg = merge(cfg, read_yaml(resolve_config_path(path)) or {})
     for text in overrides:
-        cfg = merge(cfg, fix(parse_override(text)))
+        cfg = merge(cfg, parse_override(text))
     return cfg
 
 
+def merge_with_diagnose(cfg: Config, diagnose: DiagnoseConfig, path: str | Path | None = None,
+                        overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, DiagnoseConfig]:
+    """(``cfg``, ``diagnose``) <- YAML file <- overrides: each layer's ``diagnose`` section goes to the
+    ``DiagnoseConfig`` (typed, unknown keys refused), the rest to the ``Config`` (``migrate``d)."""
+    layers = ([read_yaml(resolve_config_path(path)) or {}] if path is not None else []) + \
+        [parse_override(text) for text in overrides]
+    for data in layers:
+        if isinstance(data, dict) and "diagnose" in data:
+            section = data["diagnose"]
+            if section is not None and not isinstance(section, dict):
+                raise ConfigError(f"diagnose: expected a mapping of diagnose.* keys, got {section!r}")
+            diagnose = merge(diagnose, section or {}, "diagnose")
+            data = {k: v for k, v in data.items() if k != "diagnose"}
+        cfg = merge(cfg, migrate(data))
+    return cfg, diagnose
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file at ``path`` (or a packaged config's name) <- dotted ``overrides``; validated."""
-    return apply_overrides(merge_layers(Config(), path), overrides)
+    """Defaults <- YAML file at ``path`` (or a packaged config's name) <- dotted ``overrides``; validated
+    (a ``diagnose`` section is checked and set aside: ``load_diagnose_config`` reads it)."""
+    return load_diagnose_config(path, overrides)[0]
+
+
+def load_diagnose_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+                         ) -> tuple[Config, DiagnoseConfig]:
+    """`creditrl diagnose`'s configs: the training ``Config`` and the ``diagnose`` section, both
+    validated."""
+    cfg, diagnose = merge_with_diagnose(Config(), DiagnoseConfig(), path, overrides)
+    validate(cfg)
+    validate_diagnose(diagnose)
+    return cfg, diagnose
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
@@ -430,17 +496,9 @@ def read_saved_config(path: str | Path) -> dict:
     return data
 
 
-def training_keys(complete: dict) -> dict:
-    """A full config as a dict without its ``diagnose`` section: the keys a training run's saved
-    config.yaml must hold (``diagnose`` does not change training; a run saved before the section
-    existed reads with its defaults)."""
-    return {k: v for k, v in complete.items() if k != "diagnose"}
-
-
 def check_complete(path: str | Path, data: dict, complete: dict) -> None:
-    """Raise naming the keys of ``complete`` (a full config as a dict) that ``data`` lacks (its
-    ``diagnose`` section aside: ``training_keys``)."""
-    missing = missing_keys(data, training_keys(complete))
+    """Raise naming the keys of ``complete`` (a full config as a dict) that ``data`` lacks."""
+    missing = missing_keys(data, complete)
     if missing:
         shown = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
         raise ConfigError(f"{path}: incomplete saved config (missing {shown}); it is not filled in with "
@@ -476,7 +534,7 @@ def missing_keys(data: dict, complete: dict) -> list[str]:
 # sampling, estimator, loss, seed, precision and the eval set define it
 RESUME_CHANGEABLE = ("optim.lr", "optim.weight_decay", "optim.warmup_steps", "optim.schedule", "optim.min_lr_ratio",
                      "optim.max_grad_norm", "train.steps", "train.eval_every", "train.save_every", "train.keep_last",
-                     "train.save_optimizer", "train.output_dir", "train.run_name", "logging.*", "diagnose.*")
+                     "train.save_optimizer", "train.output_dir", "train.run_name", "logging.*")
 
 
 def changeable_on_resume(key: str) -> bool:
@@ -557,10 +615,9 @@ def check_run_name(key: str, name: str | None) -> None:
 def validate(cfg: Config) -> None:
     """Reject invalid values of the run's own settings, naming the key. The estimator's, the loss
     terms' and the task's options are checked against their declarations when the run starts
-    (``creditrl.runtime.setup.resolve_config``)."""
+    (``creditrl.recipe.resolve.resolve_config``)."""
     r, o, t = cfg.rollout, cfg.optim, cfg.train
     check_run_name("train.run_name", t.run_name)
-    check_run_name("diagnose.run_name", cfg.diagnose.run_name)
     for key, value in [("rollout.group_size", r.group_size), ("rollout.prompts_per_step", r.prompts_per_step),
                        ("rollout.max_new_tokens", r.max_new_tokens), ("rollout.temperature", r.temperature),
                        ("optim.lr", o.lr), ("optim.epochs", o.epochs), ("optim.minibatch_size", o.minibatch_size),
@@ -600,12 +657,36 @@ def validate(cfg: Config) -> None:
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
             raise ConfigError(f"train.pass_k: each k must be in [1, train.eval_samples={samples}], got {k}")
-    validate_diagnose(cfg.diagnose)
+    for key, value, low in (("logging.diagnose_every", cfg.logging.diagnose_every, 0),
+                            ("logging.diagnose_window", cfg.logging.diagnose_window, 1)):
+        if value < low:
+            raise ConfigError(f"{key}: expected an integer >= {low}, got {value}")
+    if cfg.logging.diagnose_every and r.group_size < 2:
+        raise ConfigError(f"logging.diagnose_every: in-training diagnosis compares estimators within each group, "
+                          f"which needs rollout.group_size >= 2, got {r.group_size}")
+    if cfg.logging.diagnose_every and r.prompts_per_step < 2:
+        raise ConfigError(f"logging.diagnose_every: the mean gradient is estimated from pairs of a step's groups, "
+                          f"which needs rollout.prompts_per_step >= 2, got {r.prompts_per_step}")
+    _check_labels("logging.diagnose_estimators", cfg.logging.diagnose_estimators)
+
+
+def _check_labels(key: str, labels: list | None) -> None:
+    if labels is not None and (not labels or len(set(labels)) != len(labels)):
+        raise ConfigError(f"{key}: expected a non-empty list of distinct estimator names or null, got {labels}")
 
 
 def validate_diagnose(d: DiagnoseConfig) -> None:
-    """The ``diagnose`` section's own values (the estimators and the memory are checked against the
-    model and the registry by ``creditrl diagnose`` before it samples)."""
+    """The ``diagnose`` section's own values (the estimators, losses and the memory are checked
+    against the registries and the model by ``creditrl diagnose`` before it samples)."""
+    check_run_name("diagnose.run_name", d.run_name)
+    for key, value in (("diagnose.target_width", d.target_width), ("diagnose.budget_min", d.budget_min),
+                       ("diagnose.max_memory_gb", d.max_memory_gb)):
+        _positive(key, value)
+    if d.adam_warmup < 0:
+        raise ConfigError(f"diagnose.adam_warmup: expected an integer >= 0, got {d.adam_warmup}")
+    if d.losses is not None and (not d.losses or not all(isinstance(x, dict) for x in d.losses)):
+        raise ConfigError(f"diagnose.losses: expected a non-empty list of mappings of loss keys (e.g. "
+                          f"[{{agg: seq-mean-token-mean}}]) or null, got {d.losses!r}")
     for key, value, low in (("diagnose.prompts", d.prompts, 2), ("diagnose.groups_per_prompt", d.groups_per_prompt, 2),
                             ("diagnose.sketch_dim", d.sketch_dim, 1), ("diagnose.folds", d.folds, 2),
                             ("diagnose.k", d.k, 1)):
@@ -614,12 +695,9 @@ def validate_diagnose(d: DiagnoseConfig) -> None:
     if d.folds is not None and d.folds > d.prompts:
         raise ConfigError(f"diagnose.folds: expected at most diagnose.prompts={d.prompts} (folds of prompts), "
                           f"got {d.folds}")
-    _positive("diagnose.max_memory_gb", d.max_memory_gb)
     if d.seed is not None and not 0 <= d.seed < 2**32:
         raise ConfigError(f"diagnose.seed: expected an integer in [0, 2**32 - 1], got {d.seed}")
-    if d.estimators is not None and (not d.estimators or len(set(d.estimators)) != len(d.estimators)):
-        raise ConfigError(f"diagnose.estimators: expected a non-empty list of distinct estimator names or null, "
-                          f"got {d.estimators}")
+    _check_labels("diagnose.estimators", d.estimators)
     if d.params is not None and (not d.params or not all(d.params)):
         raise ConfigError(f"diagnose.params: expected a non-empty list of parameter-name prefixes or null, "
                           f"got {d.params}")

@@ -18,7 +18,6 @@ from typing import Any, Callable, Collection, Mapping
 import torch
 from torch import Tensor
 
-from creditrl.core.estimators import _check_options
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import get_loss_term, list_loss_terms, resolve_loss_terms
 
@@ -34,9 +33,10 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     return torch.add(sum_p2.detach().float(), energy, alpha=-2.0, out=energy).add_(1.0).clamp_(min=0.0)
 
 
-def check_estimator_options(name: str, options: Mapping[str, Any]) -> None:
-    """Raise unless ``options`` are what estimator ``name`` declares (``EstimatorSpec.options``)."""
-    _check_options(get_estimator(name), {k: v for k, v in options.items() if k != "gamma"})
+def check_estimator_options(name: str, options: Mapping[str, Any], where: str) -> dict:
+    """``options`` resolved against what estimator ``name`` declares (typed, defaults filled);
+    errors name ``where``, the host framework's key."""
+    return get_estimator(name).resolve_options(dict(options), where)
 
 
 def loss_term_fields(native: Collection[str] = (), *, native_terms: Collection[str] = (),
@@ -106,6 +106,9 @@ def loss_terms_from(get: Callable[[str], Any], native: Mapping[str, Any] | None 
         values = {k: get(f"{name}_{k}") for k in names}
         values = {k: v for k, v in values.items() if v is not None}
         switch = True if name in switched_on else get(name)
+        if switch is not None and not isinstance(switch, bool):   # "false" would be truthy
+            raise TypeError(f"{name}: expected True, False or None (on when one of {name}_* is set), got "
+                            f"{type(switch).__name__} {switch!r}")
         if switch is False and values:
             raise ValueError(f"{name}_{next(iter(values))}: set while {name}=False, where it does nothing; "
                              f"drop it or set {name}=True")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
@@ -41,6 +42,9 @@ from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
 from creditrl.core.losses import EntropyControl, PolicyLoss, power_proxy
+from creditrl.runtime.rollout import RolloutBatch
+from creditrl.runtime.sampling import position_ids_from_mask
+from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
 
 # TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
 AGG_BY_LOSS_TYPE = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
@@ -107,7 +111,7 @@ class _CreditGRPOFields(GRPOConfig):
         if self.maxk_k is not None and "k" in (self.estimator_options or {}):
             raise ValueError(f"maxk_k: an alias of estimator_options['k'], both set ({self.maxk_k} and "
                              f"{self.estimator_options['k']}); set one")
-        check_estimator_options(self.advantage_estimator, self.estimator_kwargs())
+        check_estimator_options(self.advantage_estimator, self.estimator_kwargs(), "estimator_options")
         for key in ("num_generations", "num_generations_eval"):   # each mode's group size, now, not at step 1
             if getattr(self, key, None) is not None:
                 check_group_size(self.advantage_estimator, self.estimator_kwargs(), getattr(self, key), key=key)
@@ -392,3 +396,106 @@ class CreditGRPOTrainer(GRPOTrainer):
         values = torch.tensor([[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device)
         for key, value in zip(keys, self.accelerator.gather(values).mean(dim=0).tolist()):
             self._metrics[mode][f"creditrl/{key}"].append(value)
+
+
+# ---------------------------------------------------------------------- in-training diagnosis
+
+
+def trl_setting(trainer) -> tuple[str, dict, PolicyLoss]:
+    """(estimator label, its options, the policy loss) a GRPOTrainer trains with: CreditGRPOTrainer's
+    own; plain GRPOTrainer's ``scale_rewards`` group -> ``grpo``, none -> ``dr_grpo``, and its
+    ``loss_type``, ``epsilon``/``epsilon_high`` and ``beta`` as creditrl's aggregation, clip and KL."""
+    if isinstance(trainer, CreditGRPOTrainer):
+        options = dict(trainer.estimator_kwargs)
+        label = trainer.estimator + ("+loo" if options.get("leave_one_out") else "")
+        return label, options, trainer.policy_loss
+    args = trainer.args
+    estimators = {"group": "grpo", True: "grpo", "none": "dr_grpo", False: "dr_grpo"}
+    if args.scale_rewards not in estimators:
+        raise ValueError(f"scale_rewards: {args.scale_rewards!r} normalises by the whole batch's reward std, which "
+                         f"no creditrl estimator reproduces; in-training diagnosis needs 'group' or 'none'")
+    if args.loss_type not in AGG_BY_LOSS_TYPE:
+        raise ValueError(f"loss_type: in-training diagnosis measures {list(AGG_BY_LOSS_TYPE)}, got {args.loss_type!r}")
+    native = {name: value(args) for name, value in TRL_NATIVE.items()}
+    return estimators[args.scale_rewards], {}, PolicyLoss.from_kwargs(**native)
+
+
+def rollout_batch(output: dict, rewards: Tensor, group_size: int) -> RolloutBatch:
+    """A ``RolloutBatch`` of TRL's generation output (prompts left-padded, completions right-padded;
+    the tool mask applied) with this process's rewards: what ``group_gradients`` reads."""
+    prompt_ids, prompt_mask = output["prompt_ids"], output["prompt_mask"]
+    mask = output["completion_mask"] * output.get("tool_mask", 1)
+    attention = torch.cat([prompt_mask, output["completion_mask"]], dim=1)
+    rows = prompt_ids.shape[0]
+    return RolloutBatch(input_ids=torch.cat([prompt_ids, output["completion_ids"]], dim=1), attention_mask=attention,
+                        position_ids=position_ids_from_mask(attention),
+                        response_mask=torch.cat([torch.zeros_like(prompt_mask), mask], dim=1).float(),
+                        rollout_logp=None, rewards=rewards.float(),
+                        group=torch.arange(rows, device=prompt_ids.device) // group_size, correct=rewards >= 1,
+                        response_texts=[""] * rows, problems=[None] * rows, prompt_len=prompt_ids.shape[1],
+                        stopped=torch.ones(rows, dtype=torch.bool), prompt_texts=[])
+
+
+class DiagnoseCallback(TrainerCallback):
+    """In-training diagnosis for TRL's ``GRPOTrainer`` (or ``CreditGRPOTrainer``): every ``every``-th
+    generation batch, before it is trained on, its groups give the matched-signal efficiency of
+    ``estimators`` (creditrl labels; default rloo, grpo, otb) against the estimator the trainer uses,
+    under its loss, over a sliding ``window`` of diagnosed batches (``creditrl.runtime.step_diagnosis``,
+    as ``logging.diagnose_every`` in ``creditrl train``). Metrics ``diagnose/<estimator>/efficiency``
+    (+ ``_low``, ``_high``), ``diagnose/<estimator>/cosine``, ``diagnose/noise_scale`` and
+    ``time_diagnose`` go to TRL's log; ``summary()`` gives the window as Markdown. One process, or
+    whole groups per process::
+
+        trainer = GRPOTrainer(...)
+        trainer.add_callback(DiagnoseCallback(trainer, every=10))
+    """
+
+    def __init__(self, trainer, *, every: int = 10, estimators: list[str] | None = None, window: int = 8,
+                 max_memory_gb: float = 1.0):
+        for name, value in (("every", every), ("window", window)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        self.trainer, self.every, self.generations = trainer, every, 0
+        self.group_size = trainer.num_generations
+        if self.group_size < 2:
+            raise ValueError(f"num_generations: in-training diagnosis compares estimators within each group, which "
+                             f"needs num_generations >= 2, got {self.group_size}")
+        configured, options, loss = trl_setting(trainer)
+        rows = compared_rows(configured, options, estimators, options.get("k"))
+        groups = max(2, trainer.args.per_device_train_batch_size // self.group_size)
+        self.diagnosis = StepDiagnosis(trainer.model, rows, configured, loss, temperature=trainer.temperature,
+                                       window=window, groups=groups, max_memory_gb=max_memory_gb, seed=trainer.args.seed)
+        self._rewards: list[Tensor] = []
+        self._calculate, self._generate = trainer._calculate_rewards, trainer._generate_and_score_completions
+        trainer._calculate_rewards = self._capture_rewards
+        trainer._generate_and_score_completions = self._generate_and_diagnose
+
+    def _capture_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = self._calculate(inputs, prompts, completions, completion_ids_list)
+        self._rewards.append(rewards)
+        return rewards
+
+    def _generate_and_diagnose(self, inputs):
+        self._rewards.clear()
+        output = self._generate(inputs)
+        trainer = self.trainer
+        if not trainer.model.training or not self._rewards:
+            return output
+        self.generations += 1
+        if self.generations % self.every:
+            return output
+        per_func = self._rewards[-1]
+        rewards = (per_func * trainer.reward_weights.to(per_func.device)[None]).nansum(dim=1)
+        local = output["prompt_ids"].shape[0]
+        start = trainer.accelerator.process_index * local
+        if local % self.group_size:
+            raise ValueError(f"DiagnoseCallback: this process holds {local} completions, not whole groups of "
+                             f"num_generations={self.group_size}")
+        batch = rollout_batch(output, rewards[start:start + local], self.group_size)
+        for key, value in self.diagnosis.observe(batch).items():
+            trainer._metrics["train"][key].append(value)
+        return output
+
+    def summary(self) -> str:
+        """The window's efficiencies and the cost per diagnosed batch, as Markdown."""
+        return "\n".join(self.diagnosis.table())

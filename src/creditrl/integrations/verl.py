@@ -51,7 +51,7 @@ from creditrl.core.estimators import estimate, list_estimators, prepare
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
 from creditrl.core.losses import PolicyLoss
-from creditrl.utils.validate import check_tensor
+from creditrl.utils.validate import LOGP_TOLERANCE, check_tensor
 
 PREFIX = "creditrl_"
 ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")
@@ -77,9 +77,6 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> Tensor:
         kinds = sorted({type(uid).__name__ for uid in index.tolist()})
         raise ValueError(f"index: expected uids of one type (verl's are str), got a mix of {kinds}") from None
     return torch.from_numpy(inverse.reshape(-1)).to(device)
-
-
-LOGP_TOLERANCE = 1e-3   # log-softmax rounding can land just above 0 (and sum pi^2 just above 1)
 
 
 def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None) -> None:
@@ -128,8 +125,7 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                 f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; set "
                 "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
                 "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
-        options = estimator_options(config)
-        check_estimator_options(name, options)
+        options = check_estimator_options(name, estimator_options(config), "algorithm.creditrl")
         gamma = options.pop("gamma", 1.0)
         with torch.no_grad():
             # the rewards as verl gives them: a score on a masked token counts in the row total

@@ -12,8 +12,6 @@ import dataclasses
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from creditrl.core.token_stats import TokenStats, token_stats
 
@@ -42,6 +40,8 @@ def _plain_kv_cache(model) -> bool:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_decoder") or getattr(model, "is_gradient_checkpointing", False):
         return False  # not an HF model, or one whose training forward drops the cache
+    from transformers.cache_utils import DynamicCache, DynamicLayer   # where an HF model is in hand
+
     cache = DynamicCache(config=config)
     return len(cache.layers) > 0 and all(type(layer) is DynamicLayer for layer in cache.layers)
 
@@ -96,7 +96,7 @@ def shared_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
     for rows in length_buckets(lengths):
         w = int(lengths[rows[-1]])                           # tokens 1..w-1 need inputs 0..w-2
         if w > 1:
-            cache = DynamicCache(ddp_cache_data=[(k[inverse[rows]], v[inverse[rows]]) for k, v in kv])
+            cache = type(prefix.past_key_values)(ddp_cache_data=[(k[inverse[rows]], v[inverse[rows]]) for k, v in kv])
             out = model(input_ids=tokens[rows, :w - 1], attention_mask=attention_mask[rows, :p + w - 1],
                         position_ids=position_ids[rows, p:p + w - 1], past_key_values=cache, use_cache=True)
             stats = token_stats(out.logits, tokens[rows, 1:w], mask[rows, 1:w], temperature=temperature, **kwargs)

@@ -15,14 +15,17 @@ ones the ``data_source`` and ``extra_info``; ``data_source`` also names the row'
 (per-dataset accuracy when there are several).
 
 JSON lines are read row by row with one clear error per problem (file and line); Parquet via
-``datasets``. Rows are split into train/test deterministically by ``seed``. Checkers, reward
-terms and their time limit: ``tasks/rewards.py``.
+``datasets``. Rows are split into train/test deterministically by ``seed``, by distinct prompt:
+rows that repeat a prompt all go to the same side (with a warning giving their count), so the
+held-out set never holds a prompt trained on. Checkers, reward terms and their time limit:
+``tasks/rewards.py``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +91,18 @@ def read_json_rows(file: Path) -> dict[str, list]:
 
 
 def read_parquet(file: Path) -> dict[str, list]:
-    """Columns of a Parquet file (via ``datasets``), with a clear error when it cannot be read."""
+    """Columns of a Parquet file (via ``datasets``), with a clear error when it cannot be read or
+    has no rows (its footer gives the row count without reading the data)."""
     import datasets
+    import pyarrow.parquet
 
     try:
-        data = datasets.load_dataset("parquet", data_files=str(file), split="train")
+        rows = pyarrow.parquet.ParquetFile(file).metadata.num_rows
+        data = datasets.load_dataset("parquet", data_files=str(file), split="train") if rows else None
     except Exception as err:  # noqa: BLE001 - a dependency's error type, reported with the file
         raise ValueError(f"path: {file.name}: cannot read it as Parquet ({type(err).__name__}: {err})") from None
-    if len(data) == 0:
-        raise ValueError(f"path: {file.name} has no rows")
+    if data is None or len(data) == 0:
+        raise ValueError(f"path: {file.name} has no rows; expected a Parquet file with prompt and answer columns")
     return {k: data[k] for k in data.column_names}
 
 
@@ -153,6 +159,30 @@ def read_problems(file: Path, prompt_key: str, answer_key: str | None) -> list[P
     return rows_to_problems(file.name, prompts, answers, rows)
 
 
+def split_by_prompt(problems: list[Problem], file_name: str, test_fraction: float, test_size: int | None,
+                    seed: int) -> tuple[list[Problem], list[Problem]]:
+    """(train, test): the distinct prompts shuffled by ``seed``, ``test_fraction`` of them (at most
+    ``test_size``, at least 1, never all) held out with every row that repeats them. Without repeats
+    this is a split of the rows; repeats are counted in a warning."""
+    rows: dict[str, list[Problem]] = {}
+    for p in problems:
+        rows.setdefault(json.dumps(p.prompt, sort_keys=True), []).append(p)
+    prompts = list(rows.values())
+    if len(prompts) < 2:
+        raise ValueError(f"path: expected at least 2 distinct prompts to split into train/test, got {len(prompts)} "
+                         f"in {len(problems)} row(s)")
+    if len(prompts) < len(problems):
+        warnings.warn(f"{file_name}: {len(problems) - len(prompts)} of {len(problems)} rows repeat the prompt of "
+                      f"another row; the train/held-out split is by distinct prompt ({len(prompts)}), so no prompt is "
+                      f"both trained on and held out", stacklevel=3)
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    n_test = min(len(prompts) - 1, max(1, round(test_fraction * len(prompts))))
+    if test_size is not None:
+        n_test = min(n_test, test_size)
+    return ([p for i in order[n_test:] for p in prompts[i]], [p for i in order[:n_test] for p in prompts[i]])
+
+
 class JsonlTask:
     """Prompt/answer pairs from a local file; ``sample`` draws from the train split. Options of
     the reward (``checker``, ``checker_convention``, ``checker_timeout``, ``rewards``,
@@ -175,6 +205,8 @@ class JsonlTask:
         if file.suffix.lower() not in FORMATS:
             raise ValueError(f"path: expected a file ending in {sorted(FORMATS)}, got {file.name!r}")
         check_range("test_fraction", test_fraction, 0, 1, low_inclusive=False, high_inclusive=False)
+        if test_size is not None and (isinstance(test_size, bool) or not isinstance(test_size, int) or test_size < 1):
+            raise ValueError(f"test_size: expected a positive int (held-out prompts) or null, got {test_size!r}")
         check_range("tolerance", tolerance, 0)
         check_chat_template(chat_template)
         if system_prompt is not None and not isinstance(system_prompt, str):
@@ -191,19 +223,11 @@ class JsonlTask:
                         "checker_timeout": checker_timeout, "rewards": rewards or []}
         self._digest = hashlib.sha256(file.read_bytes()).hexdigest()
         problems = read_problems(file, prompt_key, answer_key)
-        if len(problems) < 2:
-            raise ValueError(f"path: expected at least 2 rows to split into train/test, got {len(problems)}")
         columns = list(dict.fromkeys(k for p in problems for k in p.meta["columns"]))
         self.dataset_names = sorted({p.meta["dataset"] for p in problems if "dataset" in p.meta})   # data_source
         self._terms = reward_terms(checker, rewards or [], convention=checker_convention, tolerance=tolerance,
                                    timeout=checker_timeout, columns=columns)
-        order = list(range(len(problems)))
-        random.Random(seed).shuffle(order)
-        n_test = min(len(problems) - 1, max(1, round(test_fraction * len(problems))))
-        if test_size is not None:
-            n_test = min(n_test, test_size)
-        self._test = [problems[i] for i in order[:n_test]]
-        self._train = [problems[i] for i in order[n_test:]]
+        self._train, self._test = split_by_prompt(problems, file.name, test_fraction, test_size, seed)
 
     def sample(self, rng: random.Random) -> Problem:
         return rng.choice(self._train)

@@ -18,7 +18,8 @@ A checker returns a number, None (no reward, TRL's convention) or a dict (verl's
 "acc": ...}``: its ``score`` is the reward, its other numeric keys are logged as ``reward/<key>``).
 Several reward terms (the checker with weight 1, plus ``rewards: [{checker, weight}]``) are summed
 as TRL's ``sum_then_normalize`` does: Σ_i w_i r_i over the terms that gave a reward, NaN when none
-did. Each term's own reward is logged as ``reward/<name>`` when there are several.
+did. Each term's own reward is logged as ``reward/<name>`` when there are several (``term_keys``:
+the function's name, its full ``module.function`` name where two terms share one).
 
 Import-path checkers and ``math`` run in a child process (``creditrl.utils.bounded``): each
 per-completion call within ``timeout`` seconds, a TRL call within ``timeout`` x its batch size,
@@ -222,6 +223,8 @@ class RewardFunction:
         if outcome.status != "ok":
             return [outcome] * len(problems)
         values = outcome.value
+        if hasattr(values, "tolist") and getattr(values, "ndim", 0) == 1:   # a tensor or array, as TRL takes
+            values = values.tolist()
         if not isinstance(values, (list, tuple)) or len(values) != len(problems):
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
             raise ValueError(f"{self.what}: the TRL reward function {self.name!r} returned {got} for "
@@ -295,19 +298,38 @@ def score_terms(terms: list[tuple[RewardFunction, float]], problems: Sequence[Pr
                 responses: Sequence[str]) -> Scores:
     """The weighted sum of the terms' rewards (TRL's nansum; NaN where no term gave one)."""
     parts = [(fn, weight, fn.score(problems, responses)) for fn, weight in terms]
-    if len(parts) == 1:
-        return parts[0][2]
+    if len(parts) == 1:   # one term: its reward times its weight (NaN stays NaN: invalid)
+        fn, weight, scores = parts[0]
+        return Scores([weight * r for r in scores.rewards], scores.extras, scores.timed_out)
     n = len(responses)
     total, extras = [], {}
     for i in range(n):
         given = [w * s.rewards[i] for _, w, s in parts if not math.isnan(s.rewards[i])]
         total.append(math.fsum(given) if given else math.nan)
-    for fn, _, s in parts:
-        name = fn.name.rsplit(":", 1)[-1]
+    for (fn, _, s), name in zip(parts, term_keys([fn for fn, _ in terms])):
         extras[name] = s.rewards
         extras.update({f"{name}/{k}": v for k, v in s.extras.items()})
     timed_out = [any(s.timed_out[i] for _, _, s in parts) for i in range(n)]
     return Scores(total, extras, timed_out)
+
+
+def term_keys(functions: Sequence[RewardFunction]) -> list[str]:
+    """Each reward term's metric key (``reward/<key>``), unique: its function's name, or where two
+    terms share it (two verl ``compute_score`` from different modules) its full ``module.function``
+    name, then ``_2``, ``_3``... for the same function given twice."""
+    short = [fn.name.rsplit(":", 1)[-1] for fn in functions]
+    keys: list[str] = []
+    for fn, name in zip(functions, short):
+        if short.count(name) > 1 and is_import_path(fn.name):
+            name = fn.name.replace(":", ".")
+        elif short.count(name) > 1 and fn.name not in BUILTIN_CHECKERS:   # a function given from Python
+            name = f"{getattr(fn.fn, '__module__', '')}.{getattr(fn.fn, '__qualname__', name)}"
+        key, n = name, 1
+        while key in keys:
+            n += 1
+            key = f"{name}_{n}"
+        keys.append(key)
+    return keys
 
 
 def score_responses(task, problems: Sequence[Problem], responses: Sequence[str]) -> Scores:

@@ -77,7 +77,11 @@ class RunLogger:
             for name in check_trackers(list(report_to)):   # one failing closes those already open
                 tracker_class = TRACKER_CLASSES[name]
                 shutil.rmtree(run_dir / tracker_class.folder, ignore_errors=True)   # rebuilt from the JSONL
-                tracker = tracker_class(run_dir, config or {}, start_step)
+                try:
+                    tracker = tracker_class(run_dir, config or {}, start_step)
+                except Exception as err:   # e.g. wandb without a login, a full disk: named with its key
+                    raise OSError(f"logging.report_to: tracker {name!r} could not start: {type(err).__name__}: "
+                                  f"{err}; fix it or drop {name!r} from logging.report_to") from err
                 self.trackers.append(tracker)
                 if tracker.replays:
                     replay(tracker, run_dir)

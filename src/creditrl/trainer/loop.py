@@ -33,24 +33,31 @@ from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
-from creditrl.trainer.report import learned_nothing, no_signal, plot_run, streak_warning, write_summary
+from creditrl.trainer.report import diagnosis_section, learned_nothing, no_signal, plot_run, streak_warning
+from creditrl.trainer.report import write_summary
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
+from creditrl.runtime.precision import Precision
 from creditrl.runtime.rollout import generate_rollouts, rollout_metrics
-from creditrl.runtime.setup import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
-                                   resolve_config, resolve_device)
-from creditrl.trainer.rundir import RunLock, check_new_run, clear_run
+from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
+from creditrl.core.estimators.labels import LOO
+from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
+from creditrl.recipe.build import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
+                                   policy_loss_from_config)
+from creditrl.utils.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
+from creditrl.utils.errors import CreditrlError
+from creditrl.utils.plots import require_matplotlib
 from creditrl.utils.io import MANIFEST, atomic_directory, manifest_problem, write_manifest
 from creditrl.core.losses import ON_POLICY_AS_CLIP, EntropyControl
-from creditrl.trainer.update import Learner, autocast
+from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
 CLIPPED_WARNING = (0.5, 3)     # warn once when > half the responses hit the cap 3 steps in a row
 MAX_SKIPPED_STEPS = 3          # consecutive steps whose every update was non-finite: stop the run
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(CreditrlError):
     """The run cannot go on (e.g. repeated non-finite updates); the message names the likely cause."""
 
 
@@ -67,13 +74,14 @@ def set_determinism(cfg: Config) -> None:
     torch.manual_seed(cfg.train.seed)
 
 
-def reference_model(model, cfg: Config):
-    """A frozen copy of the starting policy for a KL term; None without one, and None for LoRA,
-    whose reference is the same model with its adapters disabled (no second copy)."""
-    if cfg.loss["kl_coef"] <= 0 or cfg.model.lora.enabled:
+def reference_model(model, cfg: Config, precision: Precision):
+    """A frozen copy of the starting policy for a term that needs reference log-probs (KL), in the
+    precision's frozen dtype; None without one, and None for LoRA, whose reference is the same model
+    with its adapters disabled (no second copy)."""
+    if not policy_loss_from_config(cfg).needs_reference or cfg.model.lora.enabled:
         return None
     ref = copy.deepcopy(model).eval().requires_grad_(False)
-    return ref.to(torch.bfloat16) if cfg.train.precision != "fp32" else ref
+    return ref if precision.frozen_dtype is None else ref.to(precision.frozen_dtype)
 
 
 def precision_notes(model, cfg: Config) -> list[str]:
@@ -113,6 +121,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path | None = None, *, progress: bool | None = None):
         check_trackers(cfg.logging.report_to)   # a missing tracker package is named before any work
+        if cfg.logging.plots:
+            require_matplotlib("logging.plots")
         cfg = resolve_config(cfg)                 # every library-declared option checked before loading
         check_lora_source(cfg)
         set_determinism(cfg)
@@ -131,7 +141,9 @@ class Trainer:
         self.truncated_prompts = check_prompt_lengths(
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
             cfg.rollout.max_new_tokens)
-        self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg))
+        self.precision = precision_of(cfg)
+        self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg, self.precision))
+        self.diagnosis = step_diagnosis(self.model, cfg, self.learner) if cfg.logging.diagnose_every else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.task_rng = random.Random(cfg.train.seed)
         self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
@@ -216,7 +228,7 @@ class Trainer:
     def evaluate(self) -> dict:
         c, r = self.cfg, self.cfg.rollout
         start = time.perf_counter()
-        with autocast(self.model, c.train.precision):
+        with self.precision.autocast(self.model):
             result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=self.eval_samples,
                               ks=self.pass_k, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, max_tool_tokens=r.max_tool_tokens,
@@ -230,20 +242,32 @@ class Trainer:
         r = self.cfg.rollout
         t0 = time.perf_counter()
         problems = [self.task.sample(self.task_rng) for _ in range(r.prompts_per_step)]
-        with autocast(self.model, self.cfg.train.precision):
+        with self.precision.autocast(self.model):
             batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
                                       temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                                       generator=self.generator, max_tool_tokens=r.max_tool_tokens,
                                       stop_strings=tuple(r.stop))
         t1 = time.perf_counter()
+        diagnosed = self.diagnose(batch)
+        t_update = time.perf_counter()
         update = self.learner.update(batch, self.generator)
         metrics = update.metrics
         t2 = time.perf_counter()
         self.step += 1
         self.tokens_total += batch.num_tokens
         metrics = {"step": self.step, "tokens_total": self.tokens_total, **metrics, **rollout_metrics(batch, self.task),
-                   "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0, "time_update": t2 - t1}
+                   "tokens_per_s": batch.num_tokens / (t2 - t0), "time_rollout": t1 - t0,
+                   "time_update": t2 - t_update, **diagnosed}
         return metrics, completion_records(batch, self.cfg.logging.completions, update.advantages)
+
+    def diagnose(self, batch) -> dict[str, float]:
+        """On every ``logging.diagnose_every``-th step, the in-training diagnosis of this step's groups
+        at the weights that sampled them (``creditrl.runtime.step_diagnosis``); else nothing."""
+        every = self.cfg.logging.diagnose_every
+        if self.diagnosis is None or (self.step + 1) % every:
+            return {}
+        with self.precision.autocast(self.model):
+            return self.diagnosis.observe(batch)
 
     def clipped_warning(self, clipped_frac: float) -> str | None:
         """One warning when more than half the responses hit ``rollout.max_new_tokens`` for
@@ -259,12 +283,17 @@ class Trainer:
     def check_skipped(self, metrics: dict) -> None:
         """Stop after ``MAX_SKIPPED_STEPS`` consecutive steps with a skipped (non-finite) update."""
         self.skipped_streak = self.skipped_streak + 1 if metrics["skipped_updates"] > 0 else 0
-        if self.skipped_streak >= MAX_SKIPPED_STEPS:
-            raise TrainingStopped(
-                f"training stopped at step {self.step}: the loss or gradient was NaN/inf for {self.skipped_streak} steps "
-                f"in a row, so those updates were skipped (weights unchanged). Likely causes: optim.lr={self.cfg.optim.lr} "
-                f"too high for this model, rewards of extreme magnitude (this step's mean reward: "
-                f"{metrics.get('reward_mean')}), or a model that produces NaN logits (try model.dtype=float32)")
+        if self.skipped_streak < MAX_SKIPPED_STEPS:
+            return
+        stopped = (f"training stopped at step {self.step}: the loss or gradient was NaN/inf for {self.skipped_streak} "
+                   f"steps in a row, so those updates were skipped (weights unchanged)")
+        error = self.learner.skip_error
+        if getattr(error, "term", None):      # policy_loss found the term that made finite inputs non-finite
+            raise TrainingStopped(f"{stopped}: {error.term} from finite inputs")
+        raise TrainingStopped(
+            f"{stopped}. Likely causes: optim.lr={self.cfg.optim.lr} too high for this model, rewards of extreme "
+            f"magnitude (this step's mean reward: {metrics.get('reward_mean')}), or a model that produces NaN logits "
+            f"(try model.dtype=float32)" + (f". The last non-finite loss: {error}" if error else ""))
 
     def log_eval(self, logger: RunLogger) -> None:
         result = self.evaluate()
@@ -341,7 +370,8 @@ class Trainer:
                                        f"for 0/1 rewards) of "
                                        f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
-                             extra=extra, completions=completions)
+                             extra=extra, completions=completions,
+                             sections=diagnosis_section(metrics, self.diagnosis.labels if self.diagnosis else []))
 
     def save_final(self) -> Path:
         """``final/``: the model (LoRA: its adapters) and tokenizer with a manifest (size + SHA-256
@@ -355,6 +385,17 @@ class Trainer:
             self.tokenizer.save_pretrained(tmp)
             write_manifest(tmp, step=self.step)
         return final
+
+
+def step_diagnosis(model, cfg: Config, learner: Learner) -> StepDiagnosis:
+    """The in-training diagnosis of ``logging.diagnose_every`` (the estimator trained, with its options,
+    against ``logging.diagnose_estimators`` under the run's loss)."""
+    name, options = learner.estimator, learner.estimator_options
+    configured = name + (LOO if options.get("leave_one_out") else "")
+    rows = compared_rows(configured, options, cfg.logging.diagnose_estimators, options.get("k"))
+    return StepDiagnosis(model, rows, configured, learner.loss.loss, temperature=cfg.rollout.temperature,
+                         window=cfg.logging.diagnose_window, groups=cfg.rollout.prompts_per_step,
+                         seed=cfg.train.seed)
 
 
 def located(cfg: Config, run_dir: Path) -> Config:
@@ -397,7 +438,8 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
           overwrite: bool = False) -> Path:
     """Train with ``cfg``; returns the run directory. An existing run directory is refused
     (``resume`` continues it) before any work; ``overwrite`` deletes it only once the whole config
-    is checked and the model loaded, so a bad input never costs a finished run."""
+    is checked and the model loaded, so a bad input never costs a finished run. A run that fails
+    before logging anything (a tracker that cannot start) leaves no directory behind."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
     created = not run_dir.exists()
     check_new_run(run_dir, overwrite=overwrite)
@@ -410,7 +452,14 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
             raise
         if not created:
             clear_run(run_dir)
-        return trainer.run()
+        try:
+            return trainer.run()
+        except BaseException:
+            if not any((run_dir / name).is_file() for name in ("metrics.jsonl", "eval.jsonl")):
+                clear_run(run_dir)    # failed before logging anything (e.g. a tracker): nothing blocks a re-run
+                if created:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+            raise
 
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:

@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import matplotlib
-import matplotlib.pyplot as plt
-
-matplotlib.use("Agg")
+from creditrl.utils.plots import figure, save_figure
 
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
                 "power_proxy", "approx_kl", "clip_frac_high", "noise_scale")
@@ -28,41 +25,61 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
         keys = [k for k in TRAIN_CURVES if any(m.get(k) for m in metrics)]
         cols = 4
         rows = max(1, (len(keys) + cols - 1) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        fig, axes = figure(cols, rows, width=4, height=3)
         steps = [m["step"] for m in metrics]
-        for ax, key in zip(axes.flat, keys):
+        for ax, key in zip(axes, keys):
             ax.plot(steps, [m.get(key) if m.get(key) is not None else float("nan") for m in metrics])
             ax.set_title("noise scale B_simple (groups)" if key == "noise_scale" else key)
             if key in LOG_SCALE:
                 ax.set_yscale("log")
             ax.set_xlabel("step")
-        for ax in list(axes.flat)[len(keys):]:
+        for ax in list(axes)[len(keys):]:
             ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(folder / "train.png", dpi=90)
-        plt.close(fig)
-        written.append(folder / "train.png")
+        written.append(save_figure(fig, folder / "train.png", dpi=90))
+    labels = sorted({k.split("/")[1] for m in metrics for k in m if k.startswith("diagnose/") and k.count("/") == 2})
+    if labels:
+        written.append(plot_diagnosis(folder / "diagnose.png", metrics, labels))
     if evals:
         # pass@1 equals sampled_acc (unbiased estimator, eq. 1): one line, both names
         keys = [k for k in evals[-1] if k in ("greedy_acc", "sampled_acc") or k.startswith("pass@") and k != "pass@1"]
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, (ax,) = figure(width=6, height=4)
         for key in keys:
             label = "sampled_acc (= pass@1)" if key == "sampled_acc" else key
             ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], marker="o", label=label)
         ax.set_xlabel("step")
         ax.set_ylabel("held-out")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(folder / "eval.png", dpi=90)
-        plt.close(fig)
-        written.append(folder / "eval.png")
+        written.append(save_figure(fig, folder / "eval.png", dpi=90))
     return written
 
 
+def plot_diagnosis(path: Path, metrics: list[dict], labels: list[str]) -> Path:
+    """plots/diagnose.png: each compared estimator's efficiency against the one trained over the steps,
+    with its 95% interval (in-training diagnosis; undefined points left out)."""
+    fig, (ax,) = figure(width=6, height=4)
+    for label in labels:
+        points = [(m["step"], m[f"diagnose/{label}/efficiency"], m.get(f"diagnose/{label}/efficiency_low"),
+                   m.get(f"diagnose/{label}/efficiency_high")) for m in metrics if f"diagnose/{label}/efficiency" in m]
+        if not points:
+            continue
+        steps, values = [p[0] for p in points], [p[1] for p in points]
+        line, = ax.plot(steps, values, marker="o", ms=3, label=label)
+        band = [p for p in points if p[2] is not None and p[3] is not None]
+        if band:
+            ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band], alpha=0.15,
+                            color=line.get_color())
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax.set(yscale="log", xlabel="step", ylabel="efficiency vs the estimator trained", title="in-training diagnosis")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    return save_figure(fig, path, dpi=90)
+
+
 def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list[dict], wall_time: float,
-                  extra: dict | None = None, completions: list[dict] | None = None, shown: int = 3) -> dict:
-    """summary.json + summary.md (with ``shown`` train completions of the first and the last
-    step, when given); returns the summary dict."""
+                  extra: dict | None = None, completions: list[dict] | None = None, shown: int = 3,
+                  sections: list[str] | None = None) -> dict:
+    """summary.json + summary.md (with ``sections``: further Markdown lines, and ``shown`` train
+    completions of the first and the last step, when given); returns the summary dict."""
     start, end = (evals[0], evals[-1]) if evals else ({}, {})
     keys = [k for k in end if k in ("greedy_acc", "sampled_acc") or k.startswith(("pass@", "avg@", "greedy_acc/"))]
     summary = {
@@ -84,11 +101,13 @@ def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list
         a, b = start.get(k), end.get(k)
         change = f"{b - a:+.3f}" if a is not None and b is not None else ""
         lines.append(f"| {k} | {a:.3f} | {b:.3f} | {change} |" if a is not None else f"| {k} | | {b:.3f} | |")
-    for name in ("train.png", "eval.png"):
+    for name in ("train.png", "eval.png", "diagnose.png"):
         if (run_dir / "plots" / name).is_file():
             lines += ["", f"![{name}](plots/{name})"]
     for key, value in (extra or {}).items():
         lines.append(f"- {key}: {value}")
+    if sections:
+        lines += ["", *sections]
     if completions:
         steps = sorted({c["step"] for c in completions})
         for step in dict.fromkeys((steps[0], steps[-1])):
@@ -99,6 +118,39 @@ def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list
                              f"{'stopped' if c['stopped'] else 'CLIPPED'}: `…{prompt}` → `{c['completion']}`")
     (run_dir / "summary.md").write_text("\n".join(lines) + "\n")
     return summary
+
+
+def diagnosis_section(metrics: list[dict], labels: list[str]) -> list[str]:
+    """summary.md's in-training diagnosis (``logging.diagnose_every``): the last diagnosed step's window
+    (efficiency against the estimator trained, 95% interval, cosine) and the cost of a diagnosed step
+    against a plain one (rollout + update time of the steps not diagnosed)."""
+    diagnosed = [m for m in metrics if "time_diagnose" in m]
+    if not diagnosed:
+        return []
+    last = diagnosed[-1]
+    rows = ["| estimator | efficiency vs trained | 95% interval | cosine to rloo |", "|---|---|---|---|"]
+    for label in labels:
+        value = last.get(f"diagnose/{label}/efficiency")
+        low, high = last.get(f"diagnose/{label}/efficiency_low"), last.get(f"diagnose/{label}/efficiency_high")
+        cosine = last.get(f"diagnose/{label}/cosine")
+        rows.append(f"| `{label}` | {_num(value)} | " + (f"[{low:.3g}, {high:.3g}]" if low is not None and high is not None
+                                                          else "undefined") + f" | {_num(cosine)} |")
+    plain = [m["time_rollout"] + m["time_update"] for m in metrics if "time_diagnose" not in m and "time_update" in m]
+    cost = sum(m["time_diagnose"] for m in diagnosed) / len(diagnosed)
+    ratio = (f"; a plain step takes {sum(plain) / len(plain):.2f} s, so a diagnosed step costs "
+             f"{(sum(plain) / len(plain) + cost) / (sum(plain) / len(plain)):.2f}× a plain one" if plain else "")
+    noise = last.get("diagnose/noise_scale")
+    return ["## In-training diagnosis", "",
+            f"{len(diagnosed)} diagnosed step(s); the window at step {last['step']} holds the last "
+            f"{int(last['diagnose/steps'])}: matched-signal efficiency against the estimator trained (each of a step's "
+            f"groups a unit, 95% jackknife intervals over the steps; undefined while a mean gradient is not resolved "
+            f"or the window holds one step).", "", *rows, "",
+            f"B_simple of the estimator trained: {_num(noise)} groups. Cost: {cost:.2f} s of diagnosis per diagnosed "
+            f"step{ratio}.", ""]
+
+
+def _num(value) -> str:
+    return "undefined" if value is None else f"{value:.3g}"
 
 
 NO_SIGNAL_STEPS = 5   # consecutive steps without a reward signal before the live warning

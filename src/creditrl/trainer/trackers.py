@@ -32,7 +32,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import matplotlib.image
 import yaml
 
 from creditrl.config import TRACKERS
@@ -94,6 +93,8 @@ class TensorBoardTracker:
         self.writer.add_text(name, "\n".join(lines), step)
 
     def log_images(self, paths: list[Path], step: int) -> None:
+        import matplotlib.image   # plots exist only with matplotlib (the plots extra)
+
         for path in paths:
             self.writer.add_image(f"plots/{path.stem}", matplotlib.image.imread(path)[..., :3], step,
                                   dataformats="HWC")

@@ -9,13 +9,12 @@
 In the on-policy single pass (μ = 1, one mini-batch, no micro-batching) the loss's own forward
 gives the old statistics (detached), as verl and TRL do: no separate π_old forward.
 
-Precision (``train.precision``): trainable weights stay float32; forward and backward run under
-bf16 autocast (or fp16 with loss scaling, CUDA only); ``token_stats`` upcasts one vocabulary
-chunk at a time, so no [B,T,V] float32 copy of the logits exists.
+Precision (``train.precision``, one ``Precision``): trainable weights stay float32; forward and
+backward run under bf16 autocast (or fp16 with loss scaling, CUDA only); ``token_stats`` upcasts
+one vocabulary chunk at a time, so no [B,T,V] float32 copy of the logits exists.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import warnings
@@ -32,12 +31,11 @@ from creditrl.core.losses import EntropyControl, power_proxy
 from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
 from creditrl.core.token_stats import TokenStats
 from creditrl.runtime.rollout import RolloutBatch
+from creditrl.runtime.precision import Precision
 from creditrl.runtime.scoring import response_stats
-from creditrl.runtime.setup import estimator_from_config, policy_loss_from_config
+from creditrl.recipe.resolve import estimator_from_config, precision_of
+from creditrl.recipe.build import policy_loss_from_config
 from creditrl.utils.validate import NonFiniteError
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass(frozen=True)
 class Batch:
@@ -77,31 +75,21 @@ class Update:
     advantages: Tensor
 
 
-@contextlib.contextmanager
-def autocast(model, precision: str):
-    """bf16/fp16 autocast on the model's device for ``precision`` bf16/fp16; nothing for fp32."""
-    if precision not in AUTOCAST_DTYPES:
-        yield
-        return
-    with torch.autocast(next(model.parameters()).device.type, dtype=AUTOCAST_DTYPES[precision]):
-        yield
-
-
-def statistics(model, batch: Batch, rows: Tensor | None, cfg: Config) -> TokenStats:
-    """TokenStats [n, R] of ``rows`` (all when None) under ``train.precision``; each group's prompt
+def statistics(model, batch: Batch, rows: Tensor | None, cfg: Config, precision: Precision) -> TokenStats:
+    """TokenStats [n, R] of ``rows`` (all when None) under ``precision``; each group's prompt
     runs once (``shared_prompt_stats``). Differentiable unless called under no_grad."""
     t = batch.tensors if rows is None else {k: v[rows] for k, v in batch.tensors.items()}
-    with autocast(model, cfg.train.precision):
+    with precision.autocast(model):
         return response_stats(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"],
                               batch.prompt_len, temperature=cfg.rollout.temperature,
                               chunk_size=cfg.train.chunk_size, group=t["group"])
 
 
-def statistics_no_grad(model, batch: Batch, cfg: Config) -> TokenStats:
+def statistics_no_grad(model, batch: Batch, cfg: Config, precision: Precision) -> TokenStats:
     """Detached TokenStats of every row, ``optim.micro_batch_size`` rows per forward."""
     chunks = torch.arange(batch.size, device=batch.mask.device).split(cfg.optim.micro_batch_size or batch.size)
     with torch.no_grad():
-        return TokenStats.cat([statistics(model, batch, rows, cfg) for rows in chunks]).detach()
+        return TokenStats.cat([statistics(model, batch, rows, cfg, precision) for rows in chunks]).detach()
 
 
 def advantages(estimator: str, options: dict, needs_energy: bool, batch: Batch, old: TokenStats,
@@ -210,10 +198,12 @@ class Learner:
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, **fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
+        self.precision = precision_of(cfg)
+        self.scaler = torch.amp.GradScaler("cuda") if self.precision.scales_loss else None
         self.estimator, self.estimator_options, self.needs_energy = estimator_from_config(cfg)
         self.loss = policy_loss_from_config(cfg)
         self.noise = NoiseScale() if cfg.logging.grad_noise_scale else None
+        self.skip_error: NonFiniteError | None = None   # why the loss was last non-finite (policy_loss names it)
         bonus = self.loss.loss.options_of("entropy_bonus")        # the configured options (adaptive: β₀, target)
         self.entropy_options = bonus if bonus is not None and bonus.adaptive else None
         self.entropy_control = None if self.entropy_options is None else EntropyControl(bonus.coef)
@@ -244,16 +234,16 @@ class Learner:
         if not self.loss.needs_reference:
             return None
         if self.ref_model is not None:
-            return statistics_no_grad(self.ref_model, batch, self.cfg).logp
+            return statistics_no_grad(self.ref_model, batch, self.cfg, self.precision).logp
         with self.model.disable_adapter():
-            return statistics_no_grad(self.model, batch, self.cfg).logp
+            return statistics_no_grad(self.model, batch, self.cfg, self.precision).logp
 
     def old_statistics(self, batch: Batch, chunks: list[Tensor], fused: bool) -> tuple[TokenStats, list]:
         """π_old's statistics (detached) and, in the fused single pass, each chunk's statistics
         with grad (reused by the loss); otherwise one no-grad pass and no reusable chunks."""
         if not fused:
-            return statistics_no_grad(self.model, batch, self.cfg), [None] * len(chunks)
-        live = [statistics(self.model, batch, rows if len(chunks) > 1 else None, self.cfg) for rows in chunks]
+            return statistics_no_grad(self.model, batch, self.cfg, self.precision), [None] * len(chunks)
+        live = [statistics(self.model, batch, rows if len(chunks) > 1 else None, self.cfg, self.precision) for rows in chunks]
         return TokenStats.cat(live).detach(), live
 
     def update(self, rollout: RolloutBatch, generator: torch.Generator) -> Update:
@@ -302,13 +292,14 @@ class Learner:
         gradients also feed the noise scale. Returns the count-weighted loss metrics."""
         weighted, total, first_half = {}, 0.0, None
         for rows, stats in zip(chunks, live):
-            stats = stats if stats is not None else statistics(self.model, batch, rows, self.cfg)
+            stats = stats if stats is not None else statistics(self.model, batch, rows, self.cfg, self.precision)
             try:
                 loss, metrics = self.loss(stats.logp.float(), old.logp[rows], adv[rows], batch.mask[rows],
                                           ref_logp=None if ref_logp is None else ref_logp[rows],
                                           rollout_logp=batch.rollout_logp[rows], entropy=stats.entropy.float(),
                                           truncated=batch.truncated[rows])
-            except NonFiniteError:               # NaN/inf log-probs or advantages: skip this step
+            except NonFiniteError as err:        # NaN/inf log-probs, advantages or a term's output: skip
+                self.skip_error = err
                 return {"loss": math.nan}
             count = max(metrics.pop("agg_count"), 1e-12) if len(chunks) > 1 else 1.0
             scaled = loss * count

@@ -13,11 +13,14 @@ Like verl's ``timeout_limit``, but one process for many calls, not one per call.
 The child is a fresh interpreter (``python -c``, the parent's ``sys.path``, two pipes), not a
 ``multiprocessing`` process: those re-import the caller's ``__main__``, which breaks a training
 script written without an ``if __name__ == "__main__":`` guard, and forking a process that holds
-torch's threads is unsafe.
+torch's threads is unsafe. Messages are plain ``pickle`` bytes, not ``multiprocessing``'s pickler:
+that one sends a torch tensor as a shared-memory handle which only a ``multiprocessing`` relative
+may open (in this child it failed as ``AuthenticationError: digest sent was rejected``).
 """
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -48,7 +51,7 @@ def serve(read_fd: int, write_fd: int) -> None:
     functions: dict[str, Any] = {}
     while True:
         try:
-            path, args, kwargs = inbox.recv()
+            path, args, kwargs = pickle.loads(inbox.recv_bytes())
         except (EOFError, OSError):
             return
         try:
@@ -58,9 +61,10 @@ def serve(read_fd: int, write_fd: int) -> None:
         except BaseException as err:  # noqa: BLE001 - every failure of a user's function goes back as text
             reply = ("error", f"raised {type(err).__name__}: {err}")
         try:
-            outbox.send(reply)
+            data = pickle.dumps(reply)
         except Exception as err:  # noqa: BLE001 - e.g. a return value that cannot be pickled
-            outbox.send(("error", f"returned a value that cannot be pickled ({type(err).__name__}: {err})"))
+            data = pickle.dumps(("error", f"returned a value that cannot be pickled ({type(err).__name__}: {err})"))
+        outbox.send_bytes(data)
 
 
 class TimeLimitedCalls:
@@ -95,14 +99,16 @@ class TimeLimitedCalls:
     def _exchange(self, message: tuple, timeout: float) -> Outcome:
         """Send ``message`` and wait ``timeout`` s for the reply; a late reply kills the child."""
         try:
-            self._outbox.send(message)
-        except (BrokenPipeError, EOFError, OSError):
-            return self._died()
+            data = pickle.dumps(message)
         except Exception as err:  # noqa: BLE001 - arguments that cannot be pickled
             return Outcome("error", f"got arguments that cannot be pickled ({err})")
         try:
+            self._outbox.send_bytes(data)
+        except (BrokenPipeError, EOFError, OSError):
+            return self._died()
+        try:
             if self._inbox.poll(timeout):
-                return Outcome(*self._inbox.recv())
+                return Outcome(*pickle.loads(self._inbox.recv_bytes()))
         except (EOFError, OSError):
             return self._died()
         self._kill()

@@ -101,8 +101,9 @@ def describe(tp: Any) -> str:
     return text + (" or null" if optional else "")
 
 
-def _scalar(key: str, value: Any, inner: Any) -> Any:
-    """``value`` as the scalar type ``inner`` (bool, int, float, str), or raise."""
+def _scalar(key: str, value: Any, inner: Any, strict: bool = False) -> Any:
+    """``value`` as the scalar type ``inner`` (bool, int, float, str), or raise. ``strict`` (values
+    from code, not YAML): a number is never read from a string."""
     if inner is bool and isinstance(value, bool):
         return value
     if inner is int and not isinstance(value, bool):
@@ -114,7 +115,7 @@ def _scalar(key: str, value: Any, inner: Any) -> Any:
         number = None
         if isinstance(value, (int, float)):
             number = float(value)
-        elif isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+        elif isinstance(value, str) and not strict:  # YAML 1.1 reads "1e-5" as a string
             try:
                 number = float(value)
             except ValueError:
@@ -125,11 +126,12 @@ def _scalar(key: str, value: Any, inner: Any) -> Any:
             return number
     if inner is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
         return str(value)
-    raise OptionError(f"{key}: expected {describe(inner)}, got {value!r}")
+    raise OptionError(f"{key}: expected {describe(inner)}, got {value!r}" + (
+        f" ({type(value).__name__})" if strict else ""))
 
 
-def coerce(key: str, value: Any, tp: Any) -> Any:
-    """Check/convert ``value`` to type ``tp``; raise OptionError naming ``key``."""
+def coerce(key: str, value: Any, tp: Any, strict: bool = False) -> Any:
+    """Check/convert ``value`` to type ``tp``; raise OptionError naming ``key`` (``strict``: see ``_scalar``)."""
     tp = _unannotated(tp)[0]
     optional, inner = is_optional(tp)
     if value is None:
@@ -158,7 +160,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         return copy.deepcopy(value)
     if inner is Any:
         return value
-    return _scalar(key, value, inner)
+    return _scalar(key, value, inner, strict)
 
 
 def deep_update(base: dict, update: dict) -> dict:
@@ -206,19 +208,25 @@ def merge(obj: Any, data: Any, prefix: str = "") -> Any:
         raise OptionError(f"{where}: {err}") from None
 
 
-def build(where: str, specs: list[OptionSpec], values: dict | None) -> dict:
+def check_known(where: str, given, valid, hint: str = "") -> None:
+    """The one unknown-option check: raise OptionError naming ``where``, the unknown keys of
+    ``given`` and the ``valid`` ones (``hint`` is appended)."""
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise OptionError(f"{where}: unknown option(s) {unknown}; valid options are {sorted(valid)}{hint}")
+
+
+def build(where: str, specs: list[OptionSpec], values: dict | None, hint: str = "", strict: bool = False) -> dict:
     """``values`` checked against ``specs``: every declared option, typed, defaults filled in.
     Unknown keys and missing required options raise OptionError naming ``where`` and the valid
-    options."""
+    options (``hint`` follows an unknown-option error; ``strict``: values from code, see ``_scalar``)."""
     values = dict(values or {})
     valid = sorted(s.name for s in specs)
-    unknown = sorted(set(values) - set(valid))
-    if unknown:
-        raise OptionError(f"{where}: unknown option(s) {unknown}; valid options are {valid}")
+    check_known(where, values, valid, hint)
     out = {}
     for spec in specs:
         if spec.name in values:
-            out[spec.name] = coerce(f"{where}.{spec.name}", values[spec.name], spec.type)
+            out[spec.name] = coerce(f"{where}.{spec.name}", values[spec.name], spec.type, strict)
         elif spec.required:
             raise OptionError(f"{where}.{spec.name}: required, e.g. {where}.{spec.name}=..."
                               f" ({describe(spec.type)}); valid options are {valid}")

@@ -15,6 +15,13 @@ from torch import Tensor
 
 MAX_ROWS_REPORTED = 10
 
+# Log-probabilities above 0 by more than this are refused. A log-softmax evaluated in one pass,
+# z_y - m - log Σ exp(z - m), is <= 0 exactly (creditrl's token_stats, torch.log_softmax); pipelines
+# that take z_y and log Σ exp(z) from different kernels or precisions (a sampler's logprobs, a fused
+# cross-entropy) land a few float32 ulps of |log Σ exp z| above 0: ~2e-5 at |log Σ exp z| = 100. Logits
+# passed by mistake as log-probs are O(1) and above 0 for many tokens, far beyond 1e-3.
+LOGP_TOLERANCE = 1e-3
+
 
 def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = None,
                  shape: Sequence[int | None] | None = None, floating: bool | None = None,
@@ -22,6 +29,9 @@ def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = Non
     """Check that ``x`` is a tensor of the given rank/shape/dtype kind; return it."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.is_meta:
+        raise ValueError(f"{name}: expected a tensor with values (on the CPU or a GPU), got a tensor on the 'meta' "
+                         f"device (shape {list(x.shape)} only, no data to compute with)")
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if x.dim() not in allowed:

@@ -6,20 +6,19 @@ to the response's valid tokens.
 """
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
 from torch import Tensor
 
+from creditrl.utils.imports import PluginError, is_builtin, plugin_name
 from creditrl.utils.validate import bad_rows, check_finite, check_mask, check_range, check_tensor
-from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, get_estimator, list_estimators,
-                                          register_estimator)
+from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, KRange, get_estimator, list_estimators,
+                                               register_estimator)
 from creditrl.core.estimators.steps import returns_to_go
 from creditrl.core.groups import GroupIndex
-from creditrl.core.estimators import baselines, maxk, otb  # noqa: F401,E402  (register the built-ins)
 
-__all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch",
+__all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch", "EstimatorSpec", "KRange",
            "build_batch", "prepare", "estimate", "returns_to_go", "check_group_size"]
 
 # Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
@@ -74,7 +73,7 @@ def _row_totals(rewards: Tensor) -> Tensor:
 
 def _check_device(device: torch.device, **tensors: Tensor | None) -> None:
     for name, x in tensors.items():
-        if x is not None and x.device != device:
+        if x is not None and check_tensor(name, x).device != device:
             raise ValueError(f"{name}: expected a tensor on {device} (the mask's device), got {x.device}")
 
 
@@ -115,19 +114,6 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
                           raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma))
 
 
-def _check_options(spec: EstimatorSpec, options: dict) -> None:
-    declared = spec.options
-    if declared is None:
-        return
-    valid = sorted(declared)
-    unknown = sorted(set(options) - set(declared))
-    if unknown:
-        raise ValueError(f"{spec.name}: unknown option(s) {unknown}; valid options are {valid}")
-    missing = [k for k, default in declared.items() if default is inspect.Parameter.empty and k not in options]
-    if missing:
-        raise ValueError(f"{spec.name}: missing required option(s) {missing}; valid options are {valid}")
-
-
 def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,
                        energy: Tensor | None = None, is_weights: Tensor | None = None,
                        **options) -> Tensor:
@@ -142,6 +128,8 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
     """
+    spec = get_estimator(name)
+    options = spec.resolve_options(options)          # before any work: unknown or mistyped options
     return estimate(name, prepare(name, rewards=rewards, mask=mask, group=group, energy=energy,
                                   is_weights=is_weights, gamma=options.pop("gamma", 1.0)), **options)
 
@@ -159,11 +147,21 @@ def prepare(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor, energy: 
 def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
     """Run estimator ``name`` on a built batch and apply the output contract (``compute_advantages``)."""
     spec = get_estimator(name)
-    _check_options(spec, options)
+    options = spec.resolve_options(options)
+    options.pop("gamma", None)                    # already in the batch
     shape = batch.given_mask.shape
     if batch.given_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
         return torch.zeros(shape, dtype=torch.float32, device=batch.given_mask.device)
-    out = spec.fn(batch, **options)
+    if spec.k_range is not None:
+        spec.k_range.check(spec.name, batch.groups, options["k"])
+    try:
+        out = spec.fn(batch, **options)
+    except ValueError:                            # bad input, named by the estimator (the library's contract)
+        raise
+    except Exception as err:
+        if is_builtin(spec.fn):
+            raise
+        raise PluginError(f"estimator {name!r} ({plugin_name(spec.fn)}) raised {type(err).__name__}: {err}") from err
     if not isinstance(out, Tensor) or tuple(out.shape) not in {tuple(shape[:1]), tuple(shape)}:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "
@@ -179,16 +177,14 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
 
 def check_group_size(name: str, options: dict, group_size: int, key: str = "group_size") -> bool:
     """Raise ValueError (naming ``key``) unless estimator ``name`` with ``options`` accepts groups of
-    ``group_size`` responses: it runs on one dummy group of that size, so any option/size combination
-    it rejects (e.g. max@K's k >= N) fails before training instead of at the first batch. Returns
+    ``group_size`` responses: its declared K range first, then one dummy group of that size, so any
+    option/size combination it rejects fails before training instead of at the first batch. Returns
     whether a group of one gets a nonzero advantage (False: such groups learn nothing)."""
-    known, k = get_estimator(name).name, options.get("k")
-    if known in maxk.K_RANGES and isinstance(k, int) and not isinstance(k, bool):
-        low, offset = maxk.K_RANGES[known]
-        if not low <= k <= group_size + offset:
-            why = " for its leave-two-out baseline" if known == "maxpo" else ""
-            raise ValueError(f"k: {known} needs {low} <= k {'<' if offset else '<='} {key} (={group_size}){why}, "
-                             f"got k={k}")
+    spec = get_estimator(name)
+    k = options.get("k")
+    if spec.k_range is not None and isinstance(k, int) and not isinstance(k, bool) and \
+            not spec.k_range.allows(k, group_size):
+        raise ValueError(f"k: {spec.name} needs {spec.k_range.text(key)} (={group_size}), got k={k}")
     try:
         compute_advantages(name, rewards=(torch.arange(group_size) % 2).float(), mask=torch.ones(group_size, 2),
                            group=torch.zeros(group_size, dtype=torch.long), energy=torch.ones(group_size, 2),

@@ -88,7 +88,7 @@ def centred(batch: AdvantageBatch) -> Tensor:
     return r - batch.groups.mean(r)
 
 
-@register_estimator("reinforce", masked_output=True)
+@register_estimator("reinforce", token_level=True, masked_output=True)
 def reinforce(batch: AdvantageBatch) -> Tensor:
     """REINFORCE (Williams 1992): A_t = G_t, the return-to-go, [B,T]. No baseline, singletons kept."""
     return batch.returns

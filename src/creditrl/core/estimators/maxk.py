@@ -24,17 +24,15 @@ from torch import Tensor
 
 from creditrl.utils.validate import check_choice, check_finite, check_int, check_range, check_tensor
 from creditrl.core.estimators.baselines import drop_singletons, group_std
-from creditrl.core.estimators.registry import AdvantageBatch, register_estimator
+from creditrl.core.estimators.registry import AdvantageBatch, KRange, register_estimator
 from creditrl.core.groups import GroupIndex
 
 __all__ = ["MaxKStats", "maxk_quantities", "pass_at_k", "max_at_k", "binom_ratio"]
 
 
 # Option declarations (name, type, help) shared by the max@K estimators' signatures
-K = Annotated[int, "K of max@K / pass@K: attempts scored by their best, N the group size (maxpo: 1 <= K < N; "
-                   "ei, pkpo: 2 <= K <= N; maxk_bon, passk_chen: 1 <= K <= N)"]
-# (low, high_offset) of each estimator's K: low <= K <= N + high_offset (check_k_range)
-K_RANGES = {"maxpo": (1, -1), "ei": (2, 0), "pkpo": (2, 0), "maxk_bon": (1, 0), "passk_chen": (1, 0)}
+K = Annotated[int, "K of max@K / pass@K: attempts scored by their best (its range in N, the group size, is the "
+                   "estimator's k_range)"]
 Normalize = Annotated[Literal["none", "std"], "std: divide by the group's reward std (N-1) + eps"]
 Eps = Annotated[float, "added to the group std before dividing (> 0)"]
 
@@ -232,18 +230,17 @@ def _finish(adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: fl
     return drop_singletons(adv, batch.groups).to(torch.float32)
 
 
-@register_estimator("maxpo")
+@register_estimator("maxpo", k_range=KRange(1, below=1))
 def maxpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps = 1e-6) -> Tensor:
     """MaxPO: A_i = EI_i - b_i^{L2O} = mu_i - nu_i, exactly centred per group, [B].
 
     1 <= K <= N-1 per group. ``normalize="std"`` divides by the group's reward std (N-1) + eps
     (GRPO-style heuristic; keeps the centring). Singleton groups: 0.
     """
-    check_k_range("maxpo", batch.groups, _check_k("k", k), *K_RANGES["maxpo"])
     return _finish(_maxk_stats(batch.rewards, batch.groups, k).advantage, batch, normalize, eps)
 
 
-@register_estimator("ei")
+@register_estimator("ei", k_range=KRange(2))
 def ei(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps = 1e-6) -> Tensor:
     """MaxPO's "EI-only" estimator (MaxPO §3.2, App. C): A_i = EI_i, raw, [B].
 
@@ -251,26 +248,23 @@ def ei(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps =
     baseline, MaxPO eq. 6/11); ``pkpo`` is (K/N)·EI. Non-negative, not centred. 2 <= K <= N.
     ``normalize="std"`` as in ``maxpo``. Singletons: 0.
     """
-    check_k_range("ei", batch.groups, _check_k("k", k), *K_RANGES["ei"])
     return _finish(_maxk_stats(batch.rewards, batch.groups, k).ei, batch, normalize, eps)
 
 
-@register_estimator("pkpo")
+@register_estimator("pkpo", k_range=KRange(2))
 def pkpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps = 1e-6) -> Tensor:
     """PKPO ``sloo_minus_one`` (Walder & Karkhanis 2025): (K/N) EI_i = max@K - max@(K-1), [B].
 
     Non-negative (not centred). 2 <= K <= N. ``normalize="std"`` as in ``maxpo``. Singletons: 0.
     """
-    check_k_range("pkpo", batch.groups, _check_k("k", k), *K_RANGES["pkpo"])
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     return _finish(k / stats.sizes.to(torch.float64) * stats.ei, batch, normalize, eps)
 
 
-@register_estimator("maxk_bon")
+@register_estimator("maxk_bon", k_range=KRange(1))
 def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Bagirov et al. 2025 "BoN mean": z-score within the group of PKPO's s_i = (K/N) mu_i,
     std with N-1 plus eps as in ``grpo`` (MaxPO App. F.6 eq. 103). 1 <= K <= N. Singletons: 0."""
-    check_k_range("maxk_bon", batch.groups, _check_k("k", k), *K_RANGES["maxk_bon"])
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     s = k / stats.sizes.to(torch.float64) * stats.mu
     s = torch.where(stats.sizes == 1, torch.zeros_like(s), s)  # mu is nan when K > N = 1
@@ -278,7 +272,7 @@ def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     return _finish((s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch)
 
 
-@register_estimator("passk_chen")
+@register_estimator("passk_chen", k_range=KRange(1))
 def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Chen et al. 2025 analytic pass@K advantage for binary rewards (MaxPO App. F.5 eq. 97):
 
@@ -290,7 +284,6 @@ def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """
     check_range("eps", eps, 0.0, low_inclusive=False)
     groups = batch.groups
-    check_k_range("passk_chen", groups, _check_k("k", k), *K_RANGES["passk_chen"])
     r = batch.rewards.to(torch.float64)
     nonbinary = groups.sum(((r != 0) & (r != 1)).to(torch.int64)) > 0
     if bool(nonbinary.any()):

@@ -92,7 +92,7 @@ def token_loo_advantage(batch: AdvantageBatch, *, cumulative: bool) -> Tensor:
     return steps.expand(advantage)
 
 
-@register_estimator("otb", needs_energy=True, masked_output=True)
+@register_estimator("otb", needs_energy=True, token_level=True, masked_output=True)
 def otb(batch: AdvantageBatch, *, leave_one_out: LeaveOneOut = False) -> Tensor:
     """OTB (eq. 8/42): baseline weighted by the cumulative energy W_t = sum_{j<=t} w_j, [B,T].
 
@@ -103,7 +103,7 @@ def otb(batch: AdvantageBatch, *, leave_one_out: LeaveOneOut = False) -> Tensor:
     return token_baseline_advantage(batch, cumulative=True)
 
 
-@register_estimator("otb_isolated", needs_energy=True, masked_output=True)
+@register_estimator("otb_isolated", needs_energy=True, token_level=True, masked_output=True)
 def otb_isolated(batch: AdvantageBatch, *, leave_one_out: LeaveOneOut = False) -> Tensor:
     """OTB with isolated energies (eq. 52): baseline weighted by w_t alone, [B,T].
 

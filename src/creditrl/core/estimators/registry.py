@@ -8,6 +8,7 @@ so estimators contain only their formula. Third parties add one with ``@register
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Protocol
@@ -17,8 +18,8 @@ from torch import Tensor
 
 from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
-from creditrl.utils.imports import registered_entry
-from creditrl.utils.options import OptionSpec, options_of
+from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
+from creditrl.utils.options import OptionSpec, build, options_of
 
 
 @dataclass(frozen=True)
@@ -107,20 +108,52 @@ class Estimator(Protocol):
 
 
 @dataclass(frozen=True)
+class KRange:
+    """The K of a max@K estimator, for a group of N responses: ``low <= K <= N - below``."""
+    low: int
+    below: int = 0
+
+    def text(self, n: str = "N") -> str:
+        return f"{self.low} <= k {'<' if self.below == 1 else '<='} {n}" + (
+            f" - {self.below}" if self.below > 1 else "")
+
+    def allows(self, k: int, group_size: int) -> bool:
+        return self.low <= k <= group_size - self.below
+
+    def check(self, name: str, groups: GroupIndex, k: int) -> None:
+        """Raise naming the first group (singletons aside: they get 0) whose size N rules out ``k``."""
+        sizes = groups.sizes
+        bad = ((k < self.low) | (k > sizes - self.below)) & (sizes > 1)
+        if bool(bad.any()):
+            first = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(f"{name}: k={k} is out of range for group id {groups.ids[first].item()} "
+                             f"(N={int(sizes[first])}, K={k}); expected {self.text()} ({int(bad.sum())} "
+                             f"group(s) affected)")
+
+
+@dataclass(frozen=True)
 class EstimatorSpec:
+    """A registered estimator and the facts every front end reads from it (declared once, in
+    ``register_estimator``): whether it needs energies, its K range (max@K estimators), whether
+    it uses token-level returns (and so takes ``gamma``); ``leave_one_out`` is whether its
+    signature declares that option."""
     name: str
     fn: Callable[..., Tensor]
     needs_energy: bool = False
     doc: str = ""
     masked_output: bool = False  # a [B,T] result is already finite and exactly 0 where mask == 0
+    k_range: KRange | None = None
+    token_level: bool = False
 
-    @property
+    @cached_property
     def option_specs(self) -> list[OptionSpec] | None:
         """The options this estimator takes, declared once by ``fn``'s keyword parameters after
-        the batch (help from ``Annotated[type, "help"]``), plus ``gamma`` (the returns-to-go
-        discount every estimator accepts). None when ``fn`` takes ``**options``."""
+        the batch (help from ``Annotated[type, "help"]``), plus ``gamma`` for a token-level one
+        (the returns-to-go discount). None when ``fn`` takes ``**options``."""
         specs = options_of(self.fn, skip=1)
-        return None if specs is None else [GAMMA, *specs]
+        if specs is None:
+            return None
+        return [GAMMA, *specs] if self.token_level else specs
 
     @property
     def options(self) -> dict[str, object] | None:
@@ -128,30 +161,68 @@ class EstimatorSpec:
         specs = self.option_specs
         return None if specs is None else {s.name: s.default for s in specs}
 
+    @property
+    def leave_one_out(self) -> bool:
+        """Whether it has a ``leave_one_out`` form (the option is declared)."""
+        return "leave_one_out" in (self.options or {})
+
+    def facts(self) -> list[str]:
+        """The declared facts in words (``creditrl estimators``, docs/config.md)."""
+        return [text for flag, text in (
+            (self.needs_energy, "needs the energies ŵ_t"),
+            (self.k_range is not None, f"k: {self.k_range.text() if self.k_range else ''} (N the group size)"),
+            (self.token_level, "token-level returns G_t (token rewards, gamma)"),
+            (self.leave_one_out, "has a leave_one_out form")) if flag]
+
+    def resolve_options(self, options: dict, where: str | None = None, strict: bool = True) -> dict:
+        """``options`` checked against the declaration and typed (a bool option takes a bool, not
+        ``"false"``), defaults filled in; OptionError naming ``where`` (default: the estimator).
+        ``strict=False`` for YAML values (a float may come as the string "1e-5")."""
+        specs = self.option_specs
+        if specs is None:
+            return dict(options)
+        hint = "" if self.token_level or "gamma" not in options else (
+            f" (gamma discounts token-level returns; {self.name} uses the total reward R)")
+        return build(where or self.name, specs, options, hint, strict)
+
 
 GAMMA = OptionSpec("gamma", float, 1.0, "Discount of the returns-to-go over valid tokens (token-level rewards).")
 
 _REGISTRY: dict[str, EstimatorSpec] = {}
+BUILTINS = "creditrl.core.estimators"
 
 
-def register_estimator(name: str, *, needs_energy: bool = False, overwrite: bool = False,
-                       masked_output: bool = False):
+def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange | None = None,
+                       token_level: bool = False, masked_output: bool = False, overwrite: bool = False):
     """Decorator: register ``fn(batch: AdvantageBatch, **options) -> [B] | [B,T]`` under ``name``.
 
-    ``needs_energy`` makes ``compute_advantages`` require the ``energy`` argument.
-    ``masked_output`` promises that a [B,T] result is finite and exactly 0 where mask == 0, so
+    The facts every front end reads, declared here once:
+    ``needs_energy``: ``compute_advantages`` requires the ``energy`` argument;
+    ``k_range``: a max@K estimator's ``KRange`` (``fn`` takes ``k``; checked per group before it runs);
+    ``token_level``: it reads the returns-to-go G_t (so token rewards and ``gamma`` matter);
+    ``masked_output``: a [B,T] result is finite and exactly 0 where mask == 0, so
     ``compute_advantages`` skips its checking pass (the built-in token-level estimators; tested).
     Re-registering a name raises unless ``overwrite=True`` (or it is the same function).
     """
 
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        try:
+            inspect.signature(fn).bind_partial(None)
+        except (TypeError, ValueError):
+            raise TypeError(f"estimator {name!r}: {plugin_name(fn)} must take the batch as its first argument, "
+                            f"fn(batch, **options)") from None
         old = _REGISTRY.get(name)
         if old is not None and not overwrite and old.fn is not fn and (
                 getattr(old.fn, "__qualname__", None), getattr(old.fn, "__module__", None)) != (
                 getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
             raise ValueError(f"estimator {name!r} is already registered to {old.fn!r}; pass overwrite=True")
         doc = (fn.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output)
+        spec = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output, k_range, token_level)
+        takes_k = "k" in (spec.options or {})
+        if (k_range is not None) != takes_k and spec.options is not None:
+            raise ValueError(f"estimator {name!r}: k_range is declared for estimators that take a `k` option, and "
+                             f"only for them (k_range={k_range}, takes k: {takes_k})")
+        _REGISTRY[name] = spec
         return fn
 
     return decorator
@@ -159,12 +230,14 @@ def register_estimator(name: str, *, needs_energy: bool = False, overwrite: bool
 
 def list_estimators() -> list[str]:
     """Names of all registered estimators, sorted."""
+    import_submodules(BUILTINS)
     return sorted(_REGISTRY)
 
 
 def get_estimator(name: str) -> EstimatorSpec:
     """The spec of a registered estimator, by name or by the import path ``"pkg.module:function"``
     of a function registered with ``register_estimator`` (importing the module registers it)."""
+    import_submodules(BUILTINS)
     return registered_entry(
         _REGISTRY, name, what="estimator",
         unknown=f"name: unknown estimator {name!r}; valid estimators are {list_estimators()} or an import path "

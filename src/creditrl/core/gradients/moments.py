@@ -163,14 +163,18 @@ class GradientMoments:
         self._units += 1
         self._open = None
 
-    def stats(self) -> GradientStats:
-        """The statistics so far (closes the open unit; more draws may follow in new units)."""
+    def stats(self, names: Sequence[str] | None = None) -> GradientStats:
+        """The statistics so far (closes the open unit; more draws may follow in new units), of the
+        estimators ``names`` only when given (their cross Gram alone is computed: K·E' vectors)."""
         self._close()
-        flat = self._sums.reshape(-1, self.dim).to(torch.float64)
-        K, E = self.folds, len(self.names)
+        pick = list(range(len(self.names))) if names is None else [self.names.index(n) for n in names]
+        index = torch.tensor(pick)
+        flat = self._sums[:, index].reshape(-1, self.dim)
+        K, E = self.folds, len(pick)
         cross = _gram(flat, flat).reshape(K, E, K, E).permute(0, 2, 1, 3).contiguous()
-        return GradientStats(self.names, self._draws.clone(), self._same_unit.clone(), self._second.clone(),
-                             self._within.clone(), cross)
+        return GradientStats(tuple(self.names[i] for i in pick), self._draws.clone(), self._same_unit.clone(),
+                             self._second[:, index][:, :, index].clone(), self._within[:, index][:, :, index].clone(),
+                             cross)
 
 
 def _gram(a: Tensor, b: Tensor, chunk: int = 1 << 22) -> Tensor:

@@ -31,23 +31,55 @@ import torch
 from torch import Tensor
 
 from creditrl.core.gradients.moments import GradientStats
-from creditrl.utils.stats import t_quantile
+from creditrl.utils.stats import t_quantile, t_sf
 from creditrl.utils.validate import check_tensor
 
+BIAS_CORRECTED = ("cosine",)
+EXACT = 1e-9      # a standard error below this (relative) is float rounding of an exact relation
 LOG_SCALE = ("variance", "matched_variance", "efficiency", "raw_ratio")
 STATISTICS = ("variance", "scale", "cosine", "matched_variance", "efficiency", "raw_ratio", "signal")
 
 
 @dataclass(frozen=True)
 class Interval:
-    """A point estimate with its 95% interval over ``folds`` resampling units (0: exact, no interval)."""
+    """A point estimate with its 95% interval over ``folds`` resampling units (0: exact, no interval);
+    ``se`` its jackknife standard error on the interval's scale (``log``: of log(value)), NaN when
+    the interval is undefined. Printed as "undefined" where a value is NaN, never "nan"."""
     value: float
     low: float
     high: float
     folds: int
+    se: float = math.nan
+    log: bool = False
 
     def __str__(self) -> str:
+        if not math.isfinite(self.value):
+            return "undefined"
+        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+            return f"{self.value:.3g} [interval undefined]"
         return f"{self.value:.3g} [{self.low:.3g}, {self.high:.3g}]"
+
+    @property
+    def defined(self) -> bool:
+        """Point and interval are finite."""
+        return all(math.isfinite(x) for x in (self.value, self.low, self.high))
+
+    def p_value(self, null: float) -> float:
+        """Two-sided p-value of ``value`` = ``null`` from the jackknife t (``folds`` − 1 df); NaN when
+        undefined. On the log scale for a ``log`` interval."""
+        if not self.defined or self.folds < 2 or not self.se >= 0 or (self.log and not null > 0):
+            return math.nan
+        centre, zero = (math.log(self.value), math.log(null)) if self.log else (self.value, null)
+        if self.se <= EXACT * max(1.0, abs(centre)):    # every replicate equal: an exact relation
+            return 1.0 if abs(centre - zero) <= EXACT * max(1.0, abs(zero)) else 0.0
+        return min(1.0, 2.0 * t_sf(abs(centre - zero) / self.se, self.folds - 1))
+
+    def clamped(self, low: float, high: float) -> "Interval":
+        """The same interval with value and bounds clamped to [low, high] (an estimate of a bounded
+        quantity, e.g. a share, can fall outside its range)."""
+        def clip(x: float) -> float:
+            return x if not math.isfinite(x) else min(max(x, low), high)
+        return Interval(clip(self.value), clip(self.low), clip(self.high), self.folds, self.se, self.log)
 
 
 @dataclass(frozen=True)
@@ -94,7 +126,7 @@ def _replicates(stats: GradientStats) -> tuple[Tensor, Tensor]:
     return second, cross / (draws * draws - same_unit)[:, None, None]
 
 
-def _interval(full: float, replicates: Tensor, log: bool) -> Interval:
+def _interval(full: float, replicates: Tensor, log: bool, bias_correct: bool = False) -> Interval:
     """Jackknife t-interval around ``full`` from the K delete-one-fold values: NaN bounds when K < 2
     or a value is not finite (or, on the log scale, not positive)."""
     K = replicates.numel()
@@ -106,9 +138,13 @@ def _interval(full: float, replicates: Tensor, log: bool) -> Interval:
         x, centre = replicates, full
     if K < 2 or not math.isfinite(centre) or not bool(torch.isfinite(x).all()):
         return Interval(full, math.nan, math.nan, K)
-    half = t_quantile(K - 1) * math.sqrt((K - 1) / K * float((x - x.mean()).square().sum()))
+    if bias_correct:          # Quenouille's jackknife: removes the O(1/n) bias of a nonlinear statistic
+        centre = K * centre - (K - 1) * float(x.mean())
+        full = math.exp(centre) if log else centre
+    se = math.sqrt((K - 1) / K * float((x - x.mean()).square().sum()))
+    half = t_quantile(K - 1) * se
     low, high = centre - half, centre + half
-    return Interval(full, math.exp(low), math.exp(high), K) if log else Interval(full, low, high, K)
+    return Interval(full, math.exp(low), math.exp(high), K, se, True) if log else Interval(full, low, high, K, se)
 
 
 def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: str | None = None
@@ -124,11 +160,23 @@ def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: st
     values = _statistics(*_replicates(stats.nonempty()), r, b)
     out = {}
     for e, name in enumerate(stats.names):
-        fields = {key: _interval(float(values[key][0, e]), values[key][1:, e], key in LOG_SCALE)
+        fields = {key: _interval(float(values[key][0, e]), values[key][1:, e], key in LOG_SCALE, key in BIAS_CORRECTED)
                   for key in STATISTICS if key != "signal"}
         out[name] = EstimatorQuality(name, reference, baseline or reference, signal=float(values["signal"][0, e]),
                                      **fields)
     return out
+
+
+def signal_interval(stats: GradientStats, name: str) -> Interval:
+    """The cross-fitted ‖mu_name‖² (pairs of draws in different units, unbiased) with its jackknife
+    interval over the folds (linear scale): resolved above the noise when value >= 3 se."""
+    e = stats.index(name)
+    stats = stats.nonempty()
+    if stats.draws.numel() < 1 or not float(stats.draws.sum() ** 2 - stats.same_unit.sum()) > 0:
+        return Interval(math.nan, math.nan, math.nan, int(stats.draws.numel()))
+    _, signal = _replicates(stats)
+    own = signal[:, e, e]
+    return _interval(float(own[0]), own[1:], False)
 
 
 def exact_quality(names: tuple[str, ...] | list[str], grads: Tensor, probs: Tensor, reference: str = "rloo",

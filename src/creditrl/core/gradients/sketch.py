@@ -30,15 +30,17 @@ class CountSketch:
                       for s in self.shapes]
 
     def __call__(self, tensors: Sequence[Tensor | None]) -> Tensor:
-        """S x for x the concatenation of ``tensors`` (None: zeros of that shape, e.g. an unused parameter)."""
+        """S x for x the concatenation of ``tensors`` (None: zeros of that shape, e.g. an unused
+        parameter), accumulated in float32 (a bucket sums about D/dim coordinates: rounding far below
+        the sketch's own sqrt(2/dim) error, and ~2x faster than float64), returned as float64."""
         if len(tensors) != len(self.shapes):
             raise ValueError(f"tensors: expected {len(self.shapes)} tensors (one per sketched shape), "
                              f"got {len(tensors)}")
-        out = torch.zeros(self.dim, dtype=torch.float64)
+        out = torch.zeros(self.dim, dtype=torch.float32)
         for x, shape, bucket, sign in zip(tensors, self.shapes, self.buckets, self.signs):
             if x is None:
                 continue
             if x.shape != shape:
                 raise ValueError(f"tensors: expected shape {list(shape)}, got {list(x.shape)}")
-            out.index_add_(0, bucket, x.detach().reshape(-1).to(torch.float64).cpu() * sign)
-        return out
+            out.index_add_(0, bucket, x.detach().reshape(-1).to(device="cpu", dtype=torch.float32) * sign)
+        return out.to(torch.float64)

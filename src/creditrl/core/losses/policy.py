@@ -21,7 +21,9 @@ trainer), and the entropy too while an entropy bonus is on.
 Numerics: float32, or the widest float dtype among the inputs; bf16 inputs are upcast and the
 gradient comes back in ``logp``'s dtype. Log-ratios are clamped to ±20 before exp (as verl
 does): the gradient is 0 where a clamp binds. Masked entries never reach the result, even NaN
-(every input is zeroed off the mask first). Metrics are copied to the host once.
+(every input is zeroed off the mask first). Log-probs above 0 by more than ``LOGP_TOLERANCE``
+(1e-3, ``creditrl.utils.validate``) on the mask's tokens are refused, naming the input. Metrics are
+copied to the host once.
 """
 from __future__ import annotations
 
@@ -40,15 +42,18 @@ from creditrl.core.losses import truncation as _truncation, entropy as _entropy,
 from creditrl.core.losses import cispo as _cispo, sapo as _sapo, gmpo as _gmpo, dppo as _dppo  # noqa: F401
 from creditrl.core.losses import covariance as _covariance, delta_l as _delta_l  # noqa: F401
 from creditrl.core.losses.diagnostics import kl_estimate
-from creditrl.core.losses.terms import EXCLUSIVE_STAGES, STAGES, LossState, LossTerm, get_loss_term, list_loss_terms
-from creditrl.core.losses.terms import resolve_loss_terms
-from creditrl.utils.validate import NonFiniteError, as_mask, check_finite, check_same_shape, check_tensor
+from creditrl.core.losses.terms import EXCLUSIVE_STAGES, STAGES, LossState, LossTerm, apply_term, get_loss_term
+from creditrl.core.losses.terms import list_loss_terms, resolve_loss_terms
+from creditrl.utils.imports import plugin_name
+from creditrl.utils.validate import LOGP_TOLERANCE, NonFiniteError, as_mask, check_finite, check_same_shape
+from creditrl.utils.validate import check_tensor
 from creditrl.utils.validate import token_advantages
 
 # terms whose gradient at r = 1 (π_θ = π_old) is the clip surrogate's, A·∇log π (tests/test_surrogates.py):
 # in an on-policy single pass they train exactly as the default loss
 ON_POLICY_AS_CLIP = ("gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "kl_cov")
 
+LOG_PROBS = ("logp", "old_logp", "ref_logp", "rollout_logp")   # each <= 0, within LOGP_TOLERANCE
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
                "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
 
@@ -153,15 +158,31 @@ class PolicyLoss:
         if logp_in.numel() == 0:      # B = 0 or T = 0: loss 0, still attached (zero gradients), metrics 0
             token_advantages(advantages, logp_in)                           # validated all the same
             return logp_in.sum() * 0.0, dict.fromkeys(METRIC_KEYS, 0.0)
-        state, token_adv = _initial_state(data, advantages, valid)
-        state = dataclasses.replace(state, truncated=rows_cut, flat=self.flat, weight=_data_weights(state, data))
+        initial, token_adv, highest = _initial_state(data, advantages, valid)
+        initial = dataclasses.replace(initial, truncated=rows_cut, flat=self.flat, weight=_data_weights(initial, data))
+        state, _ = self._compose(initial)
+        return _finish(state, {**given, "advantages": token_adv}, highest,
+                       locate=lambda: self._compose(initial, locate=True)[1])
+
+    def _compose(self, state: LossState, locate: bool = False) -> tuple[LossState, str | None]:
+        """The terms applied in their stages' order. ``locate`` (only once a result came out non-finite
+        from finite inputs): run without gradient and stop at the first term whose output holds NaN/inf,
+        returning its description."""
         for stage in STAGES:
             if stage == "ratio":
                 state = _surrogate_inputs(state)
             for term, options in self.terms:
                 if term.stage == stage:
-                    state = term.fn(state, options)
-        return _finish(state, {**given, "advantages": token_adv})
+                    if not locate:
+                        state = apply_term(term, options, state)
+                        continue
+                    with torch.no_grad():
+                        state = apply_term(term, options, state)
+                    bad = _non_finite_fields(state)
+                    if bad:
+                        return state, (f"loss term {term.name!r} ({plugin_name(term.fn)}, {_describe(options)}) "
+                                       f"produced NaN/inf in {', '.join(bad)}")
+        return state, None
 
     def _check_needs(self, given: dict[str, Tensor | None]) -> None:
         for term, options in self.terms:
@@ -235,9 +256,11 @@ def _advantages(advantages: Tensor, like: Tensor, valid: Tensor, valid_f: Tensor
     return zero_off_mask(advantages.detach().to(like.dtype), valid, valid_f), token_adv
 
 
-def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Tensor) -> tuple[LossState, Tensor]:
+def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Tensor
+                   ) -> tuple[LossState, Tensor, dict[str, Tensor]]:
     """The state every term starts from: inputs zeroed off the mask, keep = valid, the
-    metrics every loss reports (``adv_abs_mean``) and the defaults of the others (0)."""
+    metrics every loss reports (``adv_abs_mean``) and the defaults of the others (0); the
+    log-prob inputs' largest valid values still to be read (``_zeroed_log_probs``)."""
     logp = data["logp"]
     valid_f = valid.to(logp.dtype)
     row_tokens = valid_f.sum(dim=1)
@@ -245,12 +268,49 @@ def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Te
     adv, token_adv = _advantages(advantages, logp, valid, valid_f, row_tokens)
     with torch.no_grad():
         adv_abs_mean = (adv.abs() * (row_tokens[:, None] if adv.shape[1] == 1 else valid_f)).sum() / n_valid
-    zeroed = {name: None if x is None else zero_off_mask(x, valid, valid_f) for name, x in data.items()}
+    zeroed, highest = _zeroed_log_probs(data, valid, valid_f)
+    zeroed.update({name: None if x is None else zero_off_mask(x, valid, valid_f)
+                   for name, x in data.items() if name not in LOG_PROBS})
     state = LossState(logp=zeroed["logp"], old_logp=zeroed["old_logp"], advantages=adv, valid=valid,
                       valid_f=valid_f, keep=valid, row_tokens=row_tokens, n_valid=n_valid,
                       ref_logp=zeroed["ref_logp"], rollout_logp=zeroed["rollout_logp"], entropy=zeroed["entropy"],
                       metrics={**dict.fromkeys(METRIC_KEYS, logp.new_zeros(())), "adv_abs_mean": adv_abs_mean})
-    return state, token_adv
+    return state, token_adv, highest
+
+
+def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Tensor
+                      ) -> tuple[dict[str, Tensor | None], dict[str, Tensor]]:
+    """The log-prob inputs zeroed off the mask, and those whose largest valid value must still be
+    compared with ``LOGP_TOLERANCE`` (0-d tensors, read with the metrics in ``_finish``: no host sync
+    of their own). On CPU one ``aminmax`` per input (one pass, one read, as the finiteness check of
+    ``zero_off_mask`` costs) settles both the finiteness and, in the usual case, the bound; an input
+    above the bound is checked on its valid tokens at once (before any work)."""
+    zeroed, highest = {}, {}
+    for name in LOG_PROBS:
+        x = data[name]
+        if x is None:
+            zeroed[name] = None
+            continue
+        if x.device.type == "cpu":
+            low, high = torch.aminmax(x.detach())
+            if bool(torch.isfinite(low) & (high <= LOGP_TOLERANCE)):      # the usual case: one read
+                zeroed[name] = x * valid_f
+                continue
+            finite = bool(torch.isfinite(low) & torch.isfinite(high))      # rare: above the bound, or NaN/inf
+            zeroed[name] = x * valid_f if finite else torch.where(valid, x, 0.0)
+            _check_log_probs(name, float(zeroed[name].detach().amax()))
+        else:                                  # a where, and the bound read later with the metrics
+            zeroed[name] = torch.where(valid, x, 0.0)
+            highest[name] = zeroed[name].detach().amax()
+    return zeroed, highest
+
+
+def _check_log_probs(name: str, highest: float) -> None:
+    """Refuse log-probabilities above 0 beyond rounding (NaN/inf pass here: ``_explain_non_finite``)."""
+    if math.isfinite(highest) and highest > LOGP_TOLERANCE:
+        raise ValueError(f"{name}: expected log-probabilities <= 0 (up to {LOGP_TOLERANCE:g} of rounding) on the "
+                         f"mask's tokens, got values up to {highest:.4g} (logits or probabilities passed as "
+                         f"log-probs?)")
 
 
 def _data_weights(state: LossState, data: dict[str, Tensor | None]) -> Tensor | None:
@@ -291,25 +351,44 @@ def _surrogate_inputs(state: LossState) -> LossState:
     return dataclasses.replace(state, logp=logp, log_ratio=log_ratio).with_metrics(approx_kl=approx_kl)
 
 
-def _finish(state: LossState, inputs: dict[str, Tensor | None]) -> tuple[Tensor, dict[str, float]]:
-    """(loss, metrics as floats): one device→host copy; a non-finite result names its input."""
+def _finish(state: LossState, inputs: dict[str, Tensor | None], highest: dict[str, Tensor], locate
+            ) -> tuple[Tensor, dict[str, float]]:
+    """(loss, metrics as floats): one device→host copy, which also brings the log-prob inputs'
+    largest valid values still to be checked; a non-finite result names its input, or else the
+    term that produced it (``locate()``)."""
     with torch.no_grad():
         metrics = dict(state.metrics, kept_frac=state.keep.sum() / state.n_valid)
-        values = list(metrics.values()) + [state.loss.detach()]
+        values = list(metrics.values()) + [state.loss.detach()] + list(highest.values())
         floats = torch.stack([torch.as_tensor(v, device=state.valid.device).to(torch.float64).reshape(())
                               for v in values]).tolist()
-    result = dict(zip(metrics, floats[:-1]))
+    result = dict(zip(metrics, floats[:len(metrics)]))
+    for name, value in zip(highest, floats[len(metrics) + 1:]):
+        _check_log_probs(name, value)
     if not all(math.isfinite(v) for v in floats):
-        _explain_non_finite(inputs, state.valid, result)
+        _explain_non_finite(inputs, state.valid, result, locate)
     return state.loss, result
 
 
-def _explain_non_finite(inputs: dict[str, Tensor | None], valid: Tensor, metrics: dict) -> None:
-    """Called only when the loss or a metric came out non-finite: name the culprit input."""
+def _explain_non_finite(inputs: dict[str, Tensor | None], valid: Tensor, metrics: dict, locate) -> None:
+    """Called only when the loss or a metric came out non-finite: name the culprit input, or else the
+    first loss term whose output is not finite."""
     for name, x in inputs.items():
         if x is not None:
             check_finite(name, torch.where(valid, x.detach(), 0.0))
+    culprit = locate()
+    if culprit:
+        err = NonFiniteError(f"policy_loss: {culprit} from finite inputs; metrics {metrics}")
+        err.term = culprit                # what a trainer reports when it stops (it skips such steps)
+        raise err
     raise NonFiniteError(f"policy_loss: non-finite result from finite inputs (values too large?): {metrics}")
+
+
+def _non_finite_fields(state: LossState) -> list[str]:
+    """The state's tensors (0 off the mask by contract) and metrics holding NaN/inf."""
+    tensors = {name: getattr(state, name) for name in ("log_ratio", "weight", "advantages", "token_loss", "loss")}
+    tensors.update({f"metrics[{k!r}]": v for k, v in state.metrics.items()})
+    return [name for name, x in tensors.items()
+            if isinstance(x, Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all())]
 
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,

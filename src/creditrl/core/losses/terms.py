@@ -33,12 +33,13 @@ its decorator.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import Tensor
 
-from creditrl.utils.imports import registered_entry
+from creditrl.utils.imports import PluginError, is_builtin, plugin_name, registered_entry
 
 STAGES = ("keep", "ratio", "surrogate", "penalty", "aggregate")
 STAGE_DOCS = {
@@ -204,6 +205,11 @@ def register_loss_term(name: str, *, options: type, stage: str, flat: bool = Fal
     _check_options_class(name, options, flat)
 
     def decorator(fn: Callable[[LossState, Any], LossState]) -> Callable[[LossState, Any], LossState]:
+        try:
+            inspect.signature(fn).bind(None, None)
+        except (TypeError, ValueError):
+            raise TypeError(f"loss term {name!r}: {plugin_name(fn)} must take (state, options), its signature is "
+                            f"{_signature(fn)}") from None
         old = _REGISTRY.get(name)
         if old is not None and not overwrite and old.fn is not fn and (old.fn.__qualname__, old.fn.__module__) != (
                 getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
@@ -214,6 +220,50 @@ def register_loss_term(name: str, *, options: type, stage: str, flat: bool = Fal
         return fn
 
     return decorator
+
+
+def _signature(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(unknown)"
+
+
+BT_FIELDS = ("logp", "old_logp", "ref_logp", "rollout_logp", "entropy", "log_ratio", "token_loss", "valid", "valid_f",
+             "keep")
+
+
+def apply_term(term: LossTerm, options: Any, state: LossState) -> LossState:
+    """``term.fn(state, options)``, checked: a user's term that raises (but for a ValueError, the library's
+    bad-input type) or returns anything but a ``LossState`` whose [B,T] fields keep their shape is a
+    ``PluginError`` naming it. The checks are Python attribute and shape reads (no device work)."""
+    try:
+        out = term.fn(state, options)
+    except ValueError:
+        raise
+    except Exception as err:
+        if is_builtin(term.fn):
+            raise
+        raise PluginError(f"loss term {term.name!r} ({plugin_name(term.fn)}) raised {type(err).__name__}: {err}"
+                          ) from err
+    if not isinstance(out, LossState):
+        raise PluginError(f"loss term {term.name!r} ({plugin_name(term.fn)}): expected fn(state, options) to return "
+                          f"a LossState (e.g. state.add_token_loss(...)), got {type(out).__name__}")
+    shape = state.valid.shape
+    for name in BT_FIELDS:
+        x = getattr(out, name)
+        if x is not None and x.shape != shape:
+            raise PluginError(f"loss term {term.name!r} ({plugin_name(term.fn)}): expected state.{name} of shape "
+                              f"{list(shape)} ([B,T]), got {list(x.shape)}")
+    for name in ("advantages", "weight"):
+        x = getattr(out, name)
+        if x is not None and x.shape not in (shape, shape[:1] + (1,)):
+            raise PluginError(f"loss term {term.name!r} ({plugin_name(term.fn)}): expected state.{name} of shape "
+                              f"{list(shape)} or [{shape[0]}, 1], got {list(x.shape)}")
+    if out.loss is not None and out.loss.dim() != 0:
+        raise PluginError(f"loss term {term.name!r} ({plugin_name(term.fn)}): expected state.loss to be a scalar "
+                          f"(0-d), got shape {list(out.loss.shape)}")
+    return out
 
 
 def list_loss_terms() -> list[str]:

@@ -1,13 +1,16 @@
 """Warm start of ``builtin:tiny``: supervised training on the task's own generator
 (prompt -> ``task.sft_target``) until *sampled* accuracy (temperature 1) on a held-out
 slice reaches ``target_accuracy``, or ``max_steps``. The default target (0.4) leaves clear
-headroom for RL. Loss covers the response and EOS, never the prompt or tool outputs.
+headroom for RL. Loss covers the response and EOS, never the prompt or tool outputs. The
+accuracy is the task's mean reward, an invalid reward counted as 0 (as in RL); a reward invalid
+for every reference response is refused before any training.
 """
 from __future__ import annotations
 
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -74,7 +77,25 @@ def sampled_accuracy(model, tokenizer, task, problems: list[Problem], *, max_new
     model.train(was_training)
     p = out.prompt_len
     responses = decode_responses(tokenizer, out.input_ids[:, p:], out.attention_mask[:, p:])
-    return sum(task.reward(q, r) for q, r in zip(problems, responses)) / len(problems)
+    rewards = [task.reward(q, r) for q, r in zip(problems, responses)]
+    return sum(r for r in rewards if math.isfinite(r)) / len(problems)   # an invalid reward counts 0, as in RL
+
+
+def check_reward_of_targets(task, problems: list[Problem]) -> None:
+    """Refuse, before any training, a task whose reward is invalid (None, NaN, a raise, a wrong type)
+    for every reference response (``task.sft_target``): the warm start measures its sampled accuracy
+    with that reward and could never reach its target, caching a model trained for ``max_steps``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rewards = [task.reward(p, task.sft_target(p)) for p in problems]
+    if any(math.isfinite(r) for r in rewards):
+        return
+    key = "task.options.checker" if "checker" in getattr(task, "options", {}) else "task.name"
+    why = f": {caught[0].message}" if caught else " (it returned None or NaN)"
+    raise ValueError(f"{key}: the task's reward is invalid for all {len(problems)} reference responses of "
+                     f"builtin:tiny's warm start (its own answers){why}. The warm start measures its sampled accuracy "
+                     f"with this reward, so it could not tell when to stop; fix the checker, or train a model that "
+                     f"needs no warm start (model.name=builtin:smollm2-135m or a model directory)")
 
 
 def held_out_problems(task, cfg: WarmStartConfig) -> list[Problem]:
@@ -95,6 +116,7 @@ def warm_start(model, tokenizer, task, cfg: WarmStartConfig = WarmStartConfig(),
 
     rng = random.Random(f"creditrl-warm-start-{cfg.seed}")
     held_out = held_out_problems(task, cfg)
+    check_reward_of_targets(task, held_out)
     longest = max(len(tokenizer.encode(task.sft_target(p), add_special_tokens=False)) for p in held_out)
     max_new_tokens = longest + 8
     history: list[dict] = []

@@ -1,0 +1,216 @@
+"""A config checked against everything the library declares, before any model or data loads.
+
+``resolve_config`` checks the estimator's options against its signature, the loss options against
+the loss terms' dataclasses, the task's options against its parameters, and the combinations, and
+returns the config with every declared option filled in: the complete record a run saves.
+``creditrl.recipe.build`` then turns it into components.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from creditrl.config import Config, ConfigError
+from creditrl.core.estimators import check_group_size
+from creditrl.core.estimators.labels import label_options
+from creditrl.core.estimators.registry import get_estimator
+from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
+from creditrl.runtime.precision import Precision
+from creditrl.tasks import task_options
+from creditrl.utils.options import coerce, instantiate
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device: 'cuda' requested but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def precision_of(cfg: Config) -> Precision:
+    """The run's ``Precision``, checked against its device."""
+    precision = Precision(cfg.train.precision)
+    precision.check_device(resolve_device(cfg.train.device))
+    return precision
+
+def estimator_from_config(cfg: Config) -> tuple[str, dict, bool]:
+    """(estimator name, its options with defaults filled, whether it needs energies)."""
+    try:
+        spec = get_estimator(cfg.algorithm.estimator)
+    except ValueError as err:
+        raise ConfigError(f"algorithm.estimator: {str(err).removeprefix('name: ').removeprefix('estimator: ')}"
+                          ) from err
+    options = spec.resolve_options(cfg.algorithm.options, "algorithm.options", strict=False)
+    return cfg.algorithm.estimator, options, spec.needs_energy
+
+
+def _check_estimator(cfg: Config, options: dict) -> None:
+    """Run the estimator on one dummy group of ``rollout.group_size`` so any option/size combination
+    it rejects fails now, naming the config keys; a group of 1 that learns nothing is refused."""
+    name, g = cfg.algorithm.estimator, cfg.rollout.group_size
+    try:
+        singles_learn = check_group_size(name, options, g, key="rollout.group_size")
+    except ValueError as err:
+        message = str(err)
+        raise ConfigError(f"algorithm.options.{message}" if message.startswith("k: ") else
+                          f"algorithm (estimator={name!r}, options={options}): {message}") from None
+    if g == 1 and not singles_learn:
+        raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "
+                          f"every token (it compares responses within a group), so nothing would be learned; use "
+                          f"rollout.group_size >= 2 or algorithm.estimator=reinforce")
+
+
+def _check_task(cfg: Config) -> None:
+    """The task's name and options against its declaration (its parameters), before any data is read."""
+    try:
+        declared = task_options(cfg.task.name)
+    except ValueError as err:
+        raise ConfigError(f"task.name: {str(err).removeprefix('task: ').removeprefix('task.name: ')}") from err
+    if declared is None:                          # a user's factory taking **kwargs: anything goes
+        return
+    unknown = sorted(set(cfg.task.options) - set(declared))
+    if unknown:
+        raise ConfigError(f"task.options: unknown option(s) {unknown} for task {cfg.task.name!r}; valid options are "
+                          f"{sorted(declared)}")
+
+
+def _check_combinations(cfg: Config, loss: dict) -> None:
+    """Settings that are each valid but do not work together."""
+    o, r = cfg.optim, cfg.rollout
+    batch = r.prompts_per_step * r.group_size
+    minibatch = min(o.minibatch_size or batch, batch)
+    if loss.get("stapo", {}).get("enabled") and o.micro_batch_size is not None and o.micro_batch_size < minibatch:
+        raise ConfigError(f"optim.micro_batch_size: STAPO's silencing threshold is a quantile over the whole "
+                          f"mini-batch ({minibatch} responses), which a micro-batch of {o.micro_batch_size} cannot "
+                          f"see; drop optim.micro_batch_size or loss.stapo.enabled")
+    if cfg.logging.grad_noise_scale and (o.epochs != 1 or minibatch < batch or r.prompts_per_step < 2):
+        raise ConfigError("logging.grad_noise_scale: measured on the on-policy gradient of the whole batch from "
+                          "two halves of its groups, so it needs optim.epochs=1, optim.minibatch_size unset and "
+                          f"rollout.prompts_per_step >= 2; got epochs={o.epochs}, minibatch_size={o.minibatch_size}, "
+                          f"prompts_per_step={r.prompts_per_step}")
+    try:
+        precision_of(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.logging.diagnose_every:
+        _check_diagnosed(cfg)
+
+
+def _check_diagnosed(cfg: Config) -> None:
+    """``logging.diagnose_estimators``: known labels, and K for a max@K one."""
+    k = cfg.algorithm.options.get("k")
+    for label in cfg.logging.diagnose_estimators or ():
+        try:
+            name, options = label_options(label, k)
+        except ValueError as err:
+            raise ConfigError(f"logging.diagnose_estimators: {err}") from None
+        if "k" in options and options["k"] is None:
+            raise ConfigError(f"logging.diagnose_estimators: {label!r} is a max@K estimator and needs "
+                              f"algorithm.options.k")
+
+
+def resolve_config(cfg: Config) -> Config:
+    """``cfg`` with the estimator's options and the loss terms' options checked against their
+    declarations and filled with their defaults, and every combination checked (ConfigError
+    naming the key). Raises before any model or data is loaded."""
+    _, options, _ = estimator_from_config(cfg)
+    _check_estimator(cfg, options)
+    _check_task(cfg)
+    loss = resolve_loss(cfg.loss)
+    _check_combinations(cfg, loss)
+    try:                                   # terms that cannot combine (two surrogates, a term given twice)
+        PolicyLoss(loss_term_options(loss, cfg.rollout.max_new_tokens))
+    except ValueError as err:
+        message = str(err).removeprefix("terms: ")
+        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def builtin_loss_terms() -> list:
+    """creditrl's own loss terms (a user's term, even once imported, is configured under
+    ``loss.terms`` by its import path, so a saved config never depends on import order)."""
+    terms = [get_loss_term(name) for name in list_loss_terms()]
+    return [t for t in terms if t.fn.__module__.startswith("creditrl.")]
+
+
+def _term_values(where: str, term, values: dict) -> dict:
+    """One term's options from ``values``: typed, filled with the term's defaults and checked by
+    the term's own options class (its ``__post_init__``), errors naming ``where``."""
+    return dataclasses.asdict(instantiate(where, term.options, values))
+
+
+def resolve_loss(loss: dict) -> dict:
+    """The ``loss`` section checked against the loss-term registry and completed: the flat terms'
+    options directly (``clip_low``, ``agg``, ``kl_coef``, ...), each optional built-in term as a
+    section with ``enabled``, and ``terms``: the user's terms by import path, each
+    ``{"path": "pkg.module:function", <option>: value}``."""
+    loss = dict(loss or {})
+    terms = builtin_loss_terms()
+    flat = {f.name: term for term in terms if term.flat for f in dataclasses.fields(term.options)}
+    sections = {term.name: term for term in terms if not term.flat}
+    unknown = sorted(set(loss) - set(flat) - set(sections) - {"terms"})
+    if unknown:
+        raise ConfigError(f"loss.{unknown[0]}: unknown key; valid keys of loss are "
+                          f"{sorted(flat) + sorted(sections) + ['terms']}")
+    out = {}
+    for term in (t for t in terms if t.flat):
+        names = [f.name for f in dataclasses.fields(term.options)]
+        out.update(_term_values("loss", term, {k: loss[k] for k in names if k in loss}))
+    for name, term in sections.items():
+        section = dict(loss.get(name) or {})
+        enabled = coerce(f"loss.{name}.enabled", section.pop("enabled", False), bool)
+        out[name] = {"enabled": enabled, **_term_values(f"loss.{name}", term, section)}
+    out["terms"], seen = [], {}
+    for i, spec in enumerate(loss.get("terms") or []):
+        out["terms"].append(_user_term(i, spec, seen, terms))
+    return out
+
+
+def _user_term(i: int, spec: object, seen: dict, builtin: list) -> dict:
+    """One entry of ``loss.terms``: a user's term, each at most once (the loss takes one set of options
+    per term: a second entry would silently replace the first); creditrl's own terms have their keys."""
+    where = f"loss.terms[{i}]"
+    if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
+        raise ConfigError(f"{where}: expected a mapping with 'path' (a registered loss term or "
+                          f"'package.module:function') and the term's options, got {spec!r}")
+    try:
+        term = get_loss_term(spec["path"])
+    except ValueError as err:       # unknown, unregistered, or its module failed to import
+        raise ConfigError(f"{where}.path: {str(err).removeprefix('loss term: ')}") from err
+    if term in builtin:
+        keys = ([f"loss.{f.name}" for f in dataclasses.fields(term.options)] if term.flat else
+                [f"loss.{term.name}.enabled=true"] + [f"loss.{term.name}.{f.name}" for f in dataclasses.fields(term.options)])
+        raise ConfigError(f"{where}: {spec['path']!r} is creditrl's own loss term {term.name!r}, set by its keys "
+                          f"{', '.join(keys)} (so the run builds what it needs, e.g. the reference model of "
+                          f"loss.kl_coef); loss.terms is for your own terms")
+    if term.name in seen:
+        raise ConfigError(f"{where}: loss term {term.name!r} is already {seen[term.name]}; each term is applied once, "
+                          f"with one set of options: merge the two entries")
+    seen[term.name] = f"given in loss.terms[{i}]"
+    options = {k: v for k, v in spec.items() if k != "path"}
+    return {"path": spec["path"], **_term_values(where, term, options)}
+
+
+def loss_term_options(loss: dict, max_len: int | None) -> dict:
+    """Term name -> options of a resolved ``loss`` section (``resolve_loss``): every flat term, each
+    enabled section, the user's terms; the aggregation's ``max_len`` defaults to ``max_len``
+    (``rollout.max_new_tokens``). What ``PolicyLoss`` composes, here so that ``resolve_config`` can
+    compose it before anything loads (``creditrl.recipe.build.policy_loss_from_config`` builds it)."""
+    chosen = {}
+    for term in builtin_loss_terms():
+        if term.flat:
+            chosen[term.name] = term.options(**{f.name: loss[f.name] for f in dataclasses.fields(term.options)})
+        elif loss[term.name]["enabled"]:
+            chosen[term.name] = term.options(**{k: v for k, v in loss[term.name].items() if k != "enabled"})
+    for i, spec in enumerate(loss["terms"]):
+        term = get_loss_term(spec["path"])
+        if term.name in chosen:
+            raise ValueError(f"loss.terms[{i}]: loss term {term.name!r} is also on as loss.{term.name}; set it one way")
+        chosen[term.name] = term.options(**{k: v for k, v in spec.items() if k != "path"})
+    if chosen["aggregation"].max_len is None:
+        chosen["aggregation"] = dataclasses.replace(chosen["aggregation"], max_len=max_len)
+    return chosen

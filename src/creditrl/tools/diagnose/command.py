@@ -1,0 +1,115 @@
+"""`creditrl diagnose [--config F] [--overwrite] [key=value ...]`: the `train` config (model, LoRA,
+task, rollout, estimator, loss) plus its own ``diagnose`` section (``creditrl.config.DiagnoseConfig``,
+``diagnose.*`` overrides), so the measurement runs on exactly the setting a user is about to train.
+Everything the configs name is checked before the model loads (estimators, losses, an optimizer
+state's run); the memory and the optimizer state's parameters once the model is loaded, before any
+sampling."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from datetime import datetime
+from pathlib import Path
+
+from creditrl.config import Config, ConfigError, DiagnoseConfig, load_diagnose_config
+from creditrl.core.estimators.labels import LOO
+from creditrl.core.estimators.registry import get_estimator
+from creditrl.recipe import reference
+from creditrl.recipe.resolve import resolve_config, resolve_device, resolve_loss
+from creditrl.recipe.build import build_task, default_max_new_tokens, load_configured_policy, policy_loss_from_config
+from creditrl.runtime.gradient_space import choose_space
+from creditrl.tools.diagnose.optimizer_state import check_run, from_checkpoint
+from creditrl.tools.diagnose.plan import (Plan, budget_seconds, estimator_specs, loss_choice, loss_label)
+from creditrl.tools.diagnose.run import diagnose_policy
+from creditrl.utils import cli
+from creditrl.utils.options import deep_update
+from creditrl.utils.rundir import check_new_run
+from creditrl.utils.threads import torch_threads
+
+
+HELP = "measure which estimator (and loss) gives the best gradient on this model/task"
+
+
+def main(argv: list[str]) -> int:
+    parser = cli.config_parser(
+        "diagnose", HELP, "Sample rounds of diagnose.prompts prompts x diagnose.groups_per_prompt groups with the "
+        "configured policy and compare every estimator's exact gradient of the configured loss at matched signal "
+        "until the reference is resolved and the configured estimator's interval is within "
+        "±diagnose.target_width, or diagnose.budget_min runs out; writes diagnose.md/.json/.png to a run "
+        "directory. Same config as `train` plus its diagnose section (diagnose.* keys).",
+        reference.epilog() + "\n" + reference.diagnose_help())
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing run directory of the same "
+                        "diagnose.run_name once the new report is complete (without it an existing one is refused)")
+    args = cli.parse(parser, argv)
+
+    def run() -> int:
+        cfg, settings = load_diagnose_config(args.config, args.overrides)
+        run_dir = run_command(cfg, settings, overwrite=args.overwrite, progress=not args.no_progress)
+        print((run_dir / "diagnose.md").read_text())
+        return 0
+    return cli.run("diagnose", run)
+
+
+def run_dir_of(cfg: Config, d: DiagnoseConfig, plan: Plan) -> Path:
+    name = d.run_name or (f"diagnose-{Path(cfg.task.name).name.replace(':', '-')}-"
+                          f"{Path(cfg.model.name).name.replace(':', '-')}-s{plan.seed}-{datetime.now():%Y%m%d-%H%M%S}")
+    return Path(cfg.train.output_dir).expanduser() / name
+
+
+def further_loss(cfg: Config, index: int, values: dict):
+    """A ``diagnose.losses`` entry: its keys over the configured ``loss`` section, resolved (errors
+    name ``diagnose.losses[i]``) and composed."""
+    where = f"diagnose.losses[{index}]"
+    data = {k: v for k, v in values.items() if k != "name"}
+    try:
+        loss = resolve_loss(deep_update(cfg.loss, data))
+        composed = policy_loss_from_config(dataclasses.replace(cfg, loss=loss)).loss
+    except (ConfigError, ValueError, TypeError) as err:
+        raise ConfigError(f"{where}: {str(err).replace('loss.', f'{where}.', 1)}") from None
+    return loss_choice(loss_label(index, values), composed)
+
+
+def make_plan(cfg: Config, d: DiagnoseConfig) -> Plan:
+    """The plan of a resolved config and its diagnose section (estimators and losses checked)."""
+    options = dict(cfg.algorithm.options)
+    name = get_estimator(cfg.algorithm.estimator).name
+    configured = name + (LOO if options.get("leave_one_out") else "")
+    k = d.k if d.k is not None else options.get("k")
+    specs = estimator_specs(d.estimators, configured, options, k, cfg.rollout.group_size)
+    losses = (loss_choice("configured", policy_loss_from_config(cfg).loss),
+              *(further_loss(cfg, i, values) for i, values in enumerate(d.losses or [])))
+    return Plan(prompts=d.prompts, groups_per_prompt=d.groups_per_prompt, group_size=cfg.rollout.group_size,
+                folds=d.folds or min(16, d.prompts), estimators=specs, losses=losses, configured=configured,
+                batch=cfg.rollout.prompts_per_step, seed=cfg.train.seed if d.seed is None else d.seed,
+                target_width=d.target_width, budget_s=budget_seconds(d.budget_min, cfg.model.name),
+                adam=d.adam_warmup > 0 or d.optimizer_state is not None, adam_decides=d.optimizer_state is not None)
+
+
+def run_command(cfg: Config, d: DiagnoseConfig | None = None, *, overwrite: bool = False,
+                progress: bool = True) -> Path:
+    """The whole command; returns the run directory."""
+    start = time.perf_counter()
+    d = d or DiagnoseConfig()
+    cfg = resolve_config(cfg)
+    plan = make_plan(cfg, d)
+    run_dir = run_dir_of(cfg, d, plan)
+    check_new_run(run_dir, overwrite=overwrite, key="diagnose.run_name", resume_hint=False)   # deleted once done
+    state_dir = check_run(d.optimizer_state, cfg) if d.optimizer_state else None
+    task = build_task(cfg)
+    threads = cfg.train.threads or (1 if cfg.model.name == "builtin:tiny" else None)
+    with torch_threads(threads):
+        model, tokenizer = load_configured_policy(cfg, task, resolve_device(cfg.train.device), progress)
+        rows = len(plan.rows) * (2 if plan.adam else 1)
+        space = choose_space(model, d.params, rows, plan.folds, plan.groups_per_prompt, d.max_memory_gb, d.sketch_dim)
+        vhat = from_checkpoint(state_dir, model, space) if state_dir is not None else None
+        r = cfg.rollout
+        rollout = {"temperature": r.temperature, "top_p": r.top_p, "max_tool_tokens": r.max_tool_tokens,
+                   "max_new_tokens": r.max_new_tokens or default_max_new_tokens(task, tokenizer),
+                   "stop_strings": tuple(r.stop)}
+        setting = {"model": cfg.model.name, "task": cfg.task.name + (f" {dict(cfg.task.options)}" if cfg.task.options
+                                                                     else ""), "adam_warmup": d.adam_warmup}
+        diagnose_policy(model, tokenizer, task, plan, space, rollout, setting=setting, vhat=vhat,
+                        adam_source=f"the AdamW state of {state_dir}" if state_dir is not None else "",
+                        run_dir=run_dir, overwrite=overwrite, progress=progress)
+    print(f"run directory: {run_dir}  (total wall time incl. model load: {(time.perf_counter() - start) / 60:.1f} min)")
+    return run_dir

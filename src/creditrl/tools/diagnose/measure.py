@@ -1,0 +1,376 @@
+"""Sampling and measuring for `creditrl diagnose`, in rounds.
+
+A round draws P distinct prompts (``distinct_prompts``: a prompt is never measured twice, so the
+prompts are independent units; a task with fewer distinct prompts ends the run with what it has,
+and the report says so), samples all of their M groups of N in one batched ``generate`` call (each
+prompt prefilled once, its cache shared by its M·N rows), then takes each group's exact gradient
+under every row (``creditrl.runtime.group_gradients``: one forward per group, one backward per
+distinct non-zero cotangent) and streams them into ``GradientMoments`` whose units are the
+prompts, with the Adam-preconditioned copies in a second one. After each round the stopping rule
+(``status``) is checked: the reference's mean gradient resolved (cross-fitted ‖μ̂‖² >= 3 standard
+errors) and the configured estimator's efficiency interval within ±target_width; the wall-time
+budget is checked after each prompt.
+
+``measure`` takes a ``Source`` (the model, or in tests an enumerable policy): ``prompts(n)``,
+``sample(problems)`` and ``draws(round, i)``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol
+
+import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from creditrl.core.estimators import compute_advantages
+from creditrl.core.gradients import CountSketch, GradientMoments, GradientStats, Interval, gradient_quality
+from creditrl.core.gradients import signal_interval
+from creditrl.runtime.gradient_space import GradientSpace, LARGE_MODEL_PARAMS
+from creditrl.runtime.group_gradients import GroupDraws, group_gradients
+from creditrl.runtime.rollout import RolloutBatch, generate_rollouts
+from creditrl.tools.diagnose.plan import ADAM, GRPO, REF, Plan
+from creditrl.utils.stats import t_quantile
+
+RESOLVED_SE = 3.0          # the reference's ‖μ̂‖² must be at least this many standard errors above 0
+
+
+class Source(Protocol):
+    def prompts(self, count: int) -> list: ...
+
+    def sample(self, problems: list) -> Any: ...
+
+    def draws(self, sampled: Any, index: int) -> GroupDraws: ...
+
+
+@dataclass
+class Measurement:
+    """``stats`` (plain) and ``adam`` (preconditioned) over prompts; ``groups`` one row per group;
+    ``nonzero`` row -> groups with a non-zero gradient; ``seconds``: sampling, gradients, statistics,
+    per row advantages; ``rounds`` one record per round; ``stop`` why the rounds ended;
+    ``exhausted`` the task's distinct prompts ran out; ``checker`` what the reward checker reported."""
+    stats: GradientStats | None = None
+    adam: GradientStats | None = None
+    prompts: int = 0
+    groups: list[dict] = field(default_factory=list)
+    nonzero: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    responses: int = 0
+    invalid: int = 0
+    backward: int = 0
+    rounds: list[dict] = field(default_factory=list)
+    stop: str = ""
+    exhausted: bool = False
+    checker: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- the model source
+
+
+def prompt_key(problem) -> str:
+    return json.dumps(problem.prompt, sort_keys=True, default=str)
+
+
+class PromptDraws:
+    """Distinct prompts of a task: ``take(n)`` draws until ``n`` prompts never seen before, giving
+    up once ``patience`` draws in a row repeat (the task has no more: its data set, or a small
+    procedural space such as 1-digit addition's 100 problems)."""
+
+    def __init__(self, task, seed: Any, patience: int = 2000):
+        self.task, self.rng, self.patience = task, random.Random(f"diagnose-{seed}"), patience
+        self.seen: set[str] = set()
+        self.exhausted = False
+
+    def take(self, count: int) -> list:
+        out, misses = [], 0
+        while len(out) < count and misses < self.patience:
+            problem = self.task.sample(self.rng)
+            key = prompt_key(problem)
+            if key in self.seen:
+                misses += 1
+                continue
+            self.seen.add(key)
+            out.append(problem)
+            misses = 0
+        self.exhausted = len(out) < count
+        return out
+
+
+def rows_of(batch: RolloutBatch, rows: slice, prompt: int) -> RolloutBatch:
+    """The rows of one prompt, without the left padding they all share."""
+    attn = batch.attention_mask[rows]
+    first = int(torch.nonzero(attn.any(0)).min()) if bool(attn.any()) else 0
+    first = min(first, batch.prompt_len - 1)
+    cut = {k: getattr(batch, k)[rows, first:] for k in ("input_ids", "attention_mask", "position_ids",
+                                                         "response_mask", "rollout_logp")}
+    rest = {k: getattr(batch, k)[rows] for k in ("rewards", "group", "correct", "stopped") if getattr(batch, k) is not None}
+    optional = {k: None if getattr(batch, k) is None else getattr(batch, k)[rows]
+                for k in ("reward_invalid", "reward_timeouts")}
+    return replace(batch, **cut, **rest, **optional, response_texts=batch.response_texts[rows],
+                   problems=batch.problems[rows], prompt_len=batch.prompt_len - first,
+                   prompt_texts=batch.prompt_texts[prompt:prompt + 1], reward_extras=None)
+
+
+class ModelSource:
+    """Rounds sampled from the policy (module docstring); ``checker`` collects the reward checker's
+    warnings (an error it raised, a value that is not a number), shown again once."""
+
+    def __init__(self, model, tokenizer, task, plan: Plan, space: GradientSpace, rollout: dict,
+                 sketch: CountSketch | None = None, precondition: list | None = None):
+        self.model, self.tokenizer, self.task, self.plan, self.space = model, tokenizer, task, plan, space
+        self.rollout, self.sketch, self.precondition = rollout, sketch, precondition
+        self.draw = PromptDraws(task, plan.seed)
+        self.generator = torch.Generator().manual_seed(plan.seed)
+        self.checker: list[str] = []
+        self.shared = sum(p.numel() for p in model.parameters()) >= LARGE_MODEL_PARAMS
+
+    def prompts(self, count: int) -> list:
+        return self.draw.take(count)
+
+    def sample(self, problems: list) -> RolloutBatch:
+        """All M groups of every problem in one generate call: the problem once, M·N responses."""
+        m, n = self.plan.groups_per_prompt, self.plan.group_size
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            batch = generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=m * n,
+                                      generator=self.generator, **self.rollout)
+        for w in caught:
+            text = str(w.message)
+            if text.startswith("checker") and text not in self.checker:
+                self.checker.append(text)
+                warnings.warn(text, stacklevel=2)
+        return replace(batch, group=torch.arange(len(problems) * m).repeat_interleave(n))
+
+    def advantage_seconds(self, batch: RolloutBatch) -> dict[str, float]:
+        """Wall time of each estimator's advantages on this round's responses (energies given: they
+        come from the gradient's own forward), its own extra cost."""
+        mask = batch.response_mask[:, batch.prompt_len:] > 0
+        out = {}
+        for label, (name, options) in self.plan.estimators.items():
+            start = time.perf_counter()
+            compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group, energy=mask.float(),
+                               **options)
+            out[label] = time.perf_counter() - start
+        return out
+
+    def draws(self, batch: RolloutBatch, index: int) -> GroupDraws:
+        size = self.plan.groups_per_prompt * self.plan.group_size
+        sub = rows_of(batch, slice(index * size, (index + 1) * size), index)
+        return group_gradients(self.model, sub, self.plan.rows, temperature=self.rollout["temperature"],
+                               params=list(self.space.params), sketch=self.sketch,
+                               shared_prompts=self.shared,
+                               losses=self.plan.row_losses, precondition=self.precondition, dedupe=True,
+                               skip_zero=True)
+
+
+def make_sketch(space: GradientSpace, seed: int) -> CountSketch | None:
+    """The count sketch of a ``sketch`` space (None for flat spaces)."""
+    return CountSketch([p.shape for p in space.params], space.dim, seed=seed) if space.kind == "sketch" else None
+
+
+# ----------------------------------------------------------------------------- accumulating
+
+
+class Accumulator:
+    """The statistics of the rows (and their Adam copies) over prompts, and the per-group record."""
+
+    def __init__(self, plan: Plan, dim: int, adam: bool):
+        self.plan, self.names = plan, tuple(plan.rows)
+        self.plain = GradientMoments(self.names, dim, folds=plan.folds)
+        self.adam = GradientMoments(tuple(n + ADAM for n in self.names), dim, folds=plan.folds) if adam else None
+        self.out = Measurement(nonzero=dict.fromkeys(self.names, 0),
+                               seconds={"sampling": 0.0, "gradients": 0.0, "statistics": 0.0})
+
+    def add(self, draws: GroupDraws) -> None:
+        """One prompt's M groups; the prompt is the unit."""
+        start = time.perf_counter()
+        unit = [self.out.prompts] * draws.grads.shape[0]
+        self.plain.add_many(draws.grads.cpu(), unit)
+        if self.adam is not None:
+            self.adam.add_many(draws.preconditioned.cpu(), unit)
+        self.out.seconds["statistics"] += time.perf_counter() - start
+        self.record(draws)
+        self.out.prompts += 1
+
+    def record(self, draws: GroupDraws) -> None:
+        """Per group: reward mean and spread, mean length; per row: non-zero gradients."""
+        out, n = self.out, self.plan.group_size
+        rewards = draws.rewards.double().view(-1, n)
+        lengths = draws.lengths.double().view(-1, n)
+        for label, count in zip(draws.labels, (draws.grads.abs().amax(-1) > 0).sum(0).tolist()):
+            out.nonzero[label] += int(count)
+        out.backward += draws.backward
+        spread = (rewards.amax(1) - rewards.amin(1)).tolist()
+        for g, (mean, width, length) in enumerate(zip(rewards.mean(1).tolist(), spread, lengths.mean(1).tolist())):
+            out.groups.append({"prompt": out.prompts, "group": g, "reward_mean": mean, "informative": width > 0,
+                               "response_len": length})
+
+    def stats(self, names=None) -> GradientStats:
+        return self.plain.stats(names)
+
+    def finish(self) -> Measurement:
+        start = time.perf_counter()
+        self.out.stats = self.plain.stats()
+        self.out.adam = self.adam.stats() if self.adam is not None else None
+        self.out.seconds["statistics"] += time.perf_counter() - start
+        return self.out
+
+
+# ----------------------------------------------------------------------------- the stopping rule
+
+
+def width_row(plan: Plan, stats: GradientStats) -> tuple[str, Interval]:
+    """The row whose efficiency interval the stopping rule reads: the configured one against the
+    reference, or grpo when the configured row equals the reference exactly (se 0)."""
+    quality = gradient_quality(stats, REF)
+    own = quality[plan.configured].efficiency
+    if own.defined and own.se == 0 and GRPO in quality:
+        return GRPO, quality[GRPO].efficiency
+    return plan.configured, own
+
+
+def needed_prompts(measured: int, signal: Interval, width: Interval, target: float) -> float:
+    """The prompts the trend says both conditions need (standard errors shrink as 1/√P): inf when
+    the signal is not positive even at its upper 95% bound."""
+    if not math.isfinite(signal.se) or signal.folds < 2:
+        return math.inf
+    upper = signal.value + t_quantile(signal.folds - 1) * signal.se
+    level = signal.value if signal.value > 0 else upper
+    need = measured * (RESOLVED_SE * signal.se / level) ** 2 if level > 0 else math.inf
+    if width.defined and width.se > 0:
+        need = max(need, measured * (t_quantile(width.folds - 1) * width.se / math.log1p(target)) ** 2)
+    elif not width.defined:
+        need = max(need, measured + 1)
+    return need
+
+
+def status_names(plan: Plan) -> list[str]:
+    """The rows the stopping rule reads (their statistics alone are computed between rounds)."""
+    return list(dict.fromkeys([REF, plan.configured] + ([GRPO] if GRPO in plan.rows else [])))
+
+
+def status(plan: Plan, stats: GradientStats, prompts: int) -> dict:
+    """Where the measurement stands: the reference's signal (value, se, z), the width row and its
+    half-width (×(1 ± w)), whether both conditions hold, and the prompts the trend needs."""
+    signal = signal_interval(stats, REF)
+    label, width = width_row(plan, stats)
+    half = math.expm1(t_quantile(width.folds - 1) * width.se) if width.defined else math.inf
+    z = signal.value / signal.se if signal.se > 0 else (math.inf if signal.value > 0 else -math.inf)
+    resolved = bool(signal.se >= 0 and signal.value >= RESOLVED_SE * signal.se and signal.value > 0)
+    return {"prompts": prompts, "signal": signal, "z": z, "resolved": resolved, "width_row": label,
+            "width": half, "narrow": resolved and half <= plan.target_width,
+            "needed": needed_prompts(prompts, signal, width, plan.target_width)}
+
+
+# ----------------------------------------------------------------------------- the rounds
+
+
+def progress_bar(enabled: bool) -> Progress:
+    return Progress(TextColumn("[bold]diagnose[/bold] {task.description}"), BarColumn(),
+                    TextColumn("{task.completed:.0f}/{task.total:.0f} prompts"), TimeElapsedColumn(),
+                    TextColumn("ETA {task.fields[eta]}"), disable=not enabled, transient=False)
+
+
+def width_text(state: dict) -> str:
+    return f"±{state['width']:.0%}" if math.isfinite(state["width"]) else "undefined"
+
+
+def z_text(state: dict) -> str:
+    return f"{state['z']:.1f} SE" if math.isfinite(state["z"]) else "undefined SE"
+
+
+def eta_text(state: dict, per_prompt: float, left: float) -> str:
+    more = state["needed"] - state["prompts"]
+    if not math.isfinite(more):
+        return "unknown (signal not resolved)"
+    seconds = max(0.0, more) * per_prompt
+    return f"{seconds / 60:.1f} min" + (" (beyond the budget)" if seconds > left else "")
+
+
+def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[], float] = time.perf_counter,
+            deadline: float = math.inf, progress: bool = False, log: Callable[[str], None] | None = None
+            ) -> Measurement:
+    """Rounds until the stopping rule holds, the budget (``deadline`` on ``clock``) runs out or the
+    task's distinct prompts do (module docstring)."""
+    out = acc.out
+    with progress_bar(progress) as bar:
+        job = bar.add_task("first round", total=plan.prompts, eta="…")
+        while True:
+            problems = source.prompts(plan.prompts)
+            out.exhausted = len(problems) < plan.prompts
+            if not problems:
+                out.stop = "exhausted"
+                break
+            start = clock()
+            sampled = source.sample(problems)
+            out.seconds["sampling"] += clock() - start
+            note_round(source, sampled, out)
+            over = run_round(source, sampled, len(problems), acc, clock, deadline, bar, job)
+            if len(out.rounds) == 0:
+                check_signal(out, getattr(source, "checker", []))
+            state = status(plan, acc.stats(status_names(plan)), out.prompts) if out.prompts >= 2 else None
+            out.rounds.append({**(state or {}), "seconds": clock() - start})
+            stop = "budget" if over else "resolved" if state and state["narrow"] else \
+                "exhausted" if out.exhausted else ""
+            if state is not None:
+                spent = sum(r["seconds"] for r in out.rounds) / max(out.prompts, 1)
+                bar.update(job, total=max(out.prompts, min(state["needed"], 10 * out.prompts)),
+                           description=f"width {width_text(state)} (target ±{plan.target_width:.0%}), reference "
+                                       f"{z_text(state)} (target {RESOLVED_SE:.0f})",
+                           eta=eta_text(state, spent, deadline - clock()))
+                if log is not None and not progress:
+                    log(f"round {len(out.rounds)}: {out.prompts} prompts; reference ‖μ̂‖² at {z_text(state)} (target "
+                        f"{RESOLVED_SE:.0f}); {state['width_row']} interval {width_text(state)} (target "
+                        f"±{plan.target_width:.0%}); ETA {eta_text(state, spent, deadline - clock())}")
+            if stop:
+                out.stop = stop
+                break
+    return acc.finish()
+
+
+def note_round(source: Source, sampled, out: Measurement) -> None:
+    """Invalid rewards and each estimator's advantage time of a sampled round (when the source has them)."""
+    invalid = getattr(sampled, "reward_invalid", None)
+    if invalid is not None:
+        out.responses += int(invalid.numel())
+        out.invalid += int(invalid.sum())
+    timed = getattr(source, "advantage_seconds", None)
+    for label, seconds in (timed(sampled) if timed is not None else {}).items():
+        out.seconds[f"advantages/{label}"] = out.seconds.get(f"advantages/{label}", 0.0) + seconds
+
+
+def check_signal(out: Measurement, checker: list[str]) -> None:
+    """After the first round: refuse to go on when no group's rewards varied, saying whether every
+    reward was invalid (and what the checker reported) or merely equal."""
+    if any(g["informative"] for g in out.groups):
+        return
+    groups = len(out.groups)
+    if out.responses and out.invalid == out.responses:
+        why = f"; the checker reported: {checker[0]}" if checker else (
+            " (the reward function returned None, NaN or inf for every completion)")
+        raise ValueError(f"reward: every reward was invalid ({out.invalid} of {out.responses} completions in the first "
+                         f"{groups} groups: counted as 0, so no group has a reward spread){why}. Check the reward "
+                         f"function (task.options.checker, or reward_funcs) on a few completions: it must return "
+                         f"a number for each")
+    raise ValueError(f"task: every group is uninformative ({groups} groups, all with identical rewards within the "
+                     f"group; {out.invalid} of {out.responses} rewards invalid): no estimator can be ranked; raise the "
+                     f"temperature (rollout.temperature) or pick prompts of a difficulty where the model is "
+                     f"sometimes right")
+
+
+def run_round(source: Source, sampled, count: int, acc: Accumulator, clock, deadline: float, bar, job) -> bool:
+    """Measure a round's prompts one by one; True when the budget ran out (the prompt in progress is
+    finished; the round's remaining prompts are dropped)."""
+    for i in range(count):
+        start = clock()
+        draws = source.draws(sampled, i)
+        acc.out.seconds["gradients"] += clock() - start
+        acc.add(draws)
+        bar.advance(job, 1)
+        if clock() > deadline:
+            return True
+    return False

@@ -1,0 +1,42 @@
+"""What every ``creditrl`` subcommand's parser shares: ``--config FILE`` and dotted ``key=value``
+overrides before or after the options, and one-line errors."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+from creditrl.utils.errors import USER_ERRORS
+
+
+def config_parser(command: str, help_text: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+    """A subcommand's parser with the config arguments every config-taking command has."""
+    parser = argparse.ArgumentParser(prog=f"creditrl {command}", description=description or help_text,
+                                     epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    parser.add_argument("--config", metavar="FILE", help="YAML config file (or a packaged config's name)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str], *, paths: bool = False) -> argparse.Namespace:
+    """``parser``'s arguments, ``key=value`` allowed before or after the options (argparse ends the
+    positionals at the first option); ``paths``: plain positionals (a directory) are allowed too."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if any(item.startswith("-") or ("=" not in item and not paths) for item in extra):
+            parser.parse_args(argv)  # exits with argparse's own message
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def run(command: str, fn: Callable[[], int]) -> int:
+    """``fn()``, with a user error printed as one line naming the command (exit status 2)."""
+    try:
+        return int(fn() or 0)
+    except USER_ERRORS as err:
+        if os.environ.get("CREDITRL_DEBUG"):
+            raise
+        print(f"creditrl {command}: error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,33 @@
+"""Figures without pyplot: ``matplotlib.figure.Figure`` draws and saves a PNG with no global backend
+or figure registry touched, so a library user's notebook keeps its inline plots. matplotlib is an
+extra (``creditrl[plots]``); ``require_matplotlib`` names it before any work."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def require_matplotlib(key: str) -> None:
+    """Raise ImportError naming ``key`` and the extra when matplotlib is not installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ImportError(f"{key}: drawing plots needs matplotlib, which is not installed: pip install "
+                          f"'creditrl[plots]', or set {key}=false")
+
+
+def figure(ncols: int = 1, nrows: int = 1, *, width: float = 4.2, height: float = 3.2):
+    """A matplotlib ``Figure`` and its axes, without pyplot: no global backend or figure registry is
+    touched (safe in tests, on servers and inside a user's notebook). matplotlib (the ``plots``
+    extra) is imported here, so nothing loads it until a figure is drawn."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * ncols, height * nrows))
+    return fig, fig.subplots(nrows, ncols, squeeze=False).ravel()
+
+
+def save_figure(fig, path: Path, dpi: int = 100) -> Path:
+    """Save a small PNG (dpi 100)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    return path
