@@ -10,6 +10,11 @@
 
        mkdir -p /tmp/base && git archive 1c812f2 src | tar -x -C /tmp/base
        python benchmarks/bench_losses.py --baseline /tmp/base/src
+3. The verl-named losses (cispo, gspo, sapo, geo_mean, dppo_tv, dppo_kl, clip_cov, kl_cov, and the
+   clip surrogate with the KL penalty "k3+") forward+backward, side by side with verl's own functions
+   (verl's ppo_loss adds its KL to the vanilla loss) on the same float32
+   inputs (verl's defaults for each loss's options), with the relative difference of the values
+   and gradients in float64 beside (``--verl-only`` runs this table alone).
 
 Timings alternate the compared methods round by round and report medians, so load from other
 jobs on a shared machine hits both sides alike.
@@ -166,6 +171,90 @@ def bench_policy_loss(rows, length, repeats, baseline: str | None = None) -> Non
         print(line)
 
 
+VERL_AGG = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean", "gspo": "seq-mean-token-mean"}
+
+
+def verl_cases():
+    """name -> (creditrl policy_loss keywords, verl callable(log_prob, mode, config)) for section 3."""
+    from verl.trainer.ppo import core_algos
+
+    def verl_loss(name):
+        return lambda lp, data, mode, config: core_algos.get_policy_loss_fn(name)(
+            old_log_prob=data["old_logp"], log_prob=lp, advantages=data["advantages"],
+            response_mask=data["mask"].to(lp.dtype), loss_agg_mode=mode, config=config)[0]
+
+    def verl_kl(lp, data, mode, config):          # verl's ppo_loss: the vanilla loss + kl_loss_coef·agg(k3+)
+        kl = core_algos.agg_loss(core_algos.kl_penalty(lp, data["ref"], "k3+"), data["mask"].to(lp.dtype), mode)
+        return verl_loss("vanilla")(lp, data, mode, config) + kl
+    cases = {name: ({name: True}, verl_loss(name)) for name in
+             ("cispo", "gspo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")}
+    cases["dppo_tv"][0]["clip_c"] = cases["dppo_kl"][0]["clip_c"] = 3.0      # verl's ActorConfig clip_ratio_c
+    cases["clip + k3+"] = ({"clip_c": 3.0, "kl_coef": 1.0, "kl_estimator": "k3+"}, verl_kl)
+    return cases
+
+
+def verl_inputs(rows, length, dtype):
+    gen = torch.Generator().manual_seed(3)
+    old = torch.log(torch.rand(rows, length, generator=gen, dtype=dtype) * 0.9 + 0.05)
+    logp = old + 0.3 * torch.randn(rows, 1, generator=gen, dtype=dtype) + 0.3 * torch.randn(rows, length, generator=gen,
+                                                                                          dtype=dtype)
+    logp = torch.where(logp > -1e-3, -1e-3 - 0.1 * torch.rand(rows, length, generator=gen, dtype=dtype), logp)
+    mask = torch.rand(rows, length, generator=gen) > 0.1
+    mask[:, 0] = True
+    adv = torch.randn(rows, 1, generator=gen, dtype=dtype).expand(rows, length) * mask
+    ref = logp + 0.3 * torch.randn(rows, length, generator=gen, dtype=dtype)
+    return logp, dict(old_logp=old, advantages=adv, mask=mask, ref=ref)
+
+
+def ours_and_verl(name, kwargs, verl_fn, logp, data, config):
+    """(creditrl step, verl step): each a forward+backward from the same inputs."""
+    mode = VERL_AGG.get(name, "token-mean")
+    adv = data["advantages"]
+    extra = {"ref_logp": data["ref"]} if "kl_coef" in kwargs else {}
+
+    def ours():
+        lp = logp.clone().requires_grad_()
+        loss, _ = policy_loss(lp, data["old_logp"], adv, data["mask"], agg=mode, clip_low=0.2, clip_high=0.2,
+                              **extra, **kwargs)
+        loss.backward()
+        return loss.detach(), lp.grad
+
+    def theirs():
+        lp = logp.clone().requires_grad_()
+        loss = verl_fn(lp, data, mode, config)
+        loss.backward()
+        return loss.detach(), lp.grad
+    return ours, theirs
+
+
+def bench_verl_losses(rows, length, repeats) -> None:
+    try:
+        from verl.workers.config import ActorConfig
+    except ImportError:
+        print("\nverl is not installed: the side-by-side table is skipped (pip install creditrl[verl])")
+        return
+    config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2)
+    logp, data = verl_inputs(rows, length, torch.float32)
+    logp64, data64 = verl_inputs(rows, length, torch.float64)
+    cases = verl_cases()
+    fns = {}
+    for name, (kwargs, verl_fn) in cases.items():
+        ours, theirs = ours_and_verl(name, kwargs, verl_fn, logp, data, config)
+        fns[name, "creditrl"], fns[name, "verl"] = ours, theirs
+    print(f"\nverl-named losses forward+backward vs verl 0.9.1's functions (B={rows}, T={length}, float32, 10% "
+          f"masked; interleaved, median of {repeats}, each after an untimed call; rel. diff.: float64, same inputs)")
+    got = interleaved(fns, repeats, settle=1)
+    print(f"{'':>10}  {'creditrl':>9} {'verl':>9} {'creditrl/verl':>14}   {'value rel.diff':>14} {'grad rel.diff':>13}")
+    for name, (kwargs, verl_fn) in cases.items():
+        ours, theirs = ours_and_verl(name, kwargs, verl_fn, logp64, data64, config)
+        (v1, g1), (v2, g2) = ours(), theirs()
+        value = float((v1 - v2).abs() / v2.abs().clamp(min=1e-300))
+        grad = float((g1 - g2).abs().max() / g2.abs().max().clamp(min=1e-300))
+        a, b = got[name, "creditrl"], got[name, "verl"]
+        diffs = f"{value:14.1e} {grad:13.1e}" if name != "clip_cov" else f"{'(random draw: equal where forced, tests)':>28}"
+        print(f"{name:>10}: {a * 1e3:6.2f} ms {b * 1e3:6.2f} ms {a / b:13.2f}x   {diffs}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
@@ -173,20 +262,26 @@ def main(argv=None) -> None:
     parser.add_argument("--shape", type=int, nargs=2, metavar=("B", "T"), default=None,
                         help="policy_loss batch shape (default 64 2048; --quick: 8 512)")
     parser.add_argument("--baseline", metavar="SRC", help="a creditrl source tree whose policy_loss to time beside")
+    parser.add_argument("--verl-only", action="store_true", help="only the verl-named losses beside verl's")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 = steadier timings on a shared machine; 0 = torch default)")
     args = parser.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, CPU")
+    if args.verl_only:
+        bench_verl_losses(*(args.shape or ((8, 512) if args.quick else (64, 2048))), repeats=5 if args.quick else 21)
+        return
     if args.quick:
         if not args.losses_only:
             bench_traces([256, 1024], rows=8, repeats=3)
         bench_policy_loss(*(args.shape or (8, 512)), repeats=5, baseline=args.baseline)
+        bench_verl_losses(*(args.shape or (8, 512)), repeats=5)
     else:
         if not args.losses_only:
             bench_traces([512, 2048, 8192], rows=64, repeats=9)
         bench_policy_loss(*(args.shape or (64, 2048)), repeats=21, baseline=args.baseline)
+        bench_verl_losses(*(args.shape or (64, 2048)), repeats=21)
 
 
 if __name__ == "__main__":

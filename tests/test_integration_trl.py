@@ -116,6 +116,10 @@ CASES = {
                       loss_terms=[{"path": "length_penalty_term:length_penalty", "coef": 0.05}]),
     "stapo": dict(advantage_estimator="grpo", stapo=True, stapo_tau_p=0.5, stapo_high_entropy_fraction=0.5),
     "eps_trace": dict(advantage_estimator="rloo", trace_lam=0.9, loss_type="bnpo"),
+    "cispo_gspo_entropy": dict(advantage_estimator="grpo", cispo=True, gspo=True, entropy_bonus_coef=0.05,
+                               top_entropy_quantile=0.5, beta=0.01),
+    "sapo_adaptive_entropy": dict(advantage_estimator="grpo", sapo=True, entropy_bonus_adaptive=True,
+                                  entropy_bonus_target=10.0, delta_l_norm=True),
 }
 
 
@@ -147,6 +151,10 @@ def test_two_steps(case, model_dir, tmp_path, monkeypatch):
         assert "creditrl/spurious_ratio" in logged
     if case == "user_term":
         assert "creditrl/length_penalty" in logged
+    if case == "cispo_gspo_entropy":
+        assert {"creditrl/high_entropy_frac", "creditrl/bonus_entropy", "creditrl/seq_log_ratio_abs"} <= logged
+    if case == "sapo_adaptive_entropy":          # TRL's controller state: β grew by δ per step (entropy < target)
+        assert trainer.entropy_coef == pytest.approx(2 * 0.005) and trainer._last_world_entropy < 10.0
 
 
 @pytest.mark.slow
@@ -344,8 +352,8 @@ def test_config_fields_come_from_the_loss_term_registry(tmp_path):
     fields = {f.name: f for f in dataclasses.fields(CreditGRPOConfig)}
     for cls in (ClipOptions, KLOptions, RolloutCorrectionOptions):
         for f in dataclasses.fields(cls):
-            if f.name in ("clip_low", "clip_high", "kl_coef"):
-                assert f.name not in fields                          # epsilon, epsilon_high, beta
+            if f.name in ("clip_low", "clip_high", "kl_coef", "kl_bias_correction"):
+                assert f.name not in fields                 # epsilon, epsilon_high, beta, use_bias_correction_kl
             else:
                 assert fields[f.name].default == f.default and fields[f.name].metadata["help"] == f.metadata["help"]
     for prefix, cls in (("stapo", StapoOptions), ("trace", TraceOptions)):
@@ -355,11 +363,56 @@ def test_config_fields_come_from_the_loss_term_registry(tmp_path):
                             beta=0.02, loss_type="dr_grpo", max_completion_length=12, trace_lam=0.5, clip_c=2.0)
     terms = args.policy_loss_terms()
     assert terms["clip"] == ClipOptions(clip_low=0.1, clip_high=0.3, clip_c=2.0)
-    assert terms["kl"] == KLOptions(kl_coef=0.02) and terms["trace"] == TraceOptions(lam=0.5)
+    assert terms["kl"] == KLOptions(kl_coef=0.02, kl_bias_correction=True) and terms["trace"] == TraceOptions(lam=0.5)
     assert terms["aggregation"].agg == "seq-mean-token-sum-norm" and terms["aggregation"].max_len == 12
     assert "stapo" not in terms
     assert "stapo" in CreditGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
                                        stapo=True).policy_loss_terms()
+
+
+def test_config_maps_trls_own_fields_and_the_new_terms(tmp_path):
+    """TRL's top_entropy_quantile and use_bias_correction_kl drive creditrl's top_entropy and
+    kl_bias_correction (TRL's defaults: off, on); the surrogates and entropy terms are fields; TRL's
+    loss_type cispo/sapo and creditrl's mask_truncated (TRL masks truncated completions itself)
+    are refused with what to set instead."""
+    from creditrl.core.losses import EntropyBonusOptions, SapoOptions, TopEntropyOptions
+
+    def terms(**options):
+        return CreditGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **options).policy_loss_terms()
+    default = terms()
+    assert "top_entropy" not in default and default["kl"].kl_bias_correction is True
+    assert terms(top_entropy_quantile=0.2)["top_entropy"] == TopEntropyOptions(quantile=0.2)
+    assert terms(use_bias_correction_kl=False)["kl"].kl_bias_correction is False
+    chosen = terms(sapo_tau_neg=2.0, entropy_bonus_coef=0.01, gspo=True)
+    assert chosen["sapo"] == SapoOptions(tau_neg=2.0) and chosen["gspo"] is not None
+    assert chosen["entropy_bonus"] == EntropyBonusOptions(coef=0.01)
+    assert "cispo" in terms(loss_terms=[{"path": "cispo"}])
+    with pytest.raises(ValueError, match=r"loss_type: CreditGRPOTrainer takes the surrogate .* set cispo=True"):
+        terms(loss_type="cispo")
+    with pytest.raises(ValueError, match="mask_truncated: TRL masks truncated completions itself"):
+        terms(mask_truncated=True)
+    with pytest.raises(ValueError, match=r"quantile: expected a value in \(0, 1\], got 0.0"):
+        terms(top_entropy_quantile=0.0)
+
+
+def test_trls_fused_entropy_carries_the_gradient_an_entropy_bonus_needs(model_dir, tmp_path):
+    """The entropies TRL's fused LM head returns are on the graph: creditrl's entropy bonus moves
+    the weights through them (the loss gets them undetached when a term differentiates them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = CreditGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                            max_completion_length=4, use_cpu=True, bf16=False, report_to="none",
+                            entropy_bonus_coef=0.1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    trainer = CreditGRPOTrainer(model=model, reward_funcs=count_digits, args=args,
+                                train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
+                                processing_class=AutoTokenizer.from_pretrained(model_dir))
+    assert trainer.policy_loss.entropy_grad
+    ids = torch.randint(3, 10, (2, 7))
+    _, entropy, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3,
+                                                                compute_entropy=True)
+    entropy.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.parameters())
 
 
 def test_config_parses_from_the_command_line(monkeypatch):
@@ -381,8 +434,9 @@ def test_trainer_rejects_trl_only_loss_options(model_dir, tmp_path):
 
     args = CreditGRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                             max_completion_length=4, use_cpu=True, bf16=False, report_to="none",
-                            top_entropy_quantile=0.2)
-    with pytest.raises(ValueError, match="top_entropy_quantile: .* which does not implement the entropy mask"):
+                            importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="importance_sampling_level: .* not implement TRL's sequence-level ratio "
+                                         r"\(creditrl's: gspo=True"):
         CreditGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=count_digits, args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["ab"] * 4}),
                           processing_class=AutoTokenizer.from_pretrained(model_dir))

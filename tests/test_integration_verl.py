@@ -17,12 +17,12 @@ from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 from tolerances import EPS32, sum_rtol  # noqa: E402
-from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 import creditrl  # noqa: E402
 from creditrl.integrations import verl as plugin  # noqa: E402
 from creditrl.core.estimators.registry import get_estimator  # noqa: E402
-from creditrl.core.losses import StapoOptions, TraceOptions  # noqa: E402
+from creditrl.core.losses import DeltaLNormOptions, StapoOptions, TraceOptions  # noqa: E402
 
 MAXK = {"maxpo", "ei", "pkpo", "passk_chen", "maxk_bon"}
 
@@ -371,6 +371,101 @@ def test_global_batch_normalisation_follows_verl_agg_loss():
                                                                          rollout_is_weights=None)
         theirs, _ = core_algos.compute_policy_loss_vanilla(**inputs, loss_agg_mode=mode, config=config)
         torch.testing.assert_close(ours, theirs)
+
+
+def plugin_inputs(seed, shape=(6, 8)):
+    """verl-shaped float64 inputs with ratios where the clips bind, every row with a token."""
+    gen = torch.Generator().manual_seed(seed)
+    old = torch.log(torch.rand(shape, generator=gen, dtype=torch.float64) * 0.9 + 0.05)
+    logp = old + 0.3 * torch.randn(shape[0], 1, generator=gen, dtype=torch.float64) \
+        + 0.4 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    logp = torch.where(logp > -1e-3, -1e-3 - 0.1 * torch.rand(shape, generator=gen, dtype=torch.float64), logp)
+    mask = (torch.rand(shape, generator=gen) < 0.75).double()
+    mask[:, 0] = 1
+    advantages = torch.randn(shape[0], 1, generator=gen, dtype=torch.float64).expand(shape) * mask
+    weights = torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5
+    return dict(old_log_prob=old, log_prob=logp, advantages=advantages, response_mask=mask), weights
+
+
+# verl name -> (the creditrl loss_mode's actor.policy_loss fields, verl's own fields, verl's aggregations for it)
+VERL_LOSSES = {
+    "cispo": ({"loss_terms": [{"path": "cispo"}]}, {}, ["token-mean", "token-sum", "seq-mean-token-mean",
+                                                     "seq-mean-token-sum-norm"]),
+    "gspo": ({"gspo": True}, {}, ["token-mean", "token-sum", "seq-mean-token-mean"]),
+    "dppo_tv": ({"dppo_tv": True}, {}, ["token-mean", "seq-mean-token-sum"]),
+    "dppo_kl": ({"loss_terms": [{"path": "dppo_kl"}]}, {}, ["token-mean", "seq-mean-token-mean"]),
+    "sapo": ({"sapo": True}, {"tau_pos": 1.3, "tau_neg": 2.0}, ["seq-mean-token-mean"]),
+    "geo_mean": ({"geo_mean": True}, {}, ["seq-mean-token-mean"]),
+    "kl_cov": ({"kl_cov": True}, {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.5}, ["token-mean", "token-sum"]),
+    "clip_cov": ({"loss_terms": [{"path": "clip_cov"}]}, {"clip_cov_ratio": 1.0, "clip_cov_lb": 0.0,
+                                                          "clip_cov_ub": 0.5}, ["token-mean", "seq-mean-token-sum"]),
+}
+
+
+@pytest.mark.parametrize("name", list(VERL_LOSSES))
+def test_each_verl_named_loss_through_the_plugin_equals_verls_own(name):
+    """loss_mode=creditrl with the term on (its switch or a loss_terms entry by name) equals verl's
+    function with the same ActorConfig (SAPO's tau_*, Clip-/KL-Cov's policy_loss fields are verl's),
+    with rollout IS weights and verl's global-batch normalisation. clip_ratio_c = 10: verl's GSPO
+    and Clip-Cov have no dual clip, creditrl's clip surrogate applies verl's clip_ratio_c."""
+    ours_fields, verl_fields, modes = VERL_LOSSES[name]
+    policy_fields = {k: v for k, v in verl_fields.items() if not k.startswith("tau")}
+    actor_fields = {k: v for k, v in verl_fields.items() if k.startswith("tau")}
+    inputs, weights = plugin_inputs(hash(name) % 1000)
+    rows, tokens = inputs["response_mask"].shape[0], int(inputs["response_mask"].sum())
+    for mode in modes:
+        infos = [{}, {"dp_size": 2, "batch_num_tokens": 3 * tokens, "global_batch_size": 3 * rows}]
+        for info in infos[:1] if name == "geo_mean" else infos:    # verl's geo_mean ignores global_batch_info
+            config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio_c=10.0,
+                                 clip_ratio_high=0.28, **actor_fields,
+                                 policy_loss=plugin.CreditPolicyLossConfig(**ours_fields, **policy_fields))
+            verl_config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio_c=10.0,
+                                      clip_ratio_high=0.28, **actor_fields,
+                                      policy_loss=PolicyLossConfig(**policy_fields))
+            for c in (config, verl_config):
+                c.global_batch_info.clear()
+                c.global_batch_info.update(info)
+            lp_ours, lp_verl = (inputs["log_prob"].clone().requires_grad_() for _ in range(2))
+            ours, metrics = core_algos.get_policy_loss_fn("creditrl")(
+                **{**inputs, "log_prob": lp_ours}, loss_agg_mode=mode, config=config, rollout_is_weights=weights)
+            theirs, _ = core_algos.get_policy_loss_fn(name)(
+                **{**inputs, "log_prob": lp_verl}, loss_agg_mode=mode, config=verl_config, rollout_is_weights=weights)
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-12)
+            grads = torch.autograd.grad(ours, lp_ours)[0], torch.autograd.grad(theirs, lp_verl)[0]
+            torch.testing.assert_close(*grads, rtol=1e-5, atol=1e-12)
+    assert "actor/creditrl/kept_frac" in metrics
+
+
+def test_verl_plugin_refuses_what_a_verl_policy_loss_cannot_be_fed_and_feeds_the_entropy_bonus():
+    with pytest.raises(ValueError, match="mask_truncated: verl passes a policy loss no truncation flags"):
+        actor_config(loss_terms=[{"path": "mask_truncated"}])
+    with pytest.raises(ValueError, match="entropy_bonus_adaptive: verl calls a policy loss per micro-batch"):
+        actor_config(entropy_bonus_adaptive=True)
+    inputs = loss_inputs(6)
+    entropy = (torch.rand(inputs["response_mask"].shape, generator=torch.Generator().manual_seed(1)) * 2)
+    entropy.requires_grad_()
+    config = actor_config(entropy_bonus_coef=0.2)
+    with plugin.token_entropy(entropy):
+        loss, metrics = core_algos.get_policy_loss_fn("creditrl")(**inputs, loss_agg_mode="token-mean",
+                                                                  config=config, rollout_is_weights=None)
+    (grad,) = torch.autograd.grad(loss, entropy)          # verl's entropy keeps its graph into the bonus
+    mask = inputs["response_mask"]
+    torch.testing.assert_close(grad, -0.2 * mask / mask.sum())
+    assert metrics["actor/creditrl/entropy_bonus_coef"] == pytest.approx(0.2)
+
+
+def test_delta_l_norm_in_verl_weights_each_micro_batch_by_its_share_of_the_responses():
+    """verl passes no global Σ n^-α: each micro-batch's ΔL (weights summing to 1/M) is scaled by
+    its responses / global_batch_size · dp, so the weights over the global batch still sum to 1/M."""
+    inputs = loss_inputs(7)
+    config = actor_config(delta_l_norm=True, delta_l_norm_alpha=0.5)
+    config.global_batch_info.update({"dp_size": 2, "global_batch_size": 20})
+    loss, _ = core_algos.get_policy_loss_fn("creditrl")(**inputs, loss_agg_mode="token-mean", config=config,
+                                                        rollout_is_weights=None)
+    local, _ = creditrl.policy_loss(inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"],
+                                    inputs["response_mask"], clip_c=3.0, delta_l_norm=DeltaLNormOptions(0.5))
+    rows = int((inputs["response_mask"].sum(-1) > 0).sum())
+    torch.testing.assert_close(loss, local * rows / 20 * 2)
 
 
 def test_compute_advantage_hook_passes_the_actor_energy():

@@ -71,11 +71,24 @@ def loss_and_grad(logp, *args, fn=policy_loss, **kwargs):
 # ---- registry ---------------------------------------------------------------------------------
 
 def test_built_in_terms_their_stages_and_options():
+    from creditrl.core.losses import cispo, covariance, delta_l, dppo, entropy, gmpo, gspo, sapo, truncation
     builtin = [n for n in list_loss_terms() if get_loss_term(n).fn.__module__.startswith("creditrl.")]
-    assert builtin == ["rollout_correction", "stapo", "trace", "clip", "kl", "aggregation"]  # in stage order
+    assert builtin == ["rollout_correction", "stapo", "mask_truncated", "top_entropy", "trace", "gspo", "clip", "cispo",
+                       "sapo", "geo_mean", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "kl", "entropy_bonus",
+                       "aggregation", "delta_l_norm"]  # in stage order, then registration order
     expected = {"clip": (ClipOptions, "surrogate", True), "aggregation": (AggregationOptions, "aggregate", True),
                 "kl": (KLOptions, "penalty", True), "rollout_correction": (RolloutCorrectionOptions, "keep", True),
-                "stapo": (StapoOptions, "keep", False), "trace": (TraceOptions, "ratio", False)}
+                "stapo": (StapoOptions, "keep", False), "trace": (TraceOptions, "ratio", False),
+                "mask_truncated": (truncation.MaskTruncatedOptions, "keep", False),
+                "top_entropy": (entropy.TopEntropyOptions, "keep", False), "gspo": (gspo.GspoOptions, "ratio", False),
+                "cispo": (cispo.CispoOptions, "surrogate", False), "sapo": (sapo.SapoOptions, "surrogate", False),
+                "geo_mean": (gmpo.GeoMeanOptions, "surrogate", False),
+                "dppo_tv": (dppo.DppoOptions, "surrogate", False), "dppo_kl": (dppo.DppoOptions, "surrogate", False),
+                "clip_cov": (covariance.ClipCovOptions, "surrogate", False),
+                "kl_cov": (covariance.KLCovOptions, "surrogate", False),
+                "entropy_bonus": (entropy.EntropyBonusOptions, "penalty", False),
+                "delta_l_norm": (delta_l.DeltaLNormOptions, "aggregate", False)}
+    assert set(expected) == set(builtin)
     flat_fields = []
     for name, (options, stage, flat) in expected.items():
         term = get_loss_term(name)
@@ -84,7 +97,7 @@ def test_built_in_terms_their_stages_and_options():
             assert f.default is not dataclasses.MISSING and f.metadata["help"], (name, f.name)
         flat_fields += [f.name for f in dataclasses.fields(options)] if flat else []
     assert sorted(flat_fields) == sorted(["clip_low", "clip_high", "clip_c", "agg", "max_len", "kl_coef",
-                                          "kl_estimator", "rollout_correction", "rollout_cap"])
+                                          "kl_estimator", "kl_bias_correction", "rollout_correction", "rollout_cap"])
     # policy_loss's signature spells out every flat option with its default
     params = inspect.signature(policy_loss).parameters
     assert all(params[f.name].default == f.default for o in (ClipOptions, AggregationOptions, KLOptions,

@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 import creditrl
 from creditrl import StapoOptions, TraceOptions, agg_loss, policy_loss, power_proxy, variance_proxy
-from creditrl.core.losses import METRIC_KEYS
+from creditrl.core.losses import (METRIC_KEYS, ClipCovOptions, DeltaLNormOptions, EntropyBonusOptions, KLCovOptions,
+                                  SapoOptions, TopEntropyOptions)
 from tolerances import SUBNORMAL32, sum_rtol
 
 F64 = torch.float64
@@ -221,6 +222,7 @@ OPTIONS = {
     "clip_high": dict(clip_high=0.28),
     "dual_clip": dict(clip_c=3.0),
     "kl": dict(kl_coef=0.1, kl_estimator="k2"),
+    "k3+": dict(kl_coef=0.1, kl_estimator="k3+", kl_bias_correction=True),
     "tis": dict(rollout_correction="tis"),
     "mis": dict(rollout_correction="mis"),
     "seq_mis": dict(rollout_correction="seq-mis"),
@@ -228,25 +230,46 @@ OPTIONS = {
     "trace": dict(trace=TraceOptions(lam=0.95, style="both", floor=0.01)),
     "weight": dict(trace=TraceOptions(lam=0.9, update="weight")),
     "seq_agg": dict(agg="seq-mean-token-sum-norm", max_len=10),
+    "gspo": dict(gspo=True),
+    "cispo": dict(cispo=True),
+    "sapo": dict(sapo=SapoOptions()),
+    "geo_mean": dict(geo_mean=True),
+    "dppo_tv": dict(dppo_tv=True),
+    "dppo_kl": dict(dppo_kl=True),
+    "clip_cov": dict(clip_cov=ClipCovOptions(clip_cov_ratio=1.0, clip_cov_lb=0.05, clip_cov_ub=0.3)),
+    "kl_cov": dict(kl_cov=KLCovOptions(kl_cov_ratio=0.2, ppo_kl_coef=0.5)),
+    "entropy_bonus": dict(entropy_bonus=EntropyBonusOptions(coef=0.05)),
+    "top_entropy": dict(top_entropy=TopEntropyOptions(quantile=0.5)),
+    "mask_truncated": dict(mask_truncated=True),
+    "delta_l_norm": dict(delta_l_norm=DeltaLNormOptions(alpha=1.0)),
 }
+# options that cannot be combined: one of each group at most
+GROUPS = {"kl": "kl", "k3+": "kl", "tis": "rollout", "mis": "rollout", "seq_mis": "rollout", "trace": "trace",
+          "weight": "trace", "seq_agg": "aggregate", "delta_l_norm": "aggregate",
+          **{name: "surrogate" for name in ("cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")}}
 COMBOS = [(a,) for a in OPTIONS] + [(a, b) for a, b in itertools.combinations(OPTIONS, 2)
-                                     if not ({a, b} <= {"tis", "mis", "seq_mis"} or {a, b} == {"trace", "weight"})]
+                                     if GROUPS.get(a, a) != GROUPS.get(b, b)]
+
+
+def option_kwargs(combo, old, gen):
+    """policy_loss keywords for the options in ``combo`` with the inputs they need."""
+    kwargs = dict(ref_logp=(old - 0.2 + 0.3 * torch.randn(old.shape, generator=gen)).clamp(max=0),   # log-probs <= 0
+                  rollout_logp=(old + 0.5 * torch.randn(old.shape, generator=gen)).clamp(max=0),
+                  entropy=torch.rand(old.shape, generator=gen), truncated=torch.arange(old.shape[0]) == old.shape[0] - 1)
+    for name in combo:
+        kwargs.update(OPTIONS[name])
+    return kwargs
 
 
 @pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "+".join(c))
 def test_option_grid_is_finite(combo):
     logp, old, adv, mask = make_batch(7, spread=1.0)
-    gen = torch.Generator().manual_seed(12)
     logp = logp.clone().requires_grad_()
-    kwargs = dict(ref_logp=old - 0.2, rollout_logp=(old + 0.5 * torch.randn(old.shape, generator=gen)).clamp(max=0),
-                  entropy=torch.rand(old.shape, generator=gen))
-    for name in combo:
-        kwargs.update(OPTIONS[name])
-    loss, metrics = policy_loss(logp, old, adv, mask, **kwargs)
+    loss, metrics = policy_loss(logp, old, adv, mask, **option_kwargs(combo, old, torch.Generator().manual_seed(12)))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert logp.grad.abs().sum() > 0
-    assert set(metrics) == set(METRIC_KEYS) and all(math.isfinite(v) for v in metrics.values())
+    assert set(METRIC_KEYS) <= set(metrics) and all(math.isfinite(v) for v in metrics.values())
 
 
 def test_all_options_bf16_and_extreme_ratios():
@@ -286,7 +309,7 @@ def test_policy_loss_bad_input():
         policy_loss(logp, old, bad, mask)
     with pytest.raises(ValueError, match=r"agg: unknown value 'mean'; valid values are"):
         policy_loss(logp, old, adv, mask, agg="mean")
-    with pytest.raises(ValueError, match=r"kl_estimator: unknown value 'k4'; valid values are \['k1', 'k2', 'k3'\]"):
+    with pytest.raises(ValueError, match=r"kl_estimator: unknown value 'k4'; valid values are \['k1', 'k2', 'k3', 'k1\+',"):
         policy_loss(logp, old, adv, mask, ref_logp=old, kl_coef=0.1, kl_estimator="k4")
     with pytest.raises(ValueError, match=r"rollout_correction: unknown value 'is'; valid values are \[None, 'tis'"):
         policy_loss(logp, old, adv, mask, rollout_logp=old, rollout_correction="is")

@@ -1,6 +1,7 @@
 """``policy_loss`` (the autograd composition of the loss terms) against the written-out dense
-reference of ``test_policy_gradients.reference_loss`` in float64: the same value and gradient to
-1e-9 for every option alone and every compatible pair, on every aggregation."""
+reference of ``test_policy_gradients.reference_loss`` in float64: the same value and gradient
+(with respect to log π, and to the entropy for the entropy bonus) within float64's rounding bound
+(``loss_atol``, ``grad_rtol``) for every option alone and every compatible pair, on every aggregation."""
 from __future__ import annotations
 
 import itertools
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from creditrl import StapoOptions, TraceOptions, policy_loss
+from creditrl.core.losses import (ClipCovOptions, DeltaLNormOptions, EntropyBonusOptions, KLCovOptions, SapoOptions,
+                                  TopEntropyOptions)
 from test_policy_gradients import grad_rtol, loss_atol, reference_loss
 from tolerances import assert_close_normwise
 
@@ -26,7 +29,8 @@ def inputs(seed: int, token_adv: bool):
     return {"logp": logp, "old_logp": old, "advantages": adv, "mask": mask,
             "ref": (old + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0),
             "rollout": (old + 0.6 * torch.randn(B, T, generator=g, dtype=torch.float64)).clamp(max=0),
-            "entropy": torch.rand(B, T, generator=g, dtype=torch.float64) * 3}
+            "entropy": (torch.rand(B, T, generator=g, dtype=torch.float64) * 3).requires_grad_(),
+            "truncated": torch.tensor([False, True, False, False, True, False])}
 
 
 OPTIONS = {  # name -> (group: at most one option per group in a pair, kwargs builder)
@@ -41,6 +45,25 @@ OPTIONS = {  # name -> (group: at most one option per group in a pair, kwargs bu
     "eps_trace": ("trace", lambda x: {"trace": TraceOptions(lam=0.8, adv_clamp=-0.5)}),
     "eps_trace_both": ("trace", lambda x: {"trace": TraceOptions(lam=0.7, style="both", floor=0.05)}),
     "eps_weight": ("trace", lambda x: {"trace": TraceOptions(lam=0.8, update="weight")}),
+    "k3+": ("kl", lambda x: {"ref_logp": x["ref"], "kl_coef": 0.2, "kl_estimator": "k3+"}),
+    "k1+_corrected": ("kl", lambda x: {"ref_logp": x["ref"], "kl_coef": 0.2, "kl_estimator": "k1+",
+                                       "kl_bias_correction": True}),
+    "k3_corrected": ("kl", lambda x: {"ref_logp": x["ref"], "kl_coef": 0.2, "kl_bias_correction": True}),
+    "gspo": ("gspo", lambda x: {"gspo": True}),
+    "cispo": ("surrogate", lambda x: {"cispo": True}),
+    "sapo": ("surrogate", lambda x: {"sapo": SapoOptions(tau_pos=1.5, tau_neg=3.0)}),
+    "geo_mean": ("surrogate", lambda x: {"geo_mean": True}),
+    "dppo_tv": ("surrogate", lambda x: {"dppo_tv": True}),
+    "dppo_kl": ("surrogate", lambda x: {"dppo_kl": True}),
+    "clip_cov": ("surrogate", lambda x: {"clip_cov": ClipCovOptions(clip_cov_ratio=1.0, clip_cov_lb=-0.5,
+                                                                    clip_cov_ub=0.5)}),
+    "kl_cov": ("surrogate", lambda x: {"kl_cov": KLCovOptions(kl_cov_ratio=0.3, ppo_kl_coef=0.4)}),
+    "entropy_bonus": ("entropy_bonus", lambda x: {"entropy_bonus": EntropyBonusOptions(coef=0.3),
+                                                  "entropy": x["entropy"]}),
+    "top_entropy": ("top_entropy", lambda x: {"top_entropy": TopEntropyOptions(quantile=0.4),
+                                              "entropy": x["entropy"]}),
+    "mask_truncated": ("truncated", lambda x: {"mask_truncated": True, "truncated": x["truncated"]}),
+    "delta_l_norm": ("aggregate", lambda x: {"delta_l_norm": DeltaLNormOptions(alpha=0.75)}),
 }
 SINGLES = [(name,) for name in OPTIONS]
 PAIRS = [p for p in itertools.combinations(OPTIONS, 2) if OPTIONS[p[0]][0] != OPTIONS[p[1]][0]]
@@ -51,15 +74,17 @@ def compare(combo, agg, seed, token_adv):
     kwargs = {"agg": agg, "max_len": T + 2 if agg == "seq-mean-token-sum-norm" else None}
     for name in combo:
         kwargs.update(OPTIONS[name][1](x))
+    live = [x["logp"]] + ([x["entropy"]] if "entropy_bonus" in combo else [])
     loss, _ = policy_loss(x["logp"], x["old_logp"], x["advantages"], x["mask"], **kwargs)
-    (grad,) = torch.autograd.grad(loss, x["logp"])
+    grads = torch.autograd.grad(loss, live)
     ref = reference_loss(x["logp"], x["old_logp"], x["advantages"], x["mask"], **kwargs)
-    (ref_grad,) = torch.autograd.grad(ref, x["logp"])
+    ref_grads = torch.autograd.grad(ref, live)
     # every input float64, so both sides compute in float64 (test_policy_gradients.loss_atol, grad_rtol)
     atol = loss_atol(x["logp"], x["old_logp"], x["advantages"], x["mask"], torch.float64, **kwargs)
     torch.testing.assert_close(loss, ref, atol=atol, rtol=0)
-    assert_close_normwise(grad, ref_grad, grad_rtol(x["mask"], torch.float64), "gradient")
-    assert grad.abs().sum() > 0
+    for name, grad, ref_grad in zip(("gradient", "entropy gradient"), grads, ref_grads):
+        assert_close_normwise(grad, ref_grad, grad_rtol(x["mask"], torch.float64), name)
+    assert grads[0].abs().sum() > 0
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])

@@ -23,7 +23,10 @@ TINY_RUN = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.
             "model.warm_start.target_accuracy=0.3", "model.warm_start.lr=3e-3", "task.options.digits=1",
             "train.eval_problems=8", "train.eval_samples=4", "train.pass_k=[1,4]", "logging.progress=false",
             "train.threads=1", "train.steps=14", "train.save_every=3", "train.eval_every=5",
-            "loss.stapo.enabled=true", "loss.rollout_correction=tis", "optim.epochs=2", "optim.minibatch_size=32"]
+            "loss.stapo.enabled=true", "loss.rollout_correction=tis", "optim.epochs=2", "optim.minibatch_size=32",
+            # the adaptive entropy controller's state (β, last entropy) must survive the resume too
+            "loss.entropy_bonus.enabled=true", "loss.entropy_bonus.adaptive=true", "loss.entropy_bonus.target=5.0",
+            "loss.entropy_bonus.coef=0.01"]
 
 
 def records(path):

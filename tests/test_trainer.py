@@ -95,6 +95,23 @@ LOSS_OPTIONS = {
                            "optim.warmup_steps=2"],
     "everything": ["loss.clip_c=3.0", "loss.kl_coef=0.05", "loss.rollout_correction=tis", "loss.stapo.enabled=true",
                    "loss.trace.enabled=true", "algorithm.estimator=otb_isolated"],
+    "kl_k3+_bias_corrected": ["loss.kl_coef=0.1", "loss.kl_estimator=k3+", "loss.kl_bias_correction=true"],
+    "gspo": ["loss.gspo.enabled=true"],
+    "cispo": ["loss.cispo.enabled=true"],
+    "sapo": ["loss.sapo.enabled=true"],
+    "geo_mean": ["loss.geo_mean.enabled=true", "loss.agg=seq-mean-token-mean"],
+    "dppo_tv": ["loss.dppo_tv.enabled=true"],
+    "dppo_kl": ["loss.dppo_kl.enabled=true"],
+    "clip_cov": ["loss.clip_cov.enabled=true", "loss.clip_cov.clip_cov_ratio=0.2", "loss.clip_cov.clip_cov_lb=0.0"],
+    "kl_cov": ["loss.kl_cov.enabled=true", "loss.kl_cov.kl_cov_ratio=0.2"],
+    "entropy_bonus": ["loss.entropy_bonus.enabled=true", "loss.entropy_bonus.coef=0.01"],
+    "entropy_adaptive": ["loss.entropy_bonus.enabled=true", "loss.entropy_bonus.adaptive=true",
+                         "optim.minibatch_size=8"],
+    "top_entropy": ["loss.top_entropy.enabled=true", "loss.top_entropy.quantile=0.5"],
+    "delta_l_norm": ["loss.delta_l_norm.enabled=true", "loss.delta_l_norm.alpha=0.75"],
+    "new_terms_together": ["loss.gspo.enabled=true", "loss.cispo.enabled=true", "loss.entropy_bonus.enabled=true",
+                           "loss.entropy_bonus.coef=0.01", "loss.top_entropy.enabled=true",
+                           "loss.delta_l_norm.enabled=true", "loss.kl_coef=0.05", "loss.kl_estimator=k3+"],
 }
 
 

@@ -1,4 +1,4 @@
-"""creditrl inside TRL's GRPO (TRL 1.14-1.16): any creditrl estimator, STAPO, GRPO-λ, rollout correction.
+"""creditrl inside TRL's GRPO (TRL 1.14-1.16): any creditrl estimator and loss term.
 
 ``CreditGRPOTrainer`` changes three things in ``GRPOTrainer`` and nothing else:
 
@@ -13,8 +13,10 @@
    (``steps_per_generation=1``, TRL's default), from that loss forward — the advantages are then
    computed there (gathered over processes). Otherwise one extra fused no-grad forward.
 2. Loss (``_compute_loss``): one forward for log-probs and entropies (as TRL), then
-   ``creditrl.policy_loss`` with the clip, KL, STAPO keep-mask (renormalised), GRPO-λ trace and
-   rollout-correction options; TRL's own loss code is not used.
+   ``creditrl.policy_loss`` with any of creditrl's terms (surrogates, KL, STAPO, GRPO-λ, entropy
+   terms, rollout correction, ΔL); TRL's own loss code is not used. The entropy keeps its gradient
+   for an entropy bonus; an adaptive one steps its β per optimizer step as TRL's controller does
+   (in TRL's attributes ``entropy_coef`` / ``_last_world_entropy``, which its checkpoints keep).
 3. Logging: creditrl's loss metrics (``creditrl/spurious_ratio`` ...) and rollout metrics
    (``creditrl/power_proxy``, ``creditrl/energy_mean`` ...) go through TRL's ``_metrics``.
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,7 +48,7 @@ from creditrl.core.estimators import check_group_size, compute_advantages, list_
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex, uniform_groups
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
-from creditrl.core.losses import PolicyLoss, power_proxy
+from creditrl.core.losses import EntropyControl, PolicyLoss, power_proxy
 from creditrl.runtime.rollout import RolloutBatch
 from creditrl.runtime.sampling import position_ids_from_mask
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
@@ -58,8 +61,13 @@ TRL_NATIVE = {
     "clip_low": lambda args: args.epsilon,
     "clip_high": lambda args: args.epsilon if args.epsilon_high is None else args.epsilon_high,
     "kl_coef": lambda args: args.beta,
+    "kl_bias_correction": lambda args: args.use_bias_correction_kl,
     "agg": lambda args: AGG_BY_LOSS_TYPE[args.loss_type],
     "max_len": lambda args: args.max_completion_length if args.loss_type == "dr_grpo" else None,
+}
+# creditrl loss terms that GRPOConfig switches by its own fields: term -> its options from the config (None = off)
+TRL_NATIVE_TERMS = {
+    "top_entropy": lambda args: None if args.top_entropy_quantile >= 1.0 else {"quantile": args.top_entropy_quantile},
 }
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
@@ -108,6 +116,10 @@ class _CreditGRPOFields(GRPOConfig):
     def __post_init__(self):
         super().__post_init__()
         check_choice("advantage_estimator", self.advantage_estimator, list_estimators())
+        if self.loss_type in ("cispo", "sapo"):
+            raise ValueError(f"loss_type: CreditGRPOTrainer takes the surrogate from creditrl's loss terms: set "
+                             f"{self.loss_type}=True (verl's {self.loss_type}) and a loss_type among "
+                             f"{list(AGG_BY_LOSS_TYPE)} for the aggregation; got loss_type={self.loss_type!r}")
         check_choice("loss_type", self.loss_type, list(AGG_BY_LOSS_TYPE))
         if not self.temperature > 0:
             raise ValueError(f"temperature: expected a value > 0 (GRPO samples its completions, and the "
@@ -122,7 +134,9 @@ class _CreditGRPOFields(GRPOConfig):
         for key in ("num_generations", "num_generations_eval"):   # each mode's group size, now, not at step 1
             if getattr(self, key, None) is not None:
                 check_group_size(self.advantage_estimator, self.estimator_kwargs(), getattr(self, key), key=key)
-        self.policy_loss_terms()                # checks every loss option now
+        if "mask_truncated" in self.policy_loss_terms():              # also checks every loss option now
+            raise ValueError("mask_truncated: TRL masks truncated completions itself, before the loss: set "
+                             "mask_truncated_completions=True instead of creditrl's mask_truncated")
 
     def check_trl_aggregation(self) -> None:
         """TRL's own advantage settings, where creditrl's estimator replaces TRL's: ``scale_rewards`` is
@@ -151,27 +165,30 @@ class _CreditGRPOFields(GRPOConfig):
     def policy_loss_terms(self) -> dict:
         """The ``PolicyLoss`` terms of these settings (TRL's own names mapped by ``TRL_NATIVE``)."""
         return loss_terms_from(lambda key: getattr(self, key, None),
-                               native={name: value(self) for name, value in TRL_NATIVE.items()})
+                               native={name: value(self) for name, value in TRL_NATIVE.items()},
+                               native_terms={name: value(self) for name, value in TRL_NATIVE_TERMS.items()})
 
 
 CreditGRPOConfig = dataclasses.make_dataclass(
-    "CreditGRPOConfig", loss_term_fields(native=TRL_NATIVE), bases=(_CreditGRPOFields,))
+    "CreditGRPOConfig", loss_term_fields(native=TRL_NATIVE, native_terms=TRL_NATIVE_TERMS), bases=(_CreditGRPOFields,))
 CreditGRPOConfig.__module__ = __name__
 CreditGRPOConfig.__doc__ = (
     "``GRPOConfig`` plus creditrl's options: the estimator (``advantage_estimator``, "
     "``estimator_options``) and every loss term's options, generated from the loss-term registry: the "
     "fields of the flat terms TRL has no name for (``clip_c``, ``kl_estimator``, ``rollout_correction``, "
-    "``rollout_cap``), ``stapo`` / ``stapo_*``, ``trace`` / ``trace_*`` and ``loss_terms`` (docs/trl.md).")
+    "``rollout_cap``), ``stapo`` / ``stapo_*``, ``trace`` / ``trace_*``, the surrogates (``cispo``, "
+    "``sapo`` / ``sapo_*``, ``gspo``, ...), ``entropy_bonus`` / ``entropy_bonus_*``, ``delta_l_norm`` and "
+    "``loss_terms``; TRL's own ``top_entropy_quantile`` and ``use_bias_correction_kl`` drive creditrl's "
+    "``top_entropy`` term and ``kl_bias_correction`` (docs/trl.md).")
 
 
 # GRPOConfig settings whose effect lives in TRL's loss code, which CreditGRPOTrainer replaces.
 UNSUPPORTED = {
-    "importance_sampling_level": ("token", "sequence-level ratios"),
-    "top_entropy_quantile": (1.0, "the entropy mask (use stapo)"),
+    "importance_sampling_level": ("token", "TRL's sequence-level ratio (creditrl's: gspo=True, verl's GSPO-token)"),
     "off_policy_mask_threshold": (None, "off-policy sequence masking"),
     "delta": (None, "two-sided clipping (use clip_c)"),
-    "entropy_coef": (0.0, "the entropy bonus"),
-    "use_adaptive_entropy": (False, "adaptive entropy control"),
+    "entropy_coef": (0.0, "TRL's entropy bonus (creditrl's: entropy_bonus_coef)"),
+    "use_adaptive_entropy": (False, "TRL's adaptive entropy control (creditrl's: entropy_bonus_adaptive=True)"),
 }
 
 
@@ -202,6 +219,11 @@ class CreditGRPOTrainer(GRPOTrainer):
         self.filter_signal = self._check_dynamic_sampling() if self.args.dynamic_sampling else None
         self.wants_energy = get_estimator(self.estimator).needs_energy or self.args.log_energy_metrics
         self.policy_loss = PolicyLoss(self.args.policy_loss_terms())
+        bonus = self.policy_loss.options_of("entropy_bonus")
+        self.entropy_options = bonus if bonus is not None and bonus.adaptive else None
+        if self.entropy_options is not None:   # kept in TRL's own attributes: its checkpoints save and restore them
+            self.use_adaptive_entropy, self.entropy_coef, self._last_world_entropy = True, bonus.coef, math.inf
+        self._entropy_window: Tensor | None = None
         self.last_rollout: dict[str, Tensor] | None = None
         self._reward_capture: list[Tensor] | None = None
         # Re-patch TRL's fused LM head so the same tiled pass also returns log sum pi^2.
@@ -435,14 +457,17 @@ class CreditGRPOTrainer(GRPOTrainer):
                     "train", gather(inputs["creditrl_rewards"]), gather(inputs["creditrl_group"]),
                     gather(inputs["creditrl_scorable"]), mask.bool(), energy,
                     None if components is None else gather(components))
-        if "importance_sampling_ratio" in inputs:  # TRL's vLLM correction: w >= 0 factors out of the clip
-            advantages = advantages * inputs["importance_sampling_ratio"]
-        loss, metrics = self.policy_loss(
+        weights = inputs.get("importance_sampling_ratio")  # TRL's vLLM correction: a data weight of the surrogate
+        loss_fn = self._step_policy_loss()
+        loss, metrics = loss_fn(
             logp, logp.detach() if old_logp is None else old_logp, advantages, mask.bool(),
             ref_logp=inputs.get("ref_per_token_logps"),
             rollout_logp=inputs.get("sampling_per_token_logps") if self.args.rollout_correction else None,
-            entropy=entropy.detach())
+            entropy=entropy if loss_fn.entropy_grad else entropy.detach(),
+            weights=None if weights is None else weights.expand_as(logp))
         mode = "train" if self.model.training else "eval"
+        if self.entropy_options is not None and mode == "train":
+            self._observe_entropy(metrics, mask)
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss / normalizer
         if self.aux_loss_enabled:
@@ -451,6 +476,27 @@ class CreditGRPOTrainer(GRPOTrainer):
         metrics["entropy"] = float(entropy.detach()[valid].mean()) if valid.any() else 0.0
         self._log_creditrl(mode, metrics)
         return loss
+
+    def _step_policy_loss(self) -> PolicyLoss:
+        """The loss of this micro-batch: with an adaptive entropy bonus, the β its controller applies
+        in the current accumulation window (TRL's rule, ``creditrl.core.losses.entropy``)."""
+        if self.entropy_options is None:
+            return self.policy_loss
+        control = EntropyControl(self.entropy_coef, self._last_world_entropy)
+        return self.policy_loss.with_options("entropy_bonus", control.loss_options(self.entropy_options))
+
+    def _observe_entropy(self, metrics: dict[str, float], mask: Tensor) -> None:
+        """Sum the entropy over the bonus's tokens through the accumulation window; at its end
+        (``sync_gradients``) update the controller with the token mean over every process, as TRL."""
+        kept = metrics["kept_frac"] * float(mask.sum())
+        stats = torch.tensor([metrics["bonus_entropy"] * kept, kept], device=self.accelerator.device)
+        self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+        if self.accelerator.sync_gradients:
+            total = self.accelerator.reduce(self._entropy_window, reduction="sum")
+            entropy = float(total[0] / total[1]) if float(total[1]) > 0 else math.nan
+            control = EntropyControl(self.entropy_coef, self._last_world_entropy).update(entropy, self.entropy_options)
+            self.entropy_coef, self._last_world_entropy = control.coef, control.last_entropy
+            self._entropy_window = None
 
     def _log_creditrl(self, mode: str, metrics: dict[str, float]) -> None:
         """Average ``metrics`` over processes (one gather) and queue them in TRL's logger."""

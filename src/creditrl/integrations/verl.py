@@ -20,8 +20,12 @@ registrations and refuses names bound to somebody else's function.
   keyword set ``old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
   rollout_is_weights``, built on ``creditrl.PolicyLoss``; options from ``actor.policy_loss``
   (``CreditPolicyLossConfig``: fields generated from the loss-term registry, ``stapo``/``stapo_*``,
-  ``trace``/``trace_*``, and ``loss_terms`` for a user's terms by import path) and from verl's own
-  actor keys (``VERL_NATIVE``).
+  ``trace``/``trace_*``, the switches ``cispo``, ``gspo``, ``sapo``, ``geo_mean``, ``dppo_tv``,
+  ``dppo_kl``, ``clip_cov``, ``kl_cov`` (or a ``loss_terms`` entry by name), and ``loss_terms`` for a
+  user's terms by import path) and from verl's own actor keys (``VERL_NATIVE``; SAPO's
+  ``tau_pos``/``tau_neg`` and Clip-/KL-Cov's ``policy_loss.clip_cov_*``, ``kl_cov_ratio``,
+  ``ppo_kl_coef``: ``verl_native_options``). verl's ``rollout_is_weights`` are the surrogate's data
+  weights, as in verl's own losses.
 - Trainer hooks (verl 0.9.1 limitations, see docs/verl.md): its ``compute_advantage`` forwards
   ``sum_pi_squared``/``old_log_probs``/``rollout_is_weights`` only to its own OTB, and its
   ``ppo_loss`` never passes the entropy to a policy loss. ``install_trainer_hooks`` wraps both —
@@ -268,9 +272,40 @@ VERL_NATIVE = {
                                      else None),
     "kl_coef": lambda config, mode: 0.0,
     "kl_estimator": lambda config, mode: "k3",
+    "kl_bias_correction": lambda config, mode: False,
     "rollout_correction": lambda config, mode: None,
     "rollout_cap": lambda config, mode: 2.0,
 }
+
+
+def verl_native_options(config: Any) -> dict[str, dict[str, Any]]:
+    """The options of creditrl's terms that verl holds under its own names: SAPO's ``tau_pos`` /
+    ``tau_neg`` (actor) and Clip-Cov's / KL-Cov's fields (``actor.policy_loss``); unset = the term's
+    default, which is verl's."""
+    node = config.get("policy_loss", None) if config is not None else None
+
+    def fields(source: Any, names: tuple[str, ...]) -> dict[str, Any]:
+        values = {} if source is None else {k: source.get(k, None) for k in names}
+        return {k: v for k, v in values.items() if v is not None}
+    return {"sapo": fields(config, ("tau_pos", "tau_neg")),
+            "clip_cov": fields(node, ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+            "kl_cov": fields(node, ("kl_cov_ratio", "ppo_kl_coef"))}
+
+
+VERL_NATIVE_OPTIONS = ("sapo", "clip_cov", "kl_cov")
+
+
+def check_terms_for_verl(terms: dict[str, Any]) -> dict[str, Any]:
+    """Refuse the terms verl's policy-loss call cannot feed: ``mask_truncated`` (no truncation
+    flags reach a verl policy loss) and an adaptive ``entropy_bonus`` (no optimizer-step hook)."""
+    if "mask_truncated" in terms:
+        raise ValueError("mask_truncated: verl passes a policy loss no truncation flags; drop it (verl's DAPO "
+                         "reward manager's overlong_buffer shapes over-long responses instead)")
+    bonus = terms.get("entropy_bonus")
+    if bonus is not None and bonus.adaptive:
+        raise ValueError("entropy_bonus_adaptive: verl calls a policy loss per micro-batch with no optimizer-step "
+                         "hook to adapt β; use a static entropy_bonus_coef (or verl's actor.entropy_coeff)")
+    return terms
 
 
 def _install_hooks_after_init(self) -> None:
@@ -278,17 +313,21 @@ def _install_hooks_after_init(self) -> None:
     if parent is not None:
         parent(self)
     defaults = {name: value({}, "token-mean") for name, value in VERL_NATIVE.items()}
-    loss_terms_from(lambda key: getattr(self, key, None), defaults)            # checks the options now
+    options = verl_native_options({"policy_loss": self})
+    check_terms_for_verl(loss_terms_from(lambda key: getattr(self, key, None), defaults,   # checks the options now
+                                         native_options=options))
     install_trainer_hooks()  # verl builds this config after its trainer / loss modules are loaded
 
 
 # PolicyLossConfig plus creditrl's loss-term options, generated from the registry (loss_term_fields).
 CreditPolicyLossConfig = dataclasses.make_dataclass(
-    "CreditPolicyLossConfig", loss_term_fields(native=VERL_NATIVE, typed=False),
+    "CreditPolicyLossConfig", loss_term_fields(native=VERL_NATIVE, native_options=VERL_NATIVE_OPTIONS, typed=False),
     bases=(PolicyLossConfig,), namespace={"__post_init__": _install_hooks_after_init})
 CreditPolicyLossConfig.__module__ = __name__  # importable by hydra's _target_ and picklable for Ray
 CreditPolicyLossConfig.__doc__ = ("verl's PolicyLossConfig plus creditrl's loss-term options (stapo, stapo_*, "
-                                  "trace, trace_*, loss_terms); select it with actor.policy_loss._target_.")
+                                  "trace, trace_*, cispo, gspo, sapo, clip_cov, ..., loss_terms); SAPO's, Clip-Cov's "
+                                  "and KL-Cov's options are verl's own fields; select it with "
+                                  "actor.policy_loss._target_.")
 
 
 _ENTROPY: contextvars.ContextVar[Tensor | None] = contextvars.ContextVar("creditrl_entropy", default=None)
@@ -311,9 +350,15 @@ def global_scale(loss: Tensor, mask: Tensor, mode: str, info: dict) -> Tensor:
     verl divides by the global token count (``batch_num_tokens``) or sequence count
     (``global_batch_size``) and multiplies by ``dp_size`` so gradients are invariant to the
     micro-batch split (``core_algos.agg_loss``); creditrl normalised by the local counts.
+    ``mode="responses"`` (an aggregation term of creditrl's own, e.g. ``delta_l_norm``, whose
+    global normaliser verl does not pass): each micro-batch's loss weighted by its share of the
+    responses, so weights summing to one stay so (ΔL stays unbiased).
     """
     dp_size = info.get("dp_size", 1) or 1
     tokens = mask.sum()
+    if mode == "responses":
+        total = info.get("global_batch_size")
+        return loss if total is None else loss * (mask.sum(-1) > 0).sum() / total * dp_size
     if mode == "token-sum":
         return loss * tokens * dp_size
     if mode == "token-mean":
@@ -336,20 +381,22 @@ def make_policy_loss(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, An
             raise ValueError("config: expected verl's ActorConfig, got None")
         node = config.get("policy_loss", None)
         native = {name: value(config, loss_agg_mode) for name, value in VERL_NATIVE.items()}
-        loss_fn = PolicyLoss(loss_terms_from(lambda key: None if node is None else node.get(key, None), native,
-                                             switched_on=switched_on))
+        loss_fn = PolicyLoss(check_terms_for_verl(loss_terms_from(
+            lambda key: None if node is None else node.get(key, None), native, switched_on=switched_on,
+            native_options=verl_native_options(config))))
         entropy = _ENTROPY.get()
         if loss_fn.needs_entropy and entropy is None:
             raise ValueError(f"{loss_mode}: needs the token entropies; set actor_rollout_ref.actor."
                              "calculate_entropy=True and keep creditrl's trainer hook installed (docs/verl.md)")
         mask = response_mask.bool()
-        if rollout_is_weights is not None:
-            # w >= 0 factors out of PPO's min/max and keeps the sign of A (so the STAPO and clip
-            # decisions): scaling A by w equals verl's pg_losses * rollout_is_weights.
-            advantages = advantages * rollout_is_weights.detach()
-        loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask,
-                                entropy=None if entropy is None else entropy.detach())
-        loss = global_scale(loss, mask, loss_agg_mode, dict(config.get("global_batch_info", None) or {}))
+        # verl's rollout_is_weights multiply the surrogate (pg_losses * rollout_is_weights): creditrl's data weights
+        if entropy is not None and not loss_fn.entropy_grad:
+            entropy = entropy.detach()
+        loss, metrics = loss_fn(log_prob, old_log_prob, advantages, mask, entropy=entropy,
+                                weights=None if rollout_is_weights is None else rollout_is_weights.detach())
+        own_aggregation = any(term.stage == "aggregate" and not term.flat for term, _ in loss_fn.terms)
+        loss = global_scale(loss, mask, "responses" if own_aggregation else loss_agg_mode,
+                            dict(config.get("global_batch_info", None) or {}))
         return loss, {f"actor/creditrl/{k}": v for k, v in metrics.items()}
 
     compute_policy_loss.__name__ = compute_policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"

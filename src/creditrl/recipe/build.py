@@ -4,7 +4,6 @@ loss, from a config that ``creditrl.recipe.resolve`` has checked. Shared by the 
 ``creditrl train`` builds."""
 from __future__ import annotations
 
-import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +11,8 @@ from pathlib import Path
 import torch
 
 from creditrl.config import Config, ConfigError
-from creditrl.core.losses import PolicyLoss, get_loss_term
-from creditrl.recipe.resolve import builtin_loss_terms, precision_of, resolve_loss
+from creditrl.core.losses import PolicyLoss
+from creditrl.recipe.resolve import loss_term_options, precision_of, resolve_loss
 from creditrl.runtime.models import adapter_settings, default_lora_modules, is_chat_model, load_policy
 from creditrl.runtime.models.tiny import char_tokenizer
 from creditrl.tasks import get_task, task_options
@@ -127,18 +126,7 @@ def policy_loss_from_config(cfg: Config) -> ConfiguredLoss:
     """The composed policy loss of a (resolved or raw) config's ``loss`` section; the
     aggregation's ``max_len`` defaults to ``rollout.max_new_tokens``."""
     loss = resolve_loss(cfg.loss)
-    chosen = {}
-    for term in builtin_loss_terms():
-        if term.flat:
-            chosen[term.name] = term.options(**{f.name: loss[f.name] for f in dataclasses.fields(term.options)})
-        elif loss[term.name]["enabled"]:
-            chosen[term.name] = term.options(**{k: v for k, v in loss[term.name].items() if k != "enabled"})
-    for spec in loss["terms"]:
-        term = get_loss_term(spec["path"])
-        chosen[spec["path"]] = term.options(**{k: v for k, v in spec.items() if k != "path"})
-    if chosen["aggregation"].max_len is None:
-        chosen["aggregation"] = dataclasses.replace(chosen["aggregation"], max_len=cfg.rollout.max_new_tokens)
-    composed = PolicyLoss(chosen)
+    composed = PolicyLoss(loss_term_options(loss, cfg.rollout.max_new_tokens))
     needs_reference = any("ref_logp" in term.needs and term.active(options) for term, options in composed.terms)
     return ConfiguredLoss(composed, needs_reference=needs_reference,
                           rollout_correction=(loss["rollout_correction"], loss["rollout_cap"]))

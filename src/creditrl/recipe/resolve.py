@@ -15,7 +15,7 @@ from creditrl.config import Config, ConfigError
 from creditrl.core.estimators import check_group_size
 from creditrl.core.estimators.labels import label_options
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.core.losses import get_loss_term, list_loss_terms
+from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
 from creditrl.runtime.precision import UNTIMED_MODELS, Precision
 from creditrl.tasks import task_options
 from creditrl.utils.options import coerce, instantiate
@@ -124,6 +124,11 @@ def resolve_config(cfg: Config) -> Config:
     _check_task(cfg)
     loss = resolve_loss(cfg.loss)
     _check_combinations(cfg, loss)
+    try:                                   # terms that cannot combine (two surrogates, a term given twice)
+        PolicyLoss(loss_term_options(loss, cfg.rollout.max_new_tokens))
+    except ValueError as err:
+        message = str(err).removeprefix("terms: ")
+        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
 
 
@@ -194,3 +199,22 @@ def _user_term(i: int, spec: object, seen: dict, builtin: list) -> dict:
     return {"path": spec["path"], **_term_values(where, term, options)}
 
 
+def loss_term_options(loss: dict, max_len: int | None) -> dict:
+    """Term name -> options of a resolved ``loss`` section (``resolve_loss``): every flat term, each
+    enabled section, the user's terms; the aggregation's ``max_len`` defaults to ``max_len``
+    (``rollout.max_new_tokens``). What ``PolicyLoss`` composes, here so that ``resolve_config`` can
+    compose it before anything loads (``creditrl.recipe.build.policy_loss_from_config`` builds it)."""
+    chosen = {}
+    for term in builtin_loss_terms():
+        if term.flat:
+            chosen[term.name] = term.options(**{f.name: loss[f.name] for f in dataclasses.fields(term.options)})
+        elif loss[term.name]["enabled"]:
+            chosen[term.name] = term.options(**{k: v for k, v in loss[term.name].items() if k != "enabled"})
+    for i, spec in enumerate(loss["terms"]):
+        term = get_loss_term(spec["path"])
+        if term.name in chosen:
+            raise ValueError(f"loss.terms[{i}]: loss term {term.name!r} is also on as loss.{term.name}; set it one way")
+        chosen[term.name] = term.options(**{k: v for k, v in spec.items() if k != "path"})
+    if chosen["aggregation"].max_len is None:
+        chosen["aggregation"] = dataclasses.replace(chosen["aggregation"], max_len=max_len)
+    return chosen

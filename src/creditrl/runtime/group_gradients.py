@@ -79,16 +79,21 @@ def group_advantages(batch: RolloutBatch, rows: slice, energy: Tensor, estimator
 
 
 def loss_cotangent(loss: PolicyLoss, logp: Tensor, advantages: Tensor, mask: Tensor, rollout_logp: Tensor,
-                   entropy: Tensor) -> Tensor:
+                   entropy: Tensor, truncated: Tensor | None = None) -> Tensor:
     """−∂(count · L)/∂log π [n, R] of the policy loss ``L`` (``loss``) at the rollout policy (ratio 1:
     π_old = π_θ; the reference of a KL term is π_θ itself, as at the start of training), ``count``
     its aggregation's denominator (``agg_count``): count · L is the loss's sum over the group's kept
     tokens (or rows) before the batch-wide normaliser, so the gradient of a step of many groups is
-    Σ_groups of these over the step's count (token-mean: a constant to first order across groups)."""
+    Σ_groups of these over the step's count (token-mean: a constant to first order across groups).
+    ``truncated`` [n]: responses cut at the token cap (``mask_truncated``; None: none cut). The
+    entropy is data here: a term's gradient through it (the entropy bonus) is not a cotangent on
+    log π and is left out (``gradient_outside_logp``)."""
     leaf = logp.detach().clone().requires_grad_(True)
     with torch.enable_grad():
         value, metrics = loss(leaf, logp.detach(), advantages, mask, ref_logp=logp.detach(),
-                              rollout_logp=rollout_logp, entropy=entropy.detach())
+                              rollout_logp=rollout_logp, entropy=entropy.detach(),
+                              truncated=torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+                              if truncated is None else truncated)
         (grad,) = torch.autograd.grad(value * max(metrics["agg_count"], 0.0), leaf, allow_unused=True)
     return torch.zeros_like(leaf) if grad is None else -grad.detach()
 
@@ -117,27 +122,36 @@ _ADDITIVE: dict[int, tuple[PolicyLoss, list[str]]] = {}
 
 
 def non_additive_terms(loss: PolicyLoss) -> list[str]:
-    """The active terms of ``loss`` (aggregation aside) whose count · L over two groups at once is
-    not the sum of the groups' own on dummy batches (``_dummy_batches``): a term whose value for a
-    group depends on the rest of the mini-batch (e.g. STAPO's quantile over it). Such a loss cannot
-    be measured group by group exactly. Cached per loss object."""
+    """The active terms of ``loss`` (the default aggregation aside) whose count · L over two groups at
+    once is not the sum of the groups' own on dummy batches (``_dummy_batches``): a term whose value
+    for a group depends on the rest of the mini-batch (e.g. STAPO's or top_entropy's quantile over
+    it, clip_cov's draw among the batch's covariance outliers). Such a loss cannot be measured group
+    by group exactly. Cached per loss object."""
     cached = _ADDITIVE.get(id(loss))
     if cached is not None and cached[0] is loss:
         return cached[1]
     names = []
     for term, options in loss.terms:
-        if not term.active(options) or term.stage == "aggregate":
+        if not term.active(options) or (term.stage == "aggregate" and term.flat):   # delta_l_norm is checked
             continue
         alone = PolicyLoss({term.name: options, "aggregation": {"agg": "seq-mean-token-sum"}})
         for logp, adv, mask, entropy in _dummy_batches():
-            joint = loss_cotangent(alone, logp, adv, mask, logp, entropy)
-            split = torch.cat([loss_cotangent(alone, logp[r], adv[r], mask[r], logp[r], entropy[r])
+            cut = torch.arange(6) % 3 == 2                   # one truncated response per group
+            joint = loss_cotangent(alone, logp, adv, mask, logp, entropy, cut)
+            split = torch.cat([loss_cotangent(alone, logp[r], adv[r], mask[r], logp[r], entropy[r], cut[r])
                                for r in (slice(0, 3), slice(3, 6))])
             if not torch.allclose(joint, split, rtol=1e-9, atol=1e-12):
                 names.append(term.name)
                 break
     _ADDITIVE[id(loss)] = (loss, names)
     return names
+
+
+def gradient_outside_logp(loss: PolicyLoss) -> list[str]:
+    """The active terms of ``loss`` whose gradient also reaches the model through an input other than
+    log π (``differentiates``: the entropy bonus through the entropy): ``loss_cotangent`` leaves that
+    part out."""
+    return [term.name for term, options in loss.terms if term.differentiates and term.active(options)]
 
 
 def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimators: Estimators,
@@ -149,6 +163,8 @@ def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimato
     size = rows.stop - rows.start
     advantages = group_advantages(batch, rows, stats.energy.detach(), estimators).to(stats.logp.dtype)
     mask = batch.response_mask[rows, batch.prompt_len:] > 0
+    truncated = (~batch.stopped[rows].to(mask.device)                 # for mask_truncated
+                 if any(loss is not None and loss.needs_truncated for loss in (losses or {}).values()) else None)
     rollout = (stats.logp.detach() if batch.rollout_logp is None     # no sampler log-probs: the policy's own
                else batch.rollout_logp[rows, batch.prompt_len:].to(stats.logp.dtype))
     out = advantages.clone()
@@ -162,11 +178,12 @@ def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimato
         loss = losses[labels[members[0]]]
         if non_additive_terms(loss):
             for e in members:
-                out[e] = loss_cotangent(loss, stats.logp, advantages[e], mask, rollout, stats.entropy)
+                out[e] = loss_cotangent(loss, stats.logp, advantages[e], mask, rollout, stats.entropy, truncated)
             continue
         k = len(members)
         stacked = loss_cotangent(loss, stats.logp.repeat(k, 1), advantages[members].flatten(0, 1), mask.repeat(k, 1),
-                                 rollout.repeat(k, 1), stats.entropy.repeat(k, 1))
+                                 rollout.repeat(k, 1), stats.entropy.repeat(k, 1),
+                                 None if truncated is None else truncated.repeat(k))
         out[members] = stacked.view(k, *mask.shape).to(out.dtype)
     return out / size
 

@@ -53,6 +53,7 @@ from creditrl.utils.errors import CreditrlError
 from creditrl.utils.plots import require_matplotlib
 from creditrl.utils.io import MANIFEST, atomic_directory, atomic_write_text, manifest_problem, write_manifest
 from creditrl.trainer.precision import resolve_precision
+from creditrl.core.losses import ON_POLICY_AS_CLIP, EntropyControl
 from creditrl.trainer.update import Learner
 
 TIMING_KEYS = ("tokens_per_s", "time_rollout", "time_update", "time_eval")
@@ -110,6 +111,20 @@ def component_notes(cfg: Config) -> list[str]:
             f"task.options.rewards (a file task's reward terms) and rollout.overlong"]
 
 
+def on_policy_notes(loss, cfg: Config) -> list[str]:
+    """A note when the chosen surrogate cannot act: in an on-policy single pass (one epoch, one
+    mini-batch) every update has r = 1, where its gradient is the clip surrogate's."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    if cfg.optim.epochs != 1 or (cfg.optim.minibatch_size or batch) < batch:
+        return []
+    same = [term.name for term, _ in loss.terms if term.name in ON_POLICY_AS_CLIP]
+    if not same:
+        return []
+    return [f"note: loss.{same[0]}: every update of this run is on-policy (optim.epochs=1, one mini-batch: "
+            f"π_θ = π_old, r = 1), where {same[0]}'s gradient is the clipped surrogate's A·∇log π, so it trains "
+            f"exactly as the default loss; it acts from optim.epochs > 1 or optim.minibatch_size < {batch}"]
+
+
 def run_name(cfg: Config) -> str:
     task = cfg.task.name.replace(":", "-")   # a user task by import path
     return cfg.train.run_name or f"{task}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -156,7 +171,7 @@ class Trainer:
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = self.signal_streak = 0
-        self.notes = precision_notes(self.model, cfg) + component_notes(cfg)
+        self.notes = precision_notes(self.model, cfg) + component_notes(cfg) + on_policy_notes(self.learner.loss.loss, cfg)
         if self.precision_choice is not None:
             self.notes.append(f"note: {self.precision_choice.text()}")
 
@@ -193,6 +208,8 @@ class Trainer:
         self.learner.follow_config()
         if self.learner.noise is not None and state.get("noise_scale") is not None:
             self.learner.noise.load_state_dict(state["noise_scale"])
+        if self.learner.entropy_control is not None and state.get("entropy_control") is not None:
+            self.learner.entropy_control = EntropyControl(**state["entropy_control"])
         ckpt.set_rng_state(state["rng"], self.generator, self.task_rng)
         self.step, self.tokens_total, self.elapsed = state["step"], state["tokens_total"], state["elapsed"]
 
@@ -222,7 +239,9 @@ class Trainer:
         state = {"optimizer": optimizer, "scheduler": self.learner.scheduler.state_dict(),
                  "rng": ckpt.rng_state(self.generator, self.task_rng),
                  "tokens_total": self.tokens_total, "elapsed": self.elapsed, "config": config_to_dict(self.cfg),
-                 "noise_scale": None if self.learner.noise is None else self.learner.noise.state_dict()}
+                 "noise_scale": None if self.learner.noise is None else self.learner.noise.state_dict(),
+                 "entropy_control": None if self.learner.entropy_control is None else
+                 dataclasses.asdict(self.learner.entropy_control)}
         return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
                                     self.cfg.train.keep_last)
 

@@ -157,15 +157,18 @@ NO_SIGNAL_STEPS = 5   # consecutive steps without a reward signal before the liv
 
 
 def no_signal(metrics: dict) -> str | None:
-    """Why a step's rewards could not tell its responses apart: ``"invalid"`` (every reward
-    NaN/inf or a checker error, counted as 0), ``"uniform"`` (dynamic sampling kept no group: no
-    update), ``"zero_spread"`` (every group's rewards equal), or None when some group had a spread."""
+    """Why a step could not learn from its rewards: ``"invalid"`` (every reward NaN/inf or a
+    checker error, counted as 0), ``"uniform"`` (dynamic sampling kept no group: no update),
+    ``"zero_spread"`` (every group's rewards equal), ``"nothing_kept"`` (every token left the loss:
+    kept_frac 0), or None."""
     if (metrics.get("reward_invalid_frac") or 0) >= 1:
         return "invalid"
     if metrics.get("kept_groups") == 0:
         return "uniform"
     if (metrics.get("zero_spread_frac") or 0) >= 1:
         return "zero_spread"
+    if metrics.get("kept_frac") == 0:
+        return "nothing_kept"
     return None
 
 
@@ -176,6 +179,10 @@ def _reason(kind: str | None, metrics: dict) -> str:
     if kind == "invalid":
         return ("every reward was invalid (NaN/inf, or the task's checker raised) and counted as 0: check the "
                 "checker (task.options.checker) against the completions in completions.jsonl")
+    if kind == "nothing_kept":
+        return ("every token was dropped from the loss (kept_frac 0: e.g. loss.mask_truncated with every response "
+                f"cut at rollout.max_new_tokens, clipped_frac {metrics.get('clipped_frac', float('nan')):.2g}, or a "
+                "rollout correction dropping every token), so no step moved the policy")
     mean = metrics.get("reward_mean")
     return (f"every group's rewards were equal (zero spread; mean reward {mean:.3g}: every response scored the same, "
             f"e.g. a task too hard or too easy for the model, or a reward that ignores the response)")
@@ -198,6 +205,7 @@ def learned_nothing(metrics: list[dict], estimator: str) -> str | None:
     kind = kinds[0] if len(set(kinds)) == 1 else "zero_spread"
     zero = all(m.get("kept_groups") == 0 or (m.get("adv_mean") == 0 and m.get("adv_std") == 0) for m in metrics)
     effect = ("no step made an update" if kind == "uniform" else
+              "the loss had no token to learn from" if kind == "nothing_kept" else
               "the advantages were 0 at every step, so nothing was learned from the rewards" if zero else
               f"{estimator} still gave advantages, but the rewards never said which responses were better")
     return (f"this run learned nothing from its task. At all {len(metrics)} steps "

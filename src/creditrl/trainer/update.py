@@ -15,6 +15,7 @@ one vocabulary chunk at a time, so no [B,T,V] float32 copy of the logits exists.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from creditrl.config import Config
 from creditrl.core.estimators import compute_advantages
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.gradients.noise_scale import NoiseScale
-from creditrl.core.losses import power_proxy
+from creditrl.core.losses import EntropyControl, power_proxy
 from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
 from creditrl.core.token_stats import TokenStats
 from creditrl.runtime.rollout import RolloutBatch, sample_metrics
@@ -42,12 +43,14 @@ class Batch:
 
     tensors: model inputs [B, P+R] (input_ids, attention_mask, position_ids, response_mask) and
     ``group`` [B]; mask [B,R] float (trained-on tokens); rollout_logp [B,R]; rewards [B];
-    components [B,K] and component_weights [K]: the reward terms' own values (None for one)."""
+    components [B,K] and component_weights [K]: the reward terms' own values (None for one); truncated [B]
+    bool (the response hit ``rollout.max_new_tokens`` without stopping)."""
     tensors: dict[str, Tensor]
     mask: Tensor
     rollout_logp: Tensor
     rewards: Tensor
     prompt_len: int
+    truncated: Tensor
     components: Tensor | None = None
     component_weights: list[float] | None = None
 
@@ -58,7 +61,7 @@ class Batch:
         p = batch.prompt_len
         components = None if batch.components is None else batch.components.to(device)
         return cls(tensors, tensors["response_mask"][:, p:], batch.rollout_logp[:, p:].to(device),
-                   batch.rewards.to(device), p, components, batch.component_weights)
+                   batch.rewards.to(device), p, ~batch.stopped.to(device), components, batch.component_weights)
 
     @property
     def size(self) -> int:
@@ -195,6 +198,9 @@ class Learner:
         self.loss = policy_loss_from_config(cfg)
         self.noise = NoiseScale() if cfg.logging.grad_noise_scale else None
         self.skip_error: NonFiniteError | None = None   # why the loss was last non-finite (policy_loss names it)
+        bonus = self.loss.loss.options_of("entropy_bonus")        # the configured options (adaptive: β₀, target)
+        self.entropy_options = bonus if bonus is not None and bonus.adaptive else None
+        self.entropy_control = None if self.entropy_options is None else EntropyControl(bonus.coef)
 
     def follow_config(self) -> None:
         """Point the optimizer and the schedule at this config's ``optim.lr``, ``weight_decay`` and
@@ -204,6 +210,18 @@ class Learner:
         self.scheduler.base_lrs = [lr] * len(self.optimizer.param_groups)
         for group in self.optimizer.param_groups:
             group.update(initial_lr=lr, lr=lr * factor, weight_decay=self.cfg.optim.weight_decay)
+
+    def apply_entropy_control(self) -> None:
+        """Adaptive entropy bonus: the loss applies the controller's β for the coming optimizer step."""
+        if self.entropy_control is not None:
+            applied = self.entropy_control.loss_options(self.entropy_options)
+            self.loss = dataclasses.replace(self.loss, loss=self.loss.loss.with_options("entropy_bonus", applied))
+
+    def observe_entropy(self, metrics: dict[str, float], skipped: bool) -> None:
+        """After an optimizer step: the controller reads the step's mean entropy over the bonus's
+        tokens (a skipped step changes nothing)."""
+        if self.entropy_control is not None and not skipped and "bonus_entropy" in metrics:
+            self.entropy_control = self.entropy_control.update(metrics["bonus_entropy"], self.entropy_options)
 
     def reference_logp(self, batch: Batch) -> Tensor | None:
         """log π_ref [B,R] for the KL term (None without one)."""
@@ -241,10 +259,12 @@ class Learner:
             for rows in order.to(batch.mask.device).split(mb):
                 chunks = first if single_pass else micro_batches(rows, micro, None)
                 self.optimizer.zero_grad(set_to_none=True)
+                self.apply_entropy_control()
                 metrics = self.accumulate(batch, chunks, live if single_pass else [None] * len(chunks),
                                           old, adv, ref_logp, halves)
                 grad_norm, skip = optimizer_step(self.optimizer, self.params, cfg.optim.max_grad_norm,
                                                  all(math.isfinite(v) for v in metrics.values()), self.scaler)
+                self.observe_entropy(metrics, skip)
                 for k, v in {**metrics, "grad_norm": grad_norm}.items():
                     sums[k] = sums.get(k, 0.0) + v
                 steps, skipped = steps + 1, skipped + skip
@@ -270,7 +290,8 @@ class Learner:
             try:
                 loss, metrics = self.loss(stats.logp.float(), old.logp[rows], adv[rows], batch.mask[rows],
                                           ref_logp=None if ref_logp is None else ref_logp[rows],
-                                          rollout_logp=batch.rollout_logp[rows], entropy=stats.entropy.float())
+                                          rollout_logp=batch.rollout_logp[rows], entropy=stats.entropy.float(),
+                                          truncated=batch.truncated[rows])
             except NonFiniteError as err:        # NaN/inf log-probs, advantages or a term's output: skip
                 self.skip_error = err
                 return {"loss": math.nan}

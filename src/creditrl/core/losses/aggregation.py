@@ -27,7 +27,7 @@ class AggregationOptions:
         "help": "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum or seq-mean-token-sum-norm "
                 "(Dr. GRPO)"})
     max_len: int | None = field(default=None, metadata={
-        "help": "the constant of seq-mean-token-sum-norm (None = the padded length T)"})
+        "help": "the constant M of seq-mean-token-sum-norm and of delta_l_norm (None = the padded length T)"})
 
     def __post_init__(self):
         check_choice("agg", self.agg, AGG_MODES)
@@ -96,7 +96,7 @@ def aggregation(state: LossState, options: AggregationOptions) -> LossState:
 
     Also the metric ``agg_count``, the aggregation's denominator (``agg_denominator``): what
     gradient accumulation weights micro-batches by."""
-    keep_f = state.valid_f if state.keep is state.valid else state.keep.to(state.valid_f.dtype)
+    keep_f = state.keep_f
     keep_rows = keep_f.sum(dim=1)
     loss = reduce_kept(state.token_loss * keep_f, keep_rows, options.agg, max_len=options.max_len)
     state = dataclasses.replace(state, loss=loss)

@@ -58,21 +58,35 @@ def ratio_bounds(advantages: Tensor, options: ClipOptions) -> tuple[Tensor, Tens
     return lo, hi
 
 
+def clipped_surrogate(state: LossState, options: ClipOptions) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(−A_t·clamp(r_t, lo_t, hi_t) [B,T] before the data weight, r_t, lo_t, hi_t): the clip
+    surrogate of ``clip`` and of the terms that extend it (``clip_cov``)."""
+    ratio = clamp_log_ratio(state.log_ratio).exp()
+    lo, hi = ratio_bounds(state.advantages, options)
+    return torch.clamp(ratio, lo, hi).mul(state.advantages).neg(), ratio, lo, hi
+
+
+@torch.no_grad()
+def clip_fractions(state: LossState, ratio: Tensor, lo: Tensor, hi: Tensor) -> dict[str, Tensor]:
+    """``clip_frac_low`` (A < 0, r < 1 − ε_low) and ``clip_frac_high`` (A > 0, r > 1 + ε_high) as
+    fractions of the kept tokens: where the clip binds and the token passes no gradient."""
+    n_keep = state.keep.sum().to(ratio.dtype).clamp(min=1)
+    low = torch.lt(ratio, lo).logical_and_(state.keep)
+    high = torch.gt(ratio, torch.where(state.advantages > 0, hi, math.inf)).logical_and_(state.keep)
+    return {"clip_frac_low": low.sum() / n_keep, "clip_frac_high": high.sum() / n_keep}
+
+
+def weighted(state: LossState, token_loss: Tensor) -> Tensor:
+    """``token_loss`` times the surrogate's data weight (TIS ρ̄, the GRPO-λ ε-weight), if any."""
+    return token_loss if state.weight is None else token_loss * state.weight
+
+
 @register_loss_term("clip", options=ClipOptions, stage="surrogate", flat=True)
 def clip(state: LossState, options: ClipOptions) -> LossState:
     """The clipped surrogate ℓ_t = −A_t·clamp(r_t, lo_t, hi_t) × weight (PPO eq. 7, DAPO, dual clip).
 
     Metrics: ``clip_frac_low`` (A < 0, r < 1 − ε_low) and ``clip_frac_high`` (A > 0,
     r > 1 + ε_high), as fractions of the kept tokens."""
-    ratio = clamp_log_ratio(state.log_ratio).exp()
-    adv = state.advantages
-    lo, hi = ratio_bounds(adv, options)
-    token_loss = torch.clamp(ratio, lo, hi).mul(adv).neg()
-    if state.weight is not None:
-        token_loss = token_loss * state.weight
-    with torch.no_grad():
-        n_keep = state.keep.sum().to(ratio.dtype).clamp(min=1)
-        low = torch.lt(ratio, lo).logical_and_(state.keep)
-        high = torch.gt(ratio, torch.where(adv > 0, hi, math.inf)).logical_and_(state.keep)
-        metrics = {"clip_frac_low": low.sum() / n_keep, "clip_frac_high": high.sum() / n_keep}
-    return dataclasses.replace(state, token_loss=token_loss).with_metrics(**metrics)
+    token_loss, ratio, lo, hi = clipped_surrogate(state, options)
+    state = dataclasses.replace(state, token_loss=weighted(state, token_loss))
+    return state.with_metrics(**clip_fractions(state, ratio, lo, hi))

@@ -1,19 +1,22 @@
 """The policy loss: one autograd composition of the registered loss terms.
 
-Per token (valid tokens; r_t = π_θ/π_old, A_t the advantage), with every built-in term on:
+Per token (valid tokens; r_t = π_θ/π_old, A_t the advantage), the default composition:
     keep       κ = valid ∧ ¬STAPO-silenced (``stapo``) ∧ ¬MIS-dropped;  ρ̄ = TIS weight (``rollout_correction``)
     ratio      A_t ← max(A_t, adv_clamp);  z ← M·z (ε-trace) or τ = M(1 + σ(log π − 1)) (ε-weight)  (``trace``)
     surrogate  ℓ_t = max(−A_t r_t, −A_t clip(r_t, 1−ε_low, 1+ε_high)), min(·, −A_t c) where A_t < 0,
                times ρ̄·τ                                                                       (``clip``)
     penalty    ℓ_t += β·KL_t(π_θ‖π_ref), k1/k2/k3                                                (``kl``)
     aggregate  L = agg_loss(ℓ, κ): denominators count kept tokens only (STAPO eq. 1)         (``aggregation``)
-Each term is a function of a ``LossState`` with its own options dataclass (``terms.py``), in the
-module of its math: ``clip.py``, ``rollout_correction.py``, ``kl.py``, ``aggregation.py``,
-``stapo.py``, ``traces.py``. Between "keep" and "ratio" the composition detaches log π on the
-dropped tokens (they keep their place and value in a trace but pass no gradient) and sets
+and the terms one chooses: at "keep" ``mask_truncated``, ``top_entropy``; at "ratio" ``gspo``
+(the sequence-level ratio); at "surrogate" one of ``cispo``, ``sapo``, ``geo_mean``, ``dppo_tv``,
+``dppo_kl``, ``clip_cov``, ``kl_cov`` in place of ``clip``; at "penalty" ``entropy_bonus``; at
+"aggregate" ``delta_l_norm`` in place of ``aggregation`` (``terms.EXCLUSIVE_STAGES``). Each
+term is a function of a ``LossState`` with its own options dataclass (``terms.py``), in the
+module of its math. Between "keep" and "ratio" the composition detaches log π on the dropped
+tokens (they keep their place and value in a trace but pass no gradient) and sets
 z = log π_θ − log π_old. Autograd differentiates the whole; only ``logp`` receives gradient
 (advantages and the old / reference / rollout log-probs and entropies are data, as in every RL
-trainer).
+trainer), and the entropy too while an entropy bonus is on.
 
 Numerics: float32, or the widest float dtype among the inputs; bf16 inputs are upcast and the
 gradient comes back in ``logp``'s dtype. Log-ratios are clamped to ±20 before exp (as verl
@@ -35,19 +38,26 @@ from torch import Tensor
 from creditrl.core.losses import aggregation as _aggregation, clip as _clip, kl as _kl  # noqa: F401 (registers)
 from creditrl.core.losses import rollout_correction as _rollout_correction, stapo as _stapo  # noqa: F401
 from creditrl.core.losses import traces as _traces  # noqa: F401 (registers the trace term)
+from creditrl.core.losses import truncation as _truncation, entropy as _entropy, gspo as _gspo  # noqa: F401
+from creditrl.core.losses import cispo as _cispo, sapo as _sapo, gmpo as _gmpo, dppo as _dppo  # noqa: F401
+from creditrl.core.losses import covariance as _covariance, delta_l as _delta_l  # noqa: F401
 from creditrl.core.losses.diagnostics import kl_estimate
-from creditrl.core.losses.terms import STAGES, LossState, LossTerm, apply_term, get_loss_term, list_loss_terms
-from creditrl.core.losses.terms import resolve_loss_terms
+from creditrl.core.losses.terms import EXCLUSIVE_STAGES, STAGES, LossState, LossTerm, apply_term, get_loss_term
+from creditrl.core.losses.terms import list_loss_terms, resolve_loss_terms
 from creditrl.utils.imports import plugin_name
 from creditrl.utils.validate import LOGP_TOLERANCE, NonFiniteError, as_mask, check_finite, check_same_shape
 from creditrl.utils.validate import check_tensor
 from creditrl.utils.validate import token_advantages
 
+# terms whose gradient at r = 1 (π_θ = π_old) is the clip surrogate's, A·∇log π (tests/test_surrogates.py):
+# in an on-policy single pass they train exactly as the default loss
+ON_POLICY_AS_CLIP = ("gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "kl_cov")
+
 LOG_PROBS = ("logp", "old_logp", "ref_logp", "rollout_logp")   # each <= 0, within LOGP_TOLERANCE
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
                "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
 
-__all__ = ["METRIC_KEYS", "PolicyLoss", "policy_loss"]
+__all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "PolicyLoss", "policy_loss"]
 
 
 class PolicyLoss:
@@ -65,10 +75,27 @@ class PolicyLoss:
             term = get_loss_term(name)
             if term.flat and name not in chosen:
                 chosen[name] = term.make_options()
+        self.chosen: dict[str, Any] = chosen
         pairs = [(get_loss_term(name), options) for name, options in chosen.items()]
+        self.flat = {term.name: options for term, options in pairs if term.flat}
+        replaced = _replaced_flat_terms(pairs)
+        order = {name: i for i, name in enumerate(list_loss_terms())}    # stage, then registration
         self.terms: tuple[tuple[LossTerm, Any], ...] = tuple(
-            sorted(pairs, key=lambda pair: STAGES.index(pair[0].stage)))
+            sorted((pair for pair in pairs if pair[0].name not in replaced), key=lambda pair: order[pair[0].name]))
         self.needs_entropy = any("entropy" in term.needs for term, _ in self.terms)
+        self.entropy_grad = any("entropy" in term.differentiates for term, _ in self.terms)
+        self.needs_truncated = any("truncated" in term.needs for term, _ in self.terms)
+
+    def with_options(self, name: str, options: Any) -> PolicyLoss:
+        """The same loss with term ``name``'s options replaced (a trainer's controller, e.g. the
+        adaptive entropy coefficient, changes them between optimizer steps)."""
+        if name not in self.chosen:
+            raise ValueError(f"name: loss term {name!r} is not part of this loss; its terms are {list(self.chosen)}")
+        return PolicyLoss({**self.chosen, name: get_loss_term(name).make_options(options)})
+
+    def options_of(self, name: str) -> Any:
+        """The options of term ``name`` in this loss, or None when it is not chosen."""
+        return self.chosen.get(name)
 
     @classmethod
     def from_kwargs(cls, *, terms: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
@@ -98,31 +125,41 @@ class PolicyLoss:
 
     def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                  ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
-                 entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                 entropy: Tensor | None = None, truncated: Tensor | None = None,
+                 weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         """logp: [B,T] current log π_θ(y_t) (with grad); old_logp, ref_logp, rollout_logp: [B,T]
         log-probs of the policy of the ratios' denominator, the frozen reference and the
         sampler; advantages: [B] or [B,T]; mask: [B,T] valid response tokens; entropy: [B,T]
-        current-policy entropy (for STAPO).
+        current-policy entropy (STAPO, top_entropy; with its gradient for entropy_bonus);
+        truncated: [B] bool, responses cut at the token cap (mask_truncated); weights: [B,T] >= 0,
+        data weights of the surrogate (verl's ``rollout_is_weights``, TRL's vLLM importance
+        sampling ratio), multiplied with those of the terms (TIS, traces) and detached.
 
-        Returns (scalar loss, metrics); the loss's gradient reaches ``logp`` only (an empty batch,
-        B = 0 or T = 0, gives loss 0 with zero gradients and every metric 0.0). Metrics are
-        Python floats, 0.0 when not applicable: clip fractions over kept tokens; approx_kl (k3,
-        KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3, KL(π_rollout‖π_old)),
-        adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs rollout); is_masked_frac,
-        spurious_ratio, kept_frac as fractions of valid tokens; agg_count, the aggregation's
-        denominator (what gradient accumulation weights micro-batches by); plus user terms' metrics.
+        Returns (scalar loss, metrics); the gradient reaches ``logp`` only, and ``entropy`` under
+        an entropy bonus (an empty batch, B = 0 or T = 0, gives loss 0 with zero gradients and
+        every metric 0.0). Metrics are Python floats, 0.0 when not applicable: clip fractions over
+        kept tokens; approx_kl (k3, KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3,
+        KL(π_rollout‖π_old)), adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs
+        rollout); is_masked_frac, spurious_ratio, kept_frac as fractions of valid tokens;
+        agg_count, the aggregation's denominator (what gradient accumulation weights
+        micro-batches by); plus each chosen term's own (``cov_selected_frac``,
+        ``high_entropy_frac``, ``bonus_entropy``, ..., a user term's).
         """
         logp_in = check_tensor("logp", logp, ndim=2, floating=True)
         valid = as_mask("mask", mask, logp_in.shape)
         given = {"logp": logp_in, "old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp,
-                 "entropy": entropy if self.needs_entropy else None}
-        self._check_needs(given)
+                 "entropy": entropy if self.needs_entropy else None, "weights": weights}
+        self._check_needs({**given, "truncated": truncated})
+        rows_cut = as_mask("truncated", truncated, logp_in.shape[:1]) if self.needs_truncated else None
         dtype = _common_dtype(*given.values(), advantages)
-        data = {name: None if x is None else _as_float(name, x, logp_in, dtype) for name, x in given.items()}
+        live = ("logp", "entropy") if self.entropy_grad else ("logp",)
+        data = {name: None if x is None else _as_float(name, x, logp_in, dtype, name in live)
+                for name, x in given.items()}
         if logp_in.numel() == 0:      # B = 0 or T = 0: loss 0, still attached (zero gradients), metrics 0
             token_advantages(advantages, logp_in)                           # validated all the same
             return logp_in.sum() * 0.0, dict.fromkeys(METRIC_KEYS, 0.0)
         initial, token_adv, highest = _initial_state(data, advantages, valid)
+        initial = dataclasses.replace(initial, truncated=rows_cut, flat=self.flat, weight=_data_weights(initial, data))
         state, _ = self._compose(initial)
         return _finish(state, {**given, "advantages": token_adv}, highest,
                        locate=lambda: self._compose(initial, locate=True)[1])
@@ -151,8 +188,23 @@ class PolicyLoss:
         for term, options in self.terms:
             missing = [name for name in term.needs if given.get(name) is None]
             if missing and term.active(options):
-                raise ValueError(f"{missing[0]}: expected a [B,T] tensor when loss term {term.name!r} is on "
+                shape = "[B]" if missing[0] == "truncated" else "[B,T]"
+                raise ValueError(f"{missing[0]}: expected a {shape} tensor when loss term {term.name!r} is on "
                                  f"({_describe(options)}), got None")
+
+
+def _replaced_flat_terms(pairs: list[tuple[LossTerm, Any]]) -> set[str]:
+    """Flat terms replaced by a chosen term of their ``EXCLUSIVE_STAGES`` stage; two chosen terms
+    of one such stage are refused, naming both."""
+    replaced = set()
+    for stage in EXCLUSIVE_STAGES:
+        mine = [term.name for term, _ in pairs if term.stage == stage and not term.flat]
+        if len(mine) > 1:
+            raise ValueError(f"terms: loss terms {mine[0]!r} and {mine[1]!r} are both {stage} terms and cannot "
+                             f"combine (each computes the loss's whole {stage}); choose one")
+        if mine:
+            replaced |= {term.name for term, _ in pairs if term.stage == stage and term.flat}
+    return replaced
 
 
 def _switched_term(term: LossTerm, value: Any) -> Any:
@@ -173,7 +225,7 @@ def _not_twice(chosen: dict, name: str, options: Any) -> Any:
 
 
 def _describe(options: Any) -> str:
-    return ", ".join(f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options))
+    return ", ".join(f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)) or "defaults"
 
 
 def _common_dtype(*tensors) -> torch.dtype:
@@ -185,12 +237,12 @@ def _common_dtype(*tensors) -> torch.dtype:
     return dtype
 
 
-def _as_float(name: str, x: object, like: Tensor, dtype: torch.dtype) -> Tensor:
-    """Shape-checked [B,T] input in ``dtype``; detached unless it is ``logp``. NaN is checked
-    lazily: see ``_explain_non_finite``."""
+def _as_float(name: str, x: object, like: Tensor, dtype: torch.dtype, live: bool) -> Tensor:
+    """Shape-checked [B,T] input in ``dtype``; detached unless ``live`` (``logp``, and the entropy
+    of an entropy bonus). NaN is checked lazily: see ``_explain_non_finite``."""
     x = check_tensor(name, x, floating=True)
     check_same_shape("logp", like, name, x)
-    return x.to(dtype) if name == "logp" else x.detach().to(dtype)
+    return x.to(dtype) if live else x.detach().to(dtype)
 
 
 @torch.no_grad()
@@ -261,6 +313,18 @@ def _check_log_probs(name: str, highest: float) -> None:
                          f"log-probs?)")
 
 
+def _data_weights(state: LossState, data: dict[str, Tensor | None]) -> Tensor | None:
+    """The caller's surrogate weights, 0 off the mask; a negative one would flip a token's sign."""
+    weights = data["weights"]
+    if weights is None:
+        return None
+    weights = zero_off_mask(weights, state.valid, state.valid_f)
+    if bool((weights < 0).any()):
+        raise ValueError(f"weights: expected data weights >= 0 on the response tokens, got {int((weights < 0).sum())} "
+                         f"negative, e.g. {weights[weights < 0][:4].tolist()}")
+    return weights
+
+
 def zero_off_mask(x: Tensor, valid: Tensor, valid_f: Tensor) -> Tensor:
     """x with 0 off ``valid`` (differentiable), inf/NaN padding included. On CPU, where a ``where``
     costs ~7x a multiply, a multiply by ``valid_f`` once a sum shows x is finite (the usual case);
@@ -329,20 +393,23 @@ def _non_finite_fields(state: LossState) -> list[str]:
 
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                 ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None, entropy: Tensor | None = None,
+                truncated: Tensor | None = None, weights: Tensor | None = None,
                 terms: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                 **options: Any) -> tuple[Tensor, dict[str, float]]:
     """The clipped policy-gradient loss with composable options (module docstring):
     ``PolicyLoss.from_kwargs(terms=terms, **options)(logp, old_logp, advantages, mask, ...)``.
 
     Options (see the signature): the fields of the flat terms — ``clip_low, clip_high, clip_c``
-    (``ClipOptions``), ``agg, max_len`` (``AggregationOptions``), ``kl_coef, kl_estimator``
-    (``KLOptions``), ``rollout_correction, rollout_cap`` (``RolloutCorrectionOptions``) — and
-    ``stapo`` (None, a bool or ``StapoOptions``), ``trace`` (None or ``TraceOptions``); ``terms``
-    adds further terms, e.g. ``[{"path": "my_module:length_penalty", "coef": 0.01}]``.
+    (``ClipOptions``), ``agg, max_len`` (``AggregationOptions``), ``kl_coef, kl_estimator,
+    kl_bias_correction`` (``KLOptions``), ``rollout_correction, rollout_cap``
+    (``RolloutCorrectionOptions``) — and each other term by name (None, a bool or its options:
+    ``stapo``, ``trace``, ``cispo``, ``entropy_bonus``, ...); ``terms`` adds terms by name or
+    import path, e.g. ``[{"path": "cispo"}, {"path": "my_module:length_penalty", "coef": 0.01}]``.
     Tensors and returns: ``PolicyLoss.__call__``.
     """
     loss_fn = PolicyLoss.from_kwargs(terms=terms, **options)
-    return loss_fn(logp, old_logp, advantages, mask, ref_logp=ref_logp, rollout_logp=rollout_logp, entropy=entropy)
+    return loss_fn(logp, old_logp, advantages, mask, ref_logp=ref_logp, rollout_logp=rollout_logp, entropy=entropy,
+                   truncated=truncated, weights=weights)
 
 
 def _keyword_signature() -> inspect.Signature:

@@ -20,6 +20,13 @@ dataclass come ``creditrl train``'s config keys, TRL's ``CreditGRPOConfig`` fiel
 ``flat`` terms (clip, aggregation, kl, rollout_correction) are always part of the loss and put
 their fields directly under ``loss.`` in a config, so their field names are unique across flat
 terms; the others are off unless chosen and get a section ``loss.<name>`` of their own.
+
+Two stages make one thing each (``EXCLUSIVE_STAGES``): "surrogate" the token loss, "aggregate"
+the scalar. Their flat term (``clip``, ``aggregation``) is the default; a chosen term of that stage
+(``cispo``, ``sapo``, ``delta_l_norm``, ...) replaces it, and two chosen terms of one such stage
+are refused, naming both. The replaced term's options stay in ``LossState.flat``, where the
+replacement reads what it shares with it (a surrogate's clip bounds ``flat["clip"].clip_low``).
+Within a stage, terms run in registration order (creditrl's own in ``policy.py``'s import order).
 A user's term is chosen by import path, ``"package.module:function"``: importing the module runs
 its decorator.
 """
@@ -38,11 +45,14 @@ STAGES = ("keep", "ratio", "surrogate", "penalty", "aggregate")
 STAGE_DOCS = {
     "keep": "which tokens count (``keep``) and data weights of the surrogate (``weight``)",
     "ratio": "the surrogate's log-ratio ``log_ratio`` and advantages (dropped tokens are detached in ``logp``)",
-    "surrogate": "the per-token loss ``token_loss`` from log_ratio, advantages and weight",
+    "surrogate": "the per-token loss ``token_loss`` from log_ratio, advantages and weight (one term: ``clip`` "
+                 "unless another is chosen)",
     "penalty": "per-token terms added to ``token_loss``",
-    "aggregate": "``token_loss`` over the kept tokens -> the scalar ``loss``",
+    "aggregate": "``token_loss`` over the kept tokens -> the scalar ``loss`` (one term: ``aggregation`` unless "
+                 "another is chosen)",
 }
-INPUTS = ("ref_logp", "rollout_logp", "entropy")
+EXCLUSIVE_STAGES = ("surrogate", "aggregate")
+INPUTS = ("ref_logp", "rollout_logp", "entropy", "truncated")
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,10 @@ class LossState:
     (so masking is a multiply by ``valid_f``: a ``torch.where`` costs ~7x more on CPU).
     logp:        log π_θ(y_t), on the caller's graph (the only tensor with gradient); from the
                  "ratio" stage on, detached where ``keep`` is False (dropped tokens pass no gradient)
-    old_logp, ref_logp, rollout_logp, entropy: detached data (None when not given / not needed)
+    old_logp, ref_logp, rollout_logp: detached data (None when not given / not needed)
+    entropy:     H_t of π_θ, detached data, or on the caller's graph while a term differentiates it
+                 (``differentiates=("entropy",)``: the entropy bonus)
+    truncated:   [B] bool, responses cut at the token cap (None when not given / not needed)
     advantages:  [B,1] (sequence-level) or [B,T], detached
     valid:       bool, the response tokens (``valid_f``: the same as 0/1 in the compute dtype)
     keep:        bool ⊆ valid, the tokens the loss counts
@@ -61,6 +74,7 @@ class LossState:
     log_ratio:   z = log π_θ − log π_old (set before the "ratio" stage)
     weight:      per-token factor of the surrogate, [B,T] or [B,1] (None = 1)
     token_loss:  ℓ [B,T] (set by the "surrogate" stage);  loss: the scalar (set by "aggregate")
+    flat:        flat term name -> its options (also of a term a chosen one replaces: ``flat["clip"]``)
     metrics:     name -> 0-d tensor (all copied to the host at once, at the end: no ``.item()``)
     """
 
@@ -75,10 +89,12 @@ class LossState:
     ref_logp: Tensor | None = None
     rollout_logp: Tensor | None = None
     entropy: Tensor | None = None
+    truncated: Tensor | None = None
     log_ratio: Tensor | None = None
     weight: Tensor | None = None
     token_loss: Tensor | None = None
     loss: Tensor | None = None
+    flat: Mapping[str, Any] = field(default_factory=dict)
     metrics: Mapping[str, Tensor] = field(default_factory=dict)
 
     def with_metrics(self, **values: Tensor) -> LossState:
@@ -92,13 +108,25 @@ class LossState:
         """ℓ ← ℓ + extra (a per-token penalty, [B,T] or [B,1])."""
         return dataclasses.replace(self, token_loss=self.token_loss + extra)
 
+    @property
+    def keep_f(self) -> Tensor:
+        """``keep`` as 0/1 in the compute dtype (``valid_f`` itself while nothing is dropped)."""
+        return self.valid_f if self.keep is self.valid else self.keep.to(self.valid_f.dtype)
+
+    def score_logp(self) -> Tensor:
+        """log π_θ(y_t) for the REINFORCE-form surrogates ℓ = −sg(w)·A·log π (CISPO, DPPO): the value
+        of ``logp`` with the gradient of ``log_ratio``, so a ratio-stage term (GSPO's sequence
+        ratio, a GRPO-λ trace) routes it as it routes the ratio (with none, exactly ``logp``)."""
+        return self.log_ratio - self.log_ratio.detach() + self.logp.detach()
+
 
 @dataclass(frozen=True)
 class LossTerm:
     """A registered term: ``fn(state, options) -> state`` run at ``stage``; ``options`` is its
     frozen options dataclass; ``needs`` names the inputs (``ref_logp``, ``rollout_logp``,
-    ``entropy``) it requires while ``active`` (the entropy reaches the state only when a term of
-    the loss needs it); ``doc`` is fn's first docstring line."""
+    ``entropy``, ``truncated``) it requires while ``active`` (the entropy reaches the state only
+    when a term of the loss needs it); ``differentiates``: inputs it takes on the caller's graph
+    (the entropy of an entropy bonus); ``doc`` is fn's first docstring line."""
 
     name: str
     fn: Callable[[LossState, Any], LossState]
@@ -108,6 +136,7 @@ class LossTerm:
     doc: str = ""
     needs: tuple[str, ...] = ()
     when: Callable[[Any], bool] | None = None
+    differentiates: tuple[str, ...] = ()
 
     def active(self, options: Any) -> bool:
         """Whether ``options`` make the term change the loss (a flat term may only log metrics)."""
@@ -153,19 +182,24 @@ def _check_options_class(name: str, options: type, flat: bool) -> None:
 
 def register_loss_term(name: str, *, options: type, stage: str, flat: bool = False,
                        needs: Sequence[str] = (), when: Callable[[Any], bool] | None = None,
-                       overwrite: bool = False):
+                       differentiates: Sequence[str] = (), overwrite: bool = False):
     """Decorator: register ``fn(state: LossState, options) -> LossState`` as loss term ``name``.
 
     ``options``: a frozen dataclass, every field with a default (``metadata["help"]`` documents
-    it); ``stage``: one of ``STAGES``; ``flat``: its fields sit directly under ``loss.`` (and the
+    it); ``stage``: one of ``STAGES`` (a non-flat term of an ``EXCLUSIVE_STAGES`` stage replaces
+    the flat one there when chosen); ``flat``: its fields sit directly under ``loss.`` (and the
     term is always on); ``needs``: inputs required while ``when(options)`` is true (default:
-    always). Re-registering a name raises unless ``overwrite=True`` or it is the same function.
+    always); ``differentiates``: needed inputs it takes with their gradient (only ``entropy``).
+    Re-registering a name raises unless ``overwrite=True`` or it is the same function.
     """
     if stage not in STAGES:
         raise ValueError(f"stage: unknown value {stage!r}; valid values are {list(STAGES)}")
     unknown = sorted(set(needs) - set(INPUTS))
     if unknown:
         raise ValueError(f"needs: unknown input(s) {unknown}; valid inputs are {list(INPUTS)}")
+    if not set(differentiates) <= set(needs) & {"entropy"}:
+        raise ValueError(f"differentiates: expected needed inputs among ['entropy'], got {list(differentiates)} "
+                         f"(needs {list(needs)})")
     if not name.isidentifier():
         raise ValueError(f"name: expected a Python identifier (it names config keys), got {name!r}")
     _check_options_class(name, options, flat)
@@ -181,7 +215,8 @@ def register_loss_term(name: str, *, options: type, stage: str, flat: bool = Fal
                 getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
             raise ValueError(f"loss term {name!r} is already registered to {old.fn!r}; pass overwrite=True")
         lines = (fn.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = LossTerm(name, fn, options, stage, flat, lines[0] if lines else "", tuple(needs), when)
+        _REGISTRY[name] = LossTerm(name, fn, options, stage, flat, lines[0] if lines else "", tuple(needs), when,
+                                   tuple(differentiates))
         return fn
 
     return decorator
@@ -242,6 +277,8 @@ def get_loss_term(name: str) -> LossTerm:
     if not isinstance(name, str):
         raise TypeError(f"loss term: expected a registered name or 'package.module:function', got "
                         f"{type(name).__name__}")
+    if name in _REGISTRY:                       # the common case, without building the error text
+        return _REGISTRY[name]
     return registered_entry(
         _REGISTRY, name, what="loss term",
         unknown=f"loss term: unknown name {name!r}; registered terms are {list_loss_terms()}, or give an import "

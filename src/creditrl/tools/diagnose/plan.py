@@ -27,7 +27,7 @@ from creditrl.core.estimators.labels import LOO, all_labels, name_of, takes_k
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.config import ConfigError
 from creditrl.core.losses import PolicyLoss
-from creditrl.runtime.group_gradients import non_additive_terms
+from creditrl.runtime.group_gradients import gradient_outside_logp, non_additive_terms
 
 REFERENCE, GRPO = "rloo", "grpo"
 REF = "reference"             # the plain policy gradient of rloo (unbiased)
@@ -154,11 +154,15 @@ def estimator_specs(labels: Sequence[str] | None, configured_label: str, configu
 
 def loss_notes(loss: PolicyLoss) -> tuple[str, ...]:
     """Terms of ``loss`` that cannot be measured group by group (``non_additive_terms``: a term whose
-    value for a group depends on the rest of the mini-batch, e.g. a quantile over it), each named,
-    with what diagnose measures instead."""
-    return tuple(f"`{name}` cannot be measured group by group: its value for a group depends on the other groups "
-                 f"of the training mini-batch (e.g. a quantile over it); measured over each group of N alone"
-                 for name in non_additive_terms(loss))
+    value for a group depends on the rest of the mini-batch, e.g. a quantile over it) or whose gradient
+    also flows through the entropy (``gradient_outside_logp``: the entropy bonus), each named, with
+    what diagnose measures instead."""
+    notes = [f"`{name}` cannot be measured group by group: its value for a group depends on the other groups "
+             f"of the training mini-batch (e.g. a quantile over it); measured over each group of N alone"
+             for name in non_additive_terms(loss)]
+    notes += [f"`{name}` acts through the entropy's gradient, not log π's, which is what diagnose measures: "
+              f"measured without it" for name in gradient_outside_logp(loss)]
+    return tuple(notes)
 
 
 def describe_loss(loss: PolicyLoss) -> str:
