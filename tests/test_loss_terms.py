@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 import creditrl
 from creditrl import (AggregationOptions, ClipOptions, KLOptions, LossState, PolicyLoss, RolloutCorrectionOptions,
                       StapoOptions, TraceOptions, get_loss_term, list_loss_terms, policy_loss, register_loss_term)
-from creditrl.core.losses import METRIC_KEYS, STAGES, resolve_loss_terms
+from creditrl.core.losses import METRIC_KEYS, STAGES, compose, resolve_loss_terms
 from creditrl.core.losses.clip import ratio_bounds
 from creditrl.core.losses.terms import _REGISTRY
 from tolerances import EPS64, sum_rtol
@@ -192,7 +192,7 @@ def test_policy_loss_is_policy_loss_object_and_options_are_checked_once():
     kwargs = dict(clip_high=0.28, kl_coef=0.1, stapo=StapoOptions(tau_p=0.2), trace=TraceOptions(lam=0.9))
     loss_fn = PolicyLoss({"clip": {"clip_high": 0.28}, "kl": KLOptions(kl_coef=0.1), "stapo": {"tau_p": 0.2},
                           "trace": TraceOptions(lam=0.9)})
-    assert repr(loss_fn) == repr(PolicyLoss.from_kwargs(**kwargs))
+    assert repr(loss_fn) == repr(compose(**kwargs))
     a = loss_and_grad(logp, old, adv, mask, **extra, **kwargs)
     b = loss_and_grad(logp, old, adv, mask, fn=loss_fn, **extra)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]

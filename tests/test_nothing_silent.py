@@ -606,6 +606,7 @@ def test_lora_kl_reference_is_the_base_model_with_adapters_off_and_no_copy():
     """LoRA + KL: the reference log-probs are the base model's (adapters disabled); the learner
     holds the weights once (a full-model KL run holds them twice), and reading the reference
     allocates less than one model."""
+    from creditrl.recipe.build import policy_loss_from_config
     from creditrl.trainer.loop import reference_model
     from creditrl.runtime.precision import Precision
     from creditrl.trainer.update import Batch, Learner, statistics_no_grad
@@ -616,10 +617,12 @@ def test_lora_kl_reference_is_the_base_model_with_adapters_off_and_no_copy():
                                             "rollout.max_new_tokens=4", "algorithm.estimator=grpo", "optim.lr=1e-2",
                                             "loss.kl_coef=0.1", "model.lora.enabled=true"]))
     model_bytes = _weight_bytes(model)
-    learner = Learner(model, cfg, ref_model=reference_model(model, cfg, Precision()))
+    loss = policy_loss_from_config(cfg)
+    learner = Learner(model, cfg, loss, ref_model=reference_model(model, cfg, loss, Precision()))
     assert learner.ref_model is None and _weight_bytes(*_modules(learner)) == model_bytes
     full_cfg = resolve_config(load_config(None, ["loss.kl_coef=0.1", "rollout.group_size=4"]))
-    full = Learner(base, full_cfg, ref_model=reference_model(base, full_cfg, Precision()))     # the count sees a copy
+    full_loss = policy_loss_from_config(full_cfg)
+    full = Learner(base, full_cfg, full_loss, ref_model=reference_model(base, full_cfg, full_loss, Precision()))  # a copy
     assert _weight_bytes(*_modules(full)) >= 2 * _weight_bytes(base) - 1
     for step in range(2):                                           # the adapters move away from the base
         learner.update(_spread_batch(task, tok, model, seed=step), torch.Generator().manual_seed(step))

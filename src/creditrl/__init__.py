@@ -5,7 +5,7 @@ Public API (lazily imported so ``import creditrl`` stays cheap):
 - token statistics:  ``token_stats``, ``TokenStats``
 - estimators:        ``compute_advantages``, ``list_estimators``, ``register_estimator``,
                      ``AdvantageBatch``, ``maxk_quantities``, ``pass_at_k``
-- losses:            ``policy_loss``, ``PolicyLoss``, ``agg_loss``, ``spurious_token_mask``, ``apply_trace``,
+- losses:            ``policy_loss``, ``compose``, ``Fields``, ``PolicyLoss``, ``agg_loss``, ``spurious_token_mask``, ``apply_trace``,
                      ``variance_proxy``, ``power_proxy``
 - loss terms:        ``register_loss_term``, ``get_loss_term``, ``list_loss_terms``, ``LossState``,
                      ``ClipOptions``, ``AggregationOptions``, ``KLOptions``, ``RolloutCorrectionOptions``,
@@ -33,6 +33,8 @@ _EXPORTS = {
     "pass_at_k": "creditrl.core.estimators.maxk",
     "policy_loss": "creditrl.core.losses",
     "PolicyLoss": "creditrl.core.losses",
+    "compose": "creditrl.core.losses",
+    "Fields": "creditrl.core.losses",
     "register_loss_term": "creditrl.core.losses",
     "get_loss_term": "creditrl.core.losses",
     "list_loss_terms": "creditrl.core.losses",

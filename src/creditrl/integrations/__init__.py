@@ -6,20 +6,20 @@
   entry point (docs/verl.md)
 
 Neither is imported by ``import creditrl``; each imports its framework. Both generate their loss
-options from the loss-term registry here (``loss_term_fields``, ``loss_terms_from``).
+options from the loss-term registry here (``loss_term_fields``) and read them with
+``creditrl.core.losses.compose(Fields(...))``, the one way every front end composes a loss.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 from torch import Tensor
 
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.core.losses import get_loss_term, list_loss_terms, resolve_loss_terms
+from creditrl.core.losses import get_loss_term, list_loss_terms
 
 LOSS_TERMS_HELP = ("Further loss terms: a list of {\"path\": \"package.module:function\" (or a registered name), "
                    "<option>: value, ...} (or its JSON), e.g. [{\"path\": \"my_terms:length_penalty\", \"coef\": 0.01}]")
@@ -73,60 +73,3 @@ def loss_term_fields(native: Collection[str] = (), *, native_terms: Collection[s
     specs.append(("loss_terms", list | str | None if typed else Any,
                   dataclasses.field(default=None, metadata={"help": LOSS_TERMS_HELP})))
     return specs
-
-
-def loss_terms_from(get: Callable[[str], Any], native: Mapping[str, Any] | None = None, *,
-                    switched_on: Collection[str] = (), native_terms: Mapping[str, Any] | None = None,
-                    native_options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
-    """``PolicyLoss`` terms from a config with ``loss_term_fields``: ``get(key)`` reads a field
-    (None when unset or absent: the term's default; a term registered after the config class was
-    made has no fields and is off), ``native`` gives the flat options the framework holds
-    under its own names, ``native_terms`` the options (None: off) of the terms it switches by its
-    own fields, ``native_options`` the options of the terms whose fields it holds under their own
-    names (also for such a term in ``loss_terms``, under the entry's own values), ``switched_on``
-    names terms a loss mode turns on. A term's field set while the term is switched off raises: it
-    would do nothing."""
-    native, native_terms, native_options = native or {}, native_terms or {}, native_options or {}
-    terms: dict[str, Any] = {}
-    for name in list_loss_terms():
-        term = get_loss_term(name)
-        names = [f.name for f in dataclasses.fields(term.options)]
-        if name in native_terms:
-            if native_terms[name] is not None:
-                terms[name] = term.make_options(native_terms[name])
-            continue
-        if name in native_options:
-            if name in switched_on or get(name):
-                terms[name] = term.make_options(native_options[name])
-            continue
-        if term.flat:
-            values = {k: native[k] if k in native else get(k) for k in names}
-            terms[name] = term.make_options({k: v for k, v in values.items() if v is not None})
-            continue
-        values = {k: get(f"{name}_{k}") for k in names}
-        values = {k: v for k, v in values.items() if v is not None}
-        switch = True if name in switched_on else get(name)
-        if switch is not None and not isinstance(switch, bool):   # "false" would be truthy
-            raise TypeError(f"{name}: expected True, False or None (on when one of {name}_* is set), got "
-                            f"{type(switch).__name__} {switch!r}")
-        if switch is False and values:
-            raise ValueError(f"{name}_{next(iter(values))}: set while {name}=False, where it does nothing; "
-                             f"drop it or set {name}=True")
-        if switch or (switch is None and values):
-            terms[name] = term.make_options(values)
-    user = get("loss_terms")
-    if isinstance(user, str):
-        user = json.loads(user)
-    for entry in user or []:
-        terms = _add_user_term(terms, entry, native_options)
-    return terms
-
-
-def _add_user_term(terms: dict[str, Any], entry: Any,
-                   native_options: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    (name, options), = resolve_loss_terms([dict(entry)]).items()
-    if name in native_options:           # the framework's own fields, under what the entry sets itself
-        (name, options), = resolve_loss_terms([{**native_options[name], **dict(entry)}]).items()
-    if name in terms:
-        raise ValueError(f"loss_terms: loss term {name!r} is also set by its own fields; set it one way")
-    return {**terms, name: options}

@@ -47,8 +47,8 @@ from creditrl.utils.validate import check_choice
 from creditrl.core.estimators import check_group_size, compute_advantages, list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex, uniform_groups
-from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
-from creditrl.core.losses import EntropyControl, PolicyLoss, power_proxy
+from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields
+from creditrl.core.losses import EntropyControl, Fields, PolicyLoss, compose, power_proxy
 from creditrl.runtime.rollout import RolloutBatch
 from creditrl.runtime.sampling import position_ids_from_mask
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
@@ -163,10 +163,14 @@ class _CreditGRPOFields(GRPOConfig):
         return options
 
     def policy_loss_terms(self) -> dict:
-        """The ``PolicyLoss`` terms of these settings (TRL's own names mapped by ``TRL_NATIVE``)."""
-        return loss_terms_from(lambda key: getattr(self, key, None),
-                               native={name: value(self) for name, value in TRL_NATIVE.items()},
-                               native_terms={name: value(self) for name, value in TRL_NATIVE_TERMS.items()})
+        """The terms of ``composed_loss`` (name -> options)."""
+        return self.composed_loss().chosen
+
+    def composed_loss(self) -> PolicyLoss:
+        """The ``PolicyLoss`` of these settings (TRL's own names mapped by ``TRL_NATIVE``)."""
+        return compose(Fields(lambda key: getattr(self, key, None),
+                              native={name: value(self) for name, value in TRL_NATIVE.items()},
+                              native_terms={name: value(self) for name, value in TRL_NATIVE_TERMS.items()}))
 
 
 CreditGRPOConfig = dataclasses.make_dataclass(
@@ -218,7 +222,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         self.estimator_kwargs = self.args.estimator_kwargs()
         self.filter_signal = self._check_dynamic_sampling() if self.args.dynamic_sampling else None
         self.wants_energy = get_estimator(self.estimator).needs_energy or self.args.log_energy_metrics
-        self.policy_loss = PolicyLoss(self.args.policy_loss_terms())
+        self.policy_loss = self.args.composed_loss()
         bonus = self.policy_loss.options_of("entropy_bonus")
         self.entropy_options = bonus if bonus is not None and bonus.adaptive else None
         if self.entropy_options is not None:   # kept in TRL's own attributes: its checkpoints save and restore them
@@ -525,7 +529,7 @@ def trl_setting(trainer) -> tuple[str, dict, PolicyLoss]:
     if args.loss_type not in AGG_BY_LOSS_TYPE:
         raise ValueError(f"loss_type: in-training diagnosis measures {list(AGG_BY_LOSS_TYPE)}, got {args.loss_type!r}")
     native = {name: value(args) for name, value in TRL_NATIVE.items()}
-    return estimators[args.scale_rewards], {}, PolicyLoss.from_kwargs(**native)
+    return estimators[args.scale_rewards], {}, compose(**native)
 
 
 def rollout_batch(output: dict, rewards: Tensor, group_size: int) -> RolloutBatch:

@@ -50,8 +50,8 @@ from verl.workers.config import PolicyLossConfig
 
 from creditrl.core.estimators import estimate, list_estimators, prepare
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields, loss_terms_from
-from creditrl.core.losses import PolicyLoss
+from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields
+from creditrl.core.losses import Fields, PolicyLoss, compose
 from creditrl.utils.validate import LOGP_TOLERANCE, ONE_FLOAT32_BITS, FusedChecks, check_tensor, float32_bits
 
 PREFIX = "creditrl_"
@@ -314,8 +314,8 @@ def _install_hooks_after_init(self) -> None:
         parent(self)
     defaults = {name: value({}, "token-mean") for name, value in VERL_NATIVE.items()}
     options = verl_native_options({"policy_loss": self})
-    check_terms_for_verl(loss_terms_from(lambda key: getattr(self, key, None), defaults,   # checks the options now
-                                         native_options=options))
+    check_terms_for_verl(compose(Fields(lambda key: getattr(self, key, None), defaults,   # checks the options now
+                                        native_options=options)).chosen)
     install_trainer_hooks()  # verl builds this config after its trainer / loss modules are loaded
 
 
@@ -381,9 +381,9 @@ def make_policy_loss(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, An
             raise ValueError("config: expected verl's ActorConfig, got None")
         node = config.get("policy_loss", None)
         native = {name: value(config, loss_agg_mode) for name, value in VERL_NATIVE.items()}
-        loss_fn = PolicyLoss(check_terms_for_verl(loss_terms_from(
+        loss_fn = PolicyLoss(check_terms_for_verl(compose(Fields(
             lambda key: None if node is None else node.get(key, None), native, switched_on=switched_on,
-            native_options=verl_native_options(config))))
+            native_options=verl_native_options(config))).chosen))
         entropy = _ENTROPY.get()
         if loss_fn.needs_entropy and entropy is None:
             raise ValueError(f"{loss_mode}: needs the token entropies; set actor_rollout_ref.actor."

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from creditrl.config import Config, ConfigError
-from creditrl.core.losses import PolicyLoss
-from creditrl.recipe.resolve import loss_term_options, precision_of, resolve_loss
+from creditrl.core.losses import PolicyLoss, compose
+from creditrl.recipe.resolve import precision_of
 from creditrl.runtime.models import adapter_settings, default_lora_modules, is_chat_model, load_policy
 from creditrl.runtime.models.tiny import char_tokenizer
 from creditrl.tasks import get_task, task_options
@@ -125,8 +125,8 @@ class ConfiguredLoss:
 def policy_loss_from_config(cfg: Config) -> ConfiguredLoss:
     """The composed policy loss of a (resolved or raw) config's ``loss`` section; the
     aggregation's ``max_len`` defaults to ``rollout.max_new_tokens``."""
-    loss = resolve_loss(cfg.loss)
-    composed = PolicyLoss(loss_term_options(loss, cfg.rollout.max_new_tokens))
+    composed = compose(cfg.loss, max_len=cfg.rollout.max_new_tokens)
+    correction = composed.options_of("rollout_correction")
     needs_reference = any("ref_logp" in term.needs and term.active(options) for term, options in composed.terms)
     return ConfiguredLoss(composed, needs_reference=needs_reference,
-                          rollout_correction=(loss["rollout_correction"], loss["rollout_cap"]))
+                          rollout_correction=(correction.rollout_correction, correction.rollout_cap))

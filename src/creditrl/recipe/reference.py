@@ -15,7 +15,7 @@ import sys
 from creditrl.config import Config, DiagnoseConfig, flat_items
 from creditrl.core.estimators import list_estimators
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.recipe.resolve import builtin_loss_terms
+from creditrl.core.losses import builtin_loss_terms
 from creditrl.tasks import list_tasks, task_options
 from creditrl.utils.options import OptionSpec, describe, options_of
 

@@ -15,10 +15,10 @@ from creditrl.config import Config, ConfigError
 from creditrl.core.estimators import check_group_size
 from creditrl.core.estimators.labels import label_options
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
+from creditrl.core.losses import compose
 from creditrl.runtime.precision import UNTIMED_MODELS, Precision
 from creditrl.tasks import task_options
-from creditrl.utils.options import coerce, instantiate
+from creditrl.utils.options import OptionError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -124,97 +124,21 @@ def resolve_config(cfg: Config) -> Config:
     _check_task(cfg)
     loss = resolve_loss(cfg.loss)
     _check_combinations(cfg, loss)
-    try:                                   # terms that cannot combine (two surrogates, a term given twice)
-        PolicyLoss(loss_term_options(loss, cfg.rollout.max_new_tokens))
-    except ValueError as err:
-        message = str(err).removeprefix("terms: ")
-        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
 
 
 # ----------------------------------------------------------------------------- the loss
 
-def builtin_loss_terms() -> list:
-    """creditrl's own loss terms (a user's term, even once imported, is configured under
-    ``loss.terms`` by its import path, so a saved config never depends on import order)."""
-    terms = [get_loss_term(name) for name in list_loss_terms()]
-    return [t for t in terms if t.fn.__module__.startswith("creditrl.")]
-
-
-def _term_values(where: str, term, values: dict) -> dict:
-    """One term's options from ``values``: typed, filled with the term's defaults and checked by
-    the term's own options class (its ``__post_init__``), errors naming ``where``."""
-    return dataclasses.asdict(instantiate(where, term.options, values))
-
-
-def resolve_loss(loss: dict) -> dict:
-    """The ``loss`` section checked against the loss-term registry and completed: the flat terms'
-    options directly (``clip_low``, ``agg``, ``kl_coef``, ...), each optional built-in term as a
-    section with ``enabled``, and ``terms``: the user's terms by import path, each
-    ``{"path": "pkg.module:function", <option>: value}``."""
-    loss = dict(loss or {})
-    terms = builtin_loss_terms()
-    flat = {f.name: term for term in terms if term.flat for f in dataclasses.fields(term.options)}
-    sections = {term.name: term for term in terms if not term.flat}
-    unknown = sorted(set(loss) - set(flat) - set(sections) - {"terms"})
-    if unknown:
-        raise ConfigError(f"loss.{unknown[0]}: unknown key; valid keys of loss are "
-                          f"{sorted(flat) + sorted(sections) + ['terms']}")
-    out = {}
-    for term in (t for t in terms if t.flat):
-        names = [f.name for f in dataclasses.fields(term.options)]
-        out.update(_term_values("loss", term, {k: loss[k] for k in names if k in loss}))
-    for name, term in sections.items():
-        section = dict(loss.get(name) or {})
-        enabled = coerce(f"loss.{name}.enabled", section.pop("enabled", False), bool)
-        out[name] = {"enabled": enabled, **_term_values(f"loss.{name}", term, section)}
-    out["terms"], seen = [], {}
-    for i, spec in enumerate(loss.get("terms") or []):
-        out["terms"].append(_user_term(i, spec, seen, terms))
-    return out
-
-
-def _user_term(i: int, spec: object, seen: dict, builtin: list) -> dict:
-    """One entry of ``loss.terms``: a user's term, each at most once (the loss takes one set of options
-    per term: a second entry would silently replace the first); creditrl's own terms have their keys."""
-    where = f"loss.terms[{i}]"
-    if not isinstance(spec, dict) or not isinstance(spec.get("path"), str):
-        raise ConfigError(f"{where}: expected a mapping with 'path' (a registered loss term or "
-                          f"'package.module:function') and the term's options, got {spec!r}")
+def resolve_loss(loss: dict, max_len: int | None = None) -> dict:
+    """The ``loss`` section checked against the loss-term registry and completed
+    (``creditrl.core.losses.compose``, the nested spelling): the flat terms' options directly
+    (``clip_low``, ``agg``, ``kl_coef``, ...), each optional built-in term as a section with
+    ``enabled``, and ``terms``: the user's terms by import path. Terms that cannot combine (two
+    surrogates) are refused here, naming the keys."""
     try:
-        term = get_loss_term(spec["path"])
-    except ValueError as err:       # unknown, unregistered, or its module failed to import
-        raise ConfigError(f"{where}.path: {str(err).removeprefix('loss term: ')}") from err
-    if term in builtin:
-        keys = ([f"loss.{f.name}" for f in dataclasses.fields(term.options)] if term.flat else
-                [f"loss.{term.name}.enabled=true"] + [f"loss.{term.name}.{f.name}" for f in dataclasses.fields(term.options)])
-        raise ConfigError(f"{where}: {spec['path']!r} is creditrl's own loss term {term.name!r}, set by its keys "
-                          f"{', '.join(keys)} (so the run builds what it needs, e.g. the reference model of "
-                          f"loss.kl_coef); loss.terms is for your own terms")
-    if term.name in seen:
-        raise ConfigError(f"{where}: loss term {term.name!r} is already {seen[term.name]}; each term is applied once, "
-                          f"with one set of options: merge the two entries")
-    seen[term.name] = f"given in loss.terms[{i}]"
-    options = {k: v for k, v in spec.items() if k != "path"}
-    return {"path": spec["path"], **_term_values(where, term, options)}
-
-
-def loss_term_options(loss: dict, max_len: int | None) -> dict:
-    """Term name -> options of a resolved ``loss`` section (``resolve_loss``): every flat term, each
-    enabled section, the user's terms; the aggregation's ``max_len`` defaults to ``max_len``
-    (``rollout.max_new_tokens``). What ``PolicyLoss`` composes, here so that ``resolve_config`` can
-    compose it before anything loads (``creditrl.recipe.build.policy_loss_from_config`` builds it)."""
-    chosen = {}
-    for term in builtin_loss_terms():
-        if term.flat:
-            chosen[term.name] = term.options(**{f.name: loss[f.name] for f in dataclasses.fields(term.options)})
-        elif loss[term.name]["enabled"]:
-            chosen[term.name] = term.options(**{k: v for k, v in loss[term.name].items() if k != "enabled"})
-    for i, spec in enumerate(loss["terms"]):
-        term = get_loss_term(spec["path"])
-        if term.name in chosen:
-            raise ValueError(f"loss.terms[{i}]: loss term {term.name!r} is also on as loss.{term.name}; set it one way")
-        chosen[term.name] = term.options(**{k: v for k, v in spec.items() if k != "path"})
-    if chosen["aggregation"].max_len is None:
-        chosen["aggregation"] = dataclasses.replace(chosen["aggregation"], max_len=max_len)
-    return chosen
+        return compose(dict(loss or {}), max_len=max_len, where="loss").to_config()
+    except OptionError:
+        raise
+    except ValueError as err:            # terms that cannot combine (two surrogates, a term given twice)
+        message = str(err).removeprefix("terms: ")
+        raise ConfigError(message if message.startswith("loss.") else f"loss: {message}") from None

@@ -45,8 +45,8 @@ from creditrl.runtime.rollout import RolloutBatch, concat_rollouts, generate_rol
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
 from creditrl.core.estimators.labels import LOO
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
-from creditrl.recipe.build import (build_task, check_lora_source, default_max_new_tokens, load_configured_policy,
-                                   policy_loss_from_config)
+from creditrl.recipe.build import (ConfiguredLoss, build_task, check_lora_source, default_max_new_tokens,
+                                   load_configured_policy, policy_loss_from_config)
 from creditrl.utils.rundir import RunLock, check_new_run, clear_run
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.errors import CreditrlError
@@ -79,11 +79,11 @@ def set_determinism(cfg: Config) -> None:
     torch.manual_seed(cfg.train.seed)
 
 
-def reference_model(model, cfg: Config, precision: Precision):
-    """A frozen copy of the starting policy for a term that needs reference log-probs (KL), in the
-    precision's frozen dtype; None without one, and None for LoRA, whose reference is the same model
-    with its adapters disabled (no second copy)."""
-    if not policy_loss_from_config(cfg).needs_reference or cfg.model.lora.enabled:
+def reference_model(model, cfg: Config, loss: ConfiguredLoss, precision: Precision):
+    """A frozen copy of the starting policy for a term of ``loss`` that needs reference log-probs
+    (KL), in the precision's frozen dtype; None without one, and None for LoRA, whose reference is
+    the same model with its adapters disabled (no second copy)."""
+    if not loss.needs_reference or cfg.model.lora.enabled:
         return None
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     return ref if precision.frozen_dtype is None else ref.to(precision.frozen_dtype)
@@ -160,7 +160,8 @@ class Trainer:
             self.tokenizer, self.task, getattr(self.model.config, "max_position_embeddings", None),
             cfg.rollout.max_new_tokens)
         self.precision = precision_of(cfg)
-        self.learner = Learner(self.model, cfg, ref_model=reference_model(self.model, cfg, self.precision))
+        loss = policy_loss_from_config(cfg)      # the run's loss, composed once
+        self.learner = Learner(self.model, cfg, loss, ref_model=reference_model(self.model, cfg, loss, self.precision))
         self.diagnosis = step_diagnosis(self.model, cfg, self.learner) if cfg.logging.diagnose_every else None
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.task_rng = random.Random(cfg.train.seed)

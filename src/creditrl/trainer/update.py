@@ -34,7 +34,7 @@ from creditrl.runtime.rollout import RolloutBatch, sample_metrics
 from creditrl.runtime.precision import Precision
 from creditrl.runtime.scoring import response_stats
 from creditrl.recipe.resolve import estimator_from_config, precision_of
-from creditrl.recipe.build import policy_loss_from_config
+from creditrl.recipe.build import ConfiguredLoss, policy_loss_from_config
 from creditrl.utils.validate import NonFiniteError
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class Learner:
     """Owns the optimizer and schedule, the loss, and the reference policy of a KL term: a frozen
     model, or (LoRA) the policy itself with its adapters disabled — no second copy."""
 
-    def __init__(self, model, cfg: Config, *, ref_model=None):
+    def __init__(self, model, cfg: Config, loss: ConfiguredLoss | None = None, *, ref_model=None):
         self.model, self.ref_model, self.cfg = model, ref_model, cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
         fused = {"fused": True} if self.params[0].device.type in ("cpu", "cuda") else {}
@@ -195,7 +195,7 @@ class Learner:
         self.precision = precision_of(cfg).require_resolved()     # auto: resolved by the Trainer first
         self.scaler = torch.amp.GradScaler("cuda") if self.precision.scales_loss else None
         self.estimator, self.estimator_options, self.needs_energy = estimator_from_config(cfg)
-        self.loss = policy_loss_from_config(cfg)
+        self.loss = loss if loss is not None else policy_loss_from_config(cfg)   # the Trainer composes it once
         self.noise = NoiseScale() if cfg.logging.grad_noise_scale else None
         self.skip_error: NonFiniteError | None = None   # why the loss was last non-finite (policy_loss names it)
         bonus = self.loss.loss.options_of("entropy_bonus")        # the configured options (adaptive: β₀, target)

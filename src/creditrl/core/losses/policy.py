@@ -28,7 +28,6 @@ copied to the host once.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from typing import Any, Mapping, Sequence
 
@@ -43,7 +42,7 @@ from creditrl.core.losses import cispo as _cispo, sapo as _sapo, gmpo as _gmpo, 
 from creditrl.core.losses import covariance as _covariance, delta_l as _delta_l  # noqa: F401
 from creditrl.core.losses.diagnostics import kl_estimate
 from creditrl.core.losses.terms import EXCLUSIVE_STAGES, STAGES, LossState, LossTerm, apply_term, get_loss_term
-from creditrl.core.losses.terms import list_loss_terms, resolve_loss_terms
+from creditrl.core.losses.terms import builtin_loss_terms, list_loss_terms, resolve_loss_terms
 from creditrl.utils.imports import plugin_name
 from creditrl.utils.validate import LOGP_TOLERANCE, NonFiniteError, as_mask, check_finite, check_same_shape
 from creditrl.utils.validate import check_tensor
@@ -57,7 +56,7 @@ LOG_PROBS = ("logp", "old_logp", "ref_logp", "rollout_logp")   # each <= 0, with
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
                "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
 
-__all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "PolicyLoss", "policy_loss"]
+__all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "PolicyLoss"]
 
 
 class PolicyLoss:
@@ -97,28 +96,20 @@ class PolicyLoss:
         """The options of term ``name`` in this loss, or None when it is not chosen."""
         return self.chosen.get(name)
 
-    @classmethod
-    def from_kwargs(cls, *, terms: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-                    **options: Any) -> PolicyLoss:
-        """``policy_loss``'s keyword form: the flat terms' fields (``clip_low=0.1``), a non-flat
-        term by name (``stapo=True`` / ``StapoOptions(...)``; None or False = off) and ``terms``."""
-        chosen = resolve_loss_terms(terms)
-        flat_fields = {f.name: term for term in map(get_loss_term, list_loss_terms()) if term.flat
-                       for f in dataclasses.fields(term.options)}
-        flat_values: dict[str, dict] = {}
-        for key, value in options.items():
-            if key in flat_fields:
-                flat_values.setdefault(flat_fields[key].name, {})[key] = value
-            elif key in list_loss_terms() and not get_loss_term(key).flat:
-                switched = _switched_term(get_loss_term(key), value)
-                if switched is not None:
-                    chosen[key] = _not_twice(chosen, key, switched)
-            else:
-                raise TypeError(f"policy_loss: unknown option {key!r}; valid options are "
-                                f"{sorted(flat_fields) + [n for n in list_loss_terms() if not get_loss_term(n).flat]}")
-        for name, values in flat_values.items():
-            chosen[name] = _not_twice(chosen, name, get_loss_term(name).make_options(values))
-        return cls(chosen)
+    def to_config(self) -> dict[str, Any]:
+        """This loss in ``creditrl train``'s nested spelling (``creditrl.core.losses.compose``): every
+        built-in term (flat fields at the top, each section with ``enabled``), the user's terms by
+        import path under ``terms``; ``compose(loss.to_config())`` rebuilds it."""
+        out: dict[str, Any] = {}
+        builtin = builtin_loss_terms()
+        for term in builtin:
+            options = self.chosen.get(term.name)
+            values = dataclasses.asdict(options if options is not None else term.make_options())
+            out.update(values) if term.flat else out.update({term.name: {"enabled": options is not None, **values}})
+        names = {term.name for term in builtin}
+        out["terms"] = [{"path": f"{get_loss_term(name).fn.__module__}:{get_loss_term(name).fn.__qualname__}",
+                         **dataclasses.asdict(options)} for name, options in self.chosen.items() if name not in names]
+        return out
 
     def __repr__(self) -> str:
         return f"PolicyLoss({', '.join(f'{term.name}={options!r}' for term, options in self.terms)})"
@@ -205,23 +196,6 @@ def _replaced_flat_terms(pairs: list[tuple[LossTerm, Any]]) -> set[str]:
         if mine:
             replaced |= {term.name for term, _ in pairs if term.stage == stage and term.flat}
     return replaced
-
-
-def _switched_term(term: LossTerm, value: Any) -> Any:
-    """A non-flat term given by keyword: None/False = off, True = defaults, or its options."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return term.make_options()
-    if isinstance(value, term.options):
-        return value
-    raise TypeError(f"{term.name}: expected None, a bool or {term.options.__name__}, got {type(value).__name__}")
-
-
-def _not_twice(chosen: dict, name: str, options: Any) -> Any:
-    if name in chosen:
-        raise ValueError(f"terms: loss term {name!r} is given twice (in terms and by keyword)")
-    return options
 
 
 def _describe(options: Any) -> str:
@@ -389,41 +363,3 @@ def _non_finite_fields(state: LossState) -> list[str]:
     tensors.update({f"metrics[{k!r}]": v for k, v in state.metrics.items()})
     return [name for name, x in tensors.items()
             if isinstance(x, Tensor) and x.is_floating_point() and not bool(torch.isfinite(x).all())]
-
-
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
-                ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None, entropy: Tensor | None = None,
-                truncated: Tensor | None = None, weights: Tensor | None = None,
-                terms: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-                **options: Any) -> tuple[Tensor, dict[str, float]]:
-    """The clipped policy-gradient loss with composable options (module docstring):
-    ``PolicyLoss.from_kwargs(terms=terms, **options)(logp, old_logp, advantages, mask, ...)``.
-
-    Options (see the signature): the fields of the flat terms — ``clip_low, clip_high, clip_c``
-    (``ClipOptions``), ``agg, max_len`` (``AggregationOptions``), ``kl_coef, kl_estimator,
-    kl_bias_correction`` (``KLOptions``), ``rollout_correction, rollout_cap``
-    (``RolloutCorrectionOptions``) — and each other term by name (None, a bool or its options:
-    ``stapo``, ``trace``, ``cispo``, ``entropy_bonus``, ...); ``terms`` adds terms by name or
-    import path, e.g. ``[{"path": "cispo"}, {"path": "my_module:length_penalty", "coef": 0.01}]``.
-    Tensors and returns: ``PolicyLoss.__call__``.
-    """
-    loss_fn = PolicyLoss.from_kwargs(terms=terms, **options)
-    return loss_fn(logp, old_logp, advantages, mask, ref_logp=ref_logp, rollout_logp=rollout_logp, entropy=entropy,
-                   truncated=truncated, weights=weights)
-
-
-def _keyword_signature() -> inspect.Signature:
-    """policy_loss's signature with every built-in option spelled out (declared by the terms' dataclasses)."""
-    params = list(inspect.signature(policy_loss).parameters.values())[:-1]
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    for name in list_loss_terms():
-        term = get_loss_term(name)
-        if term.flat:
-            params += [inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
-                       for f in dataclasses.fields(term.options)]
-        else:
-            params.append(inspect.Parameter(name, keyword, default=None, annotation=f"{term.options.__name__} | None"))
-    return inspect.signature(policy_loss).replace(parameters=params)
-
-
-policy_loss.__signature__ = _keyword_signature()

@@ -286,6 +286,13 @@ def get_loss_term(name: str) -> LossTerm:
         unregistered="decorate it with @creditrl.register_loss_term(name, options=..., stage=...)")
 
 
+def builtin_loss_terms() -> list[LossTerm]:
+    """creditrl's own loss terms (a user's term, even once imported, is configured in the nested
+    spelling under ``terms`` by its import path, so a saved config never depends on import order)."""
+    terms = [get_loss_term(name) for name in list_loss_terms()]
+    return [t for t in terms if t.fn.__module__.startswith("creditrl.")]
+
+
 def resolve_loss_terms(spec: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
     """Term name -> options instance from either form a user writes:
 

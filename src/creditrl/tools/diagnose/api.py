@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from creditrl.config import AlgorithmConfig, Config, ConfigError, DiagnoseConfig, RolloutConfig, validate
 from creditrl.config import validate_diagnose
-from creditrl.core.losses import PolicyLoss
+from creditrl.core.losses import PolicyLoss, compose
 from creditrl.runtime.gradient_space import choose_space
 from creditrl.tasks.base import Problem
 from creditrl.tasks.chat import check_prompt
@@ -124,7 +124,7 @@ def as_loss(name: str, value: PolicyLoss | Mapping | None, arg: str) -> LossChoi
         raise TypeError(f"{arg}: expected a PolicyLoss, a mapping of policy_loss options or None, got "
                         f"{type(value).__name__}")
     try:
-        return loss_choice(name, PolicyLoss.from_kwargs(**value))
+        return loss_choice(name, compose(**value))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{arg}: {err}") from None
 

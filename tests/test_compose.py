@@ -1,0 +1,76 @@
+"""``compose``: the three spellings of a loss (the config's nested section, the library's keywords, a
+framework's flat fields) give the same PolicyLoss, and ``to_config`` writes it back."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from creditrl.core.losses import Fields, PolicyLoss, StapoOptions, TraceOptions, compose
+from creditrl.utils.options import OptionError
+
+# one loss, three ways: clip bounds, token-sum aggregation, a k1 KL, STAPO and a GRPO-λ trace
+NESTED = {"clip_low": 0.1, "clip_high": 0.3, "agg": "seq-mean-token-sum", "kl_coef": 0.05, "kl_estimator": "k1",
+          "stapo": {"enabled": True, "tau_p": 0.01}, "trace": {"enabled": True, "lam": 0.9}}
+KEYWORDS = dict(clip_low=0.1, clip_high=0.3, agg="seq-mean-token-sum", kl_coef=0.05, kl_estimator="k1",
+                stapo=StapoOptions(tau_p=0.01), trace=TraceOptions(lam=0.9))
+FIELDS = {"clip_low": 0.1, "clip_high": 0.3, "agg": "seq-mean-token-sum", "kl_coef": 0.05, "kl_estimator": "k1",
+          "stapo": True, "stapo_tau_p": 0.01, "trace_lam": 0.9}
+
+
+def test_the_three_spellings_give_one_loss():
+    nested, keywords, fields = compose(NESTED), compose(**KEYWORDS), compose(Fields(FIELDS.get))
+    assert nested.chosen == keywords.chosen == fields.chosen
+    assert [t.name for t, _ in nested.terms] == [t.name for t, _ in fields.terms]
+    assert nested.options_of("stapo") == StapoOptions(tau_p=0.01)
+
+
+def test_to_config_round_trips_and_lists_every_builtin_key():
+    loss = compose(NESTED)
+    config = loss.to_config()
+    assert compose(config).chosen == loss.chosen
+    assert config["stapo"]["enabled"] is True and config["cispo"]["enabled"] is False
+    assert config["clip_low"] == 0.1 and config["terms"] == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(low=st.floats(0.01, 0.5), high=st.floats(0.01, 0.5), lam=st.floats(0.0, 1.0),
+       stapo=st.booleans(), agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]))
+def test_spellings_agree_for_any_options(low, high, lam, stapo, agg):
+    nested = {"clip_low": low, "clip_high": high, "agg": agg, "trace": {"enabled": True, "lam": lam},
+              "stapo": {"enabled": stapo}}
+    keywords = dict(clip_low=low, clip_high=high, agg=agg, trace=TraceOptions(lam=lam), stapo=stapo)
+    fields = {"clip_low": low, "clip_high": high, "agg": agg, "trace_lam": lam, "stapo": stapo}
+    a, b, c = compose(nested), compose(**keywords), compose(Fields(fields.get))
+    assert a.chosen == b.chosen == c.chosen
+    assert compose(a.to_config()).chosen == a.chosen
+
+
+def test_max_len_fills_only_an_unset_aggregation_length():
+    assert compose({}, max_len=64).options_of("aggregation").max_len == 64
+    assert compose({"max_len": 8}, max_len=64).options_of("aggregation").max_len == 8
+
+
+def test_errors_name_the_spelling_and_key():
+    with pytest.raises(OptionError, match=r"^loss.stapo: expected a mapping of the term's options \(switch it on "
+                                          r"with loss.stapo.enabled=true\), got True"):
+        compose({"stapo": True})
+    with pytest.raises(OptionError, match=r"^loss.clip_lo: unknown key; valid keys of loss are"):
+        compose({"clip_lo": 0.2})
+    with pytest.raises(OptionError, match=r"^loss.trace.lam"):
+        compose({"trace": {"enabled": True, "lam": "high"}})
+    with pytest.raises(OptionError, match=r"^loss.terms\[0\]: 'cispo' is creditrl's own loss term 'cispo', set by "
+                                          r"its keys loss.cispo.enabled=true"):
+        compose({"terms": [{"path": "cispo"}]})
+    with pytest.raises(TypeError, match=r"^compose: expected one spelling of the loss"):
+        compose({"clip_low": 0.1}, clip_high=0.2)
+    with pytest.raises(TypeError, match=r"^policy_loss: unknown option 'clip_lo'"):
+        compose(clip_lo=0.1)
+    with pytest.raises(ValueError, match=r"^stapo_tau_p: set while stapo=False"):
+        compose(Fields({"stapo": False, "stapo_tau_p": 0.1}.get))
+    with pytest.raises(TypeError, match=r"^stapo: expected True, False or None"):
+        compose(Fields({"stapo": "false"}.get))
+
+
+def test_an_empty_spelling_is_the_default_loss():
+    assert compose().chosen == compose({}).chosen == PolicyLoss().chosen == compose(Fields(lambda key: None)).chosen
