@@ -1176,3 +1176,41 @@ def test_a_skipped_damaged_checkpoint_is_a_resume_note_and_the_warm_start_line_s
     note = loop.resume_note({"step": 1, "changes": {}, "checkpoint": True, "skipped": skipped})
     assert note.startswith("resumed at step 1 (skipped damaged checkpoint(s): step_000002: ")
     assert "sampled accuracy" not in Path(loop.__file__).read_text()
+
+
+# ---------------------------------------------------------------- black-box audit: loss inputs
+
+@pytest.mark.parametrize("name", ["old_logp", "ref_logp", "rollout_logp"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf])
+def test_policy_loss_refuses_infinite_log_probs_of_sampled_tokens(name, value):
+    """+inf is no log-probability and -inf is a probability 0 for a token that was sampled: each gave a
+    finite loss (clipping hid it) with a made-up KL. On a masked token either is padding, and ignored."""
+    import creditrl
+    gen = torch.Generator().manual_seed(0)
+    logp, mask, adv = -torch.rand(2, 3, generator=gen), torch.ones(2, 3), torch.tensor([1.0, -1.0])
+    bad = -torch.rand(2, 3, generator=gen)
+    bad[0, 1] = value
+    inputs = {"old_logp": logp.detach(), "ref_logp": logp.detach(), "rollout_logp": logp.detach(), name: bad}
+    options = dict(kl_coef=0.1, rollout_correction="tis")
+    what = "log-probabilities <= 0" if value > 0 else "finite log-probabilities"
+    with pytest.raises(ValueError, match=rf"^{name}: expected {what}"):
+        creditrl.policy_loss(logp, inputs.pop("old_logp"), adv, mask, **inputs, **options)
+    padded = dict(inputs, old_logp=logp.detach())
+    padded[name] = torch.where(torch.arange(3) == 1, torch.tensor(value), -torch.rand(2, 3, generator=gen))
+    loss, _ = creditrl.policy_loss(logp, padded.pop("old_logp"), adv, mask * (torch.arange(3) != 1), **padded,
+                                   **options)
+    assert torch.isfinite(loss)
+
+
+def test_stapo_refuses_a_negative_entropy_and_trace_a_positive_clamp():
+    import creditrl
+    logp, mask, adv = -torch.rand(2, 3, generator=torch.Generator().manual_seed(0)), torch.ones(2, 3), torch.ones(2)
+    entropy = torch.full((2, 3), 0.5)
+    entropy[1, 2] = -0.5
+    with pytest.raises(ValueError, match=r"^entropy: expected token entropies >= 0 .* got values down to -0.5"):
+        creditrl.policy_loss(logp, logp.detach(), adv, mask, entropy=entropy, stapo=True)
+    entropy[1, 2] = -1e-6                                     # rounding of an entropy of 0: accepted
+    creditrl.policy_loss(logp, logp.detach(), adv, mask, entropy=entropy, stapo=True)
+    with pytest.raises(ValueError, match=r"^trace.adv_clamp: expected a float <= 0"):
+        creditrl.TraceOptions(adv_clamp=0.5)
+    creditrl.TraceOptions(adv_clamp=-math.inf)                # no clamp

@@ -108,7 +108,7 @@ def check_same_shape(a_name: str, a: Tensor, b_name: str, b: Tensor) -> None:
 
 
 def as_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
-    """Check a [B,T] mask (bool, or numeric holding only 0/1), against ``shape`` when given; return bool."""
+    """Check a mask (bool, or numeric holding only 0/1): [B,T], or ``shape`` when given (e.g. [B]); return bool."""
     mask = check_mask(name, mask, shape)
     return mask if mask.dtype == torch.bool else mask != 0
 
@@ -176,7 +176,9 @@ def mask_stats(mask: Tensor, *, bits: bool = True) -> Tensor | None:
         return torch.stack(torch.aminmax(mask)).to(torch.float64)
     values = float32_bits(mask) if bits and mask.dtype == torch.float32 else mask
     low, high = torch.aminmax(values)
-    total = mask.sum(1, dtype=torch.float32).to(torch.float64).sum()
+    rows = mask.reshape(mask.shape[0], -1) if mask.dim() else mask.reshape(1, 1)   # a [B] mask: one value per row
+    exact = torch.float64 if mask.dtype == torch.float64 else torch.float32   # float64: 0.99999994 is not 1
+    total = rows.sum(1, dtype=exact).to(torch.float64).sum()
     return torch.stack([low.to(torch.float64), high.to(torch.float64),
                         torch.count_nonzero(values).to(torch.float64), total])
 

@@ -149,6 +149,8 @@ class PolicyLoss:
         if logp_in.numel() == 0:      # B = 0 or T = 0: loss 0, still attached (zero gradients), metrics 0
             token_advantages(advantages, logp_in)                           # validated all the same
             return logp_in.sum() * 0.0, dict.fromkeys(METRIC_KEYS, 0.0)
+        if data["entropy"] is not None:
+            _check_entropy(data["entropy"], valid)
         initial, token_adv, highest = _initial_state(data, advantages, valid)
         initial = dataclasses.replace(initial, truncated=rows_cut, flat=self.flat, weight=_data_weights(initial, data))
         state, _ = self._compose(initial)
@@ -273,18 +275,51 @@ def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Te
             finite = bool(torch.isfinite(low) & torch.isfinite(high))      # rare: above the bound, or NaN/inf
             zeroed[name] = x * valid_f if finite else torch.where(valid, x, 0.0)
             _check_log_probs(name, float(zeroed[name].detach().amax()))
-        else:                                  # a where, and the bound read later with the metrics
+            if not finite and name != "logp":
+                _check_no_minus_inf(name, zeroed[name].detach())
+        else:                                  # a where, and the bounds read later with the metrics
             zeroed[name] = torch.where(valid, x, 0.0)
             highest[name] = zeroed[name].detach().amax()
+            if name != "logp":
+                highest[f"-{name}"] = -zeroed[name].detach().amin()     # -inf read as +inf: refused
     return zeroed, highest
 
 
+def _check_entropy(entropy: Tensor, valid: Tensor) -> None:
+    """An entropy is >= 0; below -LOGP_TOLERANCE on a valid token it is not one (STAPO would silence
+    tokens on it). One ``amin`` pass (NaN passes: ``_explain_non_finite``)."""
+    low = float(entropy.detach().amin())
+    if low < -LOGP_TOLERANCE:
+        low = float(torch.where(valid, entropy.detach(), 0.0).amin())
+        if low < -LOGP_TOLERANCE:
+            raise ValueError(f"entropy: expected token entropies >= 0 (up to {LOGP_TOLERANCE:g} of rounding) on the "
+                             f"mask's tokens, got values down to {low:.4g}")
+
+
 def _check_log_probs(name: str, highest: float) -> None:
-    """Refuse log-probabilities above 0 beyond rounding (NaN/inf pass here: ``_explain_non_finite``)."""
-    if math.isfinite(highest) and highest > LOGP_TOLERANCE:
+    """Refuse log-probabilities above 0 beyond rounding, +inf included (NaN passes here:
+    ``_explain_non_finite`` names it, and a trainer skips such a step). ``-name``: the negated
+    lowest value of an input whose -inf is refused (``_check_no_minus_inf``)."""
+    if name.startswith("-"):
+        if highest == math.inf:
+            _refuse_minus_inf(name[1:])
+        return
+    if highest > LOGP_TOLERANCE:
         raise ValueError(f"{name}: expected log-probabilities <= 0 (up to {LOGP_TOLERANCE:g} of rounding) on the "
                          f"mask's tokens, got values up to {highest:.4g} (logits or probabilities passed as "
                          f"log-probs?)")
+
+
+def _check_no_minus_inf(name: str, x: Tensor) -> None:
+    """``old_logp``, ``ref_logp``, ``rollout_logp`` of sampled tokens: a probability of 0 (-inf) is not a
+    distribution that sampled them (a ratio or KL of it is infinite, and clipping hides it)."""
+    if bool(torch.isneginf(x).any()):
+        _refuse_minus_inf(name)
+
+
+def _refuse_minus_inf(name: str) -> None:
+    raise ValueError(f"{name}: expected finite log-probabilities on the mask's tokens (the policy behind it "
+                     f"sampled them, so their probability is > 0), got -inf (a masked or -inf logit?)")
 
 
 def _data_weights(state: LossState, data: dict[str, Tensor | None]) -> Tensor | None:
