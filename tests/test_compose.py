@@ -46,6 +46,12 @@ def test_spellings_agree_for_any_options(low, high, lam, stapo, agg):
     assert compose(a.to_config()).chosen == a.chosen
 
 
+def test_an_optional_builtin_term_by_name_is_its_section():
+    listed = compose({"terms": [{"path": "cispo"}]})
+    assert listed.chosen == compose({"cispo": {"enabled": True}}).chosen == compose(terms=[{"path": "cispo"}]).chosen
+    assert listed.to_config()["cispo"]["enabled"] is True and listed.to_config()["terms"] == []
+
+
 def test_max_len_fills_only_an_unset_aggregation_length():
     assert compose({}, max_len=64).options_of("aggregation").max_len == 64
     assert compose({"max_len": 8}, max_len=64).options_of("aggregation").max_len == 8
@@ -59,9 +65,11 @@ def test_errors_name_the_spelling_and_key():
         compose({"clip_lo": 0.2})
     with pytest.raises(OptionError, match=r"^loss.trace.lam"):
         compose({"trace": {"enabled": True, "lam": "high"}})
-    with pytest.raises(OptionError, match=r"^loss.terms\[0\]: 'cispo' is creditrl's own loss term 'cispo', set by "
-                                          r"its keys loss.cispo.enabled=true"):
-        compose({"terms": [{"path": "cispo"}]})
+    with pytest.raises(OptionError, match=r"^loss.terms\[0\]: 'clip' is creditrl's own loss term 'clip', always "
+                                          r"part of the loss and set by its keys loss.clip_low"):
+        compose({"terms": [{"path": "clip"}]})
+    with pytest.raises(OptionError, match=r"^loss.terms\[0\]: loss term 'cispo' is also on as loss.cispo.enabled"):
+        compose({"terms": [{"path": "cispo"}], "cispo": {"enabled": True}})
     with pytest.raises(TypeError, match=r"^compose: expected one spelling of the loss"):
         compose({"clip_low": 0.1}, clip_high=0.2)
     with pytest.raises(TypeError, match=r"^policy_loss: unknown option 'clip_lo'"):

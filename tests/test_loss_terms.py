@@ -416,11 +416,13 @@ def test_config_loss_terms_each_once_and_not_creditrls_own(plugins, registry):
     with pytest.raises(ConfigError, match=r"^loss.terms\[1\]: loss term 'length_penalty' is already given in "
                                           r"loss.terms\[0\]; each term is applied once"):
         resolve_config(load_config(None, [twice]))
-    for path, keys in (("kl", "loss.kl_coef, loss.kl_estimator"), ("creditrl.core.losses.kl:kl", "loss.kl_coef"),
-                       ("stapo", "loss.stapo.enabled=true")):
+    for path, keys in (("kl", "loss.kl_coef, loss.kl_estimator"), ("creditrl.core.losses.kl:kl", "loss.kl_coef")):
         with pytest.raises(ConfigError, match=rf"^loss.terms\[0\]: '{path}' is creditrl's own loss term .* set by its "
                                               rf"keys {keys}"):
             resolve_config(load_config(None, [f'loss.terms=[{{path: "{path}", kl_coef: 0.5}}]']))
+    # an optional built-in term by name is its section switched on (issue 34: verl's and TRL's spelling)
+    assert resolve_config(load_config(None, ['loss.terms=[{path: stapo, tau_p: 0.01}]'])).loss["stapo"] == \
+        resolve_config(load_config(None, ["loss.stapo.enabled=true", "loss.stapo.tau_p=0.01"])).loss["stapo"]
 
     @dataclasses.dataclass(frozen=True)
     class AnchorOptions:

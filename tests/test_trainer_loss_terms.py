@@ -116,9 +116,11 @@ def test_adaptive_entropy_applies_the_controllers_coefficient_step_by_step(setup
 def test_config_refuses_what_cannot_combine_before_any_work():
     with pytest.raises(ConfigError, match="^loss: loss terms 'cispo' and 'sapo' are both surrogate terms"):
         resolve_config(load_config(None, ["loss.cispo.enabled=true", "loss.sapo.enabled=true"]))
-    with pytest.raises(ConfigError, match=r"^loss.terms\[0\]: 'cispo' is creditrl's own loss term 'cispo', set by "
-                                          r"its keys loss.cispo.enabled=true"):
-        resolve_config(load_config(None, ["loss.terms=[{path: cispo}]"]))
+    # a surrogate by name in loss.terms is its section switched on; both at once is one term twice
+    listed = resolve_config(load_config(None, ["loss.terms=[{path: cispo}]"]))
+    assert listed.loss == resolve_config(load_config(None, ["loss.cispo.enabled=true"])).loss
+    with pytest.raises(ConfigError, match=r"^loss.terms\[0\]: loss term 'cispo' is also on as loss.cispo.enabled=true"):
+        resolve_config(load_config(None, ["loss.terms=[{path: cispo}]", "loss.cispo.enabled=true"]))
     with pytest.raises(ConfigError, match=r"loss.sapo.tau_neg: expected a value in \(0, inf\], got 0"):
         resolve_config(load_config(None, ["loss.sapo.enabled=true", "loss.sapo.tau_neg=0"]))
     cfg = resolve_config(load_config(None, ["loss.kl_cov.enabled=true", "loss.kl_cov.kl_cov_ratio=0.01"]))

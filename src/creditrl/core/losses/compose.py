@@ -99,17 +99,24 @@ def _from_nested(loss: Mapping[str, Any], where: str) -> dict[str, Any]:
             chosen[name] = options
     given: dict[str, int] = {}
     for i, entry in enumerate(loss.get("terms") or []):
-        term, options = _user_term(f"{where}.terms[{i}]", entry, terms)
+        term, options = _listed_term(f"{where}.terms[{i}]", entry, terms)
         if term.name in given:   # a second entry would silently replace the first's options
             raise OptionError(f"{where}.terms[{i}]: loss term {term.name!r} is already given in "
                               f"{where}.terms[{given[term.name]}]; each term is applied once, with one set of "
                               f"options: merge the two entries")
+        if term.name in chosen:  # a built-in term on by its section too
+            raise OptionError(f"{where}.terms[{i}]: loss term {term.name!r} is also on as {where}.{term.name}.enabled"
+                              f"=true; each term is applied once, with one set of options: set it one way")
         given[term.name] = i
         chosen[term.name] = options
     return chosen
 
 
-def _user_term(where: str, entry: object, builtin: list[LossTerm]) -> tuple[LossTerm, Any]:
+def _listed_term(where: str, entry: object, builtin: list[LossTerm]) -> tuple[LossTerm, Any]:
+    """An entry of ``terms``: a user's term by import path, or one of creditrl's optional terms by
+    name (``{path: cispo}``, as verl's and TRL's ``loss_terms`` take it; written back as its section).
+    creditrl's flat terms (clip, aggregation, KL, rollout correction) are always part of the loss and
+    set by their keys."""
     if not isinstance(entry, Mapping) or not isinstance(entry.get("path"), str):
         raise OptionError(f"{where}: expected a mapping with 'path' (a registered loss term or "
                           f"'package.module:function') and the term's options, got {entry!r}")
@@ -117,14 +124,12 @@ def _user_term(where: str, entry: object, builtin: list[LossTerm]) -> tuple[Loss
         term = get_loss_term(entry["path"])
     except ValueError as err:       # unknown, unregistered, or its module failed to import
         raise OptionError(f"{where}.path: {str(err).removeprefix('loss term: ')}") from err
-    if term in builtin:
+    if term in builtin and term.flat:
         root = where.split(".terms[")[0]
-        keys = ([f"{root}.{f.name}" for f in dataclasses.fields(term.options)] if term.flat else
-                [f"{root}.{term.name}.enabled=true"] + [f"{root}.{term.name}.{f.name}"
-                                                        for f in dataclasses.fields(term.options)])
-        raise OptionError(f"{where}: {entry['path']!r} is creditrl's own loss term {term.name!r}, set by its keys "
-                          f"{', '.join(keys)} (so the run builds what it needs, e.g. the reference model of "
-                          f"{root}.kl_coef); {root}.terms is for your own terms")
+        keys = [f"{root}.{f.name}" for f in dataclasses.fields(term.options)]
+        raise OptionError(f"{where}: {entry['path']!r} is creditrl's own loss term {term.name!r}, always part of the "
+                          f"loss and set by its keys {', '.join(keys)} (so the run builds what it needs, e.g. the "
+                          f"reference model of {root}.kl_coef)")
     return term, instantiate(where, term.options, {k: v for k, v in entry.items() if k != "path"})
 
 

@@ -149,9 +149,9 @@ class PolicyLoss:
         if logp_in.numel() == 0:      # B = 0 or T = 0: loss 0, still attached (zero gradients), metrics 0
             token_advantages(advantages, logp_in)                           # validated all the same
             return logp_in.sum() * 0.0, dict.fromkeys(METRIC_KEYS, 0.0)
-        if data["entropy"] is not None:
-            _check_entropy(data["entropy"], valid)
         initial, token_adv, highest = _initial_state(data, advantages, valid)
+        if data["entropy"] is not None:          # how far below 0 it goes, read with the metrics
+            highest["entropy"] = -torch.where(valid, data["entropy"].detach(), 0.0).amin()   # masked garbage ignored
         initial = dataclasses.replace(initial, truncated=rows_cut, flat=self.flat, weight=_data_weights(initial, data))
         state, _ = self._compose(initial)
         return _finish(state, {**given, "advantages": token_adv}, highest,
@@ -285,17 +285,6 @@ def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Te
     return zeroed, highest
 
 
-def _check_entropy(entropy: Tensor, valid: Tensor) -> None:
-    """An entropy is >= 0; below -LOGP_TOLERANCE on a valid token it is not one (STAPO would silence
-    tokens on it). One ``amin`` pass (NaN passes: ``_explain_non_finite``)."""
-    low = float(entropy.detach().amin())
-    if low < -LOGP_TOLERANCE:
-        low = float(torch.where(valid, entropy.detach(), 0.0).amin())
-        if low < -LOGP_TOLERANCE:
-            raise ValueError(f"entropy: expected token entropies >= 0 (up to {LOGP_TOLERANCE:g} of rounding) on the "
-                             f"mask's tokens, got values down to {low:.4g}")
-
-
 def _check_log_probs(name: str, highest: float) -> None:
     """Refuse log-probabilities above 0 beyond rounding, +inf included (NaN passes here:
     ``_explain_non_finite`` names it, and a trainer skips such a step). ``-name``: the negated
@@ -303,6 +292,11 @@ def _check_log_probs(name: str, highest: float) -> None:
     if name.startswith("-"):
         if highest == math.inf:
             _refuse_minus_inf(name[1:])
+        return
+    if name == "entropy":        # an entropy is >= 0; below it (beyond rounding) STAPO would silence tokens on it
+        if highest > LOGP_TOLERANCE:
+            raise ValueError(f"entropy: expected token entropies >= 0 (up to {LOGP_TOLERANCE:g} of rounding) on the "
+                             f"mask's tokens, got values down to {-highest:.4g}")
         return
     if highest > LOGP_TOLERANCE:
         raise ValueError(f"{name}: expected log-probabilities <= 0 (up to {LOGP_TOLERANCE:g} of rounding) on the "
