@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import pathlib
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -528,3 +529,13 @@ def test_a_term_that_produces_nan_is_named(tmp_path, monkeypatch, capsys):
             "skipped (weights unchanged): loss term 'nan_penalty' (nan_term:nan_penalty, coef=0.1) produced NaN/inf in "
             "token_loss") in err
     assert nan_term.nan_penalty
+
+
+@pytest.mark.parametrize("coef", ["0.1", True])
+def test_a_user_terms_options_are_typed_where_its_class_does_not_check(plugins, coef):
+    """Audit #12: a user's options dataclass need not check its types; a string or a bool for a float
+    option failed inside torch (a string) or counted as 1 (True). Refused by name, as built-in terms are."""
+    logp = -torch.rand(2, 3, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=rf"^length_penalty.coef: expected float, got {re.escape(repr(coef))}"):
+        policy_loss(logp, logp.detach(), torch.ones(2), torch.ones(2, 3),
+                    terms=[{"path": f"{USER_TERM}", "coef": coef}])

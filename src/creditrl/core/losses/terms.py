@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name, registered_entry
+from creditrl.utils.options import coerce
 
 STAGES = ("keep", "ratio", "surrogate", "penalty", "aggregate")
 STAGE_DOCS = {
@@ -156,6 +158,9 @@ class LossTerm:
         unknown = sorted(set(values) - set(names))
         if unknown:
             raise ValueError(f"loss term {self.name!r}: unknown option(s) {unknown}; valid options are {names}")
+        if not self.fn.__module__.startswith("creditrl."):   # a user's options class may not check its types
+            hints = typing.get_type_hints(self.options)
+            values = {k: coerce(f"{self.name}.{k}", v, hints.get(k, Any), strict=True) for k, v in values.items()}
         return self.options(**values)
 
 
