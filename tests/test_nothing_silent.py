@@ -1173,3 +1173,97 @@ def test_a_skipped_damaged_checkpoint_is_a_resume_note_and_the_warm_start_line_s
     note = loop.resume_note({"step": 1, "changes": {}, "checkpoint": True, "skipped": skipped})
     assert note.startswith("resumed at step 1 (skipped damaged checkpoint(s): step_000002: ")
     assert "sampled accuracy" not in Path(loop.__file__).read_text()
+
+
+# ----------------------------------------------------------------------------- audit: estimators
+
+AUDIT = dict(mask=torch.ones(4, 3), group=torch.tensor([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("inputs", [
+    dict(rewards=torch.tensor([3e38, 3e38, -3e38, 3e38]), energy=torch.full((4, 3), 0.5)),   # -inf advantages
+    dict(rewards=torch.tensor([1.0, 0, 1, 0]), energy=torch.full((4, 3), 0.5), is_weights=torch.full((4, 3), 1e30)),
+    dict(rewards=torch.tensor([1.0, 0, 1, 0]), energy=torch.full((4, 3), 3e38))])              # NaN advantages
+def test_masked_output_estimators_refuse_non_finite_advantages(inputs):
+    from creditrl import compute_advantages
+    with pytest.raises(ValueError, match=r"estimator 'otb' returned non-finite advantages in rows \["):
+        compute_advantages("otb", **AUDIT, **inputs)
+
+
+def test_a_masked_output_plug_in_is_checked_on_valid_tokens_only():
+    from creditrl import compute_advantages, register_estimator
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    values = {}
+
+    @register_estimator("audit_masked_plugin", masked_output=True, overwrite=True)
+    def plugin(batch):
+        return values["out"].clone()
+
+    args = dict(rewards=torch.zeros(4), mask=mask, group=torch.tensor([0, 0, 1, 1]))
+    values["out"] = torch.where(mask.bool(), 1.0, 0.0)
+    values["out"][2, 1] = float("nan")                         # a valid token
+    with pytest.raises(ValueError, match=r"'audit_masked_plugin' returned non-finite advantages in rows \[2\]"):
+        compute_advantages("audit_masked_plugin", **args)
+    values["out"] = torch.where(mask.bool(), 1.0, float("nan"))  # NaN only where mask == 0: the contract's 0 there
+    assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask)
+    values["out"] = torch.where(mask.bool(), 3e38, 0.0)         # finite, though row 2's float32 sum overflows
+    assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask * 3e38)
+
+
+@pytest.mark.parametrize("name, options", [("grpo", {}), ("maxpo", {"k": 1, "normalize": "std"}), ("gdpo", {}),
+                                           ("reinforce_plus_plus", {}), ("reinforce_plus_plus_baseline", {}),
+                                           ("passk_chen", {"k": 1}), ("maxk_bon", {"k": 1})])
+def test_eps_must_be_finite_in_float32(name, options):
+    from creditrl import compute_advantages
+    args = dict(rewards=torch.tensor([1.0, 0, 1, 0]), **AUDIT, **options)
+    for eps in (1e300, 3.5e38):                                # finite in Python, inf in float32
+        with pytest.raises(ValueError, match=r"eps: expected a value in \(0, 3.40282e\+38\] \(finite in float32\), "
+                                             rf"got {re.escape(repr(eps))}"):
+            compute_advantages(name, eps=eps, **args)
+    assert torch.isfinite(compute_advantages(name, eps=3.4e38, **args)).all()   # the largest float32 is accepted
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gdpo_rewards_must_be_the_weighted_sum_of_the_components(seed):
+    """Rewards summed in float32 (TRL's nansum of float32 products) pass: the check's tolerance is
+    (K + 1)·eps32·Σ|w C|; a reward off by 16 times that, or the audit's 100 vs 0, is refused."""
+    from creditrl import compute_advantages
+    gen = torch.Generator().manual_seed(seed)
+    b, k = 64, 3
+    components = torch.randn(b, k, generator=gen) * 10.0 ** torch.randint(-3, 4, (b, k), generator=gen)
+    components[torch.rand(b, k, generator=gen) < 0.2] = float("nan")
+    components[5] = float("nan")                            # no term gave a reward: its reward is a stand-in
+    weights = torch.tensor([1.0, 0.5, -0.25])
+    rewards = (components * weights).nansum(1)                # float32, as TRL sums it
+    rewards[5] = 123.0
+    args = dict(mask=torch.ones(b, 2), group=torch.arange(b) // 4, components=components, component_weights=weights)
+    assert torch.isfinite(compute_advantages("gdpo", rewards=rewards, **args)).all()
+    scale = float((components * weights).abs().nansum(1)[0])
+    off = rewards.clone()
+    off[0] += 16 * (k + 1) * EPS32 * scale
+    with pytest.raises(ValueError, match=r"rewards: expected each row's reward to be the weighted sum of its "
+                                         r"components .* 1 row\(s\) differ, e.g. row 0"):
+        compute_advantages("gdpo", rewards=off, **args)
+    m = torch.ones(4, 3)
+    with pytest.raises(ValueError, match=r"rewards: .*components.* e.g. row 0: rewards 100, components·weights 0"):
+        compute_advantages("gdpo", rewards=torch.tensor([100.0, 0, 1, 0]), mask=m, group=AUDIT["group"],
+                           components=torch.tensor([[0.0], [1], [1], [0]]))
+
+
+@pytest.mark.parametrize("name, kwargs, error, message", [
+    ("", {}, ValueError, r"name: expected a non-empty estimator name of letters, digits, '_', '-' or '.' .*got ''"),
+    ("my est", {}, ValueError, r"name: expected .*\(no spaces\), got 'my est'"),
+    (3, {}, ValueError, r"name: expected .*got 3"),
+    ("audit_k", {"k_range": "1..N"}, TypeError, r"k_range: expected a creditrl.KRange .* got str '1..N'"),
+    ("audit_e", {"needs_energy": "no"}, TypeError, r"needs_energy: expected a bool \(True or False\), got str 'no'"),
+    ("audit_t", {"token_level": 1}, TypeError, r"token_level: expected a bool .* got int 1"),
+    ("audit_m", {"masked_output": None}, TypeError, r"masked_output: expected a bool"),
+    ("audit_o", {"overwrite": "yes"}, TypeError, r"overwrite: expected a bool")])
+def test_register_estimator_checks_its_own_arguments_before_registering(name, kwargs, error, message):
+    from creditrl import list_estimators, register_estimator
+    before = list_estimators()
+    with pytest.raises(error, match=message):
+        @register_estimator(name, **kwargs)
+        def fn(batch, *, k: int = 2):
+            return batch.rewards
+    assert list_estimators() == before
