@@ -707,6 +707,18 @@ def test_resume_refuses_fewer_steps_than_done_and_an_incomplete_config(tmp_path)
         resume(run, progress=False)
 
 
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    from creditrl.trainer.command import main
+    run = _finished_run(tmp_path)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert main(["--resume", str(run)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "already finished (2/2 steps, final/ complete); nothing to resume" in err
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"} == before
+    assert not (run / "resumes.jsonl").exists()
+
+
 def test_resume_without_a_checkpoint_starts_again_and_says_so(tmp_path):
     from creditrl.trainer import resume
     run = _finished_run(tmp_path, "train.save_every=0")
