@@ -1279,3 +1279,10 @@ def test_register_estimator_checks_its_own_arguments_before_registering(name, kw
         def fn(batch, *, k: int = 2):
             return batch.rewards
     assert list_estimators() == before
+
+
+@pytest.mark.parametrize("window", [1, 0, -3])
+def test_a_diagnose_window_below_two_is_refused_by_name(window):
+    with pytest.raises(ConfigError, match=rf"logging.diagnose_window: expected an integer >= 2 .*got {window}"):
+        load_config(None, ["logging.diagnose_every=1", f"logging.diagnose_window={window}"])
+    assert load_config(None, ["logging.diagnose_every=1", "logging.diagnose_window=2"]).logging.diagnose_window == 2
