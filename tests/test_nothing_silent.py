@@ -1286,3 +1286,23 @@ def test_a_diagnose_window_below_two_is_refused_by_name(window):
     with pytest.raises(ConfigError, match=rf"logging.diagnose_window: expected an integer >= 2 .*got {window}"):
         load_config(None, ["logging.diagnose_every=1", f"logging.diagnose_window={window}"])
     assert load_config(None, ["logging.diagnose_every=1", "logging.diagnose_window=2"]).logging.diagnose_window == 2
+
+
+def test_eval_pass_at_1_is_the_sampled_accuracy_and_avg_at_1_the_first_samples(monkeypatch, capsys):
+    """pass@1 (unbiased, all n samples) equals sampled_acc and avg@n exactly (no 0.1250000000000001),
+    avg@1 is the first sample's accuracy: different numbers on the same samples, by definition."""
+    from creditrl.runtime import evaluation
+    sampled = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)   # c/n = 1/8
+    greedy = torch.tensor([[1], [0], [1], [0]], dtype=torch.bool)
+    monkeypatch.setattr(evaluation, "sample_correctness",
+                        lambda *a, n, **k: (greedy if n == 1 else sampled, None))
+    task = types.SimpleNamespace(test_set=lambda: [Problem(str(i), "0") for i in range(4)])
+    monkeypatch.setattr(evaluation, "dataset_names", lambda task: [])
+    result = evaluation.evaluate(None, None, task, n=4, ks=[1, 4])
+    assert result["pass@1"] == result["sampled_acc"] == result["avg@4"] == 0.125
+    assert result["avg@1"] == 0.25 and result["greedy_acc"] == 0.5
+    from creditrl.tools.evaluate import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "so pass@1 = sampled_acc" in text and "avg@1 reads one sample per prompt" in text
