@@ -1306,3 +1306,15 @@ def test_eval_pass_at_1_is_the_sampled_accuracy_and_avg_at_1_the_first_samples(m
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "so pass@1 = sampled_acc" in text and "avg@1 reads one sample per prompt" in text
+
+
+def test_diagnose_width_and_an_undefined_noise_scale_read_as_words():
+    from creditrl.tools.diagnose.measure import width_text
+    from creditrl.trainer.report import diagnosis_section
+    assert [width_text({"width": w}) for w in (0.25, 10.0, 7504.04, float("inf"), float("nan"))] == \
+        ["±25%", "±1000%", "> ±1000%", "undefined", "undefined"]
+    step = {"step": 1, "time_diagnose": 1.0, "diagnose/steps": 1}
+    text = "\n".join(diagnosis_section([step], []))
+    assert "B_simple of the estimator trained: undefined." in text and "undefined groups" not in text
+    assert "B_simple of the estimator trained: 12.3 groups." in "\n".join(
+        diagnosis_section([{**step, "diagnose/noise_scale": 12.34}], []))
