@@ -753,6 +753,7 @@ def test_final_is_written_atomically_with_a_manifest(tmp_path, monkeypatch):
     listed = json.loads((final / "manifest.json").read_text())["files"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(listed)
     before = {p.name: p.read_bytes() for p in final.iterdir()}
+    _edit(run, train__steps=3)                 # a finished run is not resumed: one more step to go
     trainer = Trainer.resume(run, progress=False)
 
     def killed(*a, **k):
@@ -1204,6 +1205,7 @@ def test_masked_output_estimators_refuse_non_finite_advantages(inputs):
 
 def test_a_masked_output_plug_in_is_checked_on_valid_tokens_only():
     from creditrl import compute_advantages, register_estimator
+    from creditrl.core.estimators.registry import _REGISTRY
     mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
     values = {}
 
@@ -1211,15 +1213,18 @@ def test_a_masked_output_plug_in_is_checked_on_valid_tokens_only():
     def plugin(batch):
         return values["out"].clone()
 
-    args = dict(rewards=torch.zeros(4), mask=mask, group=torch.tensor([0, 0, 1, 1]))
-    values["out"] = torch.where(mask.bool(), 1.0, 0.0)
-    values["out"][2, 1] = float("nan")                         # a valid token
-    with pytest.raises(ValueError, match=r"'audit_masked_plugin' returned non-finite advantages in rows \[2\]"):
-        compute_advantages("audit_masked_plugin", **args)
-    values["out"] = torch.where(mask.bool(), 1.0, float("nan"))  # NaN only where mask == 0: the contract's 0 there
-    assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask)
-    values["out"] = torch.where(mask.bool(), 3e38, 0.0)         # finite, though row 2's float32 sum overflows
-    assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask * 3e38)
+    try:
+        args = dict(rewards=torch.zeros(4), mask=mask, group=torch.tensor([0, 0, 1, 1]))
+        values["out"] = torch.where(mask.bool(), 1.0, 0.0)
+        values["out"][2, 1] = float("nan")                         # a valid token
+        with pytest.raises(ValueError, match=r"'audit_masked_plugin' returned non-finite advantages in rows \[2\]"):
+            compute_advantages("audit_masked_plugin", **args)
+        values["out"] = torch.where(mask.bool(), 1.0, float("nan"))  # NaN only where mask == 0: the contract's 0 there
+        assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask)
+        values["out"] = torch.where(mask.bool(), 3e38, 0.0)         # finite, though row 2's float32 sum overflows
+        assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask * 3e38)
+    finally:
+        _REGISTRY.pop("audit_masked_plugin", None)                  # other tests list the registry
 
 
 @pytest.mark.parametrize("name, options", [("grpo", {}), ("maxpo", {"k": 1, "normalize": "std"}), ("gdpo", {}),
