@@ -188,3 +188,59 @@ def test_a_failing_run_leaves_a_report_of_the_runs_that_finished(tmp_path, monke
         "(exploding_term:exploding) raised KeyError: 'token_loss'" in report
     assert [r["run"] for r in tables.read_csv(out / "final.csv")] == ["plain"]
     sys.modules.pop("exploding_term", None)
+
+
+# ----------------------------------------------------------------------------- audit: overrides after the last --run
+
+def test_overrides_ending_the_command_line_after_the_last_run_are_refused_when_ambiguous(tmp_path, monkeypatch, capsys):
+    """`--run b algorithm.estimator=rloo train.steps=2` at the end: argparse gives train.steps to b alone,
+    while it reads as an override for every run; refused, naming it and the two unambiguous forms."""
+    monkeypatch.setattr(compare, "train", lambda *a, **k: pytest.fail("a run was trained"))
+    argv = ["--out", str(tmp_path), "--no-progress", "--run", "a", "algorithm.estimator=grpo",
+            "--run", "b", "algorithm.estimator=rloo", "train.steps=2", "rollout.group_size=4"]
+    assert compare.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("creditrl compare: error: --run b: train.steps=2 rollout.group_size=4 "
+                                                   "come after the last --run and set keys no other run sets")
+    assert "-- train.steps=2 rollout.group_size=4" in err and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("tail, own, shared", [
+    (["--", "train.steps=2"], ["algorithm.estimator=rloo"], ["train.steps=2"]),            # every run's, after --
+    (["train.steps=2", "--"], ["algorithm.estimator=rloo", "train.steps=2"], []),           # b's own, ended by --
+    (["train.steps=2", "--seeds", "0"], ["algorithm.estimator=rloo", "train.steps=2"], []),  # ended by an option
+    ([], ["algorithm.estimator=rloo"], [])])                                                # keys a sets too
+def test_unambiguous_forms_parse_as_documented(tmp_path, monkeypatch, tail, own, shared):
+    seen = {}
+    monkeypatch.setattr(compare, "run_all", lambda spec, *a, **k: seen.setdefault("spec", spec) and {})
+    monkeypatch.setattr(compare, "write_report", lambda *a, **k: tmp_path / "report.md")
+    compare.main(["--out", str(tmp_path), "--run", "a", "algorithm.estimator=grpo",
+                  "--run", "b", "algorithm.estimator=rloo", *tail])
+    spec = seen["spec"]
+    assert spec.runs == {"a": ["algorithm.estimator=grpo"], "b": own} and spec.overrides == shared
+
+
+def _configured_run(root, name, overrides, own):
+    """A fake run whose config.yaml and compare_recipe.json are what compare writes."""
+    import yaml
+    from creditrl.config import config_to_dict, load_config
+    from creditrl.recipe.resolve import resolve_config
+    d = fake_run(root, name, 0)
+    cfg = resolve_config(load_config(None, [*overrides, *own, f"train.run_name={name}-s0"]))
+    (d / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    (d / compare.RECIPE_FILE).write_text(json.dumps({"config": None, "overrides": [*overrides, *own, "train.seed=0"],
+                                                     "run_overrides": own}))
+
+
+def test_report_names_config_keys_that_differ_and_warns_when_no_run_set_them(tmp_path):
+    _configured_run(tmp_path / "x", "a", [], ["algorithm.estimator=otb"])
+    _configured_run(tmp_path / "x", "b", ["train.steps=2"], ["algorithm.estimator=rloo"])   # another shared setting
+    text = compare.write_report(compare.find_runs(tmp_path / "x"), tmp_path / "x", window=1).read_text()
+    assert "## Warning: these runs are not comparable\n\nThey differ in `train.steps`, which no run's own" in text
+    assert "| **train.steps** | 200 | 2 |" in text and "| algorithm.estimator | \"otb\" | \"rloo\" |" in text
+    assert "algorithm.options.leave_one_out" in text and "`algorithm.options" not in text   # follows the estimator
+    _configured_run(tmp_path / "y", "a", ["train.steps=2"], ["algorithm.estimator=otb"])
+    _configured_run(tmp_path / "y", "b", ["train.steps=2"], ["algorithm.estimator=rloo"])
+    text = compare.write_report(compare.find_runs(tmp_path / "y"), tmp_path / "y", window=1).read_text()
+    assert "not comparable" not in text and "## Config keys that differ between the runs" in text
+    assert "train.steps" not in text

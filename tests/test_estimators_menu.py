@@ -187,7 +187,9 @@ def test_gdpo_matches_loop(seed):
     components[1, 1] = float("nan")                      # a term that gave no reward
     components[2] = float("nan")                         # a response no term scored
     weights = [1.0, 0.5, -0.25]
-    ours = compute_advantages("gdpo", **batch, components=components, component_weights=weights, eps=1e-4)
+    total = (components * torch.tensor(weights)).nansum(1)         # the reward the components make
+    ours = compute_advantages("gdpo", **{**batch, "rewards": total}, components=components, component_weights=weights,
+                              eps=1e-4)
     check(ours, broadcast(loop_gdpo(components, weights, batch["group"], 1e-4), batch["mask"]))
     # no components: the total reward is the one component
     total = batch["rewards"][:, None]
@@ -302,9 +304,10 @@ def test_gdpo_ignores_each_components_scale_and_offset(values, scales, shifts):
     batch = batch_from(values)
     second = torch.tensor(values[::-1][: batch["rewards"].numel()], dtype=torch.float32) % 3
     components = torch.stack([batch["rewards"], second], 1)
-    adv = compute_advantages("gdpo", **batch, components=components, eps=1e-9)[:, 0].double()
+    adv = compute_advantages("gdpo", **{**batch, "rewards": components.sum(1)}, components=components,
+                             eps=1e-9)[:, 0].double()
     moved = components * torch.tensor(scales) + torch.tensor(shifts)
-    again = compute_advantages("gdpo", **batch, components=moved, eps=1e-9)[:, 0].double()
+    again = compute_advantages("gdpo", **{**batch, "rewards": moved.sum(1)}, components=moved, eps=1e-9)[:, 0].double()
     torch.testing.assert_close(again, adv, atol=1e-4, rtol=1e-4)
     for gid in batch["group"].unique():
         assert abs(float(adv[batch["group"] == gid].sum())) < 1e-4
@@ -333,7 +336,7 @@ def test_gdpo_components_that_cancel_give_zero_not_an_amplified_residue():
     r = torch.tensor([1.0, 0.0, 1.0, 3.0, 1.0, 3.0, 3.0, 4.0, 3.0])
     mirrored = torch.stack([r, -3.0 * r + 1.0], 1)
     for eps in (1e-9, 1e-6, 1e-4):
-        adv = compute_advantages("gdpo", rewards=r, mask=torch.ones(9, 2), group=torch.arange(9) // 3,
+        adv = compute_advantages("gdpo", rewards=mirrored.sum(1), mask=torch.ones(9, 2), group=torch.arange(9) // 3,
                                  components=mirrored, eps=eps)
         assert torch.equal(adv, torch.zeros(9, 2))
 

@@ -217,7 +217,8 @@ def test_grpo_batch_scale_equals_trls_scale_rewards_batch(model_dir, tmp_path, m
 def test_gdpo_equals_trls_normalize_then_sum(model_dir, tmp_path, monkeypatch):
     per_func, theirs = trl_advantages(model_dir, tmp_path, monkeypatch, multi_objective_aggregation="normalize_then_sum")
     group = torch.arange(per_func.shape[0]) // NUM_GENERATIONS
-    ours = creditrl.compute_advantages("gdpo", rewards=per_func.nansum(1), mask=torch.ones(per_func.shape[0], 1),
+    rewards = (per_func * torch.tensor([1.0, 0.5])).nansum(1)            # TRL's total: the weighted sum
+    ours = creditrl.compute_advantages("gdpo", rewards=rewards, mask=torch.ones(per_func.shape[0], 1),
                                        group=group, components=per_func, component_weights=[1.0, 0.5], eps=1e-4)
     torch.testing.assert_close(ours[:, 0], theirs, atol=1e-5, rtol=1e-5)
 

@@ -501,9 +501,11 @@ def test_gdpo_reads_verls_gdpo_reward_keys_through_the_hook():
     config = {"creditrl": {"eps": 1e-4}, "gdpo_reward_keys": ["acc", "format"], "gdpo_reward_weights": [1.0, 0.5]}
     out = wrapped(data, adv_estimator="creditrl_gdpo", config=config)
     components = torch.from_numpy(np.stack([fields["acc"], fields["format"]], 1))
-    expected = creditrl.compute_advantages("gdpo", rewards=batch["token_level_rewards"], mask=batch["response_mask"],
-                                           group=group_of(batch["index"]), components=components,
-                                           component_weights=[1.0, 0.5], eps=1e-4)
+    # verl's gdpo reads the keyed fields, not the score (token_level_rewards here are unrelated to them):
+    # the hook does not ask the score to be their weighted sum, as compute_advantages does
+    expected = creditrl.compute_advantages("gdpo", rewards=(components * torch.tensor([1.0, 0.5])).nansum(1).float(),
+                                           mask=batch["response_mask"], group=group_of(batch["index"]),
+                                           components=components, component_weights=[1.0, 0.5], eps=1e-4)
     torch.testing.assert_close(out.batch["advantages"], expected)
     assert not torch.allclose(expected, creditrl.compute_advantages(
         "gdpo", rewards=batch["token_level_rewards"], mask=batch["response_mask"], group=group_of(batch["index"]),

@@ -710,6 +710,18 @@ def test_resume_refuses_fewer_steps_than_done_and_an_incomplete_config(tmp_path)
         resume(run, progress=False)
 
 
+def test_resuming_a_finished_run_says_so_and_changes_nothing(tmp_path, capsys):
+    from creditrl.trainer.command import main
+    run = _finished_run(tmp_path)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert main(["--resume", str(run)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "already finished (2/2 steps, final/ complete); nothing to resume" in err
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"} == before
+    assert not (run / "resumes.jsonl").exists()
+
+
 def test_resume_without_a_checkpoint_starts_again_and_says_so(tmp_path):
     from creditrl.trainer import resume
     run = _finished_run(tmp_path, "train.save_every=0")
@@ -744,6 +756,7 @@ def test_final_is_written_atomically_with_a_manifest(tmp_path, monkeypatch):
     listed = json.loads((final / "manifest.json").read_text())["files"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(listed)
     before = {p.name: p.read_bytes() for p in final.iterdir()}
+    _edit(run, train__steps=3)                 # a finished run is not resumed: one more step to go
     trainer = Trainer.resume(run, progress=False)
 
     def killed(*a, **k):
@@ -1214,3 +1227,140 @@ def test_stapo_refuses_a_negative_entropy_and_trace_a_positive_clamp():
     with pytest.raises(ValueError, match=r"^trace.adv_clamp: expected a float <= 0"):
         creditrl.TraceOptions(adv_clamp=0.5)
     creditrl.TraceOptions(adv_clamp=-math.inf)                # no clamp
+
+
+# ----------------------------------------------------------------------------- audit: estimators
+
+AUDIT = dict(mask=torch.ones(4, 3), group=torch.tensor([0, 0, 1, 1]))
+
+
+@pytest.mark.parametrize("inputs", [
+    dict(rewards=torch.tensor([3e38, 3e38, -3e38, 3e38]), energy=torch.full((4, 3), 0.5)),   # -inf advantages
+    dict(rewards=torch.tensor([1.0, 0, 1, 0]), energy=torch.full((4, 3), 0.5), is_weights=torch.full((4, 3), 1e30)),
+    dict(rewards=torch.tensor([1.0, 0, 1, 0]), energy=torch.full((4, 3), 3e38))])              # NaN advantages
+def test_masked_output_estimators_refuse_non_finite_advantages(inputs):
+    from creditrl import compute_advantages
+    with pytest.raises(ValueError, match=r"estimator 'otb' returned non-finite advantages in rows \["):
+        compute_advantages("otb", **AUDIT, **inputs)
+
+
+def test_a_masked_output_plug_in_is_checked_on_valid_tokens_only():
+    from creditrl import compute_advantages, register_estimator
+    from creditrl.core.estimators.registry import _REGISTRY
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    values = {}
+
+    @register_estimator("audit_masked_plugin", masked_output=True, overwrite=True)
+    def plugin(batch):
+        return values["out"].clone()
+
+    try:
+        args = dict(rewards=torch.zeros(4), mask=mask, group=torch.tensor([0, 0, 1, 1]))
+        values["out"] = torch.where(mask.bool(), 1.0, 0.0)
+        values["out"][2, 1] = float("nan")                         # a valid token
+        with pytest.raises(ValueError, match=r"'audit_masked_plugin' returned non-finite advantages in rows \[2\]"):
+            compute_advantages("audit_masked_plugin", **args)
+        values["out"] = torch.where(mask.bool(), 1.0, float("nan"))  # NaN only where mask == 0: the contract's 0 there
+        assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask)
+        values["out"] = torch.where(mask.bool(), 3e38, 0.0)         # finite, though row 2's float32 sum overflows
+        assert torch.equal(compute_advantages("audit_masked_plugin", **args), mask * 3e38)
+    finally:
+        _REGISTRY.pop("audit_masked_plugin", None)                  # other tests list the registry
+
+
+@pytest.mark.parametrize("name, options", [("grpo", {}), ("maxpo", {"k": 1, "normalize": "std"}), ("gdpo", {}),
+                                           ("reinforce_plus_plus", {}), ("reinforce_plus_plus_baseline", {}),
+                                           ("passk_chen", {"k": 1}), ("maxk_bon", {"k": 1})])
+def test_eps_must_be_finite_in_float32(name, options):
+    from creditrl import compute_advantages
+    args = dict(rewards=torch.tensor([1.0, 0, 1, 0]), **AUDIT, **options)
+    for eps in (1e300, 3.5e38):                                # finite in Python, inf in float32
+        with pytest.raises(ValueError, match=r"eps: expected a value in \(0, 3.40282e\+38\] \(finite in float32\), "
+                                             rf"got {re.escape(repr(eps))}"):
+            compute_advantages(name, eps=eps, **args)
+    assert torch.isfinite(compute_advantages(name, eps=3.4e38, **args)).all()   # the largest float32 is accepted
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gdpo_rewards_must_be_the_weighted_sum_of_the_components(seed):
+    """Rewards summed in float32 (TRL's nansum of float32 products) pass: the check's tolerance is
+    (K + 1)·eps32·Σ|w C|; a reward off by 16 times that, or the audit's 100 vs 0, is refused."""
+    from creditrl import compute_advantages
+    gen = torch.Generator().manual_seed(seed)
+    b, k = 64, 3
+    components = torch.randn(b, k, generator=gen) * 10.0 ** torch.randint(-3, 4, (b, k), generator=gen)
+    components[torch.rand(b, k, generator=gen) < 0.2] = float("nan")
+    components[5] = float("nan")                            # no term gave a reward: its reward is a stand-in
+    weights = torch.tensor([1.0, 0.5, -0.25])
+    rewards = (components * weights).nansum(1)                # float32, as TRL sums it
+    rewards[5] = 123.0
+    args = dict(mask=torch.ones(b, 2), group=torch.arange(b) // 4, components=components, component_weights=weights)
+    assert torch.isfinite(compute_advantages("gdpo", rewards=rewards, **args)).all()
+    scale = float((components * weights).abs().nansum(1)[0])
+    off = rewards.clone()
+    off[0] += 16 * (k + 1) * EPS32 * scale
+    with pytest.raises(ValueError, match=r"rewards: expected each row's reward to be the weighted sum of its "
+                                         r"components .* 1 row\(s\) differ, e.g. row 0"):
+        compute_advantages("gdpo", rewards=off, **args)
+    m = torch.ones(4, 3)
+    with pytest.raises(ValueError, match=r"rewards: .*components.* e.g. row 0: rewards 100, components·weights 0"):
+        compute_advantages("gdpo", rewards=torch.tensor([100.0, 0, 1, 0]), mask=m, group=AUDIT["group"],
+                           components=torch.tensor([[0.0], [1], [1], [0]]))
+
+
+@pytest.mark.parametrize("name, kwargs, error, message", [
+    ("", {}, ValueError, r"name: expected a non-empty estimator name of letters, digits, '_', '-' or '.' .*got ''"),
+    ("my est", {}, ValueError, r"name: expected .*\(no spaces\), got 'my est'"),
+    (3, {}, ValueError, r"name: expected .*got 3"),
+    ("audit_k", {"k_range": "1..N"}, TypeError, r"k_range: expected a creditrl.KRange .* got str '1..N'"),
+    ("audit_e", {"needs_energy": "no"}, TypeError, r"needs_energy: expected a bool \(True or False\), got str 'no'"),
+    ("audit_t", {"token_level": 1}, TypeError, r"token_level: expected a bool .* got int 1"),
+    ("audit_m", {"masked_output": None}, TypeError, r"masked_output: expected a bool"),
+    ("audit_o", {"overwrite": "yes"}, TypeError, r"overwrite: expected a bool")])
+def test_register_estimator_checks_its_own_arguments_before_registering(name, kwargs, error, message):
+    from creditrl import list_estimators, register_estimator
+    before = list_estimators()
+    with pytest.raises(error, match=message):
+        @register_estimator(name, **kwargs)
+        def fn(batch, *, k: int = 2):
+            return batch.rewards
+    assert list_estimators() == before
+
+
+@pytest.mark.parametrize("window", [1, 0, -3])
+def test_a_diagnose_window_below_two_is_refused_by_name(window):
+    with pytest.raises(ConfigError, match=rf"logging.diagnose_window: expected an integer >= 2 .*got {window}"):
+        load_config(None, ["logging.diagnose_every=1", f"logging.diagnose_window={window}"])
+    assert load_config(None, ["logging.diagnose_every=1", "logging.diagnose_window=2"]).logging.diagnose_window == 2
+
+
+def test_eval_pass_at_1_is_the_sampled_accuracy_and_avg_at_1_the_first_samples(monkeypatch, capsys):
+    """pass@1 (unbiased, all n samples) equals sampled_acc and avg@n exactly (no 0.1250000000000001),
+    avg@1 is the first sample's accuracy: different numbers on the same samples, by definition."""
+    from creditrl.runtime import evaluation
+    sampled = torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)   # c/n = 1/8
+    greedy = torch.tensor([[1], [0], [1], [0]], dtype=torch.bool)
+    monkeypatch.setattr(evaluation, "sample_correctness",
+                        lambda *a, n, **k: (greedy if n == 1 else sampled, None))
+    task = types.SimpleNamespace(test_set=lambda: [Problem(str(i), "0") for i in range(4)])
+    monkeypatch.setattr(evaluation, "dataset_names", lambda task: [])
+    result = evaluation.evaluate(None, None, task, n=4, ks=[1, 4])
+    assert result["pass@1"] == result["sampled_acc"] == result["avg@4"] == 0.125
+    assert result["avg@1"] == 0.25 and result["greedy_acc"] == 0.5
+    from creditrl.tools.evaluate import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "so pass@1 = sampled_acc" in text and "avg@1 reads one sample per prompt" in text
+
+
+def test_diagnose_width_and_an_undefined_noise_scale_read_as_words():
+    from creditrl.tools.diagnose.measure import width_text
+    from creditrl.trainer.report import diagnosis_section
+    assert [width_text({"width": w}) for w in (0.25, 10.0, 7504.04, float("inf"), float("nan"))] == \
+        ["±25%", "±1000%", "> ±1000%", "undefined", "undefined"]
+    step = {"step": 1, "time_diagnose": 1.0, "diagnose/steps": 1}
+    text = "\n".join(diagnosis_section([step], []))
+    assert "B_simple of the estimator trained: undefined." in text and "undefined groups" not in text
+    assert "B_simple of the estimator trained: 12.3 groups." in "\n".join(
+        diagnosis_section([{**step, "diagnose/noise_scale": 12.34}], []))

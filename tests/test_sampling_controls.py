@@ -235,7 +235,11 @@ def test_reward_terms_reach_gdpo_through_the_learner(tmp_path):
                               generator=torch.Generator().manual_seed(0), overlong=(1, 0.2))
     assert batch.component_names == ["exact", "numeric", "overlong"] and batch.components.shape == (8, 3)
     assert batch.component_weights == [1.0, 0.5, 1.0]
+    weights = torch.tensor([1.0, 0.5, 1.0], dtype=torch.float64)
+    # the rollout's total reward is the components' weighted sum (what compute_advantages checks)
+    torch.testing.assert_close(batch.rewards.double(), (batch.components * weights).nansum(1), rtol=4 * 1.2e-7, atol=0)
     batch.components[:, 0] = torch.tensor([1.0, 0, 0, 1, 0, 1, 1, 1], dtype=torch.float64)   # a spread to see
+    batch.rewards = (batch.components * weights).nansum(1).float()
     learner_batch = Batch.from_rollout(batch, torch.device("cpu"))
     mask = learner_batch.mask
     ours = advantages("gdpo", {"eps": 1e-6}, False, learner_batch, None, (None, 2.0))

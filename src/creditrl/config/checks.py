@@ -82,10 +82,11 @@ def validate(cfg: Config) -> None:
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
             raise ConfigError(f"train.pass_k: each k must be in [1, train.eval_samples={samples}], got {k}")
-    for key, value, low in (("logging.diagnose_every", cfg.logging.diagnose_every, 0),
-                            ("logging.diagnose_window", cfg.logging.diagnose_window, 1)):
-        if value < low:
-            raise ConfigError(f"{key}: expected an integer >= {low}, got {value}")
+    if cfg.logging.diagnose_every < 0:
+        raise ConfigError(f"logging.diagnose_every: expected an integer >= 0, got {cfg.logging.diagnose_every}")
+    if cfg.logging.diagnose_window < 2:
+        raise ConfigError(f"logging.diagnose_window: expected an integer >= 2 (its intervals are over the window's "
+                          f"diagnosed steps, undefined for one), got {cfg.logging.diagnose_window}")
     if cfg.logging.diagnose_every and r.group_size < 2:
         raise ConfigError(f"logging.diagnose_every: in-training diagnosis compares estimators within each group, "
                           f"which needs rollout.group_size >= 2, got {r.group_size}")

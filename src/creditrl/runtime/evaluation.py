@@ -1,9 +1,13 @@
 """Held-out evaluation: greedy accuracy, unbiased pass@k and avg@k from n samples per prompt.
 
 pass@k = 1 - C(n-c, k) / C(n, k) per prompt, averaged (Chen et al. 2021, eq. 1), with c the
-correct samples out of n. avg@k is the mean accuracy of the first k samples of each prompt
-(avg@n is the sampled accuracy). Sampling draws from its own generator, so evaluating never
-moves the training RNG (periodic eval keeps resume exact).
+correct samples out of n: the unbiased estimate from all n samples (pass@1 = c/n averaged = the
+sampled accuracy). avg@k is the mean accuracy of the first k samples of each prompt (avg@n is the
+sampled accuracy), so avg@1 reads one sample per prompt and differs from pass@1 by that sampling
+noise: two estimates of the same number, pass@1 the one with n times the samples. Values are
+rounded to ``DIGITS`` decimals, which drops float noise (0.1250000000000001) and nothing an
+accuracy over fewer than 10^12 samples can resolve. Sampling draws from its own generator, so
+evaluating never moves the training RNG (periodic eval keeps resume exact).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from creditrl.tasks.base import Problem, Task
 from creditrl.runtime.rollout import dataset_names, generate_rollouts, per_dataset
 
 LOGGED_META = ("dataset", "difficulty")   # Problem.meta keys copied into completions.jsonl
+DIGITS = 12                                # decimals kept of an accuracy (module docstring)
 
 
 def sample_correctness(model, tokenizer, task, problems, *, n: int, temperature: float, top_p: float, max_new_tokens: int,
@@ -55,12 +60,13 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
     sampled, _ = sample_correctness(model, tokenizer, task, problems, n=n, temperature=temperature,
                                     generator=generator, **common)
     c = sampled.sum(-1)
-    result = {"greedy_acc": float(greedy.float().mean()), "sampled_acc": float(sampled.float().mean())}
+    result = {"greedy_acc": float(greedy.double().mean()), "sampled_acc": float(sampled.double().mean())}
     for name, value in per_dataset(problems, greedy[:, 0], dataset_names(task)).items():
         result[f"greedy_acc/{name}"] = value
     for k in ks:
         result[f"pass@{k}"] = float(pass_at_k(n, c, k).mean())
-        result[f"avg@{k}"] = float(sampled[:, :k].float().mean())
+        result[f"avg@{k}"] = float(sampled[:, :k].double().mean())
+    result = {key: round(value, DIGITS) for key, value in result.items()}
     result["n_problems"], result["n_samples"] = len(problems), n
     if keep_samples:
         result["samples"] = completion_records(first, keep_samples)

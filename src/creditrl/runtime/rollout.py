@@ -251,7 +251,7 @@ def per_dataset(problems: list[Problem], correct: Tensor, names: list[str]) -> d
     for name in names:
         rows = torch.tensor([w == name for w in which])
         if bool(rows.any()):
-            out[name] = float(correct[rows].float().mean())
+            out[name] = float(correct[rows].double().mean())
     return out
 
 

@@ -4,6 +4,10 @@
         --seeds 0,1,2 --out runs/compare train.steps=40
     creditrl compare --spec compare.yaml          # the same, from a file
 
+KEY=VALUE right after ``--run NAME`` are that run's own, up to the next option or ``--``; overrides
+for every run go before the options, after another option, or after ``--``. The report lists every
+config key that differs between the runs, and warns when one differs that no run's own overrides set.
+
 A spec file holds ``config`` (base YAML, optional), ``overrides`` (for every run), ``seeds`` and
 ``runs`` (name -> list of ``key=value`` overrides). Each run × seed trains into
 ``OUT/runs/<name>-s<seed>``; a finished one trained from the same config and overrides is reused
@@ -128,7 +132,8 @@ def plan_runs(spec: CompareSpec, out: Path, *, progress: bool = True) -> list[Pl
     for name, overrides in spec.runs.items():
         for seed in spec.seeds:
             target = run_dir(out, name, seed)
-            recipe = {"config": spec.config, "overrides": [*spec.overrides, *overrides, f"train.seed={seed}"]}
+            recipe = {"config": spec.config, "overrides": [*spec.overrides, *overrides, f"train.seed={seed}"],
+                      "run_overrides": list(overrides)}
             plans.append(PlannedRun(name, target, recipe, resolve_config(load_config(spec.config, [
                 *recipe["overrides"], f"train.output_dir={target.parent}", f"train.run_name={target.name}",
                 f"logging.progress={str(progress).lower()}"]))))
@@ -153,7 +158,8 @@ def train_runs(plans: list[PlannedRun], *, force: bool = False, jobs: int = 1,
     name) and only the finished runs are returned."""
     check_int("jobs", jobs, low=1)
     todo = [p for p in plans if force or not (p.target / "summary.json").exists()
-            or not (p.target / RECIPE_FILE).exists() or json.loads((p.target / RECIPE_FILE).read_text()) != p.recipe]
+            or not (p.target / RECIPE_FILE).exists()
+            or _trained_from(json.loads((p.target / RECIPE_FILE).read_text())) != _trained_from(p.recipe)]
     failed = {}
     if jobs == 1 or len(todo) < 2:
         for plan in todo:
@@ -169,6 +175,11 @@ def train_runs(plans: list[PlannedRun], *, force: bool = False, jobs: int = 1,
         if plan.target.name not in failed:
             dirs.setdefault(plan.name, []).append(plan.target)
     return dirs
+
+
+def _trained_from(recipe: dict) -> dict:
+    """What a run was trained from (the reuse check): its base config and every override."""
+    return {k: recipe.get(k) for k in ("config", "overrides")}
 
 
 def _outcome(plan: PlannedRun, run, keep_going: bool) -> dict[str, str]:
@@ -323,6 +334,71 @@ def run_warnings(runs: dict[str, list[Path]]) -> list[str]:
     return lines
 
 
+NOT_COMPARED = {*COMPARE_OWNS, "logging.progress"}   # differ by construction, or change no number
+
+
+def _flat(data: object, prefix: str = "") -> dict[str, str]:
+    """A nested config mapping as dotted key -> its value in JSON (lists and empty mappings whole)."""
+    if not isinstance(data, dict) or not data:
+        return {prefix: json.dumps(data, sort_keys=True, default=str)}
+    out = {}
+    for key, value in data.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _explained(key: str, own: set[str]) -> bool:
+    """Whether a differing config key follows from some run's own overrides: the key itself or one
+    below it, a sibling inside a section an override sets (``loss.stapo.enabled`` -> ``loss.stapo.*``),
+    or an estimator's options (filled per ``algorithm.estimator``)."""
+    for o in own:
+        parent = o.rsplit(".", 1)[0] if o.count(".") >= 2 else None
+        if key == o or key.startswith(o + ".") or (parent and key.startswith(parent + ".")):
+            return True
+    return "algorithm.estimator" in own and (key == "algorithm.options" or key.startswith("algorithm.options."))
+
+
+def config_differences(runs: dict[str, list[Path]]) -> list[str]:
+    """Report lines: every config key (config.yaml, seeds and directories aside) whose value differs
+    between the runs, each run's value; a warning first when a key differs that no run's own
+    overrides set (``compare_recipe.json``): those runs were trained with different shared settings
+    (overrides of another invocation, a different base config), so they are not comparable."""
+    values: dict[str, dict[str, str]] = {}
+    own: set[str] = set()
+    known = True
+    for name, dirs in runs.items():
+        for d in dirs:
+            if not (d / "config.yaml").is_file():
+                return []
+            for key, value in _flat(read_yaml(d / "config.yaml")).items():
+                if key not in NOT_COMPARED:
+                    seen = values.setdefault(key, {})
+                    seen[name] = value if seen.get(name, value) == value else "(differs between seeds)"
+            recipe = d / RECIPE_FILE
+            run_overrides = json.loads(recipe.read_text()).get("run_overrides") if recipe.is_file() else None
+            if run_overrides is None:
+                known = False
+            else:
+                own.update(o.split("=", 1)[0].strip() for o in run_overrides)
+    differ = {k: v for k, v in values.items() if len(set(v.values())) > 1 or len(v) < len(runs)}
+    if not differ:
+        return [] if len(runs) < 2 else ["## Config\n", "The runs' configs are identical but for the seed.\n"]
+    shared = [k for k in differ if not _explained(k, own)] if known else []
+    lines = []
+    if shared:
+        lines += ["## Warning: these runs are not comparable\n",
+                  f"They differ in {', '.join(f'`{k}`' for k in shared)}, which no run's own overrides set: they were "
+                  f"trained with different shared settings (another compare's overrides, or a different base config). "
+                  f"Retrain them in one compare, with the same overrides for every run.\n"]
+    rows = [{"config key": f"**{k}**" if k in shared else k, **{n: v.get(n, "–") for n in runs}}
+            for k, v in differ.items()]
+    lines += ["## Config keys that differ between the runs\n",
+              ("" if known else "(Some runs have no record of their own overrides, so whether a difference is one "
+               "they compare is not known.)\n"),
+              tables.markdown_table(rows, ["config key", *runs])]
+    return [line for line in lines if line]
+
+
 def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None = None,
                  panels=PANELS, title: str = "creditrl compare", failures: dict[str, str] | None = None) -> Path:
     """report.md + compare.png + final.csv + curves.csv in ``out``; returns report.md's path.
@@ -340,6 +416,7 @@ def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None =
              f"Curves: mean over seeds, band ±1 std, moving average over {window} steps.\n",
              *(["## Runs that failed (not in the tables or curves)\n",
                 *[f"- `{name}`: {error}\n" for name, error in failures.items()]] if failures else []),
+             *config_differences(runs),
              *(["## Warnings from the runs\n", *warnings] if warnings else []),
              "![curves](compare.png)\n", "## Held-out evaluation at the end (mean ± std over seeds)\n",
              mean_std_table(final, eval_cols) if eval_cols else "_(no eval.jsonl)_\n",
@@ -353,11 +430,16 @@ def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None =
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="creditrl compare", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides applied to every run")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides applied to every run: before the options, after another option "
+                             "(--out DIR train.steps=40) or after `--`; KEY=VALUE right after --run NAME are that "
+                             "run's own, up to the next option (refused when they end the command line and set keys "
+                             "no other run sets: ambiguous)")
     parser.add_argument("--spec", type=Path, help="YAML spec with config / overrides / seeds / runs")
     parser.add_argument("--config", help="base config YAML for every run (default: the packaged defaults)")
     parser.add_argument("--run", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
-                        help="one configuration: a name then its overrides (repeat for each run)")
+                        help="one configuration: a name then its own overrides, up to the next option or `--` "
+                             "(repeat for each run)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the spec's, else 0)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "compare", help="output dir (default: runs/compare)")
     parser.add_argument("--force", action="store_true", help="retrain runs that already finished")
@@ -368,6 +450,27 @@ def build_parser() -> argparse.ArgumentParser:
                         help="runs trained at once, each in its own process (default 1; with more, no progress bars; "
                              "jobs x train.threads should not exceed the cores)")
     return parser
+
+
+def check_last_run(argv: list[str], spec: CompareSpec) -> None:
+    """Refuse the one ambiguous form: KEY=VALUE items after the last ``--run NAME`` that reach the
+    end of the command line and set keys no other run sets. argparse gives them to that run, yet
+    they read like overrides for every run (``--run b algorithm.estimator=rloo train.steps=2``); the
+    runs would then differ in them silently. Ended by ``--`` or another option, they are that run's."""
+    starts = [i for i, a in enumerate(argv) if a == "--run" or a.startswith("--run=")]
+    if len(spec.runs) < 2 or not starts:
+        return
+    tail = argv[starts[-1]:]
+    if any(a.startswith("-") for a in tail[1:]):
+        return                                    # ended by `--` or another option: unambiguous
+    name, *items = ([tail[0].split("=", 1)[1]] if tail[0] != "--run" else []) + tail[1:]
+    others = {o.split("=", 1)[0].strip() for n, overrides in spec.runs.items() if n != name for o in overrides}
+    alone = [o for o in items if o.split("=", 1)[0].strip() not in others]
+    if alone:
+        raise ValueError(f"--run {name}: {' '.join(alone)} come after the last --run and set keys no other run sets, "
+                         f"so they apply to {name} only, not to every run; put overrides for every run before the "
+                         f"options or after `--` (... --run {name} {' '.join(o for o in items if o not in alone)} -- "
+                         f"{' '.join(alone)}), or end {name}'s own overrides with `--`")
 
 
 def spec_from_args(args) -> CompareSpec:
@@ -407,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "--config, --force and key=value")
             runs = find_runs(args.out)
         else:
-            runs = run_all(spec_from_args(args), args.out, force=args.force, progress=not args.no_progress,
+            spec = spec_from_args(args)
+            check_last_run(sys.argv[1:] if argv is None else list(argv), spec)
+            runs = run_all(spec, args.out, force=args.force, progress=not args.no_progress,
                            jobs=args.jobs, failures=failures)
             if not runs:
                 raise TrainingStopped(f"every run failed ({'; '.join(f'{k}: {v}' for k, v in failures.items())})")

@@ -24,7 +24,12 @@ HELP = "held-out greedy accuracy and pass@k / avg@k"
 def main(argv: list[str]) -> int:
     parser = cli.config_parser("eval", HELP, "Evaluate a run's final model (`creditrl eval runs/NAME`, or --run DIR), "
                                "a model directory (`creditrl eval path/to/model`) or any model given by config keys "
-                               "(model.name, task.name, ...). Prints JSON.", reference.epilog())
+                               "(model.name, task.name, ...). Prints JSON: greedy_acc (one greedy response per "
+                               "prompt); sampled_acc (the mean accuracy of all n samples); pass@k, the unbiased "
+                               "estimate 1 - C(n-c,k)/C(n,k) from all n samples per prompt (Chen et al. 2021), so "
+                               "pass@1 = sampled_acc; avg@k, the mean accuracy of the first k samples of each prompt, "
+                               "so avg@1 reads one sample per prompt and differs from pass@1 by sampling noise "
+                               "(avg@n = sampled_acc). Values rounded to 12 decimals.", reference.epilog())
     parser.usage = "creditrl eval [RUN_OR_MODEL] [key=value ...] [options]"
     parser.add_argument("--run", metavar="DIR", help="a finished run: DIR/config.yaml and the model in DIR/final")
     parser.add_argument("--n", type=int, help="samples per prompt (default train.eval_samples)")

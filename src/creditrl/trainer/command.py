@@ -21,7 +21,8 @@ def main(argv: list[str]) -> int:
     parser = cli.config_parser("train", HELP, "Train with the default config, a YAML file and/or key=value overrides.",
                                reference.epilog() + "\n\n" + EXAMPLES)
     parser.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR exactly (its config.yaml "
-                        "and newest checkpoint; no other options allowed)")
+                        "and newest checkpoint; no other options allowed; a finished run is refused: raise train.steps in its "
+                        "config.yaml to train on)")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same "
                         "train.run_name and start again, once the new run has checked its config and loaded its "
                         "model (without it an existing run is refused)")

@@ -193,6 +193,10 @@ class Trainer:
         weights, state = ckpt.load_latest(run_dir, skipped) if ckpt.list_checkpoints(run_dir) else (None, None)
         step = state["step"] if state else 0
         changes = resume_changes(state["config"], config_to_dict(cfg), step) if state and "config" in state else {}
+        if state is not None and step >= cfg.train.steps and (run_dir / "final").is_dir() and \
+                final_problem(run_dir / "final") is None:
+            raise ValueError(f"resume: the run in {str(run_dir)!r} already finished ({step}/{cfg.train.steps} steps, "
+                             f"final/ complete); nothing to resume (to train on, raise train.steps in its config.yaml)")
         trainer = cls(cfg, run_dir, progress=progress)
         if state is not None:
             trainer.load_state(weights, state)

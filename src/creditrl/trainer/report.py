@@ -145,7 +145,7 @@ def diagnosis_section(metrics: list[dict], labels: list[str]) -> list[str]:
             f"{int(last['diagnose/steps'])}: matched-signal efficiency against the estimator trained (each of a step's "
             f"groups a unit, 95% jackknife intervals over the steps; undefined while a mean gradient is not resolved "
             f"or the window holds one step).", "", *rows, "",
-            f"B_simple of the estimator trained: {_num(noise)} groups. Cost: {cost:.2f} s of diagnosis per diagnosed "
+            f"B_simple of the estimator trained: {'undefined' if noise is None else f'{noise:.3g} groups'}. Cost: {cost:.2f} s of diagnosis per diagnosed "
             f"step{ratio}.", ""]
 
 

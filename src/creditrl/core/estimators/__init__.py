@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name
-from creditrl.utils.validate import (INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
+from creditrl.utils.validate import (FLOAT32_MAX, INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
                                     check_tensor, float32_bits, mask_stats, mask_verdict)
 from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, KRange, get_estimator, list_estimators,
                                                register_estimator)
@@ -18,7 +18,7 @@ from creditrl.core.estimators.steps import returns_to_go
 from creditrl.core.groups import GroupIndex
 
 __all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch", "EstimatorSpec", "KRange",
-           "build_batch", "prepare", "estimate", "returns_to_go", "check_group_size"]
+           "build_batch", "prepare", "estimate", "returns_to_go", "check_group_size", "check_total"]
 
 # Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
 ENERGY_TOLERANCE = 8.0
@@ -174,9 +174,46 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     """
     spec = get_estimator(name)
     options = spec.resolve_options(options)          # before any work: unknown or mistyped options
-    return estimate(name, prepare(name, rewards=rewards, mask=mask, group=group, energy=energy,
-                                  is_weights=is_weights, gamma=options.pop("gamma", 1.0), components=components,
-                                  component_weights=component_weights), **options)
+    batch = prepare(name, rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
+                    gamma=options.pop("gamma", 1.0), components=components, component_weights=component_weights)
+    if batch.components is not None:
+        check_total(batch)
+    return estimate(name, batch, **options)
+
+
+def check_total(batch: AdvantageBatch) -> None:
+    """Raise ValueError unless each row's reward R is the weighted sum of its components: R_i =
+    Σ_k w_k C_ik over the terms that gave a reward (NaN = none; the reward pipeline's and TRL's
+    nansum), within float32 rounding. Rows where no term gave a reward are not compared (their R
+    is a stand-in: 0 in ``creditrl train``, the group mean in TRL's plug-in), nor rows whose sum
+    float32 cannot hold.
+
+    The tolerance is the rounding of that sum in float32: K products and K - 1 additions, each
+    within u = eps32/2 of the exact value relative to Σ_k |w_k C_ik| (Higham §4.2), so (K + 1)·eps32
+    of it; token rewards [B,T] add their own float32 row sum, T·eps32·Σ_t |r_t|. The sum is taken in
+    float64, whose rounding is 2^29 times smaller.
+
+    ``compute_advantages`` checks it, as gdpo reads the components and not R (a wrong R would be
+    ignored silently); verl's plug-in calls ``prepare``/``estimate`` without it, because verl's own
+    gdpo reads ``algorithm.gdpo_reward_keys`` as the components and the score need not be their sum."""
+    components, weights = batch.components, batch.component_weights
+    terms = components * weights                                     # [B,K] float64, NaN = no reward
+    given = ~torch.isnan(terms)
+    total = torch.where(given, terms, 0.0).sum(1)
+    scale = torch.where(given, terms.abs(), 0.0).sum(1)
+    tolerance = (components.shape[1] + 1) * torch.finfo(torch.float32).eps * scale
+    if batch.token_rewards is not None:
+        tolerance = tolerance + batch.token_rewards.shape[1] * torch.finfo(torch.float32).eps * \
+            batch.token_rewards.abs().to(torch.float64).sum(1)
+    compared = given.any(1) & (total.abs() <= FLOAT32_MAX)
+    off = compared & ((batch.rewards.to(torch.float64) - total).abs() > tolerance)
+    if bool(off.any()):
+        row = int(torch.nonzero(off)[0, 0])
+        raise ValueError(
+            f"rewards: expected each row's reward to be the weighted sum of its components (Σ_k w_k C_k over the "
+            f"terms that gave a reward; gdpo reads components, not rewards), but {int(off.sum())} row(s) differ, "
+            f"e.g. row {row}: rewards {float(batch.rewards[row]):.9g}, components·weights {float(total[row]):.9g}; "
+            f"pass rewards=nansum(components * component_weights)")
 
 
 def prepare(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor | None = None,
@@ -213,12 +250,26 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "
                          f"{list(shape)}")
     out = out.to(device=batch.given_mask.device, dtype=torch.float32)
-    if out.dim() == 2 and spec.masked_output:
-        return out
-    if not bool(torch.isfinite(out.sum(-1)).all()) and not bool(torch.isfinite(out).all()):
-        raise ValueError(f"estimator {name!r} returned non-finite advantages in rows "
-                         f"{bad_rows(~torch.isfinite(out.reshape(out.shape[0], -1)))}")
+    # One reduction pass for every estimator, masked_output ones included: a NaN/inf makes its
+    # row's sum non-finite. Only a failing test takes the exact pass (a float32 overflow of a
+    # finite row's sum, or non-finite values on masked tokens, which are replaced by 0).
+    if not bool(torch.isfinite(out.sum(-1)).all()):
+        out = _finite_on_valid_tokens(name, out, batch)
+    elif out.dim() == 2 and spec.masked_output:
+        return out                                # already exactly 0 on masked tokens
     return batch.broadcast(out) if out.dim() == 1 else out * batch.valid  # exactly 0 on masked tokens
+
+
+def _finite_on_valid_tokens(name: str, out: Tensor, batch: AdvantageBatch) -> Tensor:
+    """The exact check of an estimator's float32 output [B] or [B,T]: raise naming the rows with a
+    NaN/inf advantage on a valid token (any row of a [B] result); return ``out`` with 0 on masked
+    tokens otherwise."""
+    bad = ~torch.isfinite(out)
+    if out.dim() == 2:
+        bad &= batch.mask
+    if bool(bad.any()):
+        raise ValueError(f"estimator {name!r} returned non-finite advantages in rows {bad_rows(bad)}")
+    return torch.where(batch.mask, out, 0.0) if out.dim() == 2 else out
 
 
 def check_group_size(name: str, options: dict, group_size: int, key: str = "group_size") -> bool:

@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-from creditrl.utils.validate import check_range
+from creditrl.utils.validate import check_positive_float32
 from creditrl.core.estimators.registry import AdvantageBatch, register_estimator
 from creditrl.core.groups import GroupIndex
 
@@ -117,7 +117,7 @@ def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the std befor
     count in the batch std. ``eps`` must be > 0.
     """
     r = batch.rewards.to(torch.float64)
-    check_range("eps", eps, 0.0, low_inclusive=False)
+    check_positive_float32("eps", eps)
     if scale == "none":
         return drop_singletons(centred(batch), batch.groups)
     std = group_std(r, batch.groups) if scale == "group" else r.std(unbiased=True).nan_to_num(0.0)

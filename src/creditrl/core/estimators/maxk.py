@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 import torch
 from torch import Tensor
 
-from creditrl.utils.validate import check_choice, check_finite, check_int, check_range, check_tensor
+from creditrl.utils.validate import check_choice, check_finite, check_int, check_positive_float32, check_tensor
 from creditrl.core.estimators.baselines import drop_singletons, group_std
 from creditrl.core.estimators.registry import AdvantageBatch, KRange, register_estimator
 from creditrl.core.groups import GroupIndex
@@ -224,7 +224,7 @@ def max_at_k(scores: Tensor, k: int) -> Tensor:
 def _finish(adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: float = 1e-6) -> Tensor:
     """Shared tail: optional division by the group reward std (+ ``eps`` > 0), singletons -> 0, float32."""
     check_choice("normalize", normalize, ("none", "std"))
-    check_range("eps", eps, 0.0, low_inclusive=False)  # checked even when unused: a typo never passes silently
+    check_positive_float32("eps", eps)  # checked even when unused: a typo never passes silently
     if normalize == "std":
         adv = adv / (group_std(batch.rewards.to(torch.float64), batch.groups) + eps)
     return drop_singletons(adv, batch.groups).to(torch.float32)
@@ -268,7 +268,7 @@ def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     s = k / stats.sizes.to(torch.float64) * stats.mu
     s = torch.where(stats.sizes == 1, torch.zeros_like(s), s)  # mu is nan when K > N = 1
-    check_range("eps", eps, 0.0, low_inclusive=False)
+    check_positive_float32("eps", eps)
     return _finish((s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch)
 
 
@@ -282,7 +282,7 @@ def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
 
     Rewards must be 0/1 per group; 1 <= K <= N. All-correct / all-wrong groups give 0. Singletons: 0.
     """
-    check_range("eps", eps, 0.0, low_inclusive=False)
+    check_positive_float32("eps", eps)
     groups = batch.groups
     r = batch.rewards.to(torch.float64)
     nonbinary = groups.sum(((r != 0) & (r != 1)).to(torch.int64)) > 0

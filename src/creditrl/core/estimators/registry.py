@@ -9,6 +9,7 @@ so estimators contain only their formula. Third parties add one with ``@register
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Protocol
@@ -201,6 +202,7 @@ class EstimatorSpec:
 
 GAMMA = OptionSpec("gamma", float, 1.0, "Discount of the returns-to-go over valid tokens (token-level rewards).")
 
+NAME = re.compile(r"[A-Za-z0-9_.-]+")     # an estimator name: no spaces (a CLI value, a YAML scalar)
 _REGISTRY: dict[str, EstimatorSpec] = {}
 BUILTINS = "creditrl.core.estimators"
 
@@ -221,7 +223,20 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
     ``masked_output``: a [B,T] result is finite and exactly 0 where mask == 0, so
     ``compute_advantages`` skips its checking pass (the built-in token-level estimators; tested).
     Re-registering a name raises unless ``overwrite=True`` (or it is the same function).
+    The arguments are checked here, before anything is registered: ``name`` a non-empty string of
+    letters, digits, ``_``, ``-`` and ``.``; ``k_range`` a ``KRange`` or None; the flags real bools.
     """
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"name: expected a non-empty estimator name of letters, digits, '_', '-' or '.' "
+                         f"(no spaces), got {name!r}")
+    if k_range is not None and not isinstance(k_range, KRange):
+        raise TypeError(f"k_range: expected a creditrl.KRange (e.g. KRange(1, below=1) for 1 <= k <= N - 1) or "
+                        f"None, got {type(k_range).__name__} {k_range!r}")
+    for flag, value in (("needs_energy", needs_energy), ("token_level", token_level),
+                        ("reward_components", reward_components), ("batch_level", batch_level),
+                        ("masked_output", masked_output), ("overwrite", overwrite)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag}: expected a bool (True or False), got {type(value).__name__} {value!r}")
 
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         try:

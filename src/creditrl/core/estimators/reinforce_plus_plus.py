@@ -33,7 +33,7 @@ from torch import Tensor
 
 from creditrl.core.estimators.baselines import centred, drop_singletons
 from creditrl.core.estimators.registry import AdvantageBatch, register_estimator
-from creditrl.utils.validate import check_range
+from creditrl.utils.validate import check_positive_float32
 
 WhitenEps = Annotated[float, "added to the batch variance before the square root (> 0; verl's 1e-8)"]
 
@@ -63,7 +63,7 @@ def whiten_tokens(values: Tensor, valid: Tensor, eps: float) -> Tensor:
 @register_estimator("reinforce_plus_plus", token_level=True, batch_level=True, masked_output=True)
 def reinforce_plus_plus(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tensor:
     """REINFORCE++ (Hu et al. 2025): the returns-to-go G_t whitened over the batch's valid tokens, [B,T]."""
-    check_range("eps", eps, 0.0, low_inclusive=False)
+    check_positive_float32("eps", eps)
     if batch.constant_returns:                       # G_t = R on every valid token: row statistics
         return whiten_rows(batch.rewards, batch.lengths, eps)
     return whiten_tokens(batch.returns, batch.valid, eps)
@@ -72,5 +72,5 @@ def reinforce_plus_plus(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tens
 @register_estimator("reinforce_plus_plus_baseline", batch_level=True)
 def reinforce_plus_plus_baseline(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tensor:
     """REINFORCE++-baseline (Hu et al. 2025): R - mean_g R, then whitened over the batch's valid tokens, [B]."""
-    check_range("eps", eps, 0.0, low_inclusive=False)
+    check_positive_float32("eps", eps)
     return whiten_rows(drop_singletons(centred(batch), batch.groups), batch.lengths, eps)

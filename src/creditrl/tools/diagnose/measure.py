@@ -275,8 +275,14 @@ def progress_bar(enabled: bool) -> Progress:
                     TextColumn("ETA {task.fields[eta]}"), disable=not enabled, transient=False)
 
 
+WIDEST_SHOWN = 10.0   # an interval wider than ±1000% says only that the efficiency is not resolved
+
+
 def width_text(state: dict) -> str:
-    return f"±{state['width']:.0%}" if math.isfinite(state["width"]) else "undefined"
+    width = state["width"]
+    if not math.isfinite(width):
+        return "undefined"
+    return f"±{width:.0%}" if width <= WIDEST_SHOWN else f"> ±{WIDEST_SHOWN:.0%}"
 
 
 def z_text(state: dict) -> str:
