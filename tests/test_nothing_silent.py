@@ -850,9 +850,15 @@ def test_eval_takes_a_run_or_a_model_directory_positionally(finished, capsys):
     assert main(["eval", "--no-progress", str(run), "--n", "1", "--problems", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == str(run / "final") and out["n_problems"] == 2 and out["n_samples"] == 1
-    assert main(["eval", "--no-progress", "--n", "1", "--problems", "2", str(run / "final"), "task.options.digits=1",
+    assert main(["eval", "--no-progress", "--n", "1", "--problems", "2", str(run / "final"), "rollout.temperature=0.5",
                  "train.eval_samples=1"]) == 0
-    assert json.loads(capsys.readouterr().out)["model"] == str(run / "final")
+    out = json.loads(capsys.readouterr().out)
+    # a run's final/ is evaluated as the run (its task and settings, audit #10), and the result records what
+    # produced it, overrides included
+    saved = load_saved_config(run / "config.yaml")
+    assert out["model"] == str(run / "final") and out["task"] == saved.task.name
+    assert out["settings"]["task_options"] == saved.task.options and out["settings"]["temperature"] == 0.5
+    assert out["settings"]["overrides"] == ["rollout.temperature=0.5", "train.eval_samples=1"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -65,6 +65,9 @@ def eval_config(args):
     """(config, model directory or None) of ``creditrl eval``'s arguments: a run directory's saved
     config and its complete ``final/``, a model directory as ``model.name``, or the config keys."""
     path, overrides = eval_target(args)
+    if path is not None and path.name == "final" and not (path / "config.yaml").is_file() and \
+            (path.parent / "config.yaml").is_file():
+        path = path.parent            # a run's final/: evaluated as the run, with its task and settings
     if path is not None and any(o.split("=", 1)[0].strip() == "model.name" for o in overrides):
         raise ValueError(f"model.name: given twice, as the directory {str(path)!r} and as model.name=...; drop one")
     if path is None or not (path / "config.yaml").is_file():
@@ -121,7 +124,11 @@ def run(args) -> int:
         result = evaluate(model, tokenizer, task, problems, n=n, ks=ks, temperature=r.temperature, top_p=r.top_p,
                           max_new_tokens=r.max_new_tokens or default_max_new_tokens(task, tokenizer),
                           max_tool_tokens=r.max_tool_tokens, seed=cfg.train.seed, stop_strings=tuple(r.stop))
-    text = json.dumps({"model": weights or cfg.model.name, "task": cfg.task.name, **result}, indent=2)
+    settings = {"task_options": dict(cfg.task.options), "temperature": r.temperature, "top_p": r.top_p,
+                "max_new_tokens": r.max_new_tokens or default_max_new_tokens(task, tokenizer), "seed": cfg.train.seed,
+                "precision": cfg.train.precision, "overrides": eval_target(args)[1]}   # what produced these numbers
+    text = json.dumps({"model": weights or cfg.model.name, "task": cfg.task.name, **result, "settings": settings},
+                      indent=2, default=str)
     print(text)
     if args.out:
         Path(args.out).expanduser().write_text(text + "\n")
