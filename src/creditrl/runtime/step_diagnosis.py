@@ -78,10 +78,12 @@ class StepDiagnosis:
             if label in (REF, self.configured):
                 continue
             q = quality[label]
-            for key, value in (("efficiency", q.efficiency.value), ("efficiency_low", q.efficiency.low),
-                               ("efficiency_high", q.efficiency.high), ("cosine", min(q.cosine.value, 1.0))):
-                if math.isfinite(value):
-                    out[f"diagnose/{label}/{key}"] = value
+            efficiency = (q.efficiency.value, q.efficiency.low, q.efficiency.high)
+            if all(math.isfinite(v) for v in efficiency):   # a point without its interval would be read as a ranking
+                out.update(zip((f"diagnose/{label}/efficiency", f"diagnose/{label}/efficiency_low",
+                                f"diagnose/{label}/efficiency_high"), efficiency))
+            if math.isfinite(q.cosine.value):
+                out[f"diagnose/{label}/cosine"] = min(q.cosine.value, 1.0)
         if math.isfinite(noise.value):
             out["diagnose/noise_scale"] = noise.value
         return out
