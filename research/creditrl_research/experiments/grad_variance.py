@@ -77,7 +77,9 @@ class GradVarianceConfig:
     # registered surrogate/ratio term (None: all of them, from the loss registry)
     loss_terms: tuple[str, ...] | None = None
     k: int = 4                           # K of maxpo / ei (needs K <= N-1)
-    groups: tuple[int, ...] = (384, 1152)  # per length, most at the long one (heavy-tailed group gradients)
+    # per length, most at the long one (heavy-tailed group gradients); halved from (384, 1152) when the menu's
+    # rows came in (~2.5x the per-group cost measured at threads=1, see docs/evidence-history.md)
+    groups: tuple[int, ...] = (192, 576)
     batch_groups: int = 8                # prompts sampled together (speed only)
     folds: int = 8                       # folds of groups within a checkpoint (the tables' within-checkpoint CIs)
     max_new_tokens: int = 80
