@@ -408,3 +408,62 @@ def test_pooled_verdict_applies_the_verdicts_own_rule():
     with pytest.raises(ValueError, match="decide: expected the rule on the verdict's statistics to give its outcome"):
         rules.Verdict("c", "§", "p", "o", "r", "reproduces", "pw", statistics={"d": weak[0].statistics["d"]},
                       decide=decide)
+
+
+# ---------------------------------------------------------------- grad-variance's menu verdicts (issue 34 item 5)
+
+
+def _ratio(value, low, high):
+    from creditrl_research.rules import Estimate
+    return Estimate(value, low, high, float("nan"), 3, "checkpoints", df=2, log=True)
+
+
+def _mean(value, low, high):
+    from creditrl_research.rules import Estimate
+    return Estimate(value, low, high, float("nan"), 3, "checkpoints", df=2)
+
+
+WIN, TIE, LOSS = (2.0, 1.5, 2.7), (1.1, 0.8, 1.5), (0.5, 0.3, 0.8)
+
+
+def _comparison(prefix, each, pooled):
+    return {**{f"{prefix} | {d} digits": _ratio(*e) for d, e in zip((1, 2), each)}, f"{prefix} | pooled": _ratio(*pooled)}
+
+
+@pytest.mark.parametrize("loo, leave_in, expected", [
+    ((WIN, WIN, WIN), (WIN, WIN, WIN), "reproduces"),
+    ((WIN, WIN, WIN), (TIE, TIE, TIE), "partly"),
+    ((TIE, LOSS, TIE), (TIE, TIE, TIE), "does not reproduce"),
+    ((TIE, TIE, TIE), (TIE, TIE, TIE), "inconclusive")])
+def test_shrinkage_rule_forces_each_outcome(loo, leave_in, expected):
+    from creditrl_research.experiments import grad_variance as gv
+    stats = {**_comparison("shrinkage+loo/rloo", loo[:2], loo[2]), **_comparison("shrinkage/dr_grpo", leave_in[:2],
+                                                                                 leave_in[2])}
+    assert gv.shrinkage_outcome(stats) == expected
+
+
+COS_HIGH, COS_LOW, COS_WIDE = (0.99, 0.97, 1.0), (0.6, 0.4, 0.8), (0.9, 0.7, 1.1)
+
+
+@pytest.mark.parametrize("token, seq, cos, expected", [
+    (WIN, WIN, COS_HIGH, "reproduces"),
+    (WIN, TIE, COS_HIGH, "partly"),
+    (WIN, WIN, COS_LOW, "partly"),
+    (TIE, LOSS, COS_WIDE, "does not reproduce"),
+    (TIE, TIE, COS_LOW, "does not reproduce"),
+    (TIE, TIE, COS_WIDE, "inconclusive")])
+def test_delta_l_rule_forces_each_outcome(token, seq, cos, expected):
+    from creditrl_research.experiments import grad_variance as gv
+    stats = {**_comparison("ΔL/token-mean", (token, token), token), **_comparison("ΔL/seq-mean-token-mean", (seq, seq),
+                                                                                  seq),
+             "cos(ΔL) | 1 digits": _mean(*cos), "cos(ΔL) | 2 digits": _mean(*cos), "cos(ΔL) | pooled": _mean(*cos)}
+    assert gv.delta_l_outcome(stats) == expected
+
+
+@pytest.mark.parametrize("pooled, expected", [
+    ((0.8, 0.7, 0.9), "reproduces"),            # the direction differs
+    ((0.998, 0.995, 1.001), "does not reproduce"),   # indistinguishable from ∇J's direction
+    ((0.97, 0.9, 1.02), "inconclusive")])
+def test_maxrl_rule_forces_each_outcome(pooled, expected):
+    from creditrl_research.experiments import grad_variance as gv
+    assert gv.maxrl_outcome({"cos(MaxRL) | 1 digits": _mean(*pooled), "cos(MaxRL) | pooled": _mean(*pooled)}) == expected

@@ -321,3 +321,36 @@ def test_an_exact_multiple_is_added_without_a_gradient():
         torch.testing.assert_close(getattr(got, key), getattr(want, key))
     q = gradient_quality(got)
     assert q["dr"].scale.value == pytest.approx(0.75, rel=EXACT) and q["dr"].efficiency.value == pytest.approx(1.0, rel=EXACT)
+
+
+def test_per_unit_variance_is_unbiased_for_dependent_draws():
+    """gradient_quality(per_unit=True)'s V over units of 2 draws that share a prompt (dependent draws, as a
+    batch-level estimator's groups share the batch's statistics), averaged over every tuple of draws:
+    E[V_u] = tr Cov(s_u) / 2, the unit sum's variance per draw, which the per-draw V is not."""
+    gen = torch.Generator().manual_seed(5)
+    prompts, outcomes = 2, 3
+    grads = torch.randn(prompts, outcomes, 2, 4, generator=gen, dtype=torch.float64) + 1.0
+    p_prompt, p_out = torch.tensor([0.3, 0.7], dtype=torch.float64), torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    # one unit's sum s = g(p, o1) + g(p, o2): its exact covariance by enumeration
+    sums, probs = [], []
+    for p, o1, o2 in itertools.product(range(prompts), range(outcomes), range(outcomes)):
+        sums.append(grads[p, o1] + grads[p, o2])
+        probs.append(float(p_prompt[p] * p_out[o1] * p_out[o2]))
+    sums, probs = torch.stack(sums), torch.tensor(probs, dtype=torch.float64)
+    mean = torch.einsum("m,med->ed", probs, sums)
+    truth = (torch.einsum("m,med->e", probs, sums.square()) - mean.square().sum(-1)) / 2
+    per_draw_truth = torch.zeros(2, dtype=torch.float64)
+    flat = grads.reshape(-1, 2, 4)
+    pd = (p_prompt[:, None] * p_out[None]).flatten()
+    per_draw_truth = torch.einsum("m,med->e", pd, flat.square()) - torch.einsum("m,med->ed", pd, flat).square().sum(-1)
+    expect = torch.zeros(2, dtype=torch.float64)
+    units = [0, 0, 1, 1]
+    for (pa, pb) in itertools.product(range(prompts), repeat=2):
+        for chosen in itertools.product(range(outcomes), repeat=4):
+            weight = float(p_prompt[pa] * p_prompt[pb]) * math.prod(float(p_out[o]) for o in chosen)
+            draws = torch.stack([grads[(pa, pa, pb, pb)[k], o] for k, o in enumerate(chosen)])
+            q = gradient_quality(moments_from_draws(("a", "b"), draws, units), "a", per_unit=True)
+            expect += weight * torch.tensor([q["a"].variance.value, q["b"].variance.value], dtype=torch.float64)
+    atol = sum_rtol(2 ** 2 * 3 ** 4 + 16, torch.float64) * float(truth.abs().max() + 1) * 10
+    torch.testing.assert_close(expect, truth, atol=atol, rtol=0)
+    assert bool(((truth - per_draw_truth).abs() > 1e3 * atol).all())   # the draws are dependent here

@@ -127,3 +127,56 @@ def test_per_token_grad_norms_match_loop(tiny_rollouts):
             assert math.isclose(got[t].item(), f.pow(2).sum().item(), rel_tol=rel_tol)
             total = total + f
         assert math.isclose(seq.item(), total.pow(2).sum().item(), rel_tol=rel_tol)
+
+
+BATCH_LEVEL = {"shrinkage": ("shrinkage", {}), "shrinkage+loo": ("shrinkage", {"leave_one_out": True}),
+               "reinforce_plus_plus": ("reinforce_plus_plus", {}),
+               "reinforce_plus_plus_baseline": ("reinforce_plus_plus_baseline", {}),
+               "grpo/batch": ("grpo", {"scale": "batch"}), "grpo": ("grpo", {}), "dr_grpo": ("dr_grpo", {})}
+
+
+@pytest.mark.parametrize("rewards", [[1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 0.0, 1.0, 1.0, 1.0]])
+def test_batch_level_estimators_use_the_whole_batch(tiny_rollouts, rewards):
+    """A batch-level estimator's group gradient is the loop's with the advantages of the whole batch
+    (not of the group alone, where shrinkage would be dr_grpo); a group of equal rewards is not skipped
+    for them (the shrinkage baseline and the batch whitening give it non-zero advantages)."""
+    from dataclasses import replace
+
+    from creditrl.runtime.group_gradients import batch_level_labels
+
+    model, params, batch = tiny_rollouts
+    batch = replace(batch, rewards=torch.tensor(rewards))
+    assert batch_level_labels(BATCH_LEVEL) == ["shrinkage", "shrinkage+loo", "reinforce_plus_plus",
+                                               "reinforce_plus_plus_baseline", "grpo/batch"]
+    rtol = backward_rtol(model, batch)
+    got = group_gradients(model, batch, BATCH_LEVEL, temperature=1.0, skip_zero=True, dedupe=True)
+    mask = batch.response_mask[:, batch.prompt_len:] > 0
+    for e, (name, options) in enumerate(BATCH_LEVEL.values()):
+        adv = compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group, **options)
+        for g in range(2):
+            grads = torch.autograd.grad(sum((adv[r][mask[r]].double() * row_logp(model, batch, r)[0]).sum() / 3
+                                            for r in range(3 * g, 3 * g + 3)), params, allow_unused=True)
+            expected = flat(grads, params)
+            if float(expected.abs().max()) == 0:
+                assert float(got.grads[g, e].abs().max()) == 0, f"{name}, group {g}"
+            else:
+                assert_close_normwise(got.grads[g, e], expected, rtol, f"{name}, group {g}")
+    # λ = v²/(v² + s²) < 1 here, so the shrinkage baseline is not the group mean: shrinkage is not dr_grpo
+    labels = list(BATCH_LEVEL)
+    gap = (got.grads[:, labels.index("shrinkage")] - got.grads[:, labels.index("dr_grpo")]).norm()
+    assert float(gap) > 1e3 * rtol * float(got.grads[:, labels.index("dr_grpo")].norm())
+    if rewards[3:] == [1.0, 1.0, 1.0]:   # the equal-reward group still has a shrinkage gradient
+        assert float(got.grads[1, labels.index("shrinkage")].abs().max()) > 0
+
+
+def test_batch_level_with_energies_is_refused(tiny_rollouts):
+    from creditrl.core.estimators.registry import register_estimator
+    from creditrl.runtime.group_gradients import batch_advantages
+
+    @register_estimator("test_batch_energy", needs_energy=True, batch_level=True, overwrite=True)
+    def test_batch_energy(batch):
+        return batch.rewards - batch.rewards.mean()
+
+    _, _, batch = tiny_rollouts
+    with pytest.raises(ValueError, match="batch-level and needs energies"):
+        batch_advantages(batch, {"x": ("test_batch_energy", {})})

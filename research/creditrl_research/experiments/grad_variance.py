@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from creditrl.core.gradients import GradientMoments, GradientStats, gradient_quality
+from creditrl.core.losses import PolicyLoss, get_loss_term, list_loss_terms
 from creditrl.runtime.group_gradients import group_gradients
 from creditrl_research import gradient_evidence as ge
 from creditrl.tools import tables
@@ -46,6 +47,18 @@ from creditrl.utils.threads import torch_threads
 
 REFERENCE = "rloo"
 OTB_RIVALS = ("rloo", "ogb")    # like-for-like baselines on the reward's scale (dr_grpo ≡ rloo at matched signal)
+# The field's menu (docs/evidence-history.md, "menu verdicts"): batch-level estimators are measured over each
+# sampled batch of ``batch_groups`` prompts (a training step's batch), and every menu comparison reads the
+# variance of a batch's sum per group (``gradient_quality(per_unit=True)``: the batch is the unit).
+GRPO_BATCH = "grpo@batch"
+MENU_ESTIMATORS = ("shrinkage", "shrinkage+loo", "maxrl", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                   "grpo", GRPO_BATCH)
+LABEL_OPTIONS = {GRPO_BATCH: ("grpo", {"scale": "batch"})}   # labels with options beyond +loo
+LOSS_ROW = " · "            # a loss row's label: "rloo · <loss>", rloo's advantages under that loss at ratio 1
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+DELTA_L = "delta_l_norm"
+COSINE_UNBIASED = 0.95      # "unbiased" read as cosine ≈ 1: the cosine's CI above 0.95
+COSINE_SAME = 0.99          # MaxRL: a cosine CI above 0.99 is a direction indistinguishable from ∇J's
 
 
 @dataclass(frozen=True)
@@ -59,9 +72,14 @@ class GradVarianceConfig:
     checkpoints: int = 3                 # independent warm starts per length; groups split evenly
     group_size: int = 8
     estimators: tuple[str, ...] = ("rloo", "ogb", "ogb+loo", "otb", "otb+loo", "otb_isolated", "otb_isolated+loo",
-                                   "maxpo", "ei")
+                                   "maxpo", "ei", *MENU_ESTIMATORS)
+    # loss rows (rloo's advantages under each loss, ratio 1): the aggregations, ΔL (α = 1) and every
+    # registered surrogate/ratio term (None: all of them, from the loss registry)
+    loss_terms: tuple[str, ...] | None = None
     k: int = 4                           # K of maxpo / ei (needs K <= N-1)
-    groups: tuple[int, ...] = (384, 1152)  # per length, most at the long one (heavy-tailed group gradients)
+    # per length, most at the long one (heavy-tailed group gradients); halved from (384, 1152) when the menu's
+    # rows came in (~2.5x the per-group cost measured at threads=1, see docs/evidence-history.md)
+    groups: tuple[int, ...] = (192, 576)
     batch_groups: int = 8                # prompts sampled together (speed only)
     folds: int = 8                       # folds of groups within a checkpoint (the tables' within-checkpoint CIs)
     max_new_tokens: int = 80
@@ -73,12 +91,15 @@ class GradVarianceConfig:
 PRESETS = {
     "fast": GradVarianceConfig(digits=(1,), warm_start_accuracy=(0.3,), checkpoints=2, group_size=4, k=2,
                                groups=(16,), batch_groups=4, folds=2, max_new_tokens=16,
-                               estimators=("rloo", "otb", "otb+loo", "otb_isolated", "maxpo", "ei")),
+                               estimators=("rloo", "otb", "otb+loo", "otb_isolated", "maxpo", "ei", *MENU_ESTIMATORS),
+                               loss_terms=("cispo", "gspo")),
     "full": GradVarianceConfig(),
 }
 
 
 def validate(cfg: GradVarianceConfig) -> None:
+    for label in cfg.loss_terms or ():
+        get_loss_term(label)                  # unknown names raise, naming the registered terms
     if {"maxpo", "ei"} & set(cfg.estimators) and not 2 <= cfg.k <= cfg.group_size - 1:
         raise ValueError(f"k: maxpo/ei need 2 <= k <= group_size-1 (={cfg.group_size - 1}), got {cfg.k}")
     if REFERENCE not in cfg.estimators:
@@ -97,25 +118,54 @@ def validate(cfg: GradVarianceConfig) -> None:
                          f"{2 * cfg.checkpoints * cfg.batch_groups} per length, got {cfg.groups}")
 
 
+def takes_k(label: str) -> bool:
+    """Whether a row is a max@K estimator's (loss rows and option labels are not)."""
+    return LOSS_ROW not in label and label not in LABEL_OPTIONS and ge.takes_k(label)
+
+
+def loss_rows(cfg: GradVarianceConfig) -> dict[str, PolicyLoss]:
+    """label -> loss of the loss rows: each aggregation, ΔL normalisation, and each surrogate/ratio term of
+    the loss registry (``cfg.loss_terms``; None: every non-flat one) over the default aggregation."""
+    terms = cfg.loss_terms if cfg.loss_terms is not None else tuple(
+        n for n in list_loss_terms() if get_loss_term(n).stage in ("ratio", "surrogate") and not get_loss_term(n).flat)
+    losses = {f"agg={a}": PolicyLoss({"aggregation": {"agg": a}}) for a in AGGREGATIONS}
+    losses[DELTA_L] = PolicyLoss({DELTA_L: {"alpha": 1.0}})
+    losses.update({t: PolicyLoss({t: None}) for t in terms})
+    return {f"{REFERENCE}{LOSS_ROW}{name}": loss for name, loss in losses.items()}
+
+
+def row_specs(cfg: GradVarianceConfig) -> tuple[dict[str, tuple[str, dict]], dict[str, PolicyLoss]]:
+    """(label -> (estimator, options), label -> loss) of every row: the estimators, then the loss rows."""
+    specs = {label: LABEL_OPTIONS[label] if label in LABEL_OPTIONS else ge.label_options(label, cfg.k)
+             for label in cfg.estimators}
+    losses = loss_rows(cfg)
+    return {**specs, **{label: (REFERENCE, {}) for label in losses}}, losses
+
+
 def measure_checkpoint(cfg: GradVarianceConfig, digits: int, groups: int, seed: int) -> tuple[GradientStats, dict]:
     """One checkpoint's gradient statistics over ``groups`` fresh-prompt groups, and its facts (mean
     response length and reward, and the sums behind ``baseline_summary``)."""
     task, model, tokenizer, params = load_tiny_checkpoint(cfg.task, digits, cfg.warm_start_accuracy[
         cfg.digits.index(digits)], seed, cfg.warm_start_max_steps)
-    specs = ge.estimator_specs(cfg.estimators, cfg.k)
+    specs, losses = row_specs(cfg)
     moments = GradientMoments(tuple(specs), sum(p.numel() for p in params), folds=cfg.folds)
     rng, generator = random.Random(f"grad-variance-{seed}-{digits}"), torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     sums = dict.fromkeys(("RW", "W", "R", "n", "W_correct", "n_correct", "tokens"), 0.0)
     start = time.perf_counter()
-    for _ in range(groups // cfg.batch_groups):
+    backward = 0
+    for b in range(groups // cfg.batch_groups):
         batch = sample_groups(task, model, tokenizer, cfg.batch_groups, cfg.group_size, temperature=cfg.temperature,
                               max_new_tokens=cfg.max_new_tokens, rng=rng, generator=generator)
-        draws = group_gradients(model, batch, specs, temperature=cfg.temperature, params=params, shared_prompts=False)
-        moments.add_many(draws.grads)
+        draws = group_gradients(model, batch, specs, temperature=cfg.temperature, params=params, shared_prompts=False,
+                                losses=losses, dedupe=True)
+        # the batch is the unit: batch-level estimators' groups share its statistics, so a fold (and the
+        # cross-fitted signal) must never split a batch
+        moments.add_many(draws.grads, [b] * draws.grads.shape[0])
+        backward += draws.backward
         add_baseline_sums(sums, draws.rewards.double(), draws.response_energy, draws.lengths)
-    print(f"[grad-variance] digits={digits} seed {seed}: {groups} groups in {time.perf_counter() - start:.0f}s",
-          flush=True)
+    print(f"[grad-variance] digits={digits} seed {seed}: {groups} groups in {time.perf_counter() - start:.0f}s "
+          f"({backward / max(groups, 1):.1f} backward passes per group)", flush=True)
     return moments.stats(), {"parameters": moments.dim, **sums}
 
 
@@ -156,7 +206,7 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
             records.append({**meta, "parameters": facts["parameters"], "stats": stats.to_dict()})
             rows += ge.quality_rows(stats, REFERENCE, **meta)
             if "ei" in stats.names:
-                rows += [r for r in ge.quality_rows(stats, "ei", **meta) if ge.takes_k(r["estimator"])]
+                rows += [r for r in ge.quality_rows(stats, "ei", **meta) if takes_k(r["estimator"])]
             pooled = {k: pooled[k] + facts[k] for k in pooled}
         baselines[str(digits)] = baseline_summary(pooled)
     tables.write_json(out_dir / "stats.json", records)
@@ -173,19 +223,21 @@ def load_stats(out_dir: Path) -> list[dict]:
     return [{**r, "stats": GradientStats.from_dict(r["stats"])} for r in records]
 
 
-def efficiencies(records: list[dict], e: str, b: str, reference: str = REFERENCE) -> dict[int, list[float]]:
-    """digits -> the per-checkpoint efficiency of ``e`` against ``b`` (scale against ``reference``)."""
+def efficiencies(records: list[dict], e: str, b: str, reference: str = REFERENCE,
+                 per_unit: bool = False) -> dict[int, list[float]]:
+    """digits -> the per-checkpoint efficiency of ``e`` against ``b`` (scale against ``reference``;
+    ``per_unit``: the variance of a batch's sum, ``gradient_quality(per_unit=True)``)."""
     out: dict[int, list[float]] = {}
     for r in records:
-        q = gradient_quality(r["stats"], reference, b)[e]
+        q = gradient_quality(r["stats"], reference, b, per_unit=per_unit)[e]
         out.setdefault(r["digits"], []).append(q.efficiency.value)
     return out
 
 
-def raw_ratios(records: list[dict], e: str, b: str) -> dict[int, list[float]]:
+def raw_ratios(records: list[dict], e: str, b: str, per_unit: bool = False) -> dict[int, list[float]]:
     out: dict[int, list[float]] = {}
     for r in records:
-        q = gradient_quality(r["stats"], b, b)[e]
+        q = gradient_quality(r["stats"], b, b, per_unit=per_unit)[e]
         out.setdefault(r["digits"], []).append(q.raw_ratio.value)
     return out
 
@@ -222,12 +274,12 @@ def outcome_of(statistics: dict[str, rules.Estimate], paper: float | None = None
 
 
 def compared(records: list[dict], e: str, b: str, label: str, lengths: dict,
-             reference: str = REFERENCE) -> tuple[str, dict[str, rules.Estimate]]:
+             reference: str = REFERENCE, per_unit: bool = False) -> tuple[str, dict[str, rules.Estimate]]:
     """(text, statistics) of the claim "e is more efficient than b": the efficiency per length (keyed by
     digits, the same in every seed set) and pooled over the lengths, with the raw ratio in the text."""
-    per = efficiencies(records, e, b, reference)
+    per = efficiencies(records, e, b, reference, per_unit)
     each, pooled = ge.pooled_efficiency(per, "checkpoints")
-    raw_each, raw_pooled = ge.pooled_efficiency(raw_ratios(records, e, b), "checkpoints")
+    raw_each, raw_pooled = ge.pooled_efficiency(raw_ratios(records, e, b, per_unit), "checkpoints")
     names = {d: f"{lengths[d]:.0f} tokens" for d in each}
     text = (ge.efficiency_text(f"efficiency {label}", each, pooled, names)
             + f" (raw tr Cov ratio, raw: {ge.efficiency_text('', raw_each, raw_pooled, names).lstrip(': ')})")
@@ -253,7 +305,9 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
              "resolve only effects large against the spread between warm starts")
     out = [v for v in (otb_verdict(records, names, lengths, power), horizon_verdict(records, names, lengths, power),
                        energy_verdict(records, names, lengths, power), maxpo_verdict(records, names, lengths, power,
-                                                                                      out_dir)) if v]
+                                                                                      out_dir),
+                       shrinkage_verdict(records, names, lengths, power), delta_l_verdict(records, names, lengths, power),
+                       maxrl_verdict(records, names, lengths, power)) if v]
     return out
 
 
@@ -348,6 +402,122 @@ def maxpo_verdict(records, names, lengths, power, out_dir) -> rules.Verdict | No
         "energy.", statistics=statistics, decide=decide)
 
 
+def cosine_values(records: list[dict], e: str, reference: str = REFERENCE) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for r in records:
+        out.setdefault(r["digits"], []).append(gradient_quality(r["stats"], reference, per_unit=True)[e].cosine.value)
+    return out
+
+
+def cosine_statistics(records: list[dict], e: str, label: str) -> dict[str, rules.Estimate]:
+    """The cosine of ``e``'s mean gradient with RLOO's per length and pooled (per checkpoint index the
+    mean over the lengths), t-intervals over the checkpoints."""
+    per = cosine_values(records, e)
+    out = {f"{label} | {d} digits": rules.mean_estimate(v, "checkpoints") for d, v in per.items()}
+    count = min(len(v) for v in per.values())
+    pooled = [sum(v[c] for v in per.values()) / len(per) for c in range(count)]
+    return {**out, f"{label} | pooled": rules.mean_estimate(pooled, "checkpoints")}
+
+
+def menu_rule(reference: str) -> str:
+    return (rule(reference) + "; the variance is a sampled batch's (the batch is the unit: batch-level estimators' "
+            "groups share its statistics, so V is tr Cov of the batch's sum per group)")
+
+
+def shrinkage_outcome(statistics) -> str:
+    """Both comparisons (the paper's leave-one-out form against RLOO, the leave-in form against the group
+    mean ≡ RLOO at matched signal), each by the matched-signal rule, combined."""
+    return rules.combined_outcome([outcome_of({k: e for k, e in statistics.items() if k.startswith(prefix)})
+                                   for prefix in ("shrinkage+loo/rloo |", "shrinkage/dr_grpo |")])
+
+
+def shrinkage_verdict(records, names, lengths, power) -> rules.Verdict | None:
+    if not {"shrinkage", "shrinkage+loo", "rloo"} <= names:
+        return None
+    loo_text, loo = compared(records, "shrinkage+loo", "rloo", "shrinkage+loo/rloo", lengths, per_unit=True)
+    # dr_grpo ≡ (N−1)/N rloo: at matched signal its efficiency is rloo's, so the leave-in form is compared to rloo
+    text, leave_in = compared(records, "shrinkage", "rloo", "shrinkage/dr_grpo", lengths, per_unit=True)
+    statistics = {**loo, **leave_in}
+    scales = "; ".join(f"c(shrinkage+loo) at {lengths[d]:.0f} tokens {rules.mean_estimate(v, 'checkpoints')}"
+                       for d, v in scale_values(records, "shrinkage+loo").items())
+    return rules.Verdict(
+        "The James–Stein shrinkage baseline is more efficient than RLOO and the group mean at matched signal",
+        "Shrinkage baselines, arXiv 2511.03710", "provably lower-variance policy gradient than the per-prompt mean "
+        "(RLOO) baseline; \"consistently outperform\" (no single number in the abstract)", f"{loo_text}; {text}",
+        menu_rule("RLOO") + "; the leave-one-out form (the paper's, unbiased) against RLOO and the leave-in form "
+        "against the group mean (Dr.GRPO ≡ RLOO at matched signal): both won reproduces, one partly, none with a "
+        "loss does not, else inconclusive", shrinkage_outcome(statistics), power,
+        f"The batch is each sampled batch of prompts (the shrinkage pulls each prompt's mean toward the batch's). "
+        f"Scale: {scales}.", statistics=statistics, decide=shrinkage_outcome)
+
+
+def delta_l_outcome(statistics) -> str:
+    """ΔL against token-mean and against seq-mean-token-mean (each by the matched-signal rule), and its
+    cosine with the unbiased reference above ``COSINE_UNBIASED`` (per length and pooled: a CI below it
+    anywhere does not reproduce, else the pooled CI above it reproduces), combined."""
+    cos = {k: e for k, e in statistics.items() if k.startswith("cos(ΔL) |")}
+    each = [e for k, e in cos.items() if not k.endswith("| pooled")]
+    cos_outcome = ("does not reproduce" if any(rules.interval_outcome(e, ">", null=COSINE_UNBIASED) ==
+                                               "does not reproduce" for e in each)
+                   else rules.interval_outcome(cos["cos(ΔL) | pooled"], ">", null=COSINE_UNBIASED))
+    return rules.combined_outcome([outcome_of({k: e for k, e in statistics.items() if k.startswith(prefix)})
+                                   for prefix in ("ΔL/token-mean |", "ΔL/seq-mean-token-mean |")] + [cos_outcome])
+
+
+def delta_l_verdict(records, names, lengths, power) -> rules.Verdict | None:
+    rows = {key: f"{REFERENCE}{LOSS_ROW}{key}" for key in (DELTA_L, "agg=token-mean", "agg=seq-mean-token-mean")}
+    if not set(rows.values()) <= names:
+        return None
+    t1, s1 = compared(records, rows[DELTA_L], rows["agg=token-mean"], "ΔL/token-mean", lengths, per_unit=True)
+    t2, s2 = compared(records, rows[DELTA_L], rows["agg=seq-mean-token-mean"], "ΔL/seq-mean-token-mean", lengths,
+                      per_unit=True)
+    cos = cosine_statistics(records, rows[DELTA_L], "cos(ΔL)")
+    statistics = {**s1, **s2, **cos}
+    cos_text = ", ".join(f"{k.split('| ')[1]} {e}" for k, e in cos.items())
+    return rules.Verdict(
+        "ΔL (VL) normalisation is unbiased and has the lowest variance among the aggregations", "ΔL Normalization, "
+        "arXiv 2509.07558", "unbiased, minimum variance among unbiased aggregations; up to 2.67× faster convergence "
+        "(DAPO + VL Norm, CountDown)", f"{t1}; {t2}; cosine with the unbiased sum's mean gradient: {cos_text}",
+        menu_rule("the plain sum (RLOO)") + f"; unbiasedness read as the cosine's CI above {COSINE_UNBIASED} (a CI "
+        f"below it at any length does not reproduce); ΔL against token-mean, against seq-mean-token-mean and the "
+        "cosine: all reproduce reproduces, some partly, none with a contradiction does not, else inconclusive",
+        delta_l_outcome(statistics), power,
+        "All rows use RLOO's advantages at ratio 1 (α = 1). Measured group by group, token-mean's and seq-mean-token-sum's "
+        "count · L is the group's token sum, the plain gradient: the step-wide token count that divides token-mean is "
+        "a constant to first order here, so its own variance across steps is not in this comparison. ΔL's weights "
+        "n_b^−α depend on the sampled lengths, so its expected gradient is ∇J's only where the lengths carry no "
+        "information about the reward: the cosine reads that.", statistics=statistics, decide=delta_l_outcome)
+
+
+def maxrl_outcome(statistics) -> str:
+    """MaxRL's direction differs from ∇J's: the pooled cosine's CI below 1 reproduces, above ``COSINE_SAME``
+    does not (indistinguishable directions), else inconclusive."""
+    pooled = statistics["cos(MaxRL) | pooled"]
+    if rules.interval_outcome(pooled, ">", null=COSINE_SAME) == "reproduces":
+        return "does not reproduce"
+    return rules.interval_outcome(pooled, "<", null=1.0)
+
+
+def maxrl_verdict(records, names, lengths, power) -> rules.Verdict | None:
+    if not {"maxrl", "rloo"} <= names:
+        return None
+    cos = cosine_statistics(records, "maxrl", "cos(MaxRL)")
+    eff_text, _ = compared(records, "maxrl", "rloo", "MaxRL/rloo", lengths, per_unit=True)
+    scales = "; ".join(f"{lengths[d]:.0f} tokens {rules.mean_estimate(v, 'checkpoints')}"
+                       for d, v in scale_values(records, "maxrl").items())
+    cos_text = ", ".join(f"{k.split('| ')[1]} {e}" for k, e in cos.items())
+    return rules.Verdict(
+        "MaxRL estimates a different gradient from RLOO's (∇ of the truncated log pass rate, not of the pass rate)",
+        "MaxRL, arXiv 2602.02710", "A = (R − p̂)/p̂ is the unbiased gradient of the order-N truncated maximum-"
+        "likelihood objective (a prompt weighs ≈ 1/p); Pareto-dominates GRPO, 7.9–19.2× test-time-scaling efficiency "
+        "(Qwen3-4B); no variance claim against ∇J", f"cosine with RLOO's mean gradient: {cos_text}",
+        f"the cosine per checkpoint (t-interval over the checkpoints, pooled: per checkpoint the mean over the "
+        f"lengths): the pooled CI below 1 reproduces (its direction differs, as its objective says), above "
+        f"{COSINE_SAME} does not (indistinguishable from ∇J's), else inconclusive", maxrl_outcome(cos), power,
+        f"Not ranked against RLOO: their expected gradients differ, so an efficiency is no quality comparison. "
+        f"Printed for the record — {eff_text}; scale c against RLOO: {scales}.", statistics=cos, decide=maxrl_outcome)
+
+
 def quality_table(rows: list[tables.Row], reference: str) -> str:
     """estimator × length: efficiency [CI over checkpoints], c, cosine, raw ratio (labelled raw)."""
     rows = [r for r in rows if r["reference"] == reference]
@@ -382,7 +552,7 @@ def report(out_dir: Path, figure_path: str) -> str:
              "Against RLOO (efficiency > 1: fewer groups for the same signal-to-noise; c: scale of the mean gradient "
              "along RLOO's, 1 = unbiased; the raw ratio is not a quality measure):\n",
              quality_table(rows, REFERENCE), "\nmax@K estimators against EI:\n", quality_table(
-                 [r for r in rows if ge.takes_k(r["estimator"])], "ei")]
+                 [r for r in rows if takes_k(r["estimator"])], "ei")]
     for d, b in summary["baselines"].items():
         lines.append(f"- {d} digits: b* = ΣRW/ΣW = {b['b_star']:.3f} against the mean reward "
                      f"{b['reward_mean_pooled']:.3f}; incorrect responses carry {b['energy_wrong_over_correct']:.1f}× "

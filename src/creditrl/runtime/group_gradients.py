@@ -11,8 +11,17 @@ instead measure a configured policy loss L (``creditrl.core.losses.PolicyLoss``:
 terms) at the rollout policy, ratio 1: g = -(1/N) grad_theta (count * L), count the aggregation's
 denominator (``loss_cotangent``). Each group costs one forward (its prompt once, shared by its rows:
 ``shared_prompt_stats``) and one backward per distinct non-zero cotangent through that forward; the
-advantages come from the same forward's energies, so no separate scoring pass is needed. Gradients
-are taken over ``params`` (default: every trainable parameter; ``select_parameters`` names a subset)
+advantages come from the same forward's energies, so no separate scoring pass is needed.
+
+A batch-level estimator (one that reads statistics of the whole batch: ``EstimatorSpec.uses_batch``,
+e.g. the James–Stein ``shrinkage`` baseline's across-prompt mean, ``reinforce_plus_plus``'s batch
+whitening, ``grpo`` with ``scale="batch"``) has its advantages computed once over every group of the
+batch passed in (``batch_advantages``), which is then a training step's batch: computed group by group
+it would see one prompt and degenerate (``shrinkage`` into ``dr_grpo``). Its groups' gradients are then
+not independent draws: they share the batch's statistics, so a caller that resamples groups must keep
+a batch's groups in one unit (``GradientMoments`` units) and read the variance of the batch's sum
+(``gradient_quality(per_unit=True)``), not the per-group variance, which leaves out their covariance.
+Gradients are taken over ``params`` (default: every trainable parameter; ``select_parameters`` names a subset)
 and returned flat, or as a ``CountSketch`` of them when the flat vectors would not fit.
 """
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch
 from torch import Tensor
 
 from creditrl.core.estimators import compute_advantages
+from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.gradients import GradientStats
 from creditrl.core.gradients.sketch import CountSketch
 from creditrl.core.losses import PolicyLoss
@@ -71,11 +81,37 @@ def rollout_token_stats(model, batch: RolloutBatch, rows: Tensor | slice, temper
                           group=batch.group[rows] if shared_prompts else None)
 
 
-def group_advantages(batch: RolloutBatch, rows: slice, energy: Tensor, estimators: Estimators) -> Tensor:
-    """[E, n, R] advantages of every estimator on the same responses (rows of one or more groups)."""
+def batch_level_labels(estimators: Estimators) -> list[str]:
+    """The labels whose estimator with its options reads batch statistics (``EstimatorSpec.uses_batch``)."""
+    return [label for label, (name, options) in estimators.items() if get_estimator(name).uses_batch(options)]
+
+
+def batch_advantages(batch: RolloutBatch, estimators: Estimators) -> dict[str, Tensor]:
+    """label -> [B, R] advantages over every group of ``batch`` (a training step's batch) of each
+    batch-level estimator (``batch_level_labels``). Energies are per-group forward results, so a
+    batch-level estimator that also needs them is refused (no built-in one does)."""
+    mask = batch.response_mask[:, batch.prompt_len:] > 0
+    out = {}
+    for label in batch_level_labels(estimators):
+        name, options = estimators[label]
+        if get_estimator(name).needs_energy:
+            raise ValueError(f"estimators: {label!r} is batch-level and needs energies, which group_gradients "
+                             f"computes group by group; expected a batch-level estimator without energies or a "
+                             f"group-level one with them, got {name!r}")
+        out[label] = compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group, **options)
+    return out
+
+
+def group_advantages(batch: RolloutBatch, rows: slice, energy: Tensor, estimators: Estimators,
+                     batch_wide: Mapping[str, Tensor] | None = None) -> Tensor:
+    """[E, n, R] advantages of every estimator on the same responses (rows of one or more groups);
+    the labels of ``batch_wide`` (``batch_advantages``, [B, R] over the whole batch) are its rows."""
     mask = batch.response_mask[rows, batch.prompt_len:] > 0
-    return torch.stack([compute_advantages(name, rewards=batch.rewards[rows], mask=mask, group=batch.group[rows],
-                                           energy=energy, **options) for name, options in estimators.values()])
+    wide = batch_wide or {}
+    return torch.stack([wide[label][rows].to(mask.device) if label in wide else
+                        compute_advantages(name, rewards=batch.rewards[rows], mask=mask, group=batch.group[rows],
+                                           energy=energy, **options)
+                        for label, (name, options) in estimators.items()])
 
 
 def loss_cotangent(loss: PolicyLoss, logp: Tensor, advantages: Tensor, mask: Tensor, rollout_logp: Tensor,
@@ -155,13 +191,13 @@ def gradient_outside_logp(loss: PolicyLoss) -> list[str]:
 
 
 def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimators: Estimators,
-                   losses: Losses | None) -> Tensor:
+                   losses: Losses | None, batch_wide: Mapping[str, Tensor] | None = None) -> Tensor:
     """[E, n, R] the cotangent on log π of every row: A_e / N (the plain policy gradient) or, for a
     row with a loss, ``loss_cotangent`` / N. The rows of one loss whose terms are all additive over
     groups (``non_additive_terms``) share one call on their stacked copies of the group (count · L
     over the stack is the sum of the copies' own)."""
     size = rows.stop - rows.start
-    advantages = group_advantages(batch, rows, stats.energy.detach(), estimators).to(stats.logp.dtype)
+    advantages = group_advantages(batch, rows, stats.energy.detach(), estimators, batch_wide).to(stats.logp.dtype)
     mask = batch.response_mask[rows, batch.prompt_len:] > 0
     truncated = (~batch.stopped[rows].to(mask.device)                 # for mask_truncated
                  if any(loss is not None and loss.needs_truncated for loss in (losses or {}).values()) else None)
@@ -205,11 +241,13 @@ def advantage_driven(loss: PolicyLoss | None) -> bool:
     return cached[1]
 
 
-def zero_group(batch: RolloutBatch, rows: slice, estimators: Estimators, losses: Losses | None) -> bool:
+def zero_group(batch: RolloutBatch, rows: slice, estimators: Estimators, losses: Losses | None,
+               batch_wide: Mapping[str, Tensor] | None = None) -> bool:
     """Whether every row of this group is 0 without a forward: its rewards are all equal, every
     estimator gives exactly 0 advantages under two random positive energies (a baseline that is a
-    weighted mean of equal rewards is that reward, whatever the weights), and every row's loss is
-    ``advantage_driven``."""
+    weighted mean of equal rewards is that reward, whatever the weights; a batch-level one's
+    advantages come from ``batch_wide``, and need not be 0: the shrinkage baseline pulls the group's
+    mean toward the batch's), and every row's loss is ``advantage_driven``."""
     rewards = batch.rewards[rows]
     if bool((rewards != rewards[0]).any()) or not all(advantage_driven((losses or {}).get(label))
                                                       for label in estimators):
@@ -218,7 +256,7 @@ def zero_group(batch: RolloutBatch, rows: slice, estimators: Estimators, losses:
     gen = torch.Generator().manual_seed(rows.start)
     for _ in range(2):
         energy = (torch.rand(mask.shape, generator=gen) + 0.1).to(rewards.device)
-        if bool(group_advantages(batch, rows, energy, estimators).abs().max() > 0):
+        if bool(group_advantages(batch, rows, energy, estimators, batch_wide).abs().max() > 0):
             return False
     return True
 
@@ -282,7 +320,7 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
                     params: Sequence[Tensor] | None = None, sketch: CountSketch | None = None,
                     shared_prompts: bool = True, losses: Losses | None = None,
                     precondition: Sequence[Tensor] | None = None, dedupe: bool = False,
-                    skip_zero: bool = False) -> GroupDraws:
+                    skip_zero: bool = False, batch_wide: Mapping[str, Tensor] | None = None) -> GroupDraws:
     """Every group's gradient under every estimator (module docstring). Groups are the batch's
     contiguous blocks of rows (as ``generate_rollouts`` lays them out). ``shared_prompts=False``
     scores a group's rows in one plain forward (faster for tiny models, where a forward's fixed cost
@@ -293,17 +331,24 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
     ``dedupe`` a row whose cotangent is α × an earlier row's (``dr_grpo`` = (N−1)/N · ``rloo``, or
     the same estimator under two losses that agree) gets α × that row's gradient. With ``skip_zero``
     a group whose every row is provably 0 (``zero_group``) skips even its forward (its response
-    energies are then reported as 0)."""
+    energies are then reported as 0). Batch-level estimators (module docstring) get their advantages
+    over the whole ``batch``, or from ``batch_wide`` (label -> [B, R] rows aligned with ``batch``'s,
+    ``batch_advantages`` of a larger step batch that ``batch`` is a slice of: `creditrl diagnose`'s round)."""
     params = list(params) if params is not None else select_parameters(model)
     sizes = torch.unique_consecutive(batch.group, return_counts=True)[1].tolist()
     if len(sizes) != len(torch.unique(batch.group)):
         raise ValueError("batch: expected each group's rows to be contiguous, got interleaved group ids")
     mask = batch.response_mask[:, batch.prompt_len:] > 0
+    if batch_wide is None:
+        batch_wide = batch_advantages(batch, estimators)
+    elif set(batch_wide) != set(batch_level_labels(estimators)):
+        raise ValueError(f"batch_wide: expected the batch-level labels {batch_level_labels(estimators)}, got "
+                         f"{sorted(batch_wide)}")
     draws, scaled, energies, start, backward = [], [], [], 0, 0
     dim = sketch.dim if sketch is not None else sum(p.numel() for p in params)
     for size in sizes:                       # one Monte-Carlo draw per group: a forward, E backwards
         rows = slice(start, start + size)
-        if skip_zero and zero_group(batch, rows, estimators, losses):
+        if skip_zero and zero_group(batch, rows, estimators, losses, batch_wide):
             zeros = torch.zeros(len(estimators), dim, dtype=torch.float64 if sketch is not None else params[0].dtype,
                                 device="cpu" if sketch is not None else params[0].device)
             draws.append(zeros)
@@ -313,7 +358,7 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
             continue
         stats = rollout_token_stats(model, batch, rows, temperature, shared_prompts=shared_prompts)
         energies.append(torch.where(mask[rows], stats.energy.detach().double(), 0.0).sum(1))
-        cotangents = row_cotangents(batch, rows, stats, estimators, losses)
+        cotangents = row_cotangents(batch, rows, stats, estimators, losses, batch_wide)
         plain, pre, runs = _group_draw(stats, cotangents, params, sketch, precondition, dedupe)
         draws.append(plain)
         scaled.append(pre)

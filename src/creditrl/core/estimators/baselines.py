@@ -105,7 +105,7 @@ GrpoScale = Annotated[Literal["group", "batch", "none"], "what the centred rewar
                       "scale_rewards='batch', LitePPO), `none` nothing (Dr.GRPO)"]
 
 
-@register_estimator("grpo")
+@register_estimator("grpo", batch_level_when={"scale": "batch"})
 def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the std before dividing (> 0)"] = 1e-6,
          scale: GrpoScale = "group") -> Tensor:
     """GRPO (Shao et al. 2024): A = (R - mean_g R) / (std + eps), std with N-1, [B].

@@ -154,6 +154,19 @@ class EstimatorSpec:
     token_level: bool = False
     reward_components: bool = False
     batch_level: bool = False
+    batch_level_when: tuple[tuple[str, object], ...] = ()   # options that make it batch-level (grpo's scale)
+
+    def uses_batch(self, options: dict | None = None) -> bool:
+        """Whether its advantages with ``options`` (defaults filled in) read statistics of the whole
+        batch: always for ``batch_level``, else when every option of ``batch_level_when`` takes its
+        value (``grpo`` with ``scale="batch"``). A caller that splits a step's batch into groups (the
+        gradient measurements, ``creditrl.runtime.group_gradients``) must compute these over the step."""
+        if self.batch_level:
+            return True
+        if not self.batch_level_when:
+            return False
+        given = {**(self.options or {}), **(options or {})}
+        return all(given.get(key) == value for key, value in self.batch_level_when)
 
     @cached_property
     def option_specs(self) -> list[OptionSpec] | None:
@@ -186,6 +199,8 @@ class EstimatorSpec:
                                      "when there are none)"),
             (self.batch_level, "batch-level: its statistics span the batch, so an advantage depends on the other "
                                "prompts' responses"),
+            (bool(self.batch_level_when), "batch-level with " + ", ".join(
+                f"{key}={value!r}" for key, value in self.batch_level_when) + ": its statistics then span the batch"),
             (self.leave_one_out, "has a leave_one_out form")) if flag]
 
     def resolve_options(self, options: dict, where: str | None = None, strict: bool = True) -> dict:
@@ -209,7 +224,8 @@ BUILTINS = "creditrl.core.estimators"
 
 def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange | None = None,
                        token_level: bool = False, reward_components: bool = False, batch_level: bool = False,
-                       masked_output: bool = False, overwrite: bool = False):
+                       batch_level_when: dict[str, object] | None = None, masked_output: bool = False,
+                       overwrite: bool = False):
     """Decorator: register ``fn(batch: AdvantageBatch, **options) -> [B] | [B,T]`` under ``name``.
 
     The facts every front end reads, declared here once:
@@ -219,7 +235,8 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
     ``reward_components``: it reads ``batch.components`` [B,K], each reward term's own values (the
     trainer and the TRL/verl plug-ins pass them; ``compute_advantages(components=...)`` from Python);
     ``batch_level``: its statistics span the whole batch (a whitening, a batch std, the across-prompt
-    mean), so one group's advantages depend on the other groups (``grpo`` is, with ``scale="batch"``);
+    mean), so one group's advantages depend on the other groups;
+    ``batch_level_when``: option -> value under which it is batch-level (``grpo``: ``{"scale": "batch"}``);
     ``masked_output``: a [B,T] result is finite and exactly 0 where mask == 0, so
     ``compute_advantages`` skips its checking pass (the built-in token-level estimators; tested).
     Re-registering a name raises unless ``overwrite=True`` (or it is the same function).
@@ -232,6 +249,10 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
     if k_range is not None and not isinstance(k_range, KRange):
         raise TypeError(f"k_range: expected a creditrl.KRange (e.g. KRange(1, below=1) for 1 <= k <= N - 1) or "
                         f"None, got {type(k_range).__name__} {k_range!r}")
+    if batch_level_when is not None and (batch_level or not isinstance(batch_level_when, dict)
+                                         or not all(isinstance(k, str) for k in batch_level_when)):
+        raise TypeError(f"batch_level_when: expected a dict option name -> value (and batch_level=False), got "
+                        f"{batch_level_when!r} with batch_level={batch_level!r}")
     for flag, value in (("needs_energy", needs_energy), ("token_level", token_level),
                         ("reward_components", reward_components), ("batch_level", batch_level),
                         ("masked_output", masked_output), ("overwrite", overwrite)):
@@ -251,7 +272,10 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
             raise ValueError(f"estimator {name!r} is already registered to {old.fn!r}; pass overwrite=True")
         doc = (fn.__doc__ or "").strip().splitlines()
         spec = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output, k_range, token_level,
-                             reward_components, batch_level)
+                             reward_components, batch_level, tuple((batch_level_when or {}).items()))
+        unknown = [key for key, _ in spec.batch_level_when if key not in (spec.options or {})]
+        if unknown and spec.options is not None:
+            raise ValueError(f"estimator {name!r}: batch_level_when names options it does not declare: {unknown}")
         takes_k = "k" in (spec.options or {})
         if (k_range is not None) != takes_k and spec.options is not None:
             raise ValueError(f"estimator {name!r}: k_range is declared for estimators that take a `k` option, and "

@@ -98,9 +98,11 @@ class EstimatorQuality:
     signal: float
 
 
-def _statistics(second: Tensor, signal: Tensor, r: int, b: int) -> dict[str, Tensor]:
-    """Every statistic for R replicates from E[g_e g_f] and <mu_e, mu_f> estimates [R, E, E] -> name -> [R, E]."""
-    variance = torch.diagonal(second - signal, dim1=1, dim2=2)
+def _statistics(second: Tensor, signal: Tensor, r: int, b: int, weight: Tensor | None = None) -> dict[str, Tensor]:
+    """Every statistic for R replicates from E[g_e g_f] and <mu_e, mu_f> estimates [R, E, E] -> name -> [R, E];
+    ``weight`` [R] (per unit: sum_u n_u^2 / sum_u n_u) multiplies the signal subtracted from ``second``."""
+    centre = signal if weight is None else weight[:, None, None] * signal
+    variance = torch.diagonal(second - centre, dim1=1, dim2=2)
     own = torch.diagonal(signal, dim1=1, dim2=2)                      # ||mu_e||^2
     ref = signal[:, :, r]                                             # <mu_e, mu_r>
     ref_norm = own[:, r:r + 1]
@@ -112,6 +114,15 @@ def _statistics(second: Tensor, signal: Tensor, r: int, b: int) -> dict[str, Ten
     return {"variance": variance, "scale": scale, "cosine": cosine, "matched_variance": matched,
             "efficiency": matched[:, b:b + 1] / matched, "raw_ratio": variance / variance[:, b:b + 1],
             "signal": own}
+
+
+def _unit_second(stats: GradientStats) -> tuple[Tensor, Tensor]:
+    """(sum_u s_u s_u^T / sum_u n_u [K+1, E, E], sum_u n_u^2 / sum_u n_u [K+1]) for the full sample and each
+    delete-one-fold replicate: ``gradient_quality(per_unit=True)``'s second moment and signal weight."""
+    K = stats.draws.numel()
+    keep = torch.cat([torch.ones(1, K, dtype=torch.float64), 1 - torch.eye(K, dtype=torch.float64)])
+    draws, same_unit = keep @ stats.draws, keep @ stats.same_unit
+    return torch.einsum("rk,kef->ref", keep, stats.within) / draws[:, None, None], same_unit / draws
 
 
 def _replicates(stats: GradientStats) -> tuple[Tensor, Tensor]:
@@ -147,17 +158,27 @@ def _interval(full: float, replicates: Tensor, log: bool, bias_correct: bool = F
     return Interval(full, math.exp(low), math.exp(high), K, se, True) if log else Interval(full, low, high, K, se)
 
 
-def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: str | None = None
-                     ) -> dict[str, EstimatorQuality]:
+def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: str | None = None,
+                     per_unit: bool = False) -> dict[str, EstimatorQuality]:
     """Per estimator of ``stats``: V, c, cos, V/c², efficiency and raw ratio against ``baseline``
-    (default: ``reference``), with jackknife intervals over the folds (module docstring)."""
+    (default: ``reference``), with jackknife intervals over the folds (module docstring).
+
+    ``per_unit``: V is the variance of a unit's sum per draw, V_u = Σ_u tr Cov(s_u) / Σ_u n_u, estimated
+    by tr(Σ_u s_u s_u^T − Σ_u n_u² μμ^T) / Σ_u n_u: for units of B draws, B × tr Cov of their mean. It
+    equals the per-draw V when the draws of a unit are independent, and adds their covariance when
+    they are not (a batch-level estimator's groups share the batch's statistics: the unit is the
+    batch, and V_u is the variance a step of that batch feels, per group)."""
     r = stats.index(reference)
     b = stats.index(baseline or reference)
     pairs = float(stats.draws.sum() ** 2 - stats.same_unit.sum())
     if not pairs > 0:
         raise ValueError("stats: expected draws from at least 2 independent units (the mean gradient is "
                          f"cross-fitted between units), got {float(stats.draws.sum()):.0f} draw(s) in one unit")
-    values = _statistics(*_replicates(stats.nonempty()), r, b)
+    second, signal = _replicates(stats.nonempty())
+    weight = None
+    if per_unit:
+        second, weight = _unit_second(stats.nonempty())
+    values = _statistics(second, signal, r, b, weight)
     out = {}
     for e, name in enumerate(stats.names):
         fields = {key: _interval(float(values[key][0, e]), values[key][1:, e], key in LOG_SCALE, key in BIAS_CORRECTED)

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 import torch
+from torch import Tensor
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from creditrl.core.estimators import compute_advantages
 from creditrl.core.gradients import CountSketch, GradientMoments, GradientStats, Interval, gradient_quality
 from creditrl.core.gradients import signal_interval
 from creditrl.runtime.gradient_space import GradientSpace, LARGE_MODEL_PARAMS
-from creditrl.runtime.group_gradients import GroupDraws, group_gradients
+from creditrl.runtime.group_gradients import GroupDraws, batch_advantages, batch_level_labels, group_gradients
 from creditrl.runtime.rollout import RolloutBatch, generate_rollouts
 from creditrl.tools.diagnose.plan import ADAM, GRPO, REF, Plan
 from creditrl.utils.stats import t_quantile
@@ -115,6 +116,38 @@ def rows_of(batch: RolloutBatch, rows: slice, prompt: int) -> RolloutBatch:
                    prompt_texts=batch.prompt_texts[prompt:prompt + 1], reward_extras=None)
 
 
+def step_ids(prompts: int, groups_per_prompt: int, step: int) -> Tensor:
+    """[P·M] the training step of each group of a round (prompt-major: prompt p's groups are p·M ..
+    p·M + M − 1): the m-th groups of ``step`` consecutive prompts form a step, as a training batch holds
+    ``step`` distinct prompts with one group each."""
+    prompt = torch.arange(prompts).repeat_interleave(groups_per_prompt)
+    slot = torch.arange(groups_per_prompt).repeat(prompts)
+    return slot * math.ceil(prompts / step) + prompt // step
+
+
+def step_advantages(batch: RolloutBatch, plan: Plan) -> dict[str, Tensor]:
+    """label -> [B, R] advantages of the batch-level rows (``batch_level_labels``) over the training
+    steps of a round (``step_ids``: ``plan.batch`` prompts, one group each), so that a shrinkage
+    baseline or a batch whitening sees the other prompts of a step as in training. The groups of a
+    step then share its statistics: the per-group variance diagnose reports leaves out the covariance
+    this adds between them (the report's notes say so for these rows)."""
+    labels = batch_level_labels(plan.rows)
+    if not labels:
+        return {}
+    n = plan.group_size
+    prompts = batch.rewards.shape[0] // (n * plan.groups_per_prompt)
+    row_step = step_ids(prompts, plan.groups_per_prompt, max(1, plan.batch)).repeat_interleave(n)
+    out = {label: torch.zeros(batch.rewards.shape[0], batch.response_mask.shape[1] - batch.prompt_len)
+           for label in labels}
+    for s in torch.unique(row_step).tolist():      # a few steps per round
+        idx = torch.nonzero(row_step == s).flatten()
+        sub = replace(batch, rewards=batch.rewards[idx], group=batch.group[idx],
+                      response_mask=batch.response_mask[idx])
+        for label, adv in batch_advantages(sub, {k: plan.rows[k] for k in labels}).items():
+            out[label][idx] = adv.to(out[label].device)
+    return out
+
+
 class ModelSource:
     """Rounds sampled from the policy (module docstring); ``checker`` collects the reward checker's
     warnings (an error it raised, a value that is not a number), shown again once."""
@@ -127,6 +160,7 @@ class ModelSource:
         self.generator = torch.Generator().manual_seed(plan.seed)
         self.checker: list[str] = []
         self.shared = sum(p.numel() for p in model.parameters()) >= LARGE_MODEL_PARAMS
+        self._wide: tuple[RolloutBatch, dict] | None = None
 
     def prompts(self, count: int) -> list:
         return self.draw.take(count)
@@ -159,12 +193,15 @@ class ModelSource:
 
     def draws(self, batch: RolloutBatch, index: int) -> GroupDraws:
         size = self.plan.groups_per_prompt * self.plan.group_size
-        sub = rows_of(batch, slice(index * size, (index + 1) * size), index)
+        rows = slice(index * size, (index + 1) * size)
+        if self._wide is None or self._wide[0] is not batch:      # once per round
+            self._wide = (batch, step_advantages(batch, self.plan))
+        sub = rows_of(batch, rows, index)
         return group_gradients(self.model, sub, self.plan.rows, temperature=self.rollout["temperature"],
                                params=list(self.space.params), sketch=self.sketch,
                                shared_prompts=self.shared,
                                losses=self.plan.row_losses, precondition=self.precondition, dedupe=True,
-                               skip_zero=True)
+                               skip_zero=True, batch_wide={k: v[rows] for k, v in self._wide[1].items()})
 
 
 def make_sketch(space: GradientSpace, seed: int) -> CountSketch | None:

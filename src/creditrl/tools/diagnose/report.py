@@ -145,6 +145,18 @@ def reference_text(result: dict) -> str:
             f"undefined.\n")
 
 
+def batch_level_notes(setting: dict) -> list[str]:
+    """Rows whose estimator reads batch statistics: computed over training steps, and what that means."""
+    labels = setting.get("batch_level") or []
+    if not labels:
+        return []
+    return [(f"Batch-level estimators ({', '.join(f'`{x}`' for x in labels)}) read statistics of the whole step: "
+            f"their advantages are computed over steps of {setting.get('step')} prompts of a round (one group each), "
+            "as in training. A step's groups then share its statistics; the variance above is per group given them "
+            "and leaves out the covariance they add between a step's groups (the `grad-variance` experiment "
+            "measures the variance of a step's sum for these estimators).\n")]
+
+
 def loss_lines(result: dict) -> list[str]:
     out = ["## The loss measured\n"]
     for loss in result["setting"]["losses"]:
@@ -181,6 +193,7 @@ def markdown(result: dict) -> str:
              "measurably below 1) are the Holm-adjusted ones.\n",
              table(result["rows"], rec, len(s["losses"]) > 1),
              *undefined_notes(result["rows"], result["reference"]["needed"], s["prompts"]),
+             *batch_level_notes(s),
              *noise_section(result["noise"], s["group_size"]), *loss_lines(result),
              "## Gradient space and cost\n", f"{s['space']}.", result["sketch_error"] or "",
              f"\nSampling {result['timing']['sampling_s_per_group']:.3g} s per group (a round's groups in one "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from creditrl.runtime.gradient_space import GradientSpace
+from creditrl.runtime.group_gradients import batch_level_labels
 from creditrl.tools.diagnose import adam
 from creditrl.tools.diagnose import recommend as rc
 from creditrl.tools.diagnose import report
@@ -78,7 +79,8 @@ def assemble(meas: Measurement, plan: Plan, space: GradientSpace, rollout: dict,
                         "parameters": space.covered, "max_new_tokens": rollout["max_new_tokens"],
                         "temperature": rollout["temperature"], "configured": plan.configured,
                         "target_width": plan.target_width, "budget_min": plan.budget_s / 60,
-                        "losses": [{"name": x.name, "text": x.text, "notes": list(x.notes)} for x in plan.losses]},
+                        "losses": [{"name": x.name, "text": x.text, "notes": list(x.notes)} for x in plan.losses],
+                        "batch_level": batch_level_labels(plan.estimators), "step": plan.batch},
             "measurement": {"stop": meas.stop, "exhausted": meas.exhausted, "rounds": meas.rounds,
                             "responses": meas.responses, "invalid": meas.invalid, "backward": meas.backward,
                             "checker": meas.checker},
