@@ -9,7 +9,7 @@ from creditrl_research.experiments.registry import Experiment, experiment_names,
 # registered in the order the report lists them
 from creditrl_research.experiments import maxk_bandit, grad_variance, horizon, proxy_fidelity  # noqa: F401,E402
 from creditrl_research.experiments import otb_stability, stapo_census, learning_curves  # noqa: F401,E402
-from creditrl_research.experiments import time_to_accuracy, real_model  # noqa: F401,E402
+from creditrl_research.experiments import time_to_accuracy, real_model, off_policy  # noqa: F401,E402
 from creditrl_research.experiments.runner import (DEFAULT_RUNS, collect_verdicts, experiment_config, main,  # noqa: E402
                                                  run_experiment, write_report, default_checks)
 

@@ -115,9 +115,10 @@ def group_advantages(batch: RolloutBatch, rows: slice, energy: Tensor, estimator
 
 
 def loss_cotangent(loss: PolicyLoss, logp: Tensor, advantages: Tensor, mask: Tensor, rollout_logp: Tensor,
-                   entropy: Tensor, truncated: Tensor | None = None) -> Tensor:
+                   entropy: Tensor, truncated: Tensor | None = None, old_logp: Tensor | None = None) -> Tensor:
     """−∂(count · L)/∂log π [n, R] of the policy loss ``L`` (``loss``) at the rollout policy (ratio 1:
-    π_old = π_θ; the reference of a KL term is π_θ itself, as at the start of training), ``count``
+    π_old = π_θ; the reference of a KL term is π_θ itself, as at the start of training) or, given
+    ``old_logp`` [n, R], at ratios r = π_θ/π_old against it (stale data), ``count``
     its aggregation's denominator (``agg_count``): count · L is the loss's sum over the group's kept
     tokens (or rows) before the batch-wide normaliser, so the gradient of a step of many groups is
     Σ_groups of these over the step's count (token-mean: a constant to first order across groups).
@@ -126,7 +127,8 @@ def loss_cotangent(loss: PolicyLoss, logp: Tensor, advantages: Tensor, mask: Ten
     log π and is left out (``gradient_outside_logp``)."""
     leaf = logp.detach().clone().requires_grad_(True)
     with torch.enable_grad():
-        value, metrics = loss(leaf, logp.detach(), advantages, mask, ref_logp=logp.detach(),
+        value, metrics = loss(leaf, logp.detach() if old_logp is None else old_logp.detach(), advantages, mask,
+                              ref_logp=logp.detach(),
                               rollout_logp=rollout_logp, entropy=entropy.detach(),
                               truncated=torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
                               if truncated is None else truncated)
@@ -191,9 +193,11 @@ def gradient_outside_logp(loss: PolicyLoss) -> list[str]:
 
 
 def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimators: Estimators,
-                   losses: Losses | None, batch_wide: Mapping[str, Tensor] | None = None) -> Tensor:
+                   losses: Losses | None, batch_wide: Mapping[str, Tensor] | None = None,
+                   off_policy: bool = False) -> Tensor:
     """[E, n, R] the cotangent on log π of every row: A_e / N (the plain policy gradient) or, for a
-    row with a loss, ``loss_cotangent`` / N. The rows of one loss whose terms are all additive over
+    row with a loss, ``loss_cotangent`` / N, at ratio 1 or, with ``off_policy``, at the ratios
+    π_θ/π_old against ``batch.rollout_logp`` (the behaviour policy that sampled the batch). The rows of one loss whose terms are all additive over
     groups (``non_additive_terms``) share one call on their stacked copies of the group (count · L
     over the stack is the sum of the copies' own)."""
     size = rows.stop - rows.start
@@ -203,6 +207,7 @@ def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimato
                  if any(loss is not None and loss.needs_truncated for loss in (losses or {}).values()) else None)
     rollout = (stats.logp.detach() if batch.rollout_logp is None     # no sampler log-probs: the policy's own
                else batch.rollout_logp[rows, batch.prompt_len:].to(stats.logp.dtype))
+    old = rollout if off_policy else None
     out = advantages.clone()
     labels = list(estimators)
     by_loss: dict[int, list[int]] = {}
@@ -214,12 +219,13 @@ def row_cotangents(batch: RolloutBatch, rows: slice, stats: TokenStats, estimato
         loss = losses[labels[members[0]]]
         if non_additive_terms(loss):
             for e in members:
-                out[e] = loss_cotangent(loss, stats.logp, advantages[e], mask, rollout, stats.entropy, truncated)
+                out[e] = loss_cotangent(loss, stats.logp, advantages[e], mask, rollout, stats.entropy, truncated, old)
             continue
         k = len(members)
         stacked = loss_cotangent(loss, stats.logp.repeat(k, 1), advantages[members].flatten(0, 1), mask.repeat(k, 1),
                                  rollout.repeat(k, 1), stats.entropy.repeat(k, 1),
-                                 None if truncated is None else truncated.repeat(k))
+                                 None if truncated is None else truncated.repeat(k),
+                                 None if old is None else old.repeat(k, 1))
         out[members] = stacked.view(k, *mask.shape).to(out.dtype)
     return out / size
 
@@ -320,7 +326,8 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
                     params: Sequence[Tensor] | None = None, sketch: CountSketch | None = None,
                     shared_prompts: bool = True, losses: Losses | None = None,
                     precondition: Sequence[Tensor] | None = None, dedupe: bool = False,
-                    skip_zero: bool = False, batch_wide: Mapping[str, Tensor] | None = None) -> GroupDraws:
+                    skip_zero: bool = False, batch_wide: Mapping[str, Tensor] | None = None,
+                    off_policy: bool = False) -> GroupDraws:
     """Every group's gradient under every estimator (module docstring). Groups are the batch's
     contiguous blocks of rows (as ``generate_rollouts`` lays them out). ``shared_prompts=False``
     scores a group's rows in one plain forward (faster for tiny models, where a forward's fixed cost
@@ -333,8 +340,13 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
     a group whose every row is provably 0 (``zero_group``) skips even its forward (its response
     energies are then reported as 0). Batch-level estimators (module docstring) get their advantages
     over the whole ``batch``, or from ``batch_wide`` (label -> [B, R] rows aligned with ``batch``'s,
-    ``batch_advantages`` of a larger step batch that ``batch`` is a slice of: `creditrl diagnose`'s round)."""
+    ``batch_advantages`` of a larger step batch that ``batch`` is a slice of: `creditrl diagnose`'s round).
+    ``off_policy``: the loss rows see the ratios π_θ/π_old with π_old = ``batch.rollout_logp`` (a batch
+    sampled by another policy, ``model`` the current one) instead of ratio 1; the plain rows are
+    A·∇log π_θ on those samples either way."""
     params = list(params) if params is not None else select_parameters(model)
+    if off_policy and batch.rollout_logp is None:
+        raise ValueError("batch: off_policy needs the behaviour log-probs in batch.rollout_logp, got None")
     sizes = torch.unique_consecutive(batch.group, return_counts=True)[1].tolist()
     if len(sizes) != len(torch.unique(batch.group)):
         raise ValueError("batch: expected each group's rows to be contiguous, got interleaved group ids")
@@ -358,7 +370,7 @@ def group_gradients(model, batch: RolloutBatch, estimators: Estimators, *, tempe
             continue
         stats = rollout_token_stats(model, batch, rows, temperature, shared_prompts=shared_prompts)
         energies.append(torch.where(mask[rows], stats.energy.detach().double(), 0.0).sum(1))
-        cotangents = row_cotangents(batch, rows, stats, estimators, losses, batch_wide)
+        cotangents = row_cotangents(batch, rows, stats, estimators, losses, batch_wide, off_policy)
         plain, pre, runs = _group_draw(stats, cotangents, params, sketch, precondition, dedupe)
         draws.append(plain)
         scaled.append(pre)
