@@ -467,3 +467,22 @@ def test_delta_l_rule_forces_each_outcome(token, seq, cos, expected):
 def test_maxrl_rule_forces_each_outcome(pooled, expected):
     from creditrl_research.experiments import grad_variance as gv
     assert gv.maxrl_outcome({"cos(MaxRL) | 1 digits": _mean(*pooled), "cos(MaxRL) | pooled": _mean(*pooled)}) == expected
+
+
+@pytest.mark.parametrize("efficiencies, clip, outcome", [
+    ([1.5, 1.6, 1.55, 1.52], [0.05] * 4, "reproduces"),          # every checkpoint well above 1
+    ([0.6, 0.62, 0.58, 0.61], [0.05] * 4, "does not reproduce"),  # every checkpoint well below 1
+    ([0.5, 2.0, 0.9, 1.3], [0.05] * 4, "inconclusive"),           # spread over 1
+    ([1.5, 1.6, 1.55, 1.52], [0.002] * 4, "inconclusive"),        # the clip bound too rarely: no condition
+])
+def test_off_policy_cispo_rule(efficiencies, clip, outcome):
+    from creditrl_research.experiments import off_policy as op
+
+    v = op.cispo_verdict(efficiencies, clip)
+    assert v.outcome == outcome
+    assert v.condition_met == (sum(clip) / len(clip) >= op.MIN_CLIP_FRACTION)
+    assert "[" in v.ours and "PPO's clip binds on" in v.ours
+    if not v.condition_met:
+        assert "did not produce the condition" in v.note
+    undefined = op.cispo_verdict([1.5, math.nan, 1.6, 1.55], [0.05] * 4)   # a non-finite checkpoint is left out
+    assert "undefined at 1 checkpoint(s)" in undefined.ours and undefined.outcome == "reproduces"

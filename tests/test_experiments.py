@@ -590,3 +590,28 @@ def test_undefined_efficiency_is_named_and_the_rule_reads_the_defined_lengths(mo
     per[1][1] = 1.0
     text, _ = gv.comparison([], "maxpo", "ei", "MaxPO/EI", {1: 13.0, 2: 33.0}, reference="ei", paper=4.4)
     assert "undefined" not in text
+
+
+@pytest.mark.model_scale
+def test_off_policy_fast_preset(fast_root, tmp_path):
+    """The rows' quality against the IS reference, the clip fractions and the verdict come out, the report
+    has its section, and bad configs are refused."""
+    import dataclasses
+
+    from creditrl_research.experiments import off_policy as op
+
+    out = fast_run(fast_root, "off-policy")
+    rows = tables.read_csv(out / "quality.csv")
+    assert {(r["estimator"], r["baseline"]) for r in rows} == {(e, op.REFERENCE) for e in op.ROWS} | {
+        ("cispo", "ppo-clip")}
+    for r in rows:
+        assert r["variance"] >= 0 and math.isfinite(r["variance"])
+        assert 0 <= r["ppo_clip_fraction"] <= r["cispo_cap_fraction"] <= 1   # PPO's bound is one side of CISPO's
+    (verdict,) = op.verdicts(out)
+    assert verdict.claim == op.CLAIM and verdict.outcome in rules.OUTCOMES and "raw" in verdict.ours
+    text = op.report(out, "figures/off_policy.png")
+    assert "PPO clip binds" in text and "raw tr Cov ratio (raw)" in text and "nan" not in text
+    with pytest.raises(ValueError, match=r"checkpoints: expected an int >= 2"):
+        op.run(dataclasses.replace(op.PRESETS["fast"], checkpoints=1), tmp_path / "x")
+    with pytest.raises(ValueError, match=r"clip_low"):
+        op.run(dataclasses.replace(op.PRESETS["fast"], clip_low=1.5), tmp_path / "x")

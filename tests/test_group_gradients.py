@@ -180,3 +180,51 @@ def test_batch_level_with_energies_is_refused(tiny_rollouts):
     _, _, batch = tiny_rollouts
     with pytest.raises(ValueError, match="batch-level and needs energies"):
         batch_advantages(batch, {"x": ("test_batch_energy", {})})
+
+
+def test_off_policy_rows_see_the_ratios_against_the_behaviour_policy(tiny_rollouts):
+    """With ``off_policy`` a loss row's gradient is (1/N) Σ_i Σ_t w_t A_t ∇log π_θ(y_t) with the weight w of
+    its loss at r_t = π_θ/π_old, π_old = ``batch.rollout_logp``: PPO-clip r_t where its bound does not bind
+    and 0 where it does, CISPO clip(r_t, 0.8, 1.2), CISPO with bounds that never bind r_t (the IS surrogate)."""
+    import dataclasses
+
+    from creditrl.core.losses import PolicyLoss
+    from creditrl.core.losses.clip import ClipOptions, ratio_bounds
+
+    model, params, batch = tiny_rollouts
+    rtol = backward_rtol(model, batch)
+    p = batch.prompt_len
+    mask = batch.response_mask[:, p:] > 0
+    current = torch.zeros(mask.shape, dtype=torch.float64)
+    for r in range(6):
+        current[r][mask[r]] = row_logp(model, batch, r)[0].detach()
+    shift = (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) - 0.5) * 0.8
+    old = torch.where(mask, (current + shift).clamp(max=0.0), 0.0)
+    full = torch.zeros(batch.input_ids.shape)
+    full[:, p:] = old.float()
+    stale = dataclasses.replace(batch, rollout_logp=full)
+    losses = {"ppo": PolicyLoss({"clip": {"clip_low": 0.2}}),
+              "cispo": PolicyLoss({"cispo": None, "clip": {"clip_low": 0.2}}),
+              "is": PolicyLoss({"cispo": None, "clip": {"clip_low": 1 - 1e-9, "clip_high": 1e9}})}
+    specs = {label: ("rloo", {}) for label in losses}
+    got = group_gradients(model, stale, specs, temperature=1.0, losses=losses, off_policy=True)
+    adv = compute_advantages("rloo", rewards=batch.rewards, mask=mask, group=batch.group).double()
+    ratio = (current - full[:, p:].double()).exp()
+    lo, hi = ratio_bounds(adv, ClipOptions(0.2))
+    weights = {"ppo": torch.where((ratio < lo) | (ratio > hi), 0.0, ratio), "cispo": ratio.clamp(0.8, 1.2),
+               "is": ratio}
+    assert bool(((ratio < lo) | (ratio > hi))[mask].any())     # the clip binds somewhere: the rows differ
+    for e, label in enumerate(losses):
+        for g in range(2):
+            total = 0
+            for r in range(3 * g, 3 * g + 3):
+                logp, _ = row_logp(model, batch, r)
+                w = (weights[label][r] * adv[r])[mask[r]]
+                total = total + flat(torch.autograd.grad((w * logp).sum() / 3, params, allow_unused=True), params)
+            assert_close_normwise(got.grads[g, e], total, rtol, f"{label}, group {g}")
+    on_policy = group_gradients(model, stale, specs, temperature=1.0, losses=losses)    # ratio 1: all rows agree
+    for e in (1, 2):
+        assert_close_normwise(on_policy.grads[:, e], on_policy.grads[:, 0], rtol, f"row {e} at ratio 1")
+    with pytest.raises(ValueError, match="batch: off_policy needs the behaviour log-probs in batch.rollout_logp"):
+        group_gradients(model, dataclasses.replace(batch, rollout_logp=None), specs, temperature=1.0, losses=losses,
+                        off_policy=True)
