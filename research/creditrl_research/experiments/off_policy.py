@@ -267,7 +267,7 @@ def cispo_verdict(efficiencies: list[float], clip_fractions: list[float], raw: l
     why = ("" if met else f"The setting did not produce the condition: PPO's clip bound on {100 * frac:.2f}% < "
            f"{100 * MIN_CLIP_FRACTION:.0f}% of tokens, so the clip's zero gradient cannot matter. ")
     return rules.Verdict(
-        CLAIM, "MiniMax-M1 §3.1 (CISPO)", "CISPO keeps every token's gradient and matched DAPO's performance in 50% "
+        CLAIM, "MiniMax-M1 §3.1", "CISPO keeps every token's gradient and matched DAPO's performance in 50% "
         "of the steps (Qwen2.5-32B, AIME); no variance figure", ours,
         "per checkpoint the efficiency at matched signal (V_b/c_b²)/(V_e/c_e²) of CISPO against PPO-clip, c against "
         "the unclipped token-level IS surrogate; geometric mean with a 95% t-interval over the checkpoints (log "
