@@ -11,24 +11,27 @@ Setting. A behaviour policy θ_old: ``builtin:tiny`` warm-started on multiplicat
 from the moving policy, so that θ drifts as a trainer's does between a rollout and a late mini-batch. Groups
 of N responses are drawn from θ_old, θ_old's log-probs go to ``batch.rollout_logp``, and each group's exact
 gradient at θ (``group_gradients(..., off_policy=True)``: sum over tokens, mean over responses, all
-parameters) is taken of three losses on RLOO's advantages A [N, R], token-mean aggregation:
+parameters) is taken of three losses on RLOO's advantages A [N, R], token-mean aggregation, and beside them,
+on as many groups drawn from θ itself, the plain on-policy RLOO gradient at θ (``on-policy``):
 
     ppo-clip   −∇ Σ_t max(−A_t r_t, −A_t clip(r_t, 1 − ε_low, 1 + ε_high))   (the flat clip_low / clip_high)
     cispo      Σ_t clip(r_t, 1 − ε_low, 1 + ε_high) A_t ∇log π_θ(y_t)         (the registered ``cispo`` term)
-    is         Σ_t r_t A_t ∇log π_θ(y_t) = ∇ Σ_t r_t A_t                         (reference)
+    is         Σ_t r_t A_t ∇log π_θ(y_t) = ∇ Σ_t r_t A_t                         (unclipped)
+    on-policy  Σ_t A_t ∇log π_θ(y_t), y ~ π_θ                                   (reference)
 
-The reference ``is`` is the unclipped token-level importance-weighted surrogate: both PPO-clip and CISPO
-are truncations of it (they agree with it wherever no bound binds), so it is the gradient they approximate.
-It is measured as ``cispo`` with bounds that never bind (weight = r_t whenever the ±20 log-ratio clamp does
-not). Its limit: token-level IS reweights each token by its own ratio, not by the response's product of
-ratios, so it is not the unbiased sequence-level gradient of J(θ) from θ_old's samples (whose weight
-Π_t r_t has a variance growing with the length); it is what the token-level objectives of PPO and CISPO
-estimate, and the reference of the comparison, not ground truth.
+The reference is the on-policy gradient: unbiased for ∇J(θ), the gradient every off-policy row tries to
+estimate from stale samples, so c and the cosine say how much of it each keeps. ``is`` is the unclipped
+token-level importance-weighted surrogate, of which both PPO-clip and CISPO are truncations (they agree with
+it wherever no bound binds), measured as ``cispo`` with bounds that never bind (weight = r_t whenever the
+±20 log-ratio clamp does not); token-level IS is not the unbiased sequence-level gradient either (that
+weight is Π_t r_t). It was the reference as first written; a 48-group probe before any full run left its
+mean gradient unresolved (0.4 standard errors: a few tokens with large r_t dominate its noise), so no
+efficiency against it was defined (docs/evidence-history.md).
 
 Statistics per checkpoint (``creditrl.core.gradients``, folds of groups): the fraction of valid tokens where
 PPO's clip binds (r outside its sign-dependent bounds, ``clip.ratio_bounds``: the token's gradient is 0) and
-where CISPO's cap binds (r outside [1 − ε_low, 1 + ε_high]); each row's scale c and cosine against ``is``;
-the efficiency at matched signal (V_b/c_b²)/(V_e/c_e²) against ``is`` and CISPO's against PPO-clip; the raw
+where CISPO's cap binds (r outside [1 − ε_low, 1 + ε_high]); each row's scale c and cosine against ``on-policy``;
+the efficiency at matched signal (V_b/c_b²)/(V_e/c_e²) against ``on-policy`` and CISPO's against PPO-clip; the raw
 variance ratio, labelled raw (not a quality measure). Intervals: 95% t over the checkpoints.
 
 Rule (``cispo_outcome``, fixed in code and in docs/evidence-history.md before any full run): the
@@ -63,8 +66,9 @@ from creditrl_research import rules
 from creditrl_research.experiments.registry import Experiment, register_experiment
 from creditrl_research.fixed_policy import load_tiny_checkpoint, sample_groups
 
-REFERENCE = "is"
-ROWS = ("ppo-clip", "cispo", REFERENCE)
+REFERENCE = "on-policy"
+OFF_ROWS = ("ppo-clip", "cispo", "is")           # measured at θ on groups drawn from θ_old
+ROWS = (*OFF_ROWS, REFERENCE)
 MIN_CLIP_FRACTION = 0.01     # the precondition: PPO's clip binds on at least 1% of valid tokens
 # bounds that never bind: the ±20 log-ratio clamp keeps r in [2.1e-9, 4.9e8], inside [1e-9, 1 + 1e9]
 WIDE_CLIP = {"clip_low": 1.0 - 1e-9, "clip_high": 1e9}
@@ -118,7 +122,7 @@ def row_losses(cfg: OffPolicyConfig) -> dict[str, PolicyLoss]:
     """label -> loss of the three rows (module docstring), token-mean aggregation."""
     clip = {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}
     return {"ppo-clip": PolicyLoss({"clip": clip}), "cispo": PolicyLoss({"cispo": None, "clip": clip}),
-            REFERENCE: PolicyLoss({"cispo": None, "clip": WIDE_CLIP})}
+            "is": PolicyLoss({"cispo": None, "clip": WIDE_CLIP})}
 
 
 def binding_counts(ratio: Tensor, advantages: Tensor, mask: Tensor, clip: ClipOptions) -> tuple[int, int, int]:
@@ -171,7 +175,7 @@ def measure_checkpoint(cfg: OffPolicyConfig, seed: int) -> tuple[GradientStats, 
     model.eval()
     params = [p for p in model.parameters() if p.requires_grad]
     losses = row_losses(cfg)
-    specs = {label: ("rloo", {}) for label in ROWS}
+    specs = {label: ("rloo", {}) for label in OFF_ROWS}
     clip = ClipOptions(cfg.clip_low, cfg.clip_high)
     moments = GradientMoments(ROWS, sum(p.numel() for p in params), folds=cfg.folds)
     facts = dict.fromkeys(("ppo_binds", "cispo_binds", "tokens", "responses", "reward"), 0.0)
@@ -183,8 +187,15 @@ def measure_checkpoint(cfg: OffPolicyConfig, seed: int) -> tuple[GradientStats, 
         batch = with_behaviour(old_model, batch, cfg.temperature)
         draws = group_gradients(model, batch, specs, temperature=cfg.temperature, params=params,
                                 shared_prompts=False, losses=losses, dedupe=True, off_policy=True)
+        # the reference: RLOO's plain gradient at θ on groups drawn from θ itself (independent of the
+        # rows above: c and the cosine are cross-fitted between units anyway)
+        fresh = sample_groups(task, model, tokenizer, cfg.batch_groups, cfg.group_size, temperature=cfg.temperature,
+                              max_new_tokens=cfg.max_new_tokens, rng=rng, generator=generator)
+        on = group_gradients(model, fresh, {REFERENCE: ("rloo", {})}, temperature=cfg.temperature, params=params,
+                             shared_prompts=False)
         # groups are independent draws (RLOO is group-level): each group is its own unit
-        moments.add_many(draws.grads, list(range(b * cfg.batch_groups, (b + 1) * cfg.batch_groups)))
+        moments.add_many(torch.cat([draws.grads, on.grads], dim=1),
+                         list(range(b * cfg.batch_groups, (b + 1) * cfg.batch_groups)))
         mask = batch.response_mask[:, batch.prompt_len:] > 0
         with torch.no_grad():   # the ratios at θ, for the clip counts (a forward; the gradients' own is inside)
             logp = rollout_token_stats(model, batch, slice(None), cfg.temperature).logp
@@ -235,8 +246,8 @@ def plot(out_dir: Path) -> Path:
         ax_eff.plot(xs, [m["efficiency"] for m in members], "o", ms=4, label=name)
         ax_cos.plot(xs, [m["cosine"] for m in members], "o", ms=4, label=name)
     ax_eff.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax_eff.set(yscale="log", xlabel="fraction of tokens where PPO's clip binds", title="(a) efficiency vs IS")
-    ax_cos.set(xlabel="fraction of tokens where PPO's clip binds", title="(b) cosine with IS's mean gradient")
+    ax_eff.set(yscale="log", xlabel="fraction of tokens where PPO's clip binds", title="(a) efficiency vs on-policy")
+    ax_cos.set(xlabel="fraction of tokens where PPO's clip binds", title="(b) cosine with the on-policy mean gradient")
     ax_eff.legend(fontsize=6)
     return tables.save_figure(fig, Path(out_dir) / "off_policy.png")
 
@@ -270,7 +281,7 @@ def cispo_verdict(efficiencies: list[float], clip_fractions: list[float], raw: l
         CLAIM, "MiniMax-M1 §3.1", "CISPO keeps every token's gradient and matched DAPO's performance in 50% "
         "of the steps (Qwen2.5-32B, AIME); no variance figure", ours,
         "per checkpoint the efficiency at matched signal (V_b/c_b²)/(V_e/c_e²) of CISPO against PPO-clip, c against "
-        "the unclipped token-level IS surrogate; geometric mean with a 95% t-interval over the checkpoints (log "
+        "the on-policy gradient at θ; geometric mean with a 95% t-interval over the checkpoints (log "
         "scale): above 1 reproduces, below 1 does not, else inconclusive; precondition: PPO's clip binds on ≥ "
         f"{100 * MIN_CLIP_FRACTION:.0f}% of valid tokens (mean over checkpoints), else inconclusive",
         cispo_outcome(statistics) if met else "inconclusive",
@@ -288,7 +299,7 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
     raw = [v for v in raw if v > 0 and math.isfinite(v)]
     steps = tables.read_json(Path(out_dir) / "summary.json")["config"]
     note = (f"θ is θ_old after {steps['rl_steps']} AdamW steps (lr {steps['rl_lr']}); the reference is the "
-            "token-level IS surrogate, which both losses truncate, not the sequence-level unbiased gradient.")
+            "on-policy RLOO gradient at θ (unbiased for ∇J(θ)).")
     return [cispo_verdict(eff, [r["ppo_clip_fraction"] for r in records], raw if len(raw) >= 2 else None, note)]
 
 
@@ -322,12 +333,12 @@ def report(out_dir: Path, figure_path: str) -> str:
              f"the RLOO policy gradient. {cfg['groups']} groups of N = {cfg['group_size']} per checkpoint drawn from "
              f"θ_old, each group's exact gradient at θ (all parameters, RLOO's advantages, token-mean) under "
              f"PPO-clip and CISPO (ε_low = {cfg['clip_low']}, ε_high = {high}) and the unclipped token-level IS "
-             "surrogate Σ r_t A_t ∇log π (the reference: what both truncate; not the sequence-level unbiased "
-             "gradient). Intervals: 95% t over the checkpoints.\n"),
+             "surrogate Σ r_t A_t ∇log π (what both truncate), against the reference: RLOO's on-policy gradient at θ "
+             "on as many groups drawn from θ (unbiased for ∇J(θ)). Intervals: 95% t over the checkpoints.\n"),
              f"![off policy]({figure_path})\n",
              "Per checkpoint, the fraction of valid tokens where each bound binds:\n", tables.markdown_table(clip_rows),
              ("\nEfficiency at matched signal (> 1: fewer groups for the same signal-to-noise), scale c and cosine "
-              "against the IS reference; the raw ratio is not a quality measure:\n"), tables.markdown_table(table)]
+              "against the on-policy reference; the raw ratio is not a quality measure:\n"), tables.markdown_table(table)]
     return "\n".join(lines) + "\n"
 
 
