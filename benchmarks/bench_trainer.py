@@ -21,6 +21,7 @@ x 8 = 16 completions per step, <= 32 new tokens, temperature 0.7; both stop at `
     python benchmarks/bench_trainer.py --precision fp32  # one precision only
     python benchmarks/bench_trainer.py --trl-overhead [--model ...]  # CreditGRPOTrainer vs GRPOTrainer
     python benchmarks/bench_trainer.py --profile --model builtin:smollm2-135m --threads 2 --precision fp32
+                                                      # (3 runs: median share and spread of each part)
 
 Prints the median steps/s and completion tokens/s of interleaved repeats, their spread
 ((max - min) / median) and each run's steps/s, and the ratio creditrl / TRL (target >= 1.5x on
@@ -85,10 +86,11 @@ def bench_creditrl(steps: int, warmup: int, max_len: int, precision: str, clock=
             start, tokens = time.perf_counter(), 0
             if clock is not None:
                 clock.attach(model)
-        with (clock.phase("sampling") if clock else contextlib.nullcontext()), Precision(precision).autocast(model):
+        timed = clock if clock is not None and i >= warmup else None   # warm-up steps stay out of the profile
+        with (timed.phase("sampling") if timed else contextlib.nullcontext()), Precision(precision).autocast(model):
             batch = generate_rollouts(model, tok, task, [task.sample(rng) for _ in range(prompts)], group_size=group,
                                       max_new_tokens=max_len, generator=gen, temperature=s["temperature"])
-        with clock.phase("update") if clock else contextlib.nullcontext():
+        with timed.phase("update") if timed else contextlib.nullcontext():
             learner.update(batch, gen)
         tokens += batch.num_tokens
     elapsed = time.perf_counter() - start
@@ -192,7 +194,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     warmup = 2
     if args.profile:
-        return profile(steps, warmup, args.max_len, args.precision[0], args.threads[0])
+        return profile(steps, warmup, args.max_len, args.precision[0], args.threads[0], repeats)
     # interleave trainers and thread counts so a load change on a shared machine hits all alike
     benches = OVERHEAD if args.trl_overhead else trainers(args.precision)
     runs = {(threads, name): [] for threads in args.threads for name, _ in benches}
@@ -224,21 +226,28 @@ def main() -> None:
         print_ratios(med, args.precision)
 
 
-def profile(steps: int, warmup: int, max_len: int, precision: str, threads: int) -> None:
-    """creditrl's step, part by part (``step_profile``), against this CPU's matmul throughput."""
-    from step_profile import StepClock, matmul_gflops
+def profile(steps: int, warmup: int, max_len: int, precision: str, threads: int, repeats: int = 3) -> None:
+    """creditrl's step, part by part (``step_profile``), against this CPU's matmul throughput: ``repeats``
+    runs, each part's median time and share with the share's spread over the runs."""
+    from step_profile import StepClock, matmul_gflops, report_runs
 
     torch.set_num_threads(threads)
     hidden = setup()[2].config.hidden_size
     inner = setup()[2].config.intermediate_size
     peak = {rows: matmul_gflops(rows, hidden, inner) for rows in (16, 512)}
-    clock = StepClock()
-    result = bench_creditrl(steps, warmup, max_len, precision, clock)
-    print(f"creditrl {precision}, {MODEL}, {threads} torch thread(s), {cpu_name()}: {result['steps_per_s']:.3f} "
-          f"steps/s, {result['mean_len']:.1f} tokens per completion; {steps} timed steps")
+    clocks, results = [], []
+    for _ in range(repeats):
+        clocks.append(StepClock())
+        results.append(bench_creditrl(steps, warmup, max_len, precision, clocks[-1]))
+    each = [r["steps_per_s"] for r in results]
+    median = statistics.median(each)
+    print(f"creditrl {precision}, {MODEL}, {threads} torch thread(s), {cpu_name()}: {median:.3f} steps/s "
+          f"(median of {repeats} runs, spread {(max(each) - min(each)) / median:.0%}: "
+          f"{' '.join(f'{x:.3f}' for x in each)}), "
+          f"{statistics.median(r['mean_len'] for r in results):.1f} tokens per completion; {steps} timed steps each")
     print(f"this CPU's fp32 matmul [rows, {hidden}] @ [{hidden}, {inner}]: {peak[16]:.0f} GFLOP/s at 16 rows "
           f"(a decoding step's shape), {peak[512]:.0f} GFLOP/s at 512 rows (the peak below)")
-    print("\n".join(clock.report(steps, peak[512])))
+    print("\n".join(report_runs(clocks, steps, peak[512])))
 
 
 def print_ratios(med: dict, precisions: list[str]) -> None:

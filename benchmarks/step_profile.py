@@ -11,6 +11,7 @@ so the achieved GFLOP/s are slight underestimates.
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -78,7 +79,9 @@ class StepClock:
             self.seconds[key] += time.perf_counter() - starts.pop()
             ids = kwargs.get("input_ids", args[0] if args else None)
             positions = out.logits.shape[0] * out.logits.shape[1]
-            forward = 2 * body * ids.numel() + 2 * head * positions
+            # the sampler's prefix pass feeds embeddings (inputs_embeds [B, T, d]) instead of ids
+            tokens = ids.numel() if ids is not None else kwargs["inputs_embeds"].shape[:-1].numel()
+            forward = 2 * body * tokens + 2 * head * positions
             self.flops[key] += forward
             if torch.is_grad_enabled():
                 self.flops[self.current, "backward"] += 2 * forward
@@ -98,10 +101,9 @@ class StepClock:
             undo()
         self._undo = []
 
-    def report(self, steps: int, peak: float) -> list[str]:
-        """Per-step rows: seconds, share of the step, GFLOP and GFLOP/s (and the share of ``peak``)."""
-        total = sum(self.seconds[p, "total"] for p in ("sampling", "update"))
-        lines = [f"{'part of the step':<54}{'s/step':>8}{'share':>7}{'GFLOP':>8}{'GFLOP/s':>9}{'of peak':>9}"]
+    def parts(self) -> list[tuple[str, float, float]]:
+        """(row name, seconds, FLOPs) of each timed part, each phase's rest, and the whole step."""
+        rows = []
         for phase in ("sampling", "update"):
             known = 0.0
             for part in PARTS:
@@ -109,16 +111,39 @@ class StepClock:
                 if sec == 0.0:
                     continue
                 known += sec
-                lines.append(self._row(f"{phase}: {part}", sec, self.flops.get((phase, part), 0.0), steps, total,
-                                       peak))
-            rest = self.seconds[phase, "total"] - known
+                rows.append((f"{phase}: {part}", sec, self.flops.get((phase, part), 0.0)))
             what = "sampler, tokenizer, rewards" if phase == "sampling" else "estimator, loss, metrics"
-            lines.append(self._row(f"{phase}: other ({what}; Python)", rest, 0.0, steps, total, peak))
-        lines.append(self._row("step", total, sum(self.flops.values()), steps, total, peak))
+            rows.append((f"{phase}: other ({what}; Python)", self.seconds[phase, "total"] - known, 0.0))
+        rows.append(("step", sum(self.seconds[p, "total"] for p in ("sampling", "update")), sum(self.flops.values())))
+        return rows
+
+    def report(self, steps: int, peak: float) -> list[str]:
+        """Per-step rows: seconds, share of the step, GFLOP and GFLOP/s (and the share of ``peak``)."""
+        rows = self.parts()
+        total = rows[-1][1]
+        lines = [f"{'part of the step':<54}{'s/step':>8}{'share':>7}{'GFLOP':>8}{'GFLOP/s':>9}{'of peak':>9}"]
+        lines += [_row_text(name, sec, flops, steps, total, peak) for name, sec, flops in rows]
         return lines
 
-    @staticmethod
-    def _row(name: str, sec: float, flops: float, steps: int, total: float, peak: float) -> str:
+
+def report_runs(clocks: list[StepClock], steps: int, peak: float) -> list[str]:
+    """Several runs' ``StepClock``s: per part the median s/step and share, the spread of the share over
+    the runs ((max - min) share, in points) and the GFLOP/s at the median time."""
+    runs = [clock.parts() for clock in clocks]
+    lines = [f"{'part of the step (median of ' + str(len(runs)) + ' runs)':<54}{'s/step':>8}{'share':>7}"
+             f"{'spread':>8}{'GFLOP':>8}{'GFLOP/s':>9}{'of peak':>9}"]
+    for i, (name, _, flops) in enumerate(runs[0]):
+        secs = [run[i][1] for run in runs if run[i][0] == name]
+        shares = [run[i][1] / run[-1][1] for run in runs if run[i][0] == name and run[-1][1] > 0]
+        sec = statistics.median(secs)
         rate = flops / sec / 1e9 if sec > 0 and flops else 0.0
-        cells = (f"{flops / steps / 1e9:>8.1f}{rate:>9.1f}{rate / peak:>9.0%}" if flops else f"{'':>26}")
-        return f"{name:<54}{sec / steps:>8.3f}{sec / total:>7.0%}{cells}"
+        cells = f"{flops / steps / 1e9:>8.1f}{rate:>9.1f}{rate / peak:>9.0%}" if flops else f"{'':>26}"
+        lines.append(f"{name:<54}{sec / steps:>8.3f}{statistics.median(shares):>7.0%}"
+                     f"{100 * (max(shares) - min(shares)):>7.1f}p{cells}")
+    return lines
+
+
+def _row_text(name: str, sec: float, flops: float, steps: int, total: float, peak: float) -> str:
+    rate = flops / sec / 1e9 if sec > 0 and flops else 0.0
+    cells = (f"{flops / steps / 1e9:>8.1f}{rate:>9.1f}{rate / peak:>9.0%}" if flops else f"{'':>26}")
+    return f"{name:<54}{sec / steps:>8.3f}{sec / total:>7.0%}{cells}"

@@ -148,13 +148,20 @@ def test_actor_stats_check_matches_a_loop(valid, masked, mask_dtype, seed):
             check_actor_stats(mask, logp, sum_p2)
 
 
-def test_actor_stats_take_one_read_when_in_range_and_two_with_zero_padding(monkeypatch):
+def test_actor_stats_take_one_read_zero_padding_included(monkeypatch):
+    """float32 sum_pi_squared is tested on the valid tokens straight away (verl pads it with 0, outside
+    (0, 1]); other dtypes try every token first."""
     reads = count_reads(monkeypatch)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     check_actor_stats(mask, torch.tensor([[-1.0, -0.5, -2.0]]), torch.tensor([[0.5, 0.9, 0.3]]))
     assert reads == [2]
     check_actor_stats(mask, torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]]))
-    assert reads == [2, 2, 1]                        # sum_pi_squared's zero padding: checked on valid tokens
+    assert reads == [2, 2]                           # sum_pi_squared's zero padding: no second read
+    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]], dtype=torch.float64))
+    assert reads == [2, 2, 2, 1]                     # float64: every token, then the valid ones
+    scratch = torch.full((1, 3), 7.0)
+    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]]), scratch=scratch)
+    assert reads == [2, 2, 2, 1, 2] and not bool((scratch == 7.0).any())   # the integer pass went into scratch
 
 
 def test_group_ids_match_a_loop_over_uids():

@@ -403,18 +403,13 @@ class CreditGRPOTrainer(GRPOTrainer):
             all_mask = all_mask & scorable.bool()[:, None]
         all_energy = None if energy is None else self._gather_rows(energy)
         estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
-        advantages = self._estimate(rewards, all_mask, group, scorable.bool(), estimator_energy, components)
+        # the previous batch's tensors are dead now: freed before this batch's [B,T] advantages are
+        # allocated, so the allocator reuses their memory instead of faulting in fresh pages
         self.last_rollout = {"components": components}
+        advantages = self._estimate(rewards, all_mask, group, scorable.bool(), estimator_energy, components)
         start = self.accelerator.process_index * local_rows
         advantages = advantages[start:start + local_rows, :steps]
-        tokens = torch.count_nonzero(mask).clamp(min=1)  # (integer sums of bools cast element by element)
-        metrics = {"advantage_abs_mean": torch.linalg.vector_norm(advantages, 1) / tokens}
-        if energy is not None:
-            metrics["energy_mean"] = energy.sum() / tokens
-        values = dict(zip(metrics, torch.stack(list(metrics.values())).tolist()))
-        if energy is not None:
-            values["power_proxy"] = power_proxy(advantages, energy, mask)
-        self._log_creditrl(mode, values)
+        self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, get_estimator(self.estimator).token_level))
         self.last_rollout.update(rewards=rewards, group=group, mask=mask, energy=energy, advantages=advantages,
                                  estimator_mask=all_mask)
         return advantages
@@ -508,6 +503,40 @@ class CreditGRPOTrainer(GRPOTrainer):
         values = torch.tensor([[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device)
         for key, value in zip(keys, self.accelerator.gather(values).mean(dim=0).tolist()):
             self._metrics[mode][f"creditrl/{key}"].append(value)
+
+
+def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, token_level: bool) -> dict[str, float]:
+    """The hook's logged metrics of advantages [B,T] (exactly 0 off ``mask``, the output contract):
+    ``advantage_abs_mean`` = Σ|A| / tokens and, with energies [B,T] (0 off the mask),
+    ``energy_mean`` = Σ w / tokens and ``power_proxy`` (``power_proxy``: (1/B) Σ_i Σ_t A_t² w_t),
+    from a few passes and one host read.
+
+    Σ|A|: a row of one sign has Σ_t |A_t| = |Σ_t A_t|, so for estimators that broadcast one value
+    per row (not ``token_level``) the row sums do, with each row's min and max read to confirm the
+    one sign (a plug-in may return [B,T] anyway; a mixed row takes the exact pass). Token-level
+    advantages take |A| into a scratch buffer, reused for A·w·A."""
+    tokens = torch.count_nonzero(mask).clamp(min=1)  # (integer sums of bools cast element by element)
+    scratch = torch.abs(advantages) if token_level else \
+        torch.empty_like(advantages) if energy is not None else None
+    if token_level:
+        stats = [tokens, scratch.sum(), torch.zeros((), device=mask.device)]
+    else:
+        mixed = (advantages.amin(1) < 0) & (advantages.amax(1) > 0)
+        stats = [tokens, advantages.sum(1).abs().sum(), mixed.any()]
+    if energy is not None:
+        same = energy.dtype == advantages.dtype and energy.shape == advantages.shape
+        per_row = torch.mul(advantages, energy, out=scratch if same else None).mul_(advantages).sum(1)
+        stats += [energy.sum(), per_row.to(torch.float64).mean()]
+    values = torch.stack([x.to(torch.float64) for x in stats]).tolist()
+    count, abs_sum = values[0], values[1]
+    if values[2]:                                   # a row of both signs: the exact sum
+        abs_sum = float(advantages.abs().sum(dtype=torch.float64))
+    metrics = {"advantage_abs_mean": abs_sum / count}
+    if energy is not None:
+        metrics["energy_mean"] = values[3] / count
+        # non-finite: a masked NaN/inf energy, or an overflow; ``power_proxy`` names the input or masks it
+        metrics["power_proxy"] = values[4] if math.isfinite(values[4]) else power_proxy(advantages, energy, mask)
+    return metrics
 
 
 # ---------------------------------------------------------------------- in-training diagnosis

@@ -106,14 +106,19 @@ def _in_range(name: str, values: list[float]) -> bool:
     return (lowest is None or values[0] > lowest) and values[1] <= highest        # False for NaN
 
 
-def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None) -> None:
+def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None, *,
+                      scratch: Tensor | None = None) -> None:
     """The actor's per-token stats on the valid tokens: ``old_log_probs`` <= 0 (log-probabilities)
     and ``sum_pi_squared`` in (0, 1] (a sum of squared probabilities), each within ``LOGP_TOLERANCE``;
     anything else (e.g. probabilities passed as log-probs) would give wrong energies silently.
 
-    One min/max pass per tensor over every token, both read in one host read. A tensor whose
-    padding lies outside the range (verl pads ``sum_pi_squared`` with 0) is checked again on the
-    valid tokens alone (``_valid_range_check``: one more pass); only a failure there costs the details."""
+    One pass per tensor, all read in one host read: the log-probs' max over every token (verl pads
+    them with 0, inside the range); for float32 ``sum_pi_squared`` and mask straight away the test on
+    the valid tokens alone (``_valid_range_check``), as verl pads it with 0, outside (0, 1]: an
+    every-token pass would fail on every verl batch and cost a second pass. ``scratch``: a float32
+    buffer of the mask's shape, free to overwrite, for that test's integer pass (saves allocating
+    one). Other dtypes: an every-token pass, then the valid-token one where it fails; only a failure
+    there costs the details."""
     given = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
     for name, x in given.items():
         if x is not None and (not isinstance(x, Tensor) or x.shape != response_mask.shape):
@@ -123,31 +128,44 @@ def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_p
     given = {name: x.detach() for name, x in given.items() if x is not None and x.numel()}
     checks = FusedChecks()
     for name, x in given.items():
-        checks.add(_range_stats(name, x), functools.partial(_in_range, name))
-    retry = [name for name, ok in zip(given, checks.run()) if not ok]
-    if not retry:
-        return
+        if _on_bits(name, x, response_mask):
+            checks.add(*_valid_range_check(name, x, response_mask, scratch))
+        else:
+            checks.add(_range_stats(name, x), functools.partial(_in_range, name))
+    failed = [name for name, ok in zip(given, checks.run()) if not ok]
+    retry = [name for name in failed if not _on_bits(name, given[name], response_mask)]
     for name in retry:
         checks.add(*_valid_range_check(name, given[name], response_mask))
-    for name, ok in zip(retry, checks.run()):
-        if not ok:
+    passed = {name for name, ok in zip(retry, checks.run()) if ok}
+    for name in failed:
+        if name not in passed:
             _check_exactly(name, given[name], response_mask.bool())
 
 
-def _valid_range_check(name: str, x: Tensor, mask: Tensor) -> tuple[Tensor, Callable[[list[float]], bool]]:
+def _on_bits(name: str, x: Tensor, mask: Tensor) -> bool:
+    """Whether ``x``'s valid-token range test is the one integer pass of ``_valid_range_check``."""
+    return name == "sum_pi_squared" and x.dtype == mask.dtype == torch.float32
+
+
+def _valid_range_check(name: str, x: Tensor, mask: Tensor,
+                       scratch: Tensor | None = None) -> tuple[Tensor, Callable[[list[float]], bool]]:
     """Stats and verdict of ``x``'s range on the valid tokens alone (masked ones count as inside).
 
-    float32 ``sum_pi_squared`` and mask: one integer pass over d = x's bit patterns - the mask's
-    (1.0f's on valid tokens, 0 on masked ones; int32, wrapping). On a valid token d is x's pattern
-    shifted by 1.0f's, so x in (0, high] iff d in [1 - ONE, bits(high) - ONE] (an interval that
-    does not wrap, so the test is exact for every pattern, negatives and NaNs included); on a
-    masked token d is x's pattern, and verl's padding 0 lies inside. Otherwise a ``where``."""
+    float32 ``sum_pi_squared`` and mask (``_on_bits``): one integer pass over d = x's bit patterns -
+    the mask's (1.0f's on valid tokens, 0 on masked ones; int32, wrapping), written into ``scratch``
+    when it is a usable float32 buffer. On a valid token d is x's pattern shifted by 1.0f's, so x in
+    (0, high] iff d in [1 - ONE, bits(high) - ONE] (an interval that does not wrap, so the test is
+    exact for every pattern, negatives and NaNs included); on a masked token d is x's pattern, and
+    verl's padding 0 lies inside. Otherwise a ``where``."""
     check = functools.partial(_in_range, name)
-    if not (name == "sum_pi_squared" and x.dtype == mask.dtype == torch.float32):
+    if not _on_bits(name, x, mask):
         return _range_stats(name, torch.where(mask.bool(), x, 0.0 if name == "old_log_probs" else 1.0)), check
     high = int(float32_bits(torch.tensor(ACTOR_STATS[name][1], dtype=torch.float32)))
     lowest, highest = 1 - ONE_FLOAT32_BITS, high - ONE_FLOAT32_BITS
-    return (torch.stack(torch.aminmax(float32_bits(x) - float32_bits(mask))),
+    usable = scratch is not None and scratch.dtype == torch.float32 and scratch.shape == x.shape and \
+        scratch.is_contiguous() and scratch.device == x.device
+    shifted = torch.sub(float32_bits(x), float32_bits(mask), out=float32_bits(scratch) if usable else None)
+    return (torch.stack(torch.aminmax(shifted)),
             lambda values: values[0] >= lowest and values[1] <= highest)
 
 
@@ -198,9 +216,12 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                   non_tensor_batch: Any = None, **kwargs) -> tuple[Tensor, Tensor]:
         check_tensor("token_level_rewards", token_level_rewards, ndim=2)
         check_tensor("response_mask", response_mask, shape=list(token_level_rewards.shape))
-        check_actor_stats(response_mask, old_log_probs, sum_pi_squared)
-        energy = None if old_log_probs is None or sum_pi_squared is None else energy_from_logp(
-            old_log_probs, sum_pi_squared)
+        # one [B,T] float32 buffer for the range test's integer pass, then for the energies
+        both = old_log_probs is not None and sum_pi_squared is not None
+        scratch = torch.empty(response_mask.shape, dtype=torch.float32, device=response_mask.device) \
+            if both and isinstance(sum_pi_squared, Tensor) and sum_pi_squared.shape == response_mask.shape else None
+        check_actor_stats(response_mask, old_log_probs, sum_pi_squared, scratch=scratch)
+        energy = energy_from_logp(old_log_probs, sum_pi_squared, out=scratch) if both else None
         if needs_energy and energy is None:
             raise ValueError(
                 f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; set "
