@@ -348,6 +348,9 @@ def test_horizon_fast_preset(fast_root, tmp_path):
     cfg = hz.PRESETS["fast"]
     assert {(r["family"], r["mode"], r["group_size"], r["horizon"]) for r in rows} == {
         (f, m, n, t) for f in cfg.families for m in cfg.modes for n in cfg.group_sizes for t in cfg.horizons}
+    # the field's menu is measured in every cell, batch-level rows with a batch's variance
+    assert {r["estimator"]: r["per_unit"] for r in rows if r["estimator"] in cfg.menu} == dict.fromkeys(cfg.menu, True)
+    assert len([r for r in rows if r["estimator"] == "shrinkage"]) == len([r for r in rows if r["estimator"] == "rloo"])
     forks = {(r["family"], r["horizon"]): r["forks"] for r in rows}
     assert [forks[("constant", t)] for t in cfg.horizons] == [4, 4, 4]                  # the same at every T
     assert [forks[("density", t)] for t in cfg.horizons] == [t // cfg.spacing for t in cfg.horizons]   # ∝ T
@@ -371,7 +374,8 @@ def test_horizon_fast_preset(fast_root, tmp_path):
         hz.run(dataclasses.replace(cfg, families=()), tmp_path / "x")
     with pytest.raises(ValueError, match="growth_from: expected at least two horizons >= growth_from"):
         hz.run(dataclasses.replace(cfg, growth_from=64), tmp_path / "x")
-    small = dataclasses.replace(cfg, horizons=(8, 32, 64), families=("density",), instances=1, groups=32)
+    small = dataclasses.replace(cfg, horizons=(8, 32, 64), families=("density",), instances=1, groups=32,
+                                batch_groups=16)
     hz.run(small, tmp_path / "b")
     hz.run(small, tmp_path / "c")
     assert (tmp_path / "b" / "stats.json").read_text() == (tmp_path / "c" / "stats.json").read_text()

@@ -30,10 +30,12 @@ def estimator_specs(labels: Sequence[str], k: int | None = None) -> dict[str, tu
     return {label: label_options(label, k) for label in labels}
 
 
-def quality_rows(stats: GradientStats, reference: str, baseline: str | None = None, **meta) -> list[tables.Row]:
-    """One row per estimator: every statistic of ``gradient_quality`` with its interval over the folds."""
+def quality_rows(stats: GradientStats, reference: str, baseline: str | None = None, *, per_unit: bool = False,
+                 **meta) -> list[tables.Row]:
+    """One row per estimator: every statistic of ``gradient_quality`` with its interval over the folds
+    (``per_unit``: variances of a unit's sum, for draws that share statistics within a unit)."""
     rows = []
-    for name, q in gradient_quality(stats, reference, baseline).items():
+    for name, q in gradient_quality(stats, reference, baseline, per_unit=per_unit).items():
         row = {**meta, "estimator": name, "reference": reference, "baseline": baseline or reference,
                "signal": q.signal}
         for key in COLUMNS:

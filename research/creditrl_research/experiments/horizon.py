@@ -72,6 +72,10 @@ class HorizonConfig:
     batch_groups: int = 64               # groups sampled together (speed only)
     folds: int = 10                      # folds of groups within an instance (its own CIs in quality.csv)
     estimators: tuple[str, ...] = ("rloo", "otb", "otb+loo", "otb_isolated", "otb_isolated+loo", "ogb", "ogb+loo")
+    # the field's menu, reported in the tables, outside the OTB verdicts; batch-level ones (shrinkage,
+    # reinforce_plus_plus*) see a batch of `batch_groups` groups, the batch is their unit (per_unit variances)
+    menu: tuple[str, ...] = ("shrinkage", "shrinkage+loo", "maxrl", "reinforce_plus_plus",
+                             "reinforce_plus_plus_baseline", "grpo")
     forks: int = 4                       # constant family: forks and right forks needed
     need: int = 3
     spacing: int = 8                     # density family: a fork every `spacing` tokens
@@ -91,6 +95,8 @@ def validate(cfg: HorizonConfig) -> None:
         given = getattr(cfg, name)
         if not given or any(v not in valid for v in given):
             raise ValueError(f"{name}: expected a non-empty subset of {list(valid)}, got {list(given)}")
+    if cfg.groups < 2 * cfg.batch_groups:   # a batch is a unit; c is cross-fitted between units
+        raise ValueError(f"groups: expected at least 2 × batch_groups = {2 * cfg.batch_groups}, got {cfg.groups}")
     if not {"rloo", "otb"} <= set(cfg.estimators):
         raise ValueError(f"estimators: expected 'rloo' (the efficiency baseline) and 'otb' among them, got "
                          f"{cfg.estimators}")
@@ -118,17 +124,18 @@ def measure_cell(cfg: HorizonConfig, family: str, horizon: int, group_size: int,
     """One policy instance's gradient statistics over ``cfg.groups`` groups, and its facts."""
     policy = draw_policy(cfg, family, horizon, mode, instance)
     truth = sp.true_gradient(policy)
-    specs = ge.estimator_specs(cfg.estimators)
+    specs = ge.estimator_specs((*cfg.estimators, *cfg.menu))
     moments = GradientMoments((*specs, EXACT), truth.numel(), folds=cfg.folds, dtype=torch.float64)
     # the constant family keeps its stream of earlier reports (its CSVs reproduce byte for byte)
     tag = "" if family == "constant" else f"-{family}"
     gen = torch.Generator().manual_seed(random.Random(f"horizon-{cfg.seed}-{horizon}-{group_size}-{mode}-{instance}"
                                                       f"{tag}").getrandbits(62))
     lengths = rewards = 0.0
-    for _ in range(cfg.groups // cfg.batch_groups):
+    for b in range(cfg.groups // cfg.batch_groups):
         tokens, mask, reward = sp.sample(policy, cfg.batch_groups * group_size, gen)
         grads = sp.group_gradients(policy, tokens, mask, reward, group_size, specs)
-        moments.add_many(torch.cat([grads, truth.expand(grads.shape[0], 1, -1)], 1))
+        # a batch is one unit: folds never split it (the menu's batch-level rows share its statistics)
+        moments.add_many(torch.cat([grads, truth.expand(grads.shape[0], 1, -1)], 1), [b] * grads.shape[0])
         lengths += float(mask.sum())
         rewards += float(reward.sum())
     responses = cfg.groups * group_size
@@ -152,8 +159,11 @@ def run(cfg: HorizonConfig, out_dir: Path) -> dict:
                             meta = {"family": family, "mode": mode, "group_size": group_size, "horizon": horizon,
                                     "instance": instance, **facts}
                             records.append({**meta, "stats": stats.to_dict()})
-                            rows += [r for r in ge.quality_rows(stats, EXACT, "rloo", **meta)
-                                     if r["estimator"] != EXACT]
+                            rows += [{**r, "per_unit": False} for r in ge.quality_rows(stats, EXACT, "rloo", **meta)
+                                     if r["estimator"] != EXACT and r["estimator"] not in cfg.menu]
+                            rows += [{**r, "per_unit": True}
+                                     for r in ge.quality_rows(stats, EXACT, "rloo", per_unit=True, **meta)
+                                     if r["estimator"] in cfg.menu]
                         print(f"[horizon] {family} {mode} N={group_size} T={horizon} done at "
                               f"{time.perf_counter() - start:.0f}s", flush=True)
     tables.write_json(out_dir / "stats.json", records)
@@ -377,8 +387,10 @@ def report(out_dir: Path, figure_path: str) -> str:
         "error rate per token at every T, so its decisions grow ∝ T (reward: at most B mistakes, B set for a "
         f"success rate near 1/2). T ∈ {list(cfg['horizons'])}, N ∈ {list(cfg['group_sizes'])}, fixed and EOS-ended "
         f"lengths; {cfg['instances']} policy instances per cell, {cfg['groups']} groups each, every group's exact "
-        "gradient under every estimator on the same responses, c against the exact ∇J. Intervals: 95% t over the "
-        "instances (geometric means).\n", f"![horizon]({figure_path})\n",
+        "gradient under every estimator on the same responses, c against the exact ∇J. The field's menu "
+        f"({', '.join(f'`{m}`' for m in cfg.get('menu', ()))}) is reported, outside the verdicts; its variances "
+        f"are a batch's ({cfg['batch_groups']} groups, the batch-level estimators' batch) per group. Intervals: 95% "
+        "t over the instances (geometric means).\n", f"![horizon]({figure_path})\n",
         "Efficiency against RLOO at matched signal (> 1: fewer groups for the same signal-to-noise):\n",
         efficiency_table(rows), "\nScale c of each mean gradient along ∇J (1 = unbiased):\n",
         efficiency_table(rows, "scale"), "\nRaw tr Cov ratio to RLOO (raw: not a quality measure):\n",
