@@ -349,7 +349,7 @@ def test_horizon_fast_preset(fast_root, tmp_path):
     assert {(r["family"], r["mode"], r["group_size"], r["horizon"]) for r in rows} == {
         (f, m, n, t) for f in cfg.families for m in cfg.modes for n in cfg.group_sizes for t in cfg.horizons}
     # the field's menu is measured in every cell, batch-level rows with a batch's variance
-    assert {r["estimator"]: r["per_unit"] for r in rows if r["estimator"] in cfg.menu} == dict.fromkeys(cfg.menu, True)
+    assert {r["estimator"]: r["per_unit"] for r in rows if r["estimator"] in cfg.menu} == dict.fromkeys(cfg.menu, "True")
     assert len([r for r in rows if r["estimator"] == "shrinkage"]) == len([r for r in rows if r["estimator"] == "rloo"])
     forks = {(r["family"], r["horizon"]): r["forks"] for r in rows}
     assert [forks[("constant", t)] for t in cfg.horizons] == [4, 4, 4]                  # the same at every T
