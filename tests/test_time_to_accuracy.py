@@ -223,13 +223,13 @@ def test_bad_configs_are_refused_before_any_work(tmp_path):
         ('extra_arms=["x:loss.nope.enabled=true"]', "arms: arm 'x' is not a valid train config: loss.nope"),
         ("arms=[otb, otb]", "arms, extra_arms: expected distinct arm names"),
         ("target=1.0", r"target: expected a held-out accuracy in \(0, 1\)"),
-        ("budgets=[55]", r"budgets: expected multiples of eval_every \(10\) up to steps \(150\)"),
+        ("budgets=[55]", r"budgets: expected multiples of eval_every \(10\) up to steps \(120\)"),
     ]:
         cfg = experiments.experiment_config("time-to-accuracy", "full", None, [override])
         with pytest.raises(ValueError, match=message):
             tta.run(cfg, tmp_path / "x")
     assert not (tmp_path / "x").exists()
-    assert base.extra_arms == () and base.num_seeds >= 16 and base.steps >= 100
+    assert base.extra_arms == ("maxrl", "reinforce_plus_plus") and base.num_seeds >= 16 and base.steps >= 100
     picked = experiments.experiment_config("time-to-accuracy", "full", None,
                                            ['extra_arms=[dr_grpo, "clip:algorithm.estimator=grpo;loss.clip_high=0.2"]'])
     assert tta.validate(picked)["clip"] == ["algorithm.estimator=grpo", "loss.clip_high=0.2"]

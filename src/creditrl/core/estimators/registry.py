@@ -222,6 +222,24 @@ _REGISTRY: dict[str, EstimatorSpec] = {}
 BUILTINS = "creditrl.core.estimators"
 
 
+def _check_registration(name, k_range, batch_level_when, **flags) -> None:
+    """``register_estimator``'s own arguments, checked before anything is registered."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"name: expected a non-empty estimator name of letters, digits, '_', '-' or '.' "
+                         f"(no spaces), got {name!r}")
+    if k_range is not None and not isinstance(k_range, KRange):
+        raise TypeError(f"k_range: expected a creditrl.KRange (e.g. KRange(1, below=1) for 1 <= k <= N - 1) or "
+                        f"None, got {type(k_range).__name__} {k_range!r}")
+    batch_level = flags["batch_level"]
+    if batch_level_when is not None and (batch_level or not isinstance(batch_level_when, dict)
+                                         or not all(isinstance(k, str) for k in batch_level_when)):
+        raise TypeError(f"batch_level_when: expected a dict option name -> value (and batch_level=False), got "
+                        f"{batch_level_when!r} with batch_level={batch_level!r}")
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+
+
 def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange | None = None,
                        token_level: bool = False, reward_components: bool = False, batch_level: bool = False,
                        batch_level_when: dict[str, object] | None = None, masked_output: bool = False,
@@ -243,21 +261,9 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
     The arguments are checked here, before anything is registered: ``name`` a non-empty string of
     letters, digits, ``_``, ``-`` and ``.``; ``k_range`` a ``KRange`` or None; the flags real bools.
     """
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ValueError(f"name: expected a non-empty estimator name of letters, digits, '_', '-' or '.' "
-                         f"(no spaces), got {name!r}")
-    if k_range is not None and not isinstance(k_range, KRange):
-        raise TypeError(f"k_range: expected a creditrl.KRange (e.g. KRange(1, below=1) for 1 <= k <= N - 1) or "
-                        f"None, got {type(k_range).__name__} {k_range!r}")
-    if batch_level_when is not None and (batch_level or not isinstance(batch_level_when, dict)
-                                         or not all(isinstance(k, str) for k in batch_level_when)):
-        raise TypeError(f"batch_level_when: expected a dict option name -> value (and batch_level=False), got "
-                        f"{batch_level_when!r} with batch_level={batch_level!r}")
-    for flag, value in (("needs_energy", needs_energy), ("token_level", token_level),
-                        ("reward_components", reward_components), ("batch_level", batch_level),
-                        ("masked_output", masked_output), ("overwrite", overwrite)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{flag}: expected a bool (True or False), got {type(value).__name__} {value!r}")
+    _check_registration(name, k_range, batch_level_when, needs_energy=needs_energy, token_level=token_level,
+                        reward_components=reward_components, batch_level=batch_level, masked_output=masked_output,
+                        overwrite=overwrite)
 
     def decorator(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         try:
