@@ -214,12 +214,15 @@ def plot(out_dir: Path) -> Path:
     ncols = len(keys) // len(families)
     fig, axes = tables.figure(ncols, len(families), width=3.6)
     for ax, cell in zip(axes, keys):
-        for name in dict.fromkeys(r["estimator"] for r in rows):
+        for i, name in enumerate(dict.fromkeys(r["estimator"] for r in rows)):
             by_t = cells(rows, name).get(cell, {})
             ts = sorted(by_t)
             ests = [ge.cluster_efficiency(by_t[t], "instances") for t in ts]
+            # more rows than the 10 colours: the menu's rows (per-unit) are dashed with square markers
+            menu = any(r["estimator"] == name and str(r.get("per_unit")) == "True" for r in rows)
             ax.errorbar(ts, [e.value for e in ests], yerr=[[max(e.value - e.low, 0) for e in ests],
-                        [max(e.high - e.value, 0) for e in ests]], marker="o", ms=3, capsize=2, label=name)
+                        [max(e.high - e.value, 0) for e in ests]], marker="s" if menu else "o", ms=3, capsize=2,
+                        ls="--" if menu else "-", color=f"C{i % 10}", label=name)
         ax.axhline(1.0, color="k", lw=0.8, ls=":")
         ax.set(xscale="log", yscale="log", xlabel="horizon T (tokens)", title=f"{cell[0]}: {cell[1]} lengths, "
                f"N = {cell[2]}")
