@@ -7,6 +7,7 @@ Labels: a registered estimator name, ``+loo`` for its ``leave_one_out=True`` for
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Sequence
 
 from creditrl.core.estimators.labels import LOO, label_options, takes_k
@@ -68,3 +69,9 @@ def efficiency_text(label: str, each: dict, pooled: rules.Estimate, names: dict)
 
 def finite_or_nan(values: Sequence[float]) -> list[float]:
     return [v if isinstance(v, (int, float)) and math.isfinite(v) else math.nan for v in values]
+
+
+def load_stats(out_dir: Path) -> list[dict]:
+    """An experiment's saved per-setting records (``stats.json``), each with its ``GradientStats`` rebuilt."""
+    records = tables.read_json(Path(out_dir) / "stats.json")
+    return [{**r, "stats": GradientStats.from_dict(r["stats"])} for r in records]

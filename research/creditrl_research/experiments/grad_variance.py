@@ -217,12 +217,6 @@ def run(cfg: GradVarianceConfig, out_dir: Path) -> dict:
     return summary
 
 
-def load_stats(out_dir: Path) -> list[dict]:
-    """The saved per-checkpoint records, each with its ``GradientStats`` rebuilt."""
-    records = tables.read_json(Path(out_dir) / "stats.json")
-    return [{**r, "stats": GradientStats.from_dict(r["stats"])} for r in records]
-
-
 def efficiencies(records: list[dict], e: str, b: str, reference: str = REFERENCE,
                  per_unit: bool = False) -> dict[int, list[float]]:
     """digits -> the per-checkpoint efficiency of ``e`` against ``b`` (scale against ``reference``;
@@ -296,7 +290,7 @@ def compared(records: list[dict], e: str, b: str, label: str, lengths: dict,
 def verdicts(out_dir: Path) -> list[rules.Verdict]:
     out_dir = Path(out_dir)
     cfg = tables.read_json(out_dir / "summary.json")["config"]
-    records = load_stats(out_dir)
+    records = ge.load_stats(out_dir)
     lengths = {d: sum(r["response_len"] for r in records if r["digits"] == d)
                / sum(r["digits"] == d for r in records) for d in cfg["digits"]}
     names = set(records[0]["stats"].names)

@@ -233,11 +233,6 @@ def run(cfg: OffPolicyConfig, out_dir: Path) -> dict:
     return summary
 
 
-def load_stats(out_dir: Path) -> list[dict]:
-    records = tables.read_json(Path(out_dir) / "stats.json")
-    return [{**r, "stats": GradientStats.from_dict(r["stats"])} for r in records]
-
-
 def plot(out_dir: Path) -> Path:
     rows = [r for r in tables.read_csv(Path(out_dir) / "quality.csv") if r["baseline"] == REFERENCE]
     fig, (ax_eff, ax_cos) = tables.figure(2, width=5.0)
@@ -290,7 +285,7 @@ def cispo_verdict(efficiencies: list[float], clip_fractions: list[float], raw: l
 
 
 def verdicts(out_dir: Path) -> list[rules.Verdict]:
-    records = load_stats(out_dir)
+    records = ge.load_stats(out_dir)
     eff, raw = [], []
     for r in records:
         q = gradient_quality(r["stats"], REFERENCE, "ppo-clip")["cispo"]
