@@ -141,6 +141,8 @@ def float64_reference(logits, tokens, rows: int = 256) -> list[torch.Tensor]:
 
 
 def bench_token_stats(device, lengths: list[int], vocab: int, repeats: int, tf, chunk_sweep: int | None) -> list[dict]:
+    from creditrl.core.token_stats import default_chunk_size
+
     methods, rows = stats_methods(tf), []
     print(f"\n== token_stats: bf16 logits [T, V={vocab}] on {device.type}; ms and peak MiB above the inputs")
     print(f"{'T':>6} {'method':<10}{'fwd ms':>9}{'fwd MiB':>10}{'f+b ms':>9}{'f+b MiB':>10}   "
@@ -171,8 +173,9 @@ def bench_token_stats(device, lengths: list[int], vocab: int, repeats: int, tf, 
         length = chunk_sweep
         logits = (torch.randn(1, length, vocab, device=device) * 2.5).to(torch.bfloat16)
         tokens = torch.randint(0, vocab, (1, length), device=device)
-        print(f"\ntoken_stats chunk sweep at T={length} (chunk_size = tokens per chunk; default {(1 << 22) // vocab})")
-        for elements in (1 << 22, 1 << 24, 1 << 26):
+        print(f"\ntoken_stats chunk sweep at T={length} (chunk_size = tokens per chunk; default here "
+              f"{default_chunk_size(vocab, device)})")
+        for elements in (1 << 22, 1 << 24, 1 << 25, 1 << 26, 1 << 27):
             chunk = max(1, elements // vocab)
             with torch.no_grad():
                 fwd = guarded(lambda: methods["creditrl"](logits, tokens, chunk), device, repeats)
@@ -197,7 +200,7 @@ def bench_estimators(device, num_groups: int, size: int, length: int, repeats: i
 
     print(f"\n== estimators: B={num_groups * size} ({num_groups} x {size}), T={length} on {device.type}; ms "
           f"(verl: its own function, same inputs; creditrl: compute_advantages incl. the energy for otb/ogb)")
-    print(f"{'estimator':<14}{'mask':<14}{'verl ms':>9}{'creditrl ms':>13}{'verl/creditrl':>15}{'max|diff|':>11}")
+    print(f"{'estimator':<30}{'mask':<14}{'verl ms':>9}{'creditrl ms':>13}{'verl/creditrl':>15}{'max|diff|':>11}")
     rows = []
     for holes in (False, True):
         inputs = make_inputs(num_groups, size, length, holes, mask_dtype=torch.bool)
@@ -220,7 +223,7 @@ def bench_estimators(device, num_groups: int, size: int, length: int, repeats: i
             ratio = theirs["ms"] / mine["ms"] if theirs else None
             rows.append({"estimator": name, "holes": holes, "creditrl_ms": mine["ms"],
                          "verl_ms": theirs and theirs["ms"], "ratio": ratio, "diff": diff})
-            print(f"{name:<14}{'5% holes' if holes else 'right-padded':<14}"
+            print(f"{name:<30}{'5% holes' if holes else 'right-padded':<14}"
                   f"{'-' if theirs is None else format(theirs['ms'], '.2f'):>9}{mine['ms']:>13.2f}"
                   f"{'-' if ratio is None else format(ratio, '.2f') + 'x':>15}{'-' if diff is None else format(diff, '.1e'):>11}")
     return rows
@@ -434,18 +437,25 @@ def main(argv: list[str] | None = None) -> None:
     env["verl"] = verl_line
     print("bench_gpu: " + ", ".join(f"{k} {v}" for k, v in env.items()))
     results = {"env": env, "argv": sys.argv[1:]}
+
+    def save() -> None:  # after every section, so a run cut off by a time limit keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+
+    save()
     if "token_stats" in args.only:
         lengths = args.lengths or ([64] if quick else [8192, 16384, 32768])
         results["token_stats"] = bench_token_stats(device, lengths, QWEN_VOCAB, repeats, tf,
                                                    16384 if device.type == "cuda" and not quick else None)
+        save()
     if "estimators" in args.only:
         sizes = args.estimator_shape or ((4, 16, 256) if quick else (64, 16, 16384))
         results["estimators"] = bench_estimators(device, *sizes, min(repeats, 3), tf)
+        save()
     if "trainer" in args.only:
         results["trainer"] = bench_trainers(args, device)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        save()
 
 
 if __name__ == "__main__":

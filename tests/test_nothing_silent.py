@@ -561,8 +561,10 @@ def _spread_batch(task, tok, model, seed=0):
                                              pytest.param("fp16", True, marks=pytest.mark.cuda)])
 def test_every_trainable_tensor_moves_at_a_tiny_lr_in_every_precision(precision, lora):
     """At lr 1e-6 a bf16 weight would round every AdamW step away; float32 master weights under
-    autocast keep each one: after 3 steps every trainable tensor has changed (LoRA's B starts at 0,
-    so A moves from the second step on)."""
+    autocast keep each one: after 3 applied steps every trainable tensor has changed (LoRA's B starts
+    at 0, so A moves from the second step on). fp16's loss scaler starts at 2^16 and skips a step
+    whose gradients overflow, halving its scale (seen on an H200 with LoRA): only it may skip, and
+    the skip is counted."""
     from creditrl.trainer.loop import precision_notes
     from creditrl.trainer.update import Learner
     task, tok, model = _tiny_policy(lora=lora)
@@ -576,9 +578,14 @@ def test_every_trainable_tensor_moves_at_a_tiny_lr_in_every_precision(precision,
     assert all(p.dtype == torch.float32 for p in trainable.values()) and not precision_notes(model, cfg)
     before = {n: p.detach().clone() for n, p in trainable.items()}
     learner = Learner(model, cfg)
-    for step in range(3):
+    applied = 0
+    for step in range(3 + (16 if precision == "fp16" else 0)):    # 16 halvings take 2^16 to 1
         metrics = learner.update(_spread_batch(task, tok, model, seed=step), torch.Generator().manual_seed(step)).metrics
-        assert metrics["skipped_updates"] == 0
+        assert metrics["skipped_updates"] == 0 or precision == "fp16", metrics["skipped_updates"]
+        applied += metrics["skipped_updates"] == 0
+        if applied == 3:
+            break
+    assert applied == 3, f"{step + 1 - applied} of {step + 1} fp16 steps skipped"
     frozen = [n for n, p in trainable.items() if torch.equal(p.detach(), before[n])]
     assert not frozen, f"{len(frozen)} of {len(trainable)} trainable tensors never changed: {frozen[:5]}"
 

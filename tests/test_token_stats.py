@@ -194,3 +194,12 @@ def test_meta_tensors_are_refused_naming_the_argument():
         with pytest.raises(ValueError, match=rf"^{name}: expected a tensor with values \(on the CPU or a GPU\), got a "
                                              r"tensor on the 'meta' device \(shape \[2, 3(, 5)?\] only"):
             token_stats(*args)
+
+
+def test_default_chunk_is_small_on_a_cpu_and_large_on_an_accelerator():
+    """4M float32 elements of scratch per temporary on a CPU (cache-sized); 64M elsewhere, where a
+    16 MiB chunk left an H200 3.4x slower than verl (docs/performance.md, the GPU chunk sweep)."""
+    from creditrl.core.token_stats import default_chunk_size
+    assert default_chunk_size(151936, torch.device("cpu")) == (1 << 22) // 151936 == 27
+    assert default_chunk_size(151936, torch.device("cuda")) == (1 << 26) // 151936 == 441
+    assert default_chunk_size(1 << 30, torch.device("cpu")) == 1          # never 0 rows

@@ -252,7 +252,7 @@ class TrainConfig:
     threads: int | None = opt(None, "torch CPU threads; null = 1 for builtin:tiny (tiny matmuls gain nothing from "
                                     "more threads), torch's default otherwise.")
     chunk_size: int | None = opt(None, "Tokens per chunk in `token_stats` (memory bound for large vocabularies); "
-                                       "null = its default.")
+                                       "null = its default: 4M elements / V on a CPU, 64M on a GPU.")
 
 
 @dataclass
