@@ -465,6 +465,29 @@ def test_group_index_any_layout_matches_loops(sizes, block, seed):
         torch.testing.assert_close(sums[idx.dense[b]], want)
 
 
+@settings(max_examples=150, deadline=None)
+@given(runs=st.lists(st.tuples(st.integers(-3, 3), st.integers(1, 4)), min_size=1, max_size=6))
+def test_group_layout_is_a_block_exactly_when_a_loop_says_so(runs):
+    """``GroupIndex.from_ids`` takes the [G, N] block layout exactly when the rows are runs of one
+    length N whose ids never repeat; any other layout (ragged runs, an id back after another's run)
+    takes the general path. Runs are (id, length): adjacent equal ids merge into one run, as they
+    would in a batch."""
+    from creditrl.core.groups import GroupIndex
+    group = torch.tensor([i for i, n in runs for _ in range(n)])
+    merged = []                                             # the loop: maximal runs of one id
+    for value in group.tolist():
+        if merged and merged[-1][0] == value:
+            merged[-1][1] += 1
+        else:
+            merged.append([value, 1])
+    lengths, ids = {n for _, n in merged}, [i for i, _ in merged]
+    block = len(lengths) == 1 and len(set(ids)) == len(ids)
+    idx = GroupIndex.from_ids(group)
+    assert idx.block == (merged[0][1] if block else None)
+    dense = torch.unique(group, return_inverse=True)[1]             # the same partition either way
+    assert torch.equal(dense[:, None] == dense[None, :], idx.dense[:, None] == idx.dense[None, :])
+
+
 def test_negative_zero_in_a_float_mask_is_zero():
     """-0.0 (e.g. from mask * negative) is 0: its int32 bit pattern is negative, so the fast
     bit-pattern range check hands it to the float path, which accepts it."""
