@@ -440,8 +440,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def save() -> None:  # after every section, so a run cut off by a time limit keeps what it measured
         if args.json:
-            with open(args.json, "w") as f:
+            with open(args.json + ".tmp", "w") as f:
                 json.dump(results, f, indent=1, default=str)
+            os.replace(args.json + ".tmp", args.json)        # never a half-written file
 
     save()
     if "token_stats" in args.only:

@@ -336,8 +336,11 @@ def test_policy_loss_reads_its_metrics_in_one_copy(device, combo):
     with HostTransfers() as rec:
         _, _, metrics = loss_and_grad(logp, old, adv, mask, kwargs, device)
     # the copy: the metrics, the loss and, on a GPU, the largest valid value of each log-prob input
-    # and the negated lowest of each but logp (``policy._zeroed_log_probs``)
-    largest = len(metrics) + 1 + 2 * len(LOG_PROBS)
+    # given and the negated lowest of each but logp (``policy._zeroed_log_probs``), and the entropy's
+    # lowest when one is given; on the CPU those are checked before, by aminmax reads
+    given = ["logp", "old_logp", *(k for k in kwargs if k in LOG_PROBS and kwargs[k] is not None)]
+    bounds = sum(1 if name == "logp" else 2 for name in given) + (kwargs.get("entropy") is not None)
+    largest = len(metrics) + 1 + (bounds if device.type == "cuda" else 0)
     check_transfers(rec, device, largest=largest, scalars=16, copies=1, name=f"policy_loss {'+'.join(combo)}")
 
 

@@ -580,8 +580,11 @@ def test_every_trainable_tensor_moves_at_a_tiny_lr_in_every_precision(precision,
     learner = Learner(model, cfg)
     applied = 0
     for step in range(3 + (16 if precision == "fp16" else 0)):    # 16 halvings take 2^16 to 1
+        scale = learner.scaler.get_scale() if learner.scaler is not None else None
         metrics = learner.update(_spread_batch(task, tok, model, seed=step), torch.Generator().manual_seed(step)).metrics
         assert metrics["skipped_updates"] == 0 or precision == "fp16", metrics["skipped_updates"]
+        if metrics["skipped_updates"]:          # the scaler's own overflow backoff, nothing else
+            assert learner.scaler.get_scale() < scale, (scale, learner.scaler.get_scale())
         applied += metrics["skipped_updates"] == 0
         if applied == 3:
             break

@@ -29,9 +29,10 @@ from torch import Tensor
 
 from creditrl.utils.validate import NonFiniteError, as_mask, bad_rows, check_range, check_tensor
 
-# Default chunk, in float32 elements of scratch per temporary, by device type: 4M (16 MiB) on a CPU,
-# where it stays in cache; 64M (256 MiB) elsewhere, where each chunk costs ~10 kernel launches and
-# 16 MiB chunks ran 3.6x slower on an H200 (docs/performance.md, the GPU chunk sweep).
+# Default chunk, in float32 elements of scratch per temporary, by device type: 4M (16 MiB) on a CPU
+# (its one-thread forward was timed there); 64M (256 MiB) on other devices, where every chunk pays its
+# own kernel launches: on an H200 16 MiB chunks ran 3.5x slower than 256 MiB ones (docs/performance.md,
+# the GPU chunk sweep; CUDA measured, MPS and others not).
 DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 22, "accelerator": 1 << 26}
 
 
@@ -72,7 +73,7 @@ def _chunk_forward(rows: Tensor, targets: Tensor, temperature: float,
     Every sum over V is an elementwise product then ``sum`` (pairwise on the CPU, a tree on
     CUDA): a float32 dot product (bmm) accumulates sequentially on the CPU, loses ~1e-4
     relative at V = 152k, and is slower there. ``scratch``: two float32 buffers of at least
-    rows.shape reused across chunks (fresh 16 MiB buffers per chunk cost page faults).
+    rows.shape reused across chunks (fresh chunk-sized buffers per chunk cost page faults).
     """
     shifted, e = (None, None) if scratch is None else (buf[: rows.shape[0]] for buf in scratch)
     # max is exact in any dtype; subtracting a float32 max upcasts in the same pass (no separate copy)
