@@ -217,10 +217,11 @@ def plot(rows: list[dict], path: Path) -> Path:
                         capsize=2, label=f"efficiency vs configured ({label})")
     for i, r in enumerate(rows):
         if not math.isfinite(r["efficiency_vs_configured"].value):
-            ax.annotate("undefined", (i, 1.0), rotation=90, ha="center", va="bottom", fontsize=6, color="gray")
+            ax.annotate("undefined", (i, 0.02), xycoords=("data", "axes fraction"), rotation=90, ha="center",
+                        va="bottom", fontsize=6, color="gray")     # at the foot, clear of the points
     ax.axhline(1.0, color="k", lw=0.8, ls=":")
     ax.set_xticks(range(len(rows)), [r["row"] for r in rows], rotation=45, ha="right", fontsize=7)
-    ax.set(yscale="log", ylabel="efficiency at matched signal (95% CI)", title="creditrl diagnose")
+    ax.set(yscale="log", ylabel="efficiency (95% CI)", title="creditrl diagnose: efficiency at matched signal")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
