@@ -248,3 +248,13 @@ def test_time_to_accuracy_fast_preset(tmp_path):
     assert len(found) == 3 and all(v.outcome in rules.OUTCOMES and v.decide is not None for v in found)
     text = tta.report(out, "figures/time_to_accuracy.png")
     assert "steps ratio to rloo" in text and (out / "time_to_accuracy.png").stat().st_size > 0
+
+
+def test_the_report_names_arms_tuned_at_the_grid_edge():
+    """A chosen rate at either end of the grid is flagged (the best may lie beyond it); interior
+    choices and a one-rate grid (no tuning claimed) give no note."""
+    notes = tta.grid_edge_notes({"otb": 2e-4, "rloo": 1e-4, "grpo": 5e-5}, [5e-5, 1e-4, 2e-4])
+    assert len(notes) == 1 and "otb (largest, 0.0002)" in notes[0] and "grpo (smallest, 5e-05)" in notes[0]
+    assert "rloo" not in notes[0]
+    assert tta.grid_edge_notes({"otb": 1e-4, "rloo": 1e-4}, [5e-5, 1e-4, 2e-4]) == []
+    assert tta.grid_edge_notes({"otb": 1e-3}, [1e-3]) == []

@@ -324,6 +324,20 @@ def arm_table(rows: list[tables.Row], budgets: list[int], reference: str) -> str
     return tables.markdown_table(table, columns)
 
 
+def grid_edge_notes(chosen: dict[str, float], grid: list[float]) -> list[str]:
+    """A line naming the arms whose chosen rate is an end of the grid (their best rate may lie beyond
+    it, so "tuned" holds only within the grid); none when every choice is interior."""
+    if len(grid) < 2:
+        return []
+    ends = {min(grid): "smallest", max(grid): "largest"}
+    edge = {arm: ends[lr] for arm, lr in chosen.items() if lr in ends}
+    if not edge:
+        return []
+    named = ", ".join(f"{arm} ({where}, {chosen[arm]:g})" for arm, where in edge.items())
+    return [f"**At the grid's edge:** {named}. Their best rate may lie outside {grid}: the comparison is at "
+            f"rates tuned within the grid, not at each arm's best.\n"]
+
+
 def report(out_dir: Path, figure_path: str) -> str:
     out_dir = Path(out_dir)
     summary = tables.read_json(out_dir / "summary.json")
@@ -341,6 +355,7 @@ def report(out_dir: Path, figure_path: str) -> str:
     if (out_dir / "lr_pilot.csv").exists():
         lines += ["Learning-rate pilot (mean held-out accuracy after the start, pilot seeds):\n",
                   tables.pivot_table(tables.read_csv(out_dir / "lr_pilot.csv"), "lr", "arm", "mean_acc"), ""]
+        lines += grid_edge_notes(summary["chosen_lr"], list(cfg["lr_grid"]))
     reference = "rloo" if any(r["run"] == "rloo" for r in rows) else rows[0]["run"]
     lines += [f"Per arm (intervals: t over seeds; ratios: geometric mean of per-seed ratios to {reference}):\n",
               arm_table(rows, list(cfg["budgets"]), reference)]
