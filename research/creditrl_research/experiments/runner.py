@@ -201,7 +201,9 @@ def reproducibility_section(first: dict, checks: list[tuple[Path, dict]]) -> str
         envs = sorted(path.glob("*/environment.json"))
         where = rules.environment_line(tables.read_json(envs[0])) if envs else ""
         ran = "all experiments" if set(second) == set(first) else "only " + ", ".join(f"`{n}`" for n in second)
-        lines.append(f"- `{path}` ({ran}): {where} {same} of {compared} verdicts agree.")
+        walls = [float(w.read_text()) for n in second if (w := path / n / "wall_time.txt").exists()]
+        wall = f" Wall time {sum(walls) / 60:.1f} min in all." if walls else ""
+        lines.append(f"- `{path}` ({ran}): {where}{wall} {same} of {compared} verdicts agree.")
     for row in rows:
         outcome, text = rules.pooled_verdict(sets[row["claim"]])
         shown = outcome if outcome in ("—", row["this run"]) else f"**{outcome} (differs)**"
