@@ -213,13 +213,15 @@ def plot(out_dir: Path) -> Path:
     families = list(dict.fromkeys(k[0] for k in keys))
     ncols = len(keys) // len(families)
     fig, axes = tables.figure(ncols, len(families), width=3.6)
+    by_name = {name: cells(rows, name) for name in dict.fromkeys(r["estimator"] for r in rows)}
+    # more rows than the 10 colours: the menu's rows (per-unit) are dashed with square markers
+    menu_rows = {r["estimator"] for r in rows if str(r.get("per_unit")) == "True"}
     for ax, cell in zip(axes, keys):
-        for i, name in enumerate(dict.fromkeys(r["estimator"] for r in rows)):
-            by_t = cells(rows, name).get(cell, {})
+        for i, (name, name_cells) in enumerate(by_name.items()):
+            by_t = name_cells.get(cell, {})
             ts = sorted(by_t)
             ests = [ge.cluster_efficiency(by_t[t], "instances") for t in ts]
-            # more rows than the 10 colours: the menu's rows (per-unit) are dashed with square markers
-            menu = any(r["estimator"] == name and str(r.get("per_unit")) == "True" for r in rows)
+            menu = name in menu_rows
             ax.errorbar(ts, [e.value for e in ests], yerr=[[max(e.value - e.low, 0) for e in ests],
                         [max(e.high - e.value, 0) for e in ests]], marker="s" if menu else "o", ms=3, capsize=2,
                         ls="--" if menu else "-", color=f"C{i % 10}", label=name)
