@@ -198,7 +198,7 @@ def test_meta_tensors_are_refused_naming_the_argument():
 
 def test_default_chunk_is_small_on_a_cpu_and_large_on_an_accelerator():
     """4M float32 elements of scratch per temporary on a CPU (cache-sized); 64M elsewhere, where a
-    16 MiB chunk left an H200 3.4x slower than verl (docs/performance.md, the GPU chunk sweep)."""
+    16 MiB chunk left an H200 3.3-3.5x slower than verl (docs/performance.md, the GPU chunk sweep)."""
     from creditrl.core.token_stats import default_chunk_size
     assert default_chunk_size(151936, torch.device("cpu")) == (1 << 22) // 151936 == 27
     assert default_chunk_size(151936, torch.device("cuda")) == (1 << 26) // 151936 == 441
