@@ -92,8 +92,10 @@ def verl_call(name: str, holes: bool, inputs: dict):
     if name == "reinforce_plus_plus":
         from verl.trainer.config import AlgoConfig
         config = AlgoConfig(gamma=1.0)
+        mask = common["response_mask"]   # verl's loop computes 1 - mask, which a bool mask refuses: its int64 copy
+        mask = mask.long() if mask.dtype == torch.bool else mask
         return lambda: ca.compute_reinforce_plus_plus_outcome_advantage(
-            token_level_rewards=common["token_level_rewards"], response_mask=common["response_mask"], config=config)[0]
+            token_level_rewards=common["token_level_rewards"], response_mask=mask, config=config)[0]
     if name == "reinforce_plus_plus_baseline":
         return lambda: ca.compute_reinforce_plus_plus_baseline_outcome_advantage(**common)[0]
     return lambda: ca.compute_opo_outcome_advantage(**common)[0]
@@ -205,7 +207,7 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
     from creditrl.core.estimators import _non_negative_stats
     from creditrl.integrations import energy_from_logp
     from creditrl.integrations.verl import check_actor_stats, group_ids
-    from creditrl.utils.validate import FusedChecks, check_mask
+    from creditrl.utils.validate import FusedChecks, check_mask, float32_bits
 
     mask, rewards = inputs["response_mask"], inputs["token_level_rewards"]
     energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"])
@@ -216,7 +218,14 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
         checks.add(stats, lambda v: None)
         checks.run()
 
-    fns = {"mask: 0/1 rule": lambda: check_mask("mask", mask),
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        # an integer mask is checked on its float32 copy, which the estimators multiply by anyway
+        # (``integer_mask_copy``): the check's own cost is the one integer pass over the copy
+        mask = mask.to(torch.float32)
+        mask_rule = lambda: one_read(torch.stack(torch.aminmax(float32_bits(mask))))  # noqa: E731
+    else:
+        mask_rule = lambda: check_mask("mask", mask)  # noqa: E731
+    fns = {"mask: 0/1 rule": mask_rule,
            "rewards: finite": lambda: one_read(torch.isfinite(totals).all()),
            "energy: finite, >= 0": lambda: one_read(_non_negative_stats(energy)),
            "plug-in: actor stats on valid tokens": lambda: check_actor_stats(mask, inputs["old_log_probs"],

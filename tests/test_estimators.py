@@ -436,6 +436,46 @@ def test_float_masks_must_hold_only_zeros_and_ones(values, dtype):
     assert check_mask("mask", wide[:, 1::2]) is not None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.int64])
+def test_long_rows_of_any_mask_dtype_give_the_bool_masks_advantages(dtype):
+    """Row lengths past 16-bit float precision (bf16 sums 4,099 ones to 4,096): every estimator
+    that reads lengths or steps must give exactly what a bool mask gives."""
+    g = torch.Generator().manual_seed(0)
+    steps = 4099
+    valid = torch.ones(4, steps, dtype=torch.bool)
+    valid[1, 4000:] = False
+    valid[2, 17] = False
+    rewards = torch.zeros(4, steps)
+    rewards[:, -1] = torch.rand(4, generator=g)
+    rewards[1, 3999] = 0.5
+    energy = torch.rand(4, steps, generator=g)
+    group = torch.tensor([0, 0, 1, 1])
+    for name in ("otb", "reinforce", "grpo"):
+        expected = compute_advantages(name, rewards=rewards, mask=valid, group=group, energy=energy)
+        got = compute_advantages(name, rewards=rewards, mask=valid.to(dtype), group=group, energy=energy)
+        assert torch.equal(got, expected), name
+
+
+@pytest.mark.parametrize("bad", [2, -1, 2**24 + 1, 2**40])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.int8])
+def test_integer_masks_are_checked_on_their_float32_copy(bad, dtype):
+    """An integer mask (verl passes int64) is replaced by its float32 copy and checked on the copy's
+    bits in one pass: no integer but 0 and 1 converts into [0, 1], so every other value is refused,
+    naming the rows and the given dtype; a 0/1 one gives the bool mask's advantages exactly."""
+    if bad < torch.iinfo(dtype).min or bad > torch.iinfo(dtype).max:
+        pytest.skip(f"{bad} does not fit {dtype}")
+    rewards, group = torch.tensor([1.0, 0.0, 3.0, 2.0]), torch.tensor([0, 0, 1, 1])
+    valid = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    for name in ("grpo", "rloo", "reinforce"):
+        expected = compute_advantages(name, rewards=rewards, mask=valid, group=group)
+        got = compute_advantages(name, rewards=rewards, mask=valid.to(dtype), group=group)
+        assert got.dtype == torch.float32 and torch.equal(got, expected)
+    mask = valid.to(dtype)
+    mask[2, 3] = bad
+    with pytest.raises(ValueError, match=rf"mask: expected a bool or 0/1 mask.*\(dtype {dtype}\) in rows \[2\]"):
+        compute_advantages("grpo", rewards=rewards, mask=mask, group=group)
+
+
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=5), block=st.booleans(), seed=st.integers(0, 999))
 def test_group_index_any_layout_matches_loops(sizes, block, seed):

@@ -478,3 +478,35 @@ def test_reasoning_gym_example_with_a_trl_reward_function(tmp_path, monkeypatch)
                             "--advantage_estimator", "rloo"])
     logged = {k for entry in trainer.state.log_history for k in entry}
     assert "rewards/reasoning_gym_reward/mean" in logged
+
+
+@pytest.mark.parametrize("with_energy", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_energy):
+    """The hook's metrics from an estimator's per-row values (no pass over A) and from the [B,T]
+    advantages equal a loop over rows and tokens: Σ|A| / tokens, Σw / tokens, (1/B) Σ_i Σ_t A² w."""
+    from creditrl.integrations.trl import rollout_metrics
+    g = torch.Generator().manual_seed(seed)
+    rows, steps = 7, 9
+    mask = torch.rand(rows, steps, generator=g) < 0.7
+    mask[seed % rows] = False                                       # a row with no valid token
+    per_row = torch.randn(rows, generator=g)
+    advantages = torch.where(mask, per_row[:, None], 0.0)
+    energy = torch.where(mask, torch.rand(rows, steps, generator=g) * 2, 0.0) if with_energy else None
+    tokens = abs_sum = w_sum = power = 0.0
+    for i in range(rows):
+        for t in range(steps):
+            if mask[i, t]:
+                tokens, abs_sum = tokens + 1, abs_sum + abs(float(advantages[i, t]))
+                if with_energy:
+                    w_sum += float(energy[i, t])
+                    power += float(advantages[i, t]) ** 2 * float(energy[i, t]) / rows
+    expected = {"advantage_abs_mean": abs_sum / tokens}
+    if with_energy:
+        expected.update(energy_mean=w_sum / tokens, power_proxy=power)
+    counts = mask.sum(1)
+    for got in (rollout_metrics(advantages, energy, mask, per_row), rollout_metrics(advantages, energy, mask, per_row, counts),
+                rollout_metrics(advantages, energy, mask)):
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=sum_rtol(rows * steps), abs=EPS32)

@@ -69,12 +69,14 @@ def test_import_creditrl_does_not_import_trl_or_verl():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64])   # int64: what verl's trainer passes
 @pytest.mark.parametrize("name", creditrl.list_estimators())
-def test_registered_estimator_matches_direct_call(name):
+def test_registered_estimator_matches_direct_call(name, mask_dtype):
     batch = verl_batch(binary=name == "passk_chen")
     options = {"k": 2} if name in MAXK else {}
     fn = core_algos.get_adv_estimator_fn(plugin.PREFIX + name)
-    advantages, returns = fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+    advantages, returns = fn(token_level_rewards=batch["token_level_rewards"],
+                             response_mask=batch["response_mask"].to(mask_dtype),
                              index=batch["index"], config={"creditrl": options},
                              old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
     expected = creditrl.compute_advantages(name, rewards=batch["token_level_rewards"], mask=batch["response_mask"],
@@ -130,6 +132,7 @@ def _bad_index(batch, uids):
     (lambda b: _bad_index(b, ["a", "a", "a", float("nan"), None, "b", "c", "c", "c"]),
      r"index: expected one uid per row, got None/NaN at rows \[3, 4\]"),
     (lambda b: {**b, "response_mask": b["response_mask"][:, :-1]}, r"response_mask: expected shape \[9, 7\]"),
+    (lambda b: {**b, "response_mask": b["response_mask"].long() * 2}, r"mask: expected a bool or 0/1 mask.* in rows \[0, "),
 ])
 def test_bad_actor_stats_uids_and_mask_are_named(change, message):
     batch = change(verl_batch())

@@ -216,6 +216,10 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                   non_tensor_batch: Any = None, **kwargs) -> tuple[Tensor, Tensor]:
         check_tensor("token_level_rewards", token_level_rewards, ndim=2)
         check_tensor("response_mask", response_mask, shape=list(token_level_rewards.shape))
+        if response_mask.dtype != torch.bool and not response_mask.is_floating_point() and not response_mask.is_complex():
+            # verl's mask is int64: the float32 copy the estimator multiplies by, made once, so the
+            # actor stats take their one-pass test against it (checked 0/1 by ``prepare``)
+            response_mask = response_mask.to(torch.float32)
         # one [B,T] float32 buffer for the range test's integer pass, then for the energies
         both = old_log_probs is not None and sum_pi_squared is not None
         scratch = torch.empty(response_mask.shape, dtype=torch.float32, device=response_mask.device) \

@@ -195,6 +195,21 @@ def mask_stats(mask: Tensor, *, bits: bool = True) -> Tensor | None:
                         torch.count_nonzero(values).to(torch.float64), total])
 
 
+def integer_mask_copy(mask: Tensor) -> tuple[Tensor, Tensor | None]:
+    """An integer mask's float32 copy (what estimators multiply by) and the statistics of its 0/1
+    rule, [2] or None when empty: min and max of the copy's bit patterns, one integer pass. An
+    integer converts to 0.0 or 1.0 only from 0 or 1 and to a value outside [0, 1] otherwise, so the
+    copy lies in [+0.0, 1.0] iff the mask is 0/1 (``integer_mask_verdict``)."""
+    copy = mask.to(torch.float32)
+    return copy, torch.stack(torch.aminmax(float32_bits(copy))) if copy.numel() else None
+
+
+def integer_mask_verdict(name: str, mask: Tensor, values: list[float]) -> None:
+    """Raise unless ``values`` (``integer_mask_copy``'s statistics of ``mask``) show a 0/1 mask."""
+    if not (values[0] >= 0 and values[1] <= ONE_FLOAT32_BITS):
+        _raise_not_0_1(name, mask)
+
+
 def mask_verdict(name: str, mask: Tensor, values: list[float], *, bits: bool = True) -> None:
     """Raise unless ``values`` (``mask_stats`` of ``mask``) show a 0/1 mask. When the float32
     bit-pattern test fails (e.g. on -0.0, whose pattern is negative) the value test decides."""

@@ -6,19 +6,23 @@ to the response's valid tokens.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name
 from creditrl.utils.validate import (FLOAT32_MAX, INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
-                                    check_tensor, float32_bits, mask_stats, mask_verdict)
+                                    check_tensor, float32_bits, integer_mask_copy, integer_mask_verdict, mask_stats,
+                                    mask_verdict)
 from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, KRange, get_estimator, list_estimators,
                                                register_estimator)
 from creditrl.core.estimators.steps import returns_to_go
 from creditrl.core.groups import GroupIndex
 
 __all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch", "EstimatorSpec", "KRange",
-           "build_batch", "prepare", "estimate", "returns_to_go", "check_group_size", "check_total"]
+           "build_batch", "prepare", "estimate", "estimator_output", "estimator_result", "returns_to_go",
+           "check_group_size", "check_total"]
 
 # Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
 ENERGY_TOLERANCE = 8.0
@@ -111,7 +115,8 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
 
     Shapes, dtypes and devices are checked first. Every value check is then one reduction pass
     per tensor, all read back in one host read (``FusedChecks``): the mask's 0/1 rule
-    (``mask_stats``), finite rewards (a non-finite value makes its row's sum non-finite, so token
+    (``mask_stats``; an integer mask is replaced by its float32 copy, checked on the copy's
+    bits, ``integer_mask_copy``), finite rewards (a non-finite value makes its row's sum non-finite, so token
     rewards cost the one sum R needs), energies and IS weights finite and >= 0 (one integer
     min/max pass). Only a failing test takes an exact, slower pass, to name the rows or to accept
     what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
@@ -135,9 +140,14 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     originals = {"energy": getattr(energy, "dtype", None), "is_weights": getattr(is_weights, "dtype", None)}
 
     checks = FusedChecks()
-    stats = mask_stats(mask)
+    given = mask
+    if mask.dtype != torch.bool and not mask.is_floating_point():   # verl passes int64
+        mask, stats = integer_mask_copy(given)   # the copy the estimators multiply by, checked in one pass
+        verdict = functools.partial(integer_mask_verdict, "mask", given)
+    else:
+        stats, verdict = mask_stats(mask), functools.partial(mask_verdict, "mask", mask)
     if stats is not None:
-        checks.add(stats, lambda values: mask_verdict("mask", mask, values))
+        checks.add(stats, verdict)
     finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
     good = {name: checks.add(_non_negative_stats(x), lambda v: v[0] >= 0 and v[1] < INF_FLOAT32_BITS)
             for name, x in inputs.items()}
@@ -172,13 +182,25 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
     """
+    out, batch = estimator_output(name, rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
+                                  components=components, component_weights=component_weights, **options)
+    return batch.on_tokens(out)
+
+
+def estimator_output(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,
+                     energy: Tensor | None = None, is_weights: Tensor | None = None,
+                     components: Tensor | None = None, component_weights: object = None,
+                     **options) -> tuple[Tensor, AdvantageBatch]:
+    """``compute_advantages`` before the broadcast: the estimator's checked result (``estimator_result``:
+    [B] for a sequence-level one, else [B,T]) and the batch it ran on, for callers that use the
+    per-row values (e.g. a plug-in's metrics from [B] values and ``batch.lengths``)."""
     spec = get_estimator(name)
     options = spec.resolve_options(options)          # before any work: unknown or mistyped options
     batch = prepare(name, rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
                     gamma=options.pop("gamma", 1.0), components=components, component_weights=component_weights)
     if batch.components is not None:
         check_total(batch)
-    return estimate(name, batch, **options)
+    return estimator_result(name, batch, **options), batch
 
 
 def check_total(batch: AdvantageBatch) -> None:
@@ -229,6 +251,13 @@ def prepare(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor, energy: 
 
 def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
     """Run estimator ``name`` on a built batch and apply the output contract (``compute_advantages``)."""
+    return batch.on_tokens(estimator_result(name, batch, **options))
+
+
+def estimator_result(name: str, batch: AdvantageBatch, **options) -> Tensor:
+    """Estimator ``name``'s own result on a built batch, checked: float32 [B], finite (one value
+    per row, before the broadcast), or float32 [B,T], finite on valid tokens and exactly 0 where
+    mask == 0. An empty batch gives float32 zeros [B,T]."""
     spec = get_estimator(name)
     options = spec.resolve_options(options)
     options.pop("gamma", None)                    # already in the batch
@@ -254,10 +283,10 @@ def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:
     # row's sum non-finite. Only a failing test takes the exact pass (a float32 overflow of a
     # finite row's sum, or non-finite values on masked tokens, which are replaced by 0).
     if not bool(torch.isfinite(out.sum(-1)).all()):
-        out = _finite_on_valid_tokens(name, out, batch)
-    elif out.dim() == 2 and spec.masked_output:
-        return out                                # already exactly 0 on masked tokens
-    return batch.broadcast(out) if out.dim() == 1 else out * batch.valid  # exactly 0 on masked tokens
+        return _finite_on_valid_tokens(name, out, batch)
+    if out.dim() == 1 or spec.masked_output:
+        return out                                # [B], or [B,T] already exactly 0 on masked tokens
+    return out * batch.valid                      # exactly 0 on masked tokens
 
 
 def _finite_on_valid_tokens(name: str, out: Tensor, batch: AdvantageBatch) -> Tensor:
