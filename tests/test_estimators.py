@@ -456,6 +456,28 @@ def test_long_rows_of_any_mask_dtype_give_the_bool_masks_advantages(dtype):
         assert torch.equal(got, expected), name
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])
+def test_with_energy_equals_building_the_batch_with_it(mask_dtype):
+    """Energies attached after the mask is checked (verl's plug-in) give what build_batch gives with
+    them, IS weights included, keep the views already derived from the mask, and are checked alike."""
+    from creditrl.core.estimators import build_batch, estimate, with_energy
+    g = torch.Generator().manual_seed(3)
+    mask = (torch.rand(6, 5, generator=g) < 0.8).to(mask_dtype)
+    inputs = dict(rewards=torch.rand(6, generator=g), mask=mask, group=torch.tensor([0, 0, 0, 1, 1, 1]))
+    energy, weights = torch.rand(6, 5, generator=g), torch.rand(6, 5, generator=g) * 2
+    whole = build_batch(**inputs, energy=energy, is_weights=weights)
+    first = build_batch(**inputs)
+    valid = first.valid
+    later = with_energy(first, energy, weights)
+    assert later.valid is valid and torch.equal(later.raw_energy, whole.raw_energy)
+    for name in ("otb", "ogb", "grpo"):
+        assert torch.equal(estimate(name, later), estimate(name, whole)), name
+    with pytest.raises(ValueError, match="energy: expected values >= 0"):
+        with_energy(first, -torch.ones(6, 5))
+    with pytest.raises(ValueError, match=r"energy: expected shape \[6, 5\]"):
+        with_energy(first, torch.ones(6, 4))
+
+
 @pytest.mark.parametrize("bad", [2, -1, 2**24 + 1, 2**40])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.int8])
 def test_integer_masks_are_checked_on_their_float32_copy(bad, dtype):

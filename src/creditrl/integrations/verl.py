@@ -48,7 +48,7 @@ from torch import Tensor
 from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
 
-from creditrl.core.estimators import estimate, list_estimators, prepare
+from creditrl.core.estimators import build_batch, estimate, list_estimators, with_energy
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields
 from creditrl.core.losses import Fields, PolicyLoss, compose
@@ -216,17 +216,8 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                   non_tensor_batch: Any = None, **kwargs) -> tuple[Tensor, Tensor]:
         check_tensor("token_level_rewards", token_level_rewards, ndim=2)
         check_tensor("response_mask", response_mask, shape=list(token_level_rewards.shape))
-        if response_mask.dtype != torch.bool and not response_mask.is_floating_point() and not response_mask.is_complex():
-            # verl's mask is int64: the float32 copy the estimator multiplies by, made once, so the
-            # actor stats take their one-pass test against it (checked 0/1 by ``prepare``)
-            response_mask = response_mask.to(torch.float32)
-        # one [B,T] float32 buffer for the range test's integer pass, then for the energies
         both = old_log_probs is not None and sum_pi_squared is not None
-        scratch = torch.empty(response_mask.shape, dtype=torch.float32, device=response_mask.device) \
-            if both and isinstance(sum_pi_squared, Tensor) and sum_pi_squared.shape == response_mask.shape else None
-        check_actor_stats(response_mask, old_log_probs, sum_pi_squared, scratch=scratch)
-        energy = energy_from_logp(old_log_probs, sum_pi_squared, out=scratch) if both else None
-        if needs_energy and energy is None:
+        if needs_energy and not both:
             raise ValueError(
                 f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; set "
                 "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
@@ -237,11 +228,19 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                                                 response_mask.device) if reads_components else (None, None)
         with torch.no_grad():
             # the rewards as verl gives them: a score on a masked token counts in the row total
-            # (sequence-level) or at the nearest preceding valid token (token-level returns)
-            batch = prepare(name, rewards=token_level_rewards, mask=response_mask,
-                            group=group_ids(index, response_mask.shape[0], response_mask.device), energy=energy,
-                            is_weights=rollout_is_weights if energy is not None else None, gamma=gamma,
-                            components=components, component_weights=weights)
+            # (sequence-level) or at the nearest preceding valid token (token-level returns).
+            # The mask first: verl's int64 one becomes the checked float32 copy the actor's stats
+            # are tested against (their one-pass test) and the estimator multiplies by
+            batch = build_batch(rewards=token_level_rewards, mask=response_mask,
+                                group=group_ids(index, response_mask.shape[0], response_mask.device), gamma=gamma,
+                                components=components, component_weights=weights)
+            # one [B,T] float32 buffer for the range test's integer pass, then for the energies
+            scratch = torch.empty(response_mask.shape, dtype=torch.float32, device=response_mask.device) \
+                if both and isinstance(sum_pi_squared, Tensor) and sum_pi_squared.shape == response_mask.shape else None
+            check_actor_stats(batch.valid, old_log_probs, sum_pi_squared, scratch=scratch)
+            energy = energy_from_logp(old_log_probs, sum_pi_squared, out=scratch) if both else None
+            if energy is not None:
+                batch = with_energy(batch, energy, rollout_is_weights)
             advantages = estimate(name, batch, **options)
             # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
             # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)

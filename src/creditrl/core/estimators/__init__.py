@@ -6,7 +6,9 @@ to the response's valid tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -21,7 +23,7 @@ from creditrl.core.estimators.steps import returns_to_go
 from creditrl.core.groups import GroupIndex
 
 __all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch", "EstimatorSpec", "KRange",
-           "build_batch", "prepare", "estimate", "estimator_output", "estimator_result", "returns_to_go",
+           "build_batch", "with_energy", "prepare", "estimate", "estimator_output", "estimator_result", "returns_to_go",
            "check_group_size", "check_total"]
 
 # Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
@@ -135,11 +137,8 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     components, component_weights = _components(components, component_weights, num, mask.device)
     token_rewards = rewards.to(torch.float32) if rewards.dim() == 2 else None
     seq_rewards = rewards.to(torch.float32) if token_rewards is None else token_rewards.sum(1)
-    inputs = {name: _token_tensor(name, x, mask) for name, x in (("energy", energy), ("is_weights", is_weights))
-              if x is not None}
-    originals = {"energy": getattr(energy, "dtype", None), "is_weights": getattr(is_weights, "dtype", None)}
-
     checks = FusedChecks()
+    energy_of = _queue_energy_checks(checks, mask, energy, is_weights)
     given = mask
     if mask.dtype != torch.bool and not mask.is_floating_point():   # verl passes int64
         mask, stats = integer_mask_copy(given)   # the copy the estimators multiply by, checked in one pass
@@ -149,21 +148,50 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     if stats is not None:
         checks.add(stats, verdict)
     finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
-    good = {name: checks.add(_non_negative_stats(x), lambda v: v[0] >= 0 and v[1] < INF_FLOAT32_BITS)
-            for name, x in inputs.items()}
     results = checks.run()                       # the one host read; a bad mask raises here
     if not results[finite] and token_rewards is None:
         check_finite("rewards", seq_rewards)             # raises, naming the rows
     elif not results[finite]:
         seq_rewards = _exact_row_totals(token_rewards)
-    inputs = {name: x if results[good[name]] else _valid_non_negative(name, x, mask, originals[name])
-              for name, x in inputs.items()}
-    energy = inputs.get("energy")
-    if energy is not None and "is_weights" in inputs:  # masked tokens are zeroed where an estimator reads them
-        energy = energy * inputs["is_weights"].square()
     return AdvantageBatch(rewards=seq_rewards, given_mask=mask, groups=GroupIndex.from_ids(group),
-                          raw_energy=energy, token_rewards=token_rewards, gamma=float(gamma), components=components,
-                          component_weights=component_weights)
+                          raw_energy=energy_of(results, mask), token_rewards=token_rewards, gamma=float(gamma),
+                          components=components, component_weights=component_weights)
+
+
+def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None = None) -> AdvantageBatch:
+    """``batch`` with energies [B,T] (times is_weights² when given), checked as ``build_batch`` checks
+    them (one pass each, one host read): for callers that derive the energies once the mask is
+    checked (verl's plug-in tests the actor's stats against the mask's float32 copy)."""
+    mask = batch.given_mask
+    _check_device(mask.device, energy=energy, is_weights=is_weights)
+    checks = FusedChecks()
+    energy_of = _queue_energy_checks(checks, mask, energy, is_weights)
+    out = dataclasses.replace(batch, raw_energy=energy_of(checks.run(), mask))
+    # views already derived from the mask (e.g. ``valid``) carry over; only ``energy`` depends on the energies
+    out.__dict__.update({key: value for key, value in batch.__dict__.items() if key != "energy" and
+                         isinstance(getattr(type(batch), key, None), functools.cached_property)})
+    return out
+
+
+def _queue_energy_checks(checks: FusedChecks, mask: Tensor, energy: Tensor | None,
+                         is_weights: Tensor | None) -> Callable[[list, Tensor], Tensor | None]:
+    """Queue the checks of energy and is_weights [B,T] (finite and >= 0: one integer min/max pass
+    each, shapes checked now); returns ``energy_of(results, mask)``, the checked float32 energies
+    (times is_weights², None without energies) once ``checks`` have run."""
+    inputs = {name: _token_tensor(name, x, mask) for name, x in (("energy", energy), ("is_weights", is_weights))
+              if x is not None}
+    originals = {"energy": getattr(energy, "dtype", None), "is_weights": getattr(is_weights, "dtype", None)}
+    good = {name: checks.add(_non_negative_stats(x), lambda v: v[0] >= 0 and v[1] < INF_FLOAT32_BITS)
+            for name, x in inputs.items()}
+
+    def energy_of(results: list, checked_mask: Tensor) -> Tensor | None:
+        checked = {name: x if results[good[name]] else _valid_non_negative(name, x, checked_mask, originals[name])
+                   for name, x in inputs.items()}
+        out = checked.get("energy")
+        if out is not None and "is_weights" in checked:  # masked tokens are zeroed where an estimator reads them
+            out = out * checked["is_weights"].square()
+        return out
+    return energy_of
 
 
 def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,
