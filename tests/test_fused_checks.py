@@ -164,14 +164,24 @@ def test_actor_stats_take_one_read_zero_padding_included(monkeypatch):
     assert reads == [2, 2, 2, 1, 2] and not bool((scratch == 7.0).any())   # the integer pass went into scratch
 
 
-def test_group_ids_match_a_loop_over_uids():
-    uids = np.array(["b", "a", "b", "c", "a", "c", "c"], dtype=object)
-    ids = group_ids(uids, 7, torch.device("cpu"))
+@settings(max_examples=60, deadline=None)
+@given(uids=st.lists(st.sampled_from(["a", "b", "c", "uid-10", "uid-2"]), min_size=1, max_size=12),
+       blocks=st.booleans(), numeric=st.booleans())
+def test_group_ids_match_a_loop_over_uids(uids, blocks, numeric):
+    """Same uid <=> same id, ids dense in 0..G-1, for uids in contiguous blocks (verl's layout, the
+    neighbour-comparison path) and in any order (np.unique's)."""
+    if blocks:
+        uids = sorted(uids, key=uids.index)           # each uid's rows together, in first-seen order
+    values = [sum(map(ord, u)) for u in uids] if numeric else uids
+    index = np.array(values, dtype=np.int64 if numeric else object)
+    ids = group_ids(index, len(uids), torch.device("cpu")).tolist()
     first = {}
-    for i, uid in enumerate(uids):                  # same uid <=> same id, in sorted uid order
-        first.setdefault(uid, int(ids[i]))
-        assert int(ids[i]) == first[uid]
-    assert sorted(first, key=first.get) == sorted(first)
-    assert group_ids(np.array([3, 1, 3]), 3, torch.device("cpu")).tolist() == [1, 0, 1]
+    for uid, got in zip(values, ids):
+        first.setdefault(uid, got)
+        assert got == first[uid]
+    assert sorted(first.values()) == list(range(len(first)))
+
+
+def test_group_ids_refuse_missing_uids():
     with pytest.raises(ValueError, match=r"None/NaN at rows \[1\]"):
         group_ids(np.array([1.0, float("nan"), 2.0]), 3, torch.device("cpu"))
