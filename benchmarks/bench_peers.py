@@ -225,10 +225,13 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
         mask_rule = lambda: one_read(torch.stack(torch.aminmax(float32_bits(mask))))  # noqa: E731
     else:
         mask_rule = lambda: check_mask("mask", mask)  # noqa: E731
+    # the plug-in tests the actor's stats against the batch's float32 ``valid`` (the mask itself, or its copy)
+    valid = mask if mask.dtype == torch.float32 else \
+        (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(torch.float32)
     fns = {"mask: 0/1 rule": mask_rule,
            "rewards: finite": lambda: one_read(torch.isfinite(totals).all()),
            "energy: finite, >= 0": lambda: one_read(_non_negative_stats(energy)),
-           "plug-in: actor stats on valid tokens": lambda: check_actor_stats(mask, inputs["old_log_probs"],
+           "plug-in: actor stats on valid tokens": lambda: check_actor_stats(valid, inputs["old_log_probs"],
                                                                              inputs["sum_pi_squared"]),
            "plug-in: uids -> group ids": lambda: group_ids(inputs["index"], mask.shape[0], mask.device)}
     return {k: v["best"] for k, v in summarize(interleaved_samples(fns, repeats, settle=1)).items()}
