@@ -207,7 +207,7 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
     from creditrl.core.estimators import _non_negative_stats
     from creditrl.integrations import energy_from_logp
     from creditrl.integrations.verl import check_actor_stats, group_ids
-    from creditrl.utils.validate import FusedChecks, check_mask, float32_bits
+    from creditrl.utils.validate import FusedChecks, check_mask, float32_bits, float_mask
 
     mask, rewards = inputs["response_mask"], inputs["token_level_rewards"]
     energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"])
@@ -226,8 +226,7 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
     else:
         mask_rule = lambda: check_mask("mask", mask)  # noqa: E731
     # the plug-in tests the actor's stats against the batch's float32 ``valid`` (the mask itself, or its copy)
-    valid = mask if mask.dtype == torch.float32 else \
-        (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(torch.float32)
+    valid = float_mask(mask)
     fns = {"mask: 0/1 rule": mask_rule,
            "rewards: finite": lambda: one_read(torch.isfinite(totals).all()),
            "energy: finite, >= 0": lambda: one_read(_non_negative_stats(energy)),

@@ -456,6 +456,20 @@ def test_long_rows_of_any_mask_dtype_give_the_bool_masks_advantages(dtype):
         assert torch.equal(got, expected), name
 
 
+def test_bool_masks_holding_other_bytes_count_as_true():
+    """A bool tensor viewed from other bytes (numpy, ``uint8.view(bool)``) may hold 2..255, which
+    torch's bool operations read as True: lengths, the float copy and the advantages must too."""
+    raw = torch.tensor([[0, 2, 1, 3], [1, 1, 0, 255], [7, 0, 0, 1]], dtype=torch.uint8)
+    odd, canonical = raw.view(torch.bool), raw != 0
+    inputs = dict(rewards=torch.tensor([1.0, 0.0, 2.0]), group=torch.tensor([0, 0, 0]),
+                  energy=torch.rand(3, 4, generator=torch.Generator().manual_seed(0)))
+    from creditrl.core.estimators import build_batch
+    assert torch.equal(build_batch(**inputs, mask=odd).lengths, torch.tensor([3, 3, 2]))
+    assert torch.equal(build_batch(**inputs, mask=odd).valid, canonical.float())
+    for name in ("grpo", "otb", "reinforce"):
+        assert torch.equal(compute_advantages(name, mask=odd, **inputs), compute_advantages(name, mask=canonical, **inputs))
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])
 def test_with_energy_equals_building_the_batch_with_it(mask_dtype):
     """Energies attached after the mask is checked (verl's plug-in) give what build_batch gives with

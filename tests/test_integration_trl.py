@@ -510,3 +510,24 @@ def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_ene
         assert got.keys() == expected.keys()
         for key, value in expected.items():
             assert got[key] == pytest.approx(value, rel=sum_rtol(rows * steps), abs=EPS32)
+
+
+@pytest.mark.parametrize("name, options", [("grpo", {}), ("pkpo", {"k": 2}), ("maxk_bon", {"k": 2}), ("shrinkage", {})])
+def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
+    """A row no reward function scored goes through the estimator with no valid token (advantage 0,
+    whatever value a rank-based estimator gives it): the logged Σ|A| / tokens equals the returned
+    advantages' (counted over this process's mask, that row's tokens included)."""
+    from types import MethodType, SimpleNamespace
+    trainer = SimpleNamespace(estimator=name, estimator_kwargs=options, args=SimpleNamespace(dynamic_sampling=False),
+                              accelerator=SimpleNamespace(process_index=0), logged={})
+    trainer._gather_rows = lambda x: x
+    trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics)
+    trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    group = torch.arange(8) // 4
+    rewards = torch.tensor([1.0, 0.0, 1.0, 2 / 3, 0.0, 1.0, 0.0, 1.0])    # row 3: the group-mean stand-in
+    scorable = torch.tensor([True, True, True, False, True, True, True, True])
+    advantages = CreditGRPOTrainer._advantages(trainer, "train", rewards, group, scorable, mask, None)
+    assert not advantages[3].any()
+    expected = float(advantages.abs().sum()) / mask.sum().item()
+    assert trainer.logged["advantage_abs_mean"] == pytest.approx(expected, rel=sum_rtol(40), abs=EPS32)

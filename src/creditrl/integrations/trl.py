@@ -43,7 +43,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from creditrl.utils.validate import check_choice
+from creditrl.utils.validate import check_choice, float_mask
 from creditrl.core.estimators import check_group_size, estimator_output, list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex, uniform_groups
@@ -411,8 +411,12 @@ class CreditGRPOTrainer(GRPOTrainer):
                                                      components)
         local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
         advantages = advantages[local, :steps]
-        if per_row is not None:       # the estimator's row counts are the local mask's where it saw every row
-            per_row, counts = per_row[local], counts[local] if counts is not None and bool(scorable.all()) else None
+        if per_row is not None:
+            # rows not scorable are in the estimator with no valid token: their advantages are 0,
+            # whatever value the estimator gave them, and the local mask's counts are the ones to use
+            everything = bool(scorable.all())
+            per_row = per_row[local] if everything else torch.where(scorable.bool()[local], per_row[local], 0.0)
+            counts = counts[local] if counts is not None and everything else None
         self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, per_row, counts))
         self.last_rollout.update(rewards=rewards, group=group, mask=mask, energy=energy, advantages=advantages,
                                  estimator_mask=all_mask)
@@ -530,8 +534,8 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
     mask's row counts (``counts`` [B], when the caller has them; else one pass over the mask), and
     Σ_t A_t² w_t = a_i² Σ_t w_t. Otherwise |A| goes into a scratch buffer, reused for A·w·A."""
     if per_row is not None:
-        if counts is None:   # a bool's uint8 view converts fast; count_nonzero per row is 10x slower on a CPU
-            counts = (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(torch.float32).sum(1)
+        if counts is None:   # count_nonzero per row is 10x slower on a CPU
+            counts = float_mask(mask).sum(1)
         values = per_row.to(torch.float64)
         stats = [counts.sum(), (values.abs() * counts).sum()]
         if energy is not None:

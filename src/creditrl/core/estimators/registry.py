@@ -21,6 +21,7 @@ from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, options_of
+from creditrl.utils.validate import float_mask
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,7 @@ class AdvantageBatch:
 
     @cached_property
     def valid(self) -> Tensor:
-        mask = self.given_mask
-        # a bool tensor converts to float32 3.5x faster on a CPU through its uint8 view
-        return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(torch.float32)
+        return float_mask(self.given_mask)
 
     @cached_property
     def lengths(self) -> Tensor:
