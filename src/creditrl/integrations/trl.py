@@ -399,23 +399,22 @@ class CreditGRPOTrainer(GRPOTrainer):
         Logs the rollout metrics (``rollout_metrics``; from the per-row values when the estimator
         gives one per row), one host read."""
         local_rows, steps = mask.shape
-        all_mask = self._gather_rows(mask)
-        if not bool(scorable.all()):
-            all_mask = all_mask & scorable.bool()[:, None]
+        scorable, all_mask = scorable.bool(), self._gather_rows(mask)
+        everything = bool(scorable.all())              # one host read, for the mask and the metrics
+        if not everything:
+            all_mask = all_mask & scorable[:, None]
         all_energy = None if energy is None else self._gather_rows(energy)
         estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
         # the previous batch's tensors are dead now: freed before this batch's [B,T] advantages are
         # allocated, so the allocator reuses their memory instead of faulting in fresh pages
         self.last_rollout = {"components": components}
-        advantages, per_row, counts = self._estimate(rewards, all_mask, group, scorable.bool(), estimator_energy,
-                                                     components)
+        advantages, per_row, counts = self._estimate(rewards, all_mask, group, scorable, estimator_energy, components)
         local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
         advantages = advantages[local, :steps]
         if per_row is not None:
             # rows not scorable are in the estimator with no valid token: their advantages are 0,
             # whatever value the estimator gave them, and the local mask's counts are the ones to use
-            everything = bool(scorable.all())
-            per_row = per_row[local] if everything else torch.where(scorable.bool()[local], per_row[local], 0.0)
+            per_row = per_row[local] if everything else torch.where(scorable[local], per_row[local], 0.0)
             counts = counts[local] if counts is not None and everything else None
         self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, per_row, counts))
         self.last_rollout.update(rewards=rewards, group=group, mask=mask, energy=energy, advantages=advantages,
