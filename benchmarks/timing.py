@@ -1,6 +1,7 @@
 """Timing helpers shared by the benchmark scripts (run as ``python benchmarks/<script>.py``)."""
 from __future__ import annotations
 
+import ctypes
 import platform
 import statistics
 import time
@@ -26,6 +27,23 @@ def interleaved_samples(fns: dict, repeats: int, *, settle: int = 0) -> dict[str
 def interleaved(fns: dict, repeats: int, *, settle: int = 0) -> dict:
     """Median seconds per callable of ``interleaved_samples``."""
     return {name: statistics.median(t) for name, t in interleaved_samples(fns, repeats, settle=settle).items()}
+
+
+def steady_allocator() -> str:
+    """Keep freed memory mapped for the rest of the process (glibc: blocks under 1 GiB come from
+    the heap, not fresh mmaps, and the heap is not trimmed below 2 GiB), so a timed call does not
+    pay page faults for pages that the call before it handed back to the kernel. On the 2-core dev
+    VM a fresh 16 MB buffer costs 1-2 ms of faults, and which callable paid them depended on the
+    order of the calls: ratios of 2-5 ms calls moved by up to 2x between runs. Every callable then
+    runs on the same allocator; returns what was set, for the benchmark's header."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return "default allocator (no glibc mallopt here)"
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if mallopt(m_mmap_threshold, 1 << 30) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1:
+        return "steady allocator (glibc mmap threshold 1 GiB, trim threshold 2 GiB)"
+    return "default allocator (glibc refused the settings)"
 
 
 def cpu_name() -> str:

@@ -139,6 +139,35 @@ def test_reinforce_is_returns_to_go(seed, gamma):
     assert torch.equal(run("reinforce", outcome), want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), extra=st.sampled_from([None, 1e-30, -1e-30, 0.5, -0.0]),
+       holes=st.booleans())
+def test_returns_take_the_outcome_shortcut_only_when_every_other_reward_is_zero(seed, extra, holes):
+    """``constant_returns`` (R on every valid token, no returns-to-go pass) must hold only when
+    token rewards sit on each row's last valid token: one reward elsewhere, however tiny, takes
+    the general path. A -0.0 elsewhere may take either path; both give the loop's returns."""
+    from creditrl.core.estimators import build_batch
+    g = torch.Generator().manual_seed(seed)
+    rows, steps = 5, 9
+    mask = torch.arange(steps)[None, :] < torch.randint(1, steps + 1, (rows,), generator=g)[:, None]
+    if holes:
+        mask &= torch.rand(rows, steps, generator=g) < 0.8
+        mask[:, 0] = True
+    last = steps - 1 - mask.flip(1).to(torch.uint8).argmax(1)
+    rewards = torch.zeros(rows, steps)
+    rewards[torch.arange(rows), last] = torch.randn(rows, generator=g)
+    if extra is not None:
+        row = int(torch.randint(rows, (1,), generator=g))
+        earlier = torch.nonzero(mask[row, :last[row]]).flatten()
+        if not earlier.numel():
+            return
+        rewards[row, earlier[0]] = extra
+    batch = build_batch(rewards=rewards, mask=mask, group=torch.zeros(rows, dtype=torch.long))
+    if extra is None or extra != 0.0:
+        assert batch.constant_returns is (extra is None)
+    torch.testing.assert_close(batch.returns.double(), ref_returns(rewards, mask, 1.0), atol=F32, rtol=0)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("name", ["otb", "otb_isolated"])
 @pytest.mark.parametrize("token_rewards", [False, True])
@@ -468,6 +497,35 @@ def test_bool_masks_holding_other_bytes_count_as_true():
     assert torch.equal(build_batch(**inputs, mask=odd).valid, canonical.float())
     for name in ("grpo", "otb", "reinforce"):
         assert torch.equal(compute_advantages(name, mask=odd, **inputs), compute_advantages(name, mask=canonical, **inputs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.bool, torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
+                              torch.uint8]),
+       rows=st.integers(1, 6), steps=st.integers(1, 9), seed=st.integers(0, 10_000))
+def test_a_last_use_broadcast_writes_only_creditrls_own_copy(dtype, rows, steps, seed):
+    """``on_tokens(out, last_use=True)`` (what compute_advantages and the plug-ins call) may write a
+    [B] result into the batch's own float32 mask copy: it must give ``broadcast``'s values bit for
+    bit (signed zeros included) and never write the caller's mask, whatever its dtype."""
+    from creditrl.core.estimators import build_batch
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(rows, steps, generator=g) < 0.7).to(dtype)
+    given = mask.clone()
+    inputs = dict(rewards=torch.rand(rows, generator=g), mask=mask, group=torch.zeros(rows, dtype=torch.long))
+    out = torch.randn(rows, generator=g)
+    expected = out[:, None] * given.bool().float()       # the loop's rule: the row's value where valid, 0 elsewhere
+    for warm in (False, True):                            # with and without ``valid`` derived before
+        batch = build_batch(**inputs)
+        if warm:
+            batch.valid, batch.lengths
+        got = batch.on_tokens(out, last_use=True)
+        assert got.dtype == torch.float32 and torch.equal(got, expected)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))   # -0.0 where out < 0, as broadcast
+        assert torch.equal(mask, given) and mask.dtype == dtype
+    assert torch.equal(build_batch(**inputs).on_tokens(out), expected)
+    for name in ("grpo", "rloo", "reinforce"):
+        compute_advantages(name, **inputs)
+        assert torch.equal(mask, given), name
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])

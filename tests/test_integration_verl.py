@@ -69,16 +69,19 @@ def test_import_creditrl_does_not_import_trl_or_verl():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64])   # int64: what verl's trainer passes
+# int64: what verl's trainer passes; bool and int64 masks get a [B] result written into creditrl's own copy
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64, torch.bool])
 @pytest.mark.parametrize("name", creditrl.list_estimators())
 def test_registered_estimator_matches_direct_call(name, mask_dtype):
     batch = verl_batch(binary=name == "passk_chen")
     options = {"k": 2} if name in MAXK else {}
     fn = core_algos.get_adv_estimator_fn(plugin.PREFIX + name)
-    advantages, returns = fn(token_level_rewards=batch["token_level_rewards"],
-                             response_mask=batch["response_mask"].to(mask_dtype),
+    response_mask = batch["response_mask"].to(mask_dtype)
+    given = response_mask.clone()
+    advantages, returns = fn(token_level_rewards=batch["token_level_rewards"], response_mask=response_mask,
                              index=batch["index"], config={"creditrl": options},
                              old_log_probs=batch["old_log_probs"], sum_pi_squared=batch["sum_pi_squared"])
+    assert torch.equal(response_mask, given)  # the caller's mask is never written
     expected = creditrl.compute_advantages(name, rewards=batch["token_level_rewards"], mask=batch["response_mask"],
                                            group=group_of(batch["index"]), energy=batch["stats"].energy, **options)
     # the plug-in rebuilds the energies as 1 − 2π_y + Σπ² from verl's log-probs and Σπ² (within 4·eps32 per token

@@ -433,7 +433,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         if rows is None:
             out, batch = estimator_output(self.estimator, rewards=rewards, mask=mask, group=group, energy=energy,
                                           **parts, **self.estimator_kwargs)
-            return (batch.on_tokens(out), *((out, batch.lengths) if out.dim() == 1 else (None, None)))
+            counts = batch.lengths if out.dim() == 1 else None       # before the mask copy takes the advantages
+            return batch.on_tokens(out, last_use=True), (out if out.dim() == 1 else None), counts
         advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         per_row = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)
         if not rows.numel():
@@ -442,7 +443,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         out, batch = estimator_output(self.estimator, rewards=rewards[rows], mask=mask[rows], group=group[rows],
                                       energy=None if energy is None else energy[rows], **parts,
                                       **self.estimator_kwargs)
-        advantages[rows] = batch.on_tokens(out)
+        advantages[rows] = batch.on_tokens(out, last_use=True)
         if out.dim() != 1:
             return advantages, None, None
         per_row[rows] = out

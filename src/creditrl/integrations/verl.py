@@ -48,7 +48,7 @@ from torch import Tensor
 from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
 
-from creditrl.core.estimators import build_batch, estimate, list_estimators, with_energy
+from creditrl.core.estimators import build_batch, estimator_result, list_estimators, with_energy
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields
 from creditrl.core.losses import Fields, PolicyLoss, compose
@@ -257,15 +257,19 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             energy = energy_from_logp(old_log_probs, sum_pi_squared, out=scratch) if both else None
             if energy is not None:
                 batch = with_energy(batch, energy, rollout_is_weights)
-            advantages = estimate(name, batch, **options)
+            result = estimator_result(name, batch, **options)
             # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
             # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)
-            if not get_estimator(name).masked_output:
-                return advantages, advantages
-            if energy is not None and batch.constant_returns and "returns" not in batch.__dict__:
-                # R on every valid token, written into this wrapper's own energy buffer, dead by now
-                return advantages, torch.mul(batch.rewards[:, None], batch.valid, out=energy)
-            return advantages, batch.returns
+            returns = None
+            if get_estimator(name).masked_output:
+                if energy is not None and batch.constant_returns and "returns" not in batch.__dict__:
+                    # R on every valid token, written into this wrapper's own energy buffer, dead by now
+                    returns = torch.mul(batch.rewards[:, None], batch.valid, out=energy)
+                else:
+                    returns = batch.returns
+            # nothing reads the batch after this: a [B] result goes into its own copy of the mask
+            advantages = batch.on_tokens(result, last_use=True)
+            return advantages, advantages if returns is None else returns
 
     estimator.__name__ = estimator.__qualname__ = f"compute_{PREFIX}{name}_advantage"
     estimator.__doc__ = f"creditrl estimator {name!r} ({get_estimator(name).doc}) in verl's calling convention."

@@ -155,7 +155,7 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
         seq_rewards = _exact_row_totals(token_rewards)
     return AdvantageBatch(rewards=seq_rewards, given_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy_of(results, mask), token_rewards=token_rewards, gamma=float(gamma),
-                          components=components, component_weights=component_weights)
+                          components=components, component_weights=component_weights, mask_copy=mask is not given)
 
 
 def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None = None) -> AdvantageBatch:
@@ -212,7 +212,7 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     """
     out, batch = estimator_output(name, rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
                                   components=components, component_weights=component_weights, **options)
-    return batch.on_tokens(out)
+    return batch.on_tokens(out, last_use=True)
 
 
 def estimator_output(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,

@@ -21,7 +21,7 @@ from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, options_of
-from creditrl.utils.validate import float_mask
+from creditrl.utils.validate import float32_bits, float_mask
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class AdvantageBatch:
 
     rewards:       [B]    float32 sequence reward R (Σ_t r_t over every token for token rewards)
     given_mask:    [B,T]  the mask as the caller gave it (bool, or checked 0/1 floats), or an integer
-                          mask's checked float32 copy
+                          mask's checked float32 copy (then ``mask_copy`` is True: creditrl's own tensor)
     groups:        GroupIndex of the group ids
     raw_energy:    [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
                           finite and >= 0, but not necessarily 0 on masked tokens (no copy of
@@ -56,6 +56,7 @@ class AdvantageBatch:
     gamma: float = 1.0
     components: Tensor | None = None
     component_weights: Tensor | None = None
+    mask_copy: bool = False
 
     @property
     def token_level(self) -> bool:
@@ -93,9 +94,20 @@ class AdvantageBatch:
         mask = self.given_mask
         return per_row[:, None] * (mask if mask.dtype == torch.float32 else self.valid)
 
-    def on_tokens(self, out: Tensor) -> Tensor:
-        """An estimator's checked result [B] or [B,T] -> the advantages [B,T] (``broadcast`` a [B] one)."""
-        return self.broadcast(out) if out.dim() == 1 else out
+    def on_tokens(self, out: Tensor, *, last_use: bool = False) -> Tensor:
+        """An estimator's checked result [B] or [B,T] -> the advantages [B,T] (``broadcast`` a [B] one).
+
+        ``last_use``: the caller reads nothing from this batch afterwards, so a [B] result may be
+        multiplied into the batch's own float32 copy of the mask (a bool, integer or 16-bit mask's),
+        which then holds the advantages: the same values as ``broadcast``, without allocating and
+        writing a second [B,T] tensor (on a CPU about 1 ms of 2-3 at B = 1,024, T = 4,096). A
+        float32 mask is the caller's tensor and is never written."""
+        if out.dim() != 1:
+            return out
+        if not last_use or not self.mask_copy and self.given_mask.dtype == torch.float32:
+            return self.broadcast(out)
+        own = self.given_mask if self.mask_copy else self.__dict__.pop("valid", None)
+        return (float_mask(self.given_mask) if own is None else own).mul_(out[:, None])
 
     @cached_property
     def constant_returns(self) -> bool:
@@ -106,8 +118,11 @@ class AdvantageBatch:
             return True
         if self.gamma != 1.0:
             return False
+        # counted on the float32 bit patterns (2x faster than on the floats): a -0.0 elsewhere than on
+        # the last token counts as a reward there, which only sends the batch to the general path
         at_last = self.token_rewards.gather(1, self.steps.last_token[:, None])
-        return int(torch.count_nonzero(self.token_rewards)) == int(torch.count_nonzero(at_last))
+        nonzero = [int(torch.count_nonzero(float32_bits(x))) for x in (self.token_rewards, at_last)]
+        return nonzero[0] == nonzero[1]
 
     @cached_property
     def returns(self) -> Tensor:
