@@ -38,12 +38,15 @@ def steady_allocator() -> str:
     runs on the same allocator; returns what was set, for the benchmark's header."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):     # no glibc (macOS, Windows)
         return "default allocator (no glibc mallopt here)"
     m_trim_threshold, m_mmap_threshold = -1, -3
-    if mallopt(m_mmap_threshold, 1 << 30) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1:
+    mmap_set = mallopt(m_mmap_threshold, 1 << 30) == 1
+    trim_set = mallopt(m_trim_threshold, 2**31 - 1) == 1
+    if mmap_set and trim_set:
         return "steady allocator (glibc mmap threshold 1 GiB, trim threshold 2 GiB)"
-    return "default allocator (glibc refused the settings)"
+    return (f"partly steady allocator (glibc took: mmap threshold {'yes' if mmap_set else 'no'}, "
+            f"trim threshold {'yes' if trim_set else 'no'})")
 
 
 def cpu_name() -> str:

@@ -499,21 +499,33 @@ def test_bool_masks_holding_other_bytes_count_as_true():
         assert torch.equal(compute_advantages(name, mask=odd, **inputs), compute_advantages(name, mask=canonical, **inputs))
 
 
-@settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from([torch.bool, torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
-                              torch.uint8]),
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from([torch.bool, torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+                              torch.int32, torch.uint8, torch.int8, "odd-byte bool"]),
+       layout=st.sampled_from(["contiguous", "transposed", "strided"]),
        rows=st.integers(1, 6), steps=st.integers(1, 9), seed=st.integers(0, 10_000))
-def test_a_last_use_broadcast_writes_only_creditrls_own_copy(dtype, rows, steps, seed):
+def test_a_last_use_broadcast_writes_only_creditrls_own_copy(dtype, layout, rows, steps, seed):
     """``on_tokens(out, last_use=True)`` (what compute_advantages and the plug-ins call) may write a
     [B] result into the batch's own float32 mask copy: it must give ``broadcast``'s values bit for
-    bit (signed zeros included) and never write the caller's mask, whatever its dtype."""
+    bit (signed zeros included) and never write the caller's mask, whatever its dtype and layout
+    (a bool viewed from bytes 2..255 included)."""
     from creditrl.core.estimators import build_batch
     g = torch.Generator().manual_seed(seed)
-    mask = (torch.rand(rows, steps, generator=g) < 0.7).to(dtype)
-    given = mask.clone()
+    keep = torch.rand(rows, steps, generator=g) < 0.7
+    if dtype == "odd-byte bool":
+        dtype, mask = torch.bool, (keep * torch.randint(1, 256, keep.shape, generator=g)).to(torch.uint8).view(torch.bool)
+    else:
+        mask = keep.to(dtype)
+    if layout == "transposed":
+        mask = mask.t().contiguous().t()
+    elif layout == "strided":
+        mask = torch.stack([mask, mask], dim=2)[:, :, 0]
+    def raw(m):                                           # a bool's bytes (cloning a bool canonicalises them)
+        return m.view(torch.uint8) if m.dtype == torch.bool else m
+    given = raw(mask).clone()
     inputs = dict(rewards=torch.rand(rows, generator=g), mask=mask, group=torch.zeros(rows, dtype=torch.long))
     out = torch.randn(rows, generator=g)
-    expected = out[:, None] * given.bool().float()       # the loop's rule: the row's value where valid, 0 elsewhere
+    expected = out[:, None] * keep.float()                # the loop's rule: the row's value where valid, 0 elsewhere
     for warm in (False, True):                            # with and without ``valid`` derived before
         batch = build_batch(**inputs)
         if warm:
@@ -521,11 +533,11 @@ def test_a_last_use_broadcast_writes_only_creditrls_own_copy(dtype, rows, steps,
         got = batch.on_tokens(out, last_use=True)
         assert got.dtype == torch.float32 and torch.equal(got, expected)
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))   # -0.0 where out < 0, as broadcast
-        assert torch.equal(mask, given) and mask.dtype == dtype
+        assert torch.equal(raw(mask), given) and mask.dtype == dtype
     assert torch.equal(build_batch(**inputs).on_tokens(out), expected)
     for name in ("grpo", "rloo", "reinforce"):
         compute_advantages(name, **inputs)
-        assert torch.equal(mask, given), name
+        assert torch.equal(raw(mask), given), name
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])

@@ -531,3 +531,30 @@ def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
     assert not advantages[3].any()
     expected = float(advantages.abs().sum()) / mask.sum().item()
     assert trainer.logged["advantage_abs_mean"] == pytest.approx(expected, rel=sum_rtol(40), abs=EPS32)
+
+
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "otb"])
+def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
+    """The hook hands the estimator's [B] values to the batch's own float32 mask copy (its last
+    use): the bool mask TRL passes stays as it was, the advantages are ``compute_advantages``'
+    bit for bit, and the logged Σ|A| / tokens counts the rows' valid tokens."""
+    from types import MethodType, SimpleNamespace
+    g = torch.Generator().manual_seed(1)
+    trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, accelerator=SimpleNamespace(process_index=0),
+                              args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={})
+    trainer._gather_rows = lambda x: x
+    trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics)
+    trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
+    mask = torch.rand(8, 6, generator=g) < 0.7
+    mask[:, 0] = True
+    given = mask.clone()
+    group, rewards = torch.arange(8) // 4, torch.rand(8, generator=g)
+    energy = torch.where(mask, torch.rand(8, 6, generator=g), 0.0) if name == "otb" else None
+    scorable = torch.ones(8, dtype=torch.bool)
+    got = CreditGRPOTrainer._advantages(trainer, "train", rewards, group, scorable, mask, energy)
+    assert torch.equal(mask, given)
+    expected = creditrl.compute_advantages(name, rewards=rewards, mask=given, group=group, energy=energy)
+    assert torch.equal(got, expected)
+    loop = sum(abs(float(expected[i, t])) for i in range(8) for t in range(6) if given[i, t]) / int(given.sum())
+    assert trainer.logged["advantage_abs_mean"] == pytest.approx(loop, rel=sum_rtol(48), abs=EPS32)

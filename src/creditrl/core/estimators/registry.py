@@ -97,11 +97,12 @@ class AdvantageBatch:
     def on_tokens(self, out: Tensor, *, last_use: bool = False) -> Tensor:
         """An estimator's checked result [B] or [B,T] -> the advantages [B,T] (``broadcast`` a [B] one).
 
-        ``last_use``: the caller reads nothing from this batch afterwards, so a [B] result may be
-        multiplied into the batch's own float32 copy of the mask (a bool, integer or 16-bit mask's),
-        which then holds the advantages: the same values as ``broadcast``, without allocating and
-        writing a second [B,T] tensor (on a CPU about 1 ms of 2-3 at B = 1,024, T = 4,096). A
-        float32 mask is the caller's tensor and is never written."""
+        ``last_use``: the caller reads nothing from this batch afterwards (nor from a batch that
+        shares its views, ``with_energy``'s), so a [B] result may be multiplied into the batch's own
+        float32 copy of the mask (a bool, integer, 16- or 64-bit float mask's), which then holds
+        the advantages, as do views derived from it (``valid``, ``steps``): the same values as
+        ``broadcast``, without allocating and writing a second [B,T] tensor (on a CPU about 1 ms of
+        2-3 at B = 1,024, T = 4,096). A float32 mask is the caller's tensor and is never written."""
         if out.dim() != 1:
             return out
         if not last_use or not self.mask_copy and self.given_mask.dtype == torch.float32:
