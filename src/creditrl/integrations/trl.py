@@ -532,7 +532,7 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
     ``per_row``: [B] the estimator's value a_i of each row, when it gives one per row (A = a_i on
     row i's valid tokens). The sums then need no pass over A: Σ|A| = Σ_i |a_i| n_i with n_i the
     mask's row counts (``counts`` [B], when the caller has them; else one pass over the mask), and
-    Σ_t A_t² w_t = a_i² Σ_t w_t. Otherwise |A| goes into a scratch buffer, reused for A·w·A."""
+    Σ_t A_t² w_t = a_i² Σ_t w_t. Otherwise Σ A² w is the dot product of A·w with A."""
     if per_row is not None:
         if counts is None:   # count_nonzero per row is 10x slower on a CPU
             counts = float_mask(mask).sum(1)
@@ -542,12 +542,12 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
             energy_rows = energy.sum(1).to(torch.float64)
             stats += [energy_rows.sum(), (values.square() * energy_rows).mean()]
     else:
-        scratch = torch.abs(advantages)
-        stats = [torch.count_nonzero(mask), scratch.sum()]
+        stats = [torch.count_nonzero(mask), torch.abs(advantages).sum()]
         if energy is not None:
-            same = energy.dtype == advantages.dtype and energy.shape == advantages.shape
-            products = torch.mul(advantages, energy, out=scratch if same else None).mul_(advantages).sum(1)
-            stats += [energy.sum(), products.to(torch.float64).mean()]
+            # Σ_i Σ_t A² w as one dot product of A·w with A: no pass for the squares and their sums
+            weighted = torch.mul(advantages, energy)
+            power = torch.dot(weighted.reshape(-1), advantages.reshape(-1).to(weighted.dtype))
+            stats += [energy.sum(), power / max(advantages.shape[0], 1)]
     values = torch.stack([x.to(torch.float64) for x in stats]).tolist()
     count = max(values[0], 1.0)
     metrics = {"advantage_abs_mean": values[1] / count}

@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
+from creditrl.utils.blocks import row_blocks
+
 MAX_ROWS_REPORTED = 10
 
 # Log-probabilities above 0 by more than this are refused. A log-softmax evaluated in one pass,
@@ -174,25 +176,29 @@ class FusedChecks:
         return results
 
 
-def mask_stats(mask: Tensor, *, bits: bool = True) -> Tensor | None:
-    """The statistics of the 0/1 rule for a numeric mask, float64 [2] or [4] (None for bool:
+def _bit_view(x: Tensor) -> Tensor:
+    """The same-width integer view of a floating tensor (no copy)."""
+    return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+def mask_stats(mask: Tensor) -> Tensor | None:
+    """The statistics of the 0/1 rule for a numeric mask, float64 [2] (None for bool or empty:
     nothing to check), reduced on the mask's device and not read.
 
-    Integers: min, max. Floats: min, max, the number of nonzeros, the total of the row sums; on
-    the int32 bit patterns for float32 (``bits``; non-negative floats order like them, and the
-    integer passes are twice as fast). Inside [0, 1], sum == number of nonzeros means every
-    nonzero is 1: row sums of 0/1 values are exact integers, totalled in float64."""
+    Integers: min, max. Floats: min and max of the bit patterns of f = m - m*m (``addcmul``, in
+    the mask's dtype), which is +0.0 exactly where m is +0.0 or 1 and nonzero or NaN for every
+    other value: positive on (0, 1) (it is m itself for the smallest subnormals, >= m/2 below 1/2,
+    and at least half an ulp of m above it, so it never rounds to 0), negative below 0 and above 1,
+    NaN for NaN and +inf, and -0.0 for m = -0.0 (a legal 0, accepted by ``mask_verdict``'s exact
+    pass). Both are 0 iff every value is +0.0 or 1: exact, with no tolerance. Over blocks of rows
+    (``row_blocks``), so f stays in cache on a CPU."""
     if mask.dtype == torch.bool or mask.numel() == 0:
         return None
     if not mask.is_floating_point():
         return torch.stack(torch.aminmax(mask)).to(torch.float64)
-    values = float32_bits(mask) if bits and mask.dtype == torch.float32 else mask
-    low, high = torch.aminmax(values)
-    rows = mask.reshape(mask.shape[0], -1) if mask.dim() else mask.reshape(1, 1)   # a [B] mask: one value per row
-    exact = torch.float64 if mask.dtype == torch.float64 else torch.float32   # float64: 0.99999994 is not 1
-    total = rows.sum(1, dtype=exact).to(torch.float64).sum()
-    return torch.stack([low.to(torch.float64), high.to(torch.float64),
-                        torch.count_nonzero(values).to(torch.float64), total])
+    lows, highs = zip(*(torch.aminmax(_bit_view(torch.addcmul(x, x, x, value=-1)))
+                        for x in ([mask[rows] for rows in row_blocks(mask)] if mask.dim() else [mask])))
+    return torch.stack([torch.stack(lows).min(), torch.stack(highs).max()]).to(torch.float64)
 
 
 def float_mask(mask: Tensor) -> Tensor:
@@ -219,26 +225,25 @@ def integer_mask_verdict(name: str, mask: Tensor, values: list[float]) -> None:
         _raise_not_0_1(name, mask)
 
 
-def mask_verdict(name: str, mask: Tensor, values: list[float], *, bits: bool = True) -> None:
-    """Raise unless ``values`` (``mask_stats`` of ``mask``) show a 0/1 mask. When the float32
-    bit-pattern test fails (e.g. on -0.0, whose pattern is negative) the value test decides."""
-    on_bits = bits and mask.dtype == torch.float32
-    one = ONE_FLOAT32_BITS if on_bits else 1
-    low, high = values[:2]
-    if low >= 0 and high <= one and (not mask.is_floating_point() or values[2] == values[3]):
+def mask_verdict(name: str, mask: Tensor, values: list[float]) -> None:
+    """Raise unless ``values`` (``mask_stats`` of ``mask``) show a 0/1 mask. Where the float test
+    fails, an exact pass decides (it accepts -0.0, the one legal value the bit test rejects)."""
+    if not mask.is_floating_point():
+        if not (values[0] >= 0 and values[1] <= 1):
+            _raise_not_0_1(name, mask)
         return
-    if on_bits:
-        return mask_verdict(name, mask, mask_stats(mask, bits=False).tolist(), bits=False)
-    _raise_not_0_1(name, mask)
+    if values[0] == 0 and values[1] == 0:
+        return
+    if bool(((mask != 0) & (mask != 1)).any()):
+        _raise_not_0_1(name, mask)
 
 
 def check_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
     """The one mask rule (bool, or numeric holding only 0/1) from a few read passes reduced on the
     mask's device, without a copy, and one host read; returns ``mask`` itself.
 
-    Bool masks: nothing to check. Integer masks: one min/max pass. Float masks: min/max in
-    [0, 1] and sum == number of nonzeros (``mask_stats``). A value within float32 rounding of 1
-    (0.99999994) is not told apart from 1 by these sums and counts as 1.
+    Bool masks: nothing to check. Integer masks: one min/max pass. Float masks: one pass over
+    m - m*m (``mask_stats``), exact: 0.99999994 is not 1.
     """
     mask = check_tensor(name, mask, ndim=2) if shape is None else check_tensor(name, mask, shape=list(shape))
     if mask.is_complex():
