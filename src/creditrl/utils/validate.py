@@ -196,9 +196,17 @@ def mask_stats(mask: Tensor) -> Tensor | None:
         return None
     if not mask.is_floating_point():
         return torch.stack(torch.aminmax(mask)).to(torch.float64)
-    lows, highs = zip(*(torch.aminmax(_bit_view(torch.addcmul(x, x, x, value=-1)))
-                        for x in ([mask[rows] for rows in row_blocks(mask)] if mask.dim() else [mask])))
-    return torch.stack([torch.stack(lows).min(), torch.stack(highs).max()]).to(torch.float64)
+    mask = mask.reshape(1) if mask.dim() == 0 else mask
+    blocks = row_blocks(mask)
+    # one block-sized buffer for f and a row of stats per block, written in place: each op
+    # costs microseconds of overhead, a fresh tensor per block more than its arithmetic
+    buffer = torch.empty(mask[blocks[0]].shape, dtype=mask.dtype, device=mask.device)
+    stats = torch.empty(len(blocks), 2, dtype=_bit_view(buffer).dtype, device=mask.device)
+    for i, rows in enumerate(blocks):
+        x = mask[rows]
+        f = torch.addcmul(x, x, x, value=-1, out=buffer[: x.shape[0]])
+        torch.aminmax(_bit_view(f), out=(stats[i, 0], stats[i, 1]))
+    return torch.stack([stats[:, 0].min(), stats[:, 1].max()]).to(torch.float64)
 
 
 def float_mask(mask: Tensor) -> Tensor:
