@@ -52,20 +52,37 @@ def test_mask_rule_matches_a_loop(values, rows, dtype, strided):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("steps", [2, 4096, 70_000])
 def test_a_value_just_below_1_is_caught_in_rows_of_any_length(dtype, steps):
-    """The largest value below 1 (and one a few ulps lower) among many ones: a row sum rounds it to
+    """The largest value below 1 (and one a few ulps lower, and one ulp above 1) among many ones: a row sum rounds it to
     an integer (float32: 0.999 passed a sum == count test in rows of 65,536); the rule does not.
     Chunked on a CPU, so the bad value sits in the last chunk, the first, and alone in a column."""
     below = {torch.float32: 2.0 ** -24, torch.float64: 2.0 ** -53, torch.bfloat16: 2.0 ** -8,
              torch.float16: 2.0 ** -11}[dtype]
-    for deficit in (below, 8 * below):
+    for value in (1 - below, 1 - 8 * below, 1 + 2 * below):      # 2 * below: one ulp above 1
         for row, col in ((0, 0), (40, steps - 1), (40, steps // 2)):
             mask = torch.ones(41, steps, dtype=dtype)
-            mask[row, col] = 1 - deficit
-            assert 0 < mask[row, col].item() < 1
+            mask[row, col] = value
+            assert mask[row, col].item() == value != 1
             with pytest.raises(ValueError, match=rf"in rows \[{row}\]"):
                 check_mask("mask", mask)
             mask[row, col] = 1
             assert check_mask("mask", mask) is mask
+
+
+def test_a_float_mask_that_requires_grad_is_checked_like_any_other():
+    mask = torch.ones(3, 4, requires_grad=True)
+    assert check_mask("mask", mask) is mask
+    with pytest.raises(ValueError, match=r"in rows \[1\]"):
+        check_mask("mask", torch.tensor([[1.0, 0.0], [0.5, 1.0]], requires_grad=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float8_e4m3fn, torch.uint16, torch.uint32, torch.uint64])
+def test_a_mask_dtype_the_rule_cannot_read_is_a_type_error_naming_it(dtype):
+    mask = torch.ones(2, 3).to(dtype)
+    group = torch.zeros(2, dtype=torch.long)
+    for call in (lambda: check_mask("mask", mask),
+                 lambda: compute_advantages("grpo", rewards=torch.ones(2), mask=mask, group=group)):
+        with pytest.raises(TypeError, match=rf"mask: expected a bool or 0/1 mask of dtype .* got dtype {dtype}"):
+            call()
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.int8])

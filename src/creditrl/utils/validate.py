@@ -181,22 +181,36 @@ def _bit_view(x: Tensor) -> Tensor:
     return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
 
 
+MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+               torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_mask_dtype(name: str, mask: Tensor) -> None:
+    """A TypeError unless ``mask``'s dtype is one the mask rule reads (``MASK_DTYPES``: not complex,
+    float8 or the 16- to 64-bit unsigned integers, which torch's reductions do not all support)."""
+    if mask.dtype not in MASK_DTYPES:
+        raise TypeError(f"{name}: expected a bool or 0/1 mask of dtype bool, an integer of at most 64 bits "
+                        f"(unsigned: uint8 only) or float16/bfloat16/float32/float64, got dtype {mask.dtype}")
+
+
 def mask_stats(mask: Tensor) -> Tensor | None:
     """The statistics of the 0/1 rule for a numeric mask, float64 [2] (None for bool or empty:
     nothing to check), reduced on the mask's device and not read.
 
-    Integers: min, max. Floats: min and max of the bit patterns of f = m - m*m (``addcmul``, in
-    the mask's dtype), which is +0.0 exactly where m is +0.0 or 1 and nonzero or NaN for every
-    other value: positive on (0, 1) (it is m itself for the smallest subnormals, >= m/2 below 1/2,
-    and at least half an ulp of m above it, so it never rounds to 0), negative below 0 and above 1,
-    NaN for NaN and +inf, and -0.0 for m = -0.0 (a legal 0, accepted by ``mask_verdict``'s exact
-    pass). Both are 0 iff every value is +0.0 or 1: exact, with no tolerance. Over blocks of rows
-    (``row_blocks``), so f stays in cache on a CPU."""
+    Integers: min, max. Floats: min and max of the bit patterns of f = m - m*m (``addcmul``;
+    16-bit floats are computed in float32 and rounded once), which is +0.0 exactly where m is +0.0
+    or 1 and nonzero or NaN for every other value: positive on (0, 1) (it is m itself for the
+    smallest subnormals, >= m/2 below 1/2, and at least half an ulp of m above it, so it never
+    rounds to 0), negative below 0 and above 1, NaN for NaN and +inf, and -0.0 for m = -0.0 (a
+    legal 0, accepted by ``mask_verdict``'s exact pass). Both are 0 iff every value is +0.0 or 1:
+    exact, with no tolerance (under ``torch.set_flush_denormal(True)`` a subnormal reads as 0, and
+    counts as 0 everywhere downstream too). Over blocks of rows (``row_blocks``), so f stays in
+    cache on a CPU."""
     if mask.dtype == torch.bool or mask.numel() == 0:
         return None
     if not mask.is_floating_point():
         return torch.stack(torch.aminmax(mask)).to(torch.float64)
-    mask = mask.reshape(1) if mask.dim() == 0 else mask
+    mask = (mask.reshape(1) if mask.dim() == 0 else mask).detach()
     blocks = row_blocks(mask)
     # one block-sized buffer for f and a row of stats per block, written in place: each op
     # costs microseconds of overhead, a fresh tensor per block more than its arithmetic
@@ -247,15 +261,15 @@ def mask_verdict(name: str, mask: Tensor, values: list[float]) -> None:
 
 
 def check_mask(name: str, mask: object, shape: Sequence[int] | None = None) -> Tensor:
-    """The one mask rule (bool, or numeric holding only 0/1) from a few read passes reduced on the
-    mask's device, without a copy, and one host read; returns ``mask`` itself.
+    """The one mask rule (bool, or numeric holding only 0/1) from one read pass reduced on the
+    mask's device (a float mask's with one block-sized temporary) and one host read; returns
+    ``mask`` itself.
 
     Bool masks: nothing to check. Integer masks: one min/max pass. Float masks: one pass over
     m - m*m (``mask_stats``), exact: 0.99999994 is not 1.
     """
     mask = check_tensor(name, mask, ndim=2) if shape is None else check_tensor(name, mask, shape=list(shape))
-    if mask.is_complex():
-        raise TypeError(f"{name}: expected a bool or 0/1 mask, got dtype {mask.dtype}")
+    check_mask_dtype(name, mask)
     stats = mask_stats(mask)
     if stats is not None:
         mask_verdict(name, mask, stats.tolist())

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name
 from creditrl.utils.validate import (FLOAT32_MAX, INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
-                                    check_tensor, float32_bits, integer_mask_copy, integer_mask_verdict, mask_stats,
-                                    mask_verdict)
+                                    check_mask_dtype, check_tensor, float32_bits, integer_mask_copy,
+                                    integer_mask_verdict, mask_stats, mask_verdict)
 from creditrl.core.estimators.registry import (AdvantageBatch, EstimatorSpec, KRange, get_estimator, list_estimators,
                                                register_estimator)
 from creditrl.core.estimators.steps import returns_to_go
@@ -125,8 +125,7 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     overflow of the row sums).
     """
     mask = check_tensor("mask", mask, ndim=2)
-    if mask.is_complex():
-        raise TypeError(f"mask: expected a bool or 0/1 mask, got dtype {mask.dtype}")
+    check_mask_dtype("mask", mask)
     num, steps_t = mask.shape
     check_tensor("rewards", rewards, ndim=(1, 2))
     _real("rewards", rewards)
