@@ -167,6 +167,19 @@ def test_evaluate_rejects_bad_k(setup):
 
 
 @pytest.mark.slow
+def test_the_summary_says_whether_this_run_made_the_warm_start(tmp_path):
+    """The first run on an empty cache trains builtin:tiny's warm start; the second loads it, and its
+    summary must not claim the warm start happened in it."""
+    said = []
+    for name in ("first", "second"):
+        cfg = load_config(None, TINY_RUN + [f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}",
+                                            f"train.run_name={name}", "train.steps=1", "train.eval_every=0"])
+        said.append(json.loads((train(cfg) / "summary.json").read_text())["warm_start"])
+    assert said[0].endswith(", in this run (cached for later runs)"), said[0]
+    assert said[1].startswith("loaded from the cache, made by an earlier run (") and "in this run" not in said[1]
+
+
+@pytest.mark.slow
 def test_short_run_writes_every_output(tmp_path_factory):
     base = tmp_path_factory.getbasetemp()
     out = tmp_path_factory.mktemp("runs")

@@ -148,6 +148,9 @@ class Trainer:
             raise ConfigError(f"train.eval_problems: expected at most {held_out} (the task's held-out set), got "
                               f"{cfg.train.eval_problems}")
         show = cfg.logging.progress if progress is None else progress
+        # whether builtin:tiny's warm start is an earlier run's (the summary says which it is)
+        self.warm_start_cached = cfg.model.name == "builtin:tiny" and warm_start_info(tiny_cache_path(
+            self.task, cfg.model.tiny, cfg.model.warm_start, cfg.train.seed, cfg.model.cache_dir)) is not None
         self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
         if cfg.rollout.max_new_tokens is None:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
@@ -428,9 +431,10 @@ class Trainer:
             info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
                                                    c.model.cache_dir)) or {}
             if info:
-                extra["warm_start"] = (f"{info.get('steps')} SFT steps to a sampled mean reward (the accuracy "
-                                       f"for 0/1 rewards) of "
-                                       f"{info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s (cached for later runs)")
+                done = (f"{info.get('steps')} SFT steps to a sampled mean reward (the accuracy for 0/1 rewards) "
+                        f"of {info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s")
+                extra["warm_start"] = (f"loaded from the cache, made by an earlier run ({done})"
+                                       if self.warm_start_cached else f"{done}, in this run (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,
                              extra=extra, completions=completions,
                              sections=diagnosis_section(metrics, self.diagnosis.labels if self.diagnosis else []))
