@@ -148,9 +148,10 @@ class Trainer:
             raise ConfigError(f"train.eval_problems: expected at most {held_out} (the task's held-out set), got "
                               f"{cfg.train.eval_problems}")
         show = cfg.logging.progress if progress is None else progress
-        # whether builtin:tiny's warm start is an earlier run's (the summary says which it is)
-        self.warm_start_cached = cfg.model.name == "builtin:tiny" and warm_start_info(tiny_cache_path(
-            self.task, cfg.model.tiny, cfg.model.warm_start, cfg.train.seed, cfg.model.cache_dir)) is not None
+        # builtin:tiny's warm-start cache, and whether an earlier run made it (the summary says which)
+        self.tiny_cache = tiny_cache_path(self.task, cfg.model.tiny, cfg.model.warm_start, cfg.train.seed,
+                                          cfg.model.cache_dir) if cfg.model.name == "builtin:tiny" else None
+        self.warm_start_cached = self.tiny_cache is not None and warm_start_info(self.tiny_cache) is not None
         self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
         if cfg.rollout.max_new_tokens is None:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
@@ -427,9 +428,8 @@ class Trainer:
             extra["truncated_prompts"] = self.truncated_prompts
         if precision_comments(self.run_dir):
             extra["precision"] = precision_comments(self.run_dir)[0]
-        if c.model.name.startswith("builtin:"):
-            info = warm_start_info(tiny_cache_path(self.task, c.model.tiny, c.model.warm_start, c.train.seed,
-                                                   c.model.cache_dir)) or {}
+        if self.tiny_cache is not None:
+            info = warm_start_info(self.tiny_cache) or {}
             if info:
                 done = (f"{info.get('steps')} SFT steps to a sampled mean reward (the accuracy for 0/1 rewards) "
                         f"of {info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s")
