@@ -279,7 +279,7 @@ def stats_and_grads(model, batch, group, rows=None):
 
 
 def assert_same_stats(a, b, model, batch):
-    """Shared-prompt and plain forwards of the same rows: the same statistics up to the forwards'
+    """Packed and plain forwards of the same rows: the same statistics up to the forwards'
     rounding (tests/tolerances.py logp_atol; the entropy moves by <= (1 + log V)·|Δz| more, Σπ² and the
     energy by <= 2·|Δz|), and gradients through the same chain backwards (normwise)."""
     (sa, ga), (sb, gb) = a, b
@@ -295,26 +295,38 @@ def assert_same_stats(a, b, model, batch):
         assert_close_normwise(x, y, rtol, "parameter gradient")
 
 
-@pytest.fixture(params=["default", "one_bucket_per_length"])
-def buckets(request, monkeypatch):
-    """The default bucketing, and one forward per distinct length (every bucket path exercised)."""
-    import functools
+@pytest.fixture(params=["one_pack_per_group", "a_pack_per_3_tokens", "a_pack_per_row", "eager", "checkpointed"])
+def packs(request, monkeypatch):
+    """Whole groups in one pack, groups cut into packs of 3 response inputs and of one row (every
+    layout path); and the one-pack layout under eager attention (an additive float mask) and with
+    gradient checkpointing. Returns a function that prepares a model for the variant."""
+    from creditrl.runtime import scoring
+    tokens = {"a_pack_per_3_tokens": 3, "a_pack_per_row": 1}.get(request.param)
+    if tokens is not None:
+        monkeypatch.setattr(scoring, "PACK_TOKENS", tokens)
 
-    from creditrl.runtime import scoring as update
-    if request.param != "default":
-        monkeypatch.setattr(update, "length_buckets", functools.partial(update.length_buckets, overhead=0,
-                                                                        max_buckets=64))
-    return request.param
+    def prepare(model):
+        if request.param == "eager":
+            model.set_attn_implementation("eager")
+        if request.param == "checkpointed":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert scoring._packable(model)
+        return model
+    return prepare
 
 
-def test_shared_prompt_stats_match_plain_forward(setup, buckets):
+def test_packed_prompt_stats_match_plain_forward(setup, packs):
     task, tok = setup
-    model = tiny_model(tok, SMALL, seed=1)
+    model = packs(tiny_model(tok, SMALL, seed=1))
     problems = [task.sample(random.Random(i)) for i in range(3)] + [task.sample(random.Random(7))]
     batch = generate_rollouts(model, tok, task, problems, group_size=5, max_new_tokens=9,
                               generator=torch.Generator().manual_seed(3))
     lengths = batch.attention_mask[:, batch.prompt_len:].sum(-1)
-    assert len(set(lengths.tolist())) > 2  # rows of different lengths: several buckets
+    assert len(set(lengths.tolist())) > 2  # rows of different lengths
+    from creditrl.runtime import scoring
+    layout = scoring.pack_rows(batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask,
+                               batch.prompt_len, batch.group, scoring.PACK_TOKENS)
+    assert (layout.input_ids.shape[0] > 4) == (scoring.PACK_TOKENS < 9)   # 4 groups: cut into packs or not
     assert_same_stats(stats_and_grads(model, batch, None), stats_and_grads(model, batch, batch.group), model, batch)
     # a shuffled mini-batch: groups are not contiguous, some groups have one row
     rows = torch.randperm(20, generator=torch.Generator().manual_seed(0))[:9]
@@ -322,11 +334,11 @@ def test_shared_prompt_stats_match_plain_forward(setup, buckets):
                       model, batch)
 
 
-def test_shared_prompt_stats_with_length_one_rows_and_tool_holes(setup, buckets):
+def test_packed_prompt_stats_with_length_one_rows_and_tool_holes(setup, packs):
     """Rows of response length 1 (only the prompt's logits predict them) next to long rows, and
     mask-0 tokens inside a response (tool outputs): still the plain forward's values."""
     task, tok = setup
-    model = tiny_model(tok, SMALL, seed=2)
+    model = packs(tiny_model(tok, SMALL, seed=2))
     batch = generate_rollouts(model, tok, task, [task.sample(random.Random(i)) for i in range(2)], group_size=4,
                               max_new_tokens=6, generator=torch.Generator().manual_seed(0))
     p = batch.prompt_len
@@ -341,7 +353,20 @@ def test_shared_prompt_stats_with_length_one_rows_and_tool_holes(setup, buckets)
     assert_same_stats(stats_and_grads(model, batch, None), stats_and_grads(model, batch, batch.group), model, batch)
 
 
-def test_shared_prompt_stats_reject_groups_with_different_prompts(setup):
+def test_packed_prompt_stats_with_one_or_no_response_column(setup):
+    """Batches cut to one response column (only the prompts' logits predict) or none: the plain
+    forward's values, and [B, 0] statistics for no column."""
+    task, tok = setup
+    model = tiny_model(tok, SMALL, seed=3)
+    batch = random_batch(task, tok, model)
+    for width in (1, 0):
+        for name in ("input_ids", "attention_mask", "position_ids", "response_mask"):
+            setattr(batch, name, getattr(batch, name)[:, :batch.prompt_len + width])
+        assert_same_stats(stats_and_grads(model, batch, None), stats_and_grads(model, batch, batch.group), model, batch)
+        assert stats_and_grads(model, batch, batch.group)[0].logp.shape == (batch.input_ids.shape[0], width)
+
+
+def test_packed_prompt_stats_reject_groups_with_different_prompts(setup):
     from creditrl.runtime.scoring import response_stats
 
     task, tok = setup
@@ -354,17 +379,57 @@ def test_shared_prompt_stats_reject_groups_with_different_prompts(setup):
                        batch.prompt_len, temperature=1.0, group=wrong)
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=50), st.integers(0, 64), st.integers(1, 6))
-def test_length_buckets_partition_rows(lengths, overhead, max_buckets):
-    from creditrl.runtime.scoring import length_buckets
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_pack_rows_matches_a_loop_over_rows(data):
+    """pack_rows against a loop: every fed response token of every row sits once in a pack of
+    its group, with its id and position; each query attends exactly the keys it sees in the plain
+    forward; a pack holds fewer than ``pack_tokens`` response inputs before its last row."""
+    from creditrl.runtime.scoring import pack_rows
 
-    lengths = torch.tensor(lengths)
-    buckets = length_buckets(lengths, overhead=overhead, max_buckets=max_buckets)
-    rows = torch.cat(buckets)
-    assert sorted(rows.tolist()) == list(range(len(lengths)))      # every row exactly once
-    assert 1 <= len(buckets) <= max_buckets
-    for b in buckets:  # each bucket's last row is its longest (its forward's width)
-        assert int(lengths[b[-1]]) == int(lengths[b].max())
-    cost = sum(len(b) * int(lengths[b].max()) for b in buckets) + overhead * len(buckets)
-    assert cost <= len(lengths) * int(lengths.max()) + overhead  # never worse than one padded batch
+    sizes = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4), label="group sizes")
+    p, r, pack_tokens = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 6)), data.draw(st.integers(1, 8))
+    size = sum(sizes)
+    perm = data.draw(st.permutations(range(size)), label="row order")   # groups need not be contiguous
+    group = torch.tensor([g for g, n in enumerate(sizes) for _ in range(n)])[list(perm)] * 7 + 3
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    ids = torch.randint(0, 1000, (size, p + r), generator=gen)
+    attn = (torch.rand(size, p + r, generator=gen) < 0.8).long()
+    prompt_of = {g: (ids[i, :p].clone(), attn[i, :p].clone()) for i, g in enumerate(group.tolist())}
+    for i, g in enumerate(group.tolist()):
+        ids[i, :p], attn[i, :p] = prompt_of[g]
+    mask = (torch.rand(size, p + r, generator=gen) < 0.6) & (torch.arange(p + r) >= p)
+    pos = torch.randint(0, 100, (size, p + r), generator=gen)
+    packs = pack_rows(ids, attn, pos, mask.float(), p, group, pack_tokens)
+
+    def fed(b):   # response columns row b feeds: up to its last attended or trained column, less that one
+        last = max([j for j in range(r) if attn[b, p + j] or mask[b, p + j]], default=0)
+        return list(range(last))
+    where = {(b, j): (k, s) for b, j, k, s in zip(packs.rows.tolist(), packs.cols.tolist(),
+                                                   packs.row_pack[packs.rows].tolist(), packs.slots.tolist())}
+    assert sorted(where) == sorted((b, j) for b in range(size) for j in fed(b))
+    for (b, j), (k, s) in where.items():
+        assert (packs.input_ids[k, s], packs.position_ids[k, s]) == (ids[b, p + j], pos[b, p + j])
+    for k in range(packs.input_ids.shape[0]):
+        rows = [b for b in range(size) if packs.row_pack[b] == k]
+        assert len({int(group[b]) for b in rows}) == 1
+        assert sum(len(fed(b)) for b in rows[:-1]) < pack_tokens
+        head = int(packs.head_slot[k])
+        assert packs.input_ids[k, head] == ids[rows[0], p - 1]
+        # prompt slots: the attended prompt columns and the last one, in order, ending at the head
+        prompt_cols = [c for c in range(p) if attn[rows[0], c] or c == p - 1]
+        prompt_slot = dict(zip(prompt_cols, range(head - len(prompt_cols) + 1, head + 1)))
+        for c, s in prompt_slot.items():
+            assert packs.input_ids[k, s] == ids[rows[0], c]
+        for b in rows:
+            for j in fed(b):
+                keys = [prompt_slot[c] for c in range(p) if attn[b, c]]
+                keys += [where[b, i][1] for i in range(j + 1) if attn[b, p + i]]
+                expected = torch.zeros(packs.input_ids.shape[1], dtype=torch.bool)
+                expected[keys] = True
+                assert torch.equal(packs.allowed[k, 0, where[b, j][1]], expected if keys else ~expected)
+        for c, s in prompt_slot.items():
+            keys = [prompt_slot[i] for i in range(c + 1) if attn[rows[0], i]]
+            expected = torch.zeros(packs.input_ids.shape[1], dtype=torch.bool)
+            expected[keys] = True
+            assert torch.equal(packs.allowed[k, 0, s], expected if keys else ~expected)

@@ -10,7 +10,7 @@ the gradient of E[R] per group: unbiased for ``rloo`` and every ``leave_one_out`
 instead measure a configured policy loss L (``creditrl.core.losses.PolicyLoss``: its aggregation and
 terms) at the rollout policy, ratio 1: g = -(1/N) grad_theta (count * L), count the aggregation's
 denominator (``loss_cotangent``). Each group costs one forward (its prompt once, shared by its rows:
-``shared_prompt_stats``) and one backward per distinct non-zero cotangent through that forward; the
+``packed_prompt_stats``) and one backward per distinct non-zero cotangent through that forward; the
 advantages come from the same forward's energies, so no separate scoring pass is needed.
 
 A batch-level estimator (one that reads statistics of the whole batch: ``EstimatorSpec.uses_batch``,

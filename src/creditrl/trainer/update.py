@@ -81,7 +81,7 @@ class Update:
 
 def statistics(model, batch: Batch, rows: Tensor | None, cfg: Config, precision: Precision) -> TokenStats:
     """TokenStats [n, R] of ``rows`` (all when None) under ``precision``; each group's prompt
-    runs once (``shared_prompt_stats``). Differentiable unless called under no_grad."""
+    runs once per pack of rows (``packed_prompt_stats``). Differentiable unless called under no_grad."""
     t = batch.tensors if rows is None else {k: v[rows] for k, v in batch.tensors.items()}
     with precision.autocast(model):
         return response_stats(model, t["input_ids"], t["attention_mask"], t["position_ids"], t["response_mask"],
