@@ -377,6 +377,63 @@ def test_packed_prompt_stats_reject_groups_with_different_prompts(setup):
     with pytest.raises(ValueError, match=r"group: .*rows \[4\]"):
         response_stats(model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask,
                        batch.prompt_len, temperature=1.0, group=wrong)
+    shifted = batch.position_ids.clone()
+    shifted[5] += 3  # row 5's prompt at other positions than its group's: packing would move it
+    with pytest.raises(ValueError, match=r"group: .*positions of attended columns.*rows \[5\]"):
+        response_stats(model, batch.input_ids, batch.attention_mask, shifted, batch.response_mask,
+                       batch.prompt_len, temperature=1.0, group=batch.group)
+    shifted = batch.position_ids.clone()
+    shifted[:, 0] += 5 * (batch.attention_mask[:, 0] == 0)   # positions of unattended columns do not count
+    response_stats(model, batch.input_ids, batch.attention_mask, shifted, batch.response_mask,
+                   batch.prompt_len, temperature=1.0, group=batch.group)
+
+
+def test_a_prompt_with_no_attended_column_gives_finite_stats_of_its_own_rows(setup):
+    """A group whose prompt is all padding: its first response token is predicted from a query
+    with no key, which the plain forward leaves undefined (sdpa: zero attention; eager: spread over
+    the row). Packed, it sees itself alone: finite, and the same however the rows are packed;
+    every other value is the plain forward's."""
+    from creditrl.runtime import scoring
+
+    task, tok = setup
+    model = tiny_model(tok, SMALL, seed=4)
+    batch = random_batch(task, tok, model)
+    p, empty = batch.prompt_len, batch.group == batch.group[0]
+    batch.attention_mask[empty, :p] = 0
+    args = (model, batch.input_ids, batch.attention_mask, batch.position_ids, batch.response_mask, p, batch.group)
+    whole = scoring.packed_prompt_stats(*args, temperature=1.0)
+    by_row = scoring.packed_prompt_stats(*args, temperature=1.0, pack_tokens=1)
+    plain = scoring.response_stats(*args[:-1], temperature=1.0)
+    for name in ("logp", "entropy", "sum_p2", "energy"):
+        a, b, c = getattr(whole, name), getattr(by_row, name), getattr(plain, name)
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a[~empty], c[~empty], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a[empty, 1:], c[empty, 1:], atol=1e-5, rtol=0)
+
+
+def test_alibi_models_are_scored_by_the_plain_forward():
+    """ALiBi models (Falcon with alibi, Bloom) build their bias from a 2D mask: not packed."""
+    import transformers
+
+    from creditrl.runtime.scoring import _packable, response_stats
+
+    for config, model_cls in [(transformers.FalconConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2,
+                                                         num_attention_heads=4, alibi=True,
+                                                         new_decoder_architecture=False),
+                               transformers.FalconForCausalLM),
+                              (transformers.BloomConfig(vocab_size=16, hidden_size=32, n_layer=2, n_head=4),
+                               transformers.BloomForCausalLM)]:
+        torch.manual_seed(0)
+        model = model_cls(config).eval()
+        assert not _packable(model)
+        ids = torch.randint(1, 16, (2, 6))
+        ids[1, :3] = ids[0, :3]
+        attn, rmask = torch.ones_like(ids), (torch.arange(6) >= 3).float().expand(2, 6)
+        grouped = response_stats(model, ids, attn, attn.cumsum(-1) - 1, rmask, 3, temperature=1.0,
+                                 group=torch.tensor([0, 0]))
+        plain = response_stats(model, ids, attn, attn.cumsum(-1) - 1, rmask, 3, temperature=1.0)
+        assert torch.equal(grouped.logp, plain.logp)
 
 
 @settings(max_examples=80, deadline=None)
@@ -395,11 +452,11 @@ def test_pack_rows_matches_a_loop_over_rows(data):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
     ids = torch.randint(0, 1000, (size, p + r), generator=gen)
     attn = (torch.rand(size, p + r, generator=gen) < 0.8).long()
-    prompt_of = {g: (ids[i, :p].clone(), attn[i, :p].clone()) for i, g in enumerate(group.tolist())}
-    for i, g in enumerate(group.tolist()):
-        ids[i, :p], attn[i, :p] = prompt_of[g]
-    mask = (torch.rand(size, p + r, generator=gen) < 0.6) & (torch.arange(p + r) >= p)
     pos = torch.randint(0, 100, (size, p + r), generator=gen)
+    prompt_of = {g: (ids[i, :p].clone(), attn[i, :p].clone(), pos[i, :p].clone()) for i, g in enumerate(group.tolist())}
+    for i, g in enumerate(group.tolist()):
+        ids[i, :p], attn[i, :p], pos[i, :p] = prompt_of[g]
+    mask = (torch.rand(size, p + r, generator=gen) < 0.6) & (torch.arange(p + r) >= p)
     packs = pack_rows(ids, attn, pos, mask.float(), p, group, pack_tokens)
 
     def fed(b):   # response columns row b feeds: up to its last attended or trained column, less that one
@@ -426,10 +483,10 @@ def test_pack_rows_matches_a_loop_over_rows(data):
                 keys = [prompt_slot[c] for c in range(p) if attn[b, c]]
                 keys += [where[b, i][1] for i in range(j + 1) if attn[b, p + i]]
                 expected = torch.zeros(packs.input_ids.shape[1], dtype=torch.bool)
-                expected[keys] = True
-                assert torch.equal(packs.allowed[k, 0, where[b, j][1]], expected if keys else ~expected)
+                expected[keys or [where[b, j][1]]] = True          # no key: itself alone
+                assert torch.equal(packs.allowed[k, 0, where[b, j][1]], expected)
         for c, s in prompt_slot.items():
             keys = [prompt_slot[i] for i in range(c + 1) if attn[rows[0], i]]
             expected = torch.zeros(packs.input_ids.shape[1], dtype=torch.bool)
-            expected[keys] = True
-            assert torch.equal(packs.allowed[k, 0, s], expected if keys else ~expected)
+            expected[keys or [s]] = True
+            assert torch.equal(packs.allowed[k, 0, s], expected)

@@ -49,12 +49,15 @@ PROMPT, PAD = -1, -2       # segment ids of a pack's prompt and of its padding (
 
 def _packable(model) -> bool:
     """True for an HF model whose every layer attends fully (one DynamicLayer per layer in its
-    cache) and whose attention takes a 4D mask as given (sdpa, eager): packing is then exact."""
+    cache), whose attention takes a 4D mask as given (sdpa, eager) and whose positions come from
+    ``position_ids`` (not ALiBi): packing is then exact."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "get_decoder"):
         return False  # not an HF model
     if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return False  # flash-attention kernels take no custom mask
+    if getattr(config, "alibi", False) or getattr(config, "model_type", None) in ("bloom", "mpt"):
+        return False  # ALiBi biases are built from a 2D mask
     from transformers.cache_utils import DynamicCache, DynamicLayer   # where an HF model is in hand
 
     cache = DynamicCache(config=config)
@@ -80,17 +83,20 @@ class Packs:
     slots: Tensor
 
 
-def _groups(input_ids: Tensor, attention_mask: Tensor, prompt_len: int, group: Tensor) -> tuple[Tensor, Tensor]:
+def _groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, prompt_len: int,
+            group: Tensor) -> tuple[Tensor, Tensor]:
     """(each row's group index [B], each group's first row [G]); rows of a group whose prompt
     columns differ are a ValueError naming them."""
     size, p = input_ids.shape[0], prompt_len
     _, inverse = torch.unique(group, return_inverse=True)
     first_row = _least(inverse, torch.arange(size, device=group.device), int(inverse.max()) + 1)
-    prompt = torch.stack([input_ids[:, :p], attention_mask[:, :p].to(input_ids.dtype)])
+    attended = attention_mask[:, :p].to(input_ids.dtype)
+    prompt = torch.stack([input_ids[:, :p], attended, position_ids[:, :p].to(input_ids.dtype) * attended])
     differ = (prompt != prompt[:, first_row[inverse]]).any(-1).any(0)
     if bool(differ.any()):
-        raise ValueError(f"group: expected rows of one group to share their first {p} (prompt) columns, "
-                         f"got different prompts in rows {torch.nonzero(differ).flatten().tolist()[:10]}")
+        raise ValueError(f"group: expected rows of one group to share their first {p} (prompt) columns (ids, "
+                         f"attention mask, positions of attended columns), got different prompts in rows "
+                         f"{torch.nonzero(differ).flatten().tolist()[:10]}")
     return inverse, first_row
 
 
@@ -119,12 +125,14 @@ def pack_mask(seg: Tensor, col: Tensor, key: Tensor) -> Tensor:
     """[K, 1, L, L] bool, query attends key, from each slot's segment ``seg`` [K, L] (a row, PROMPT or
     PAD), column ``col`` and whether it is attended (``key``): a response token sees the pack's
     prompt and its row's columns up to its own; a prompt token the prompt's columns up to its own.
-    A query with no key (padding, an unattended prompt) sees every slot: no row of -inf."""
+    A query with no key (padding, a prompt with no attended column) sees itself alone: no row of
+    -inf, and nothing of other rows (the plain forward leaves it undefined: sdpa gives it zero
+    attention, eager spreads it over the row)."""
     allowed = seg[:, :, None] == seg[:, None, :]                  # built in place: K·L² bytes at a time
     allowed &= col[:, None, :] <= col[:, :, None]
     allowed |= (seg[:, None, :] == PROMPT) & (seg[:, :, None] != PROMPT)
     allowed &= key[:, None, :]
-    allowed |= ~allowed.any(-1, keepdim=True)
+    allowed.diagonal(dim1=1, dim2=2).logical_or_(~allowed.any(-1))
     return allowed[:, None]
 
 
@@ -138,7 +146,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, r
     columns and always its last one. Each token attends exactly the keys it sees in the plain
     forward (``pack_mask``), at its own position."""
     p, width, dev = prompt_len, input_ids.shape[1], input_ids.device
-    inverse, first_row = _groups(input_ids, attention_mask, p, group)
+    inverse, first_row = _groups(input_ids, attention_mask, position_ids, p, group)
     attn = attention_mask != 0
     valid = attn[:, p:] | (response_mask[:, p:] != 0)
     n_in = (valid * torch.arange(1, width - p + 1, device=dev)).amax(-1).clamp(min=1) - 1
@@ -166,7 +174,7 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, r
     return Packs(ids, pos, pack_mask(seg, col, key), row_pack, offset + prompt_count - 1, rows, cols, slot)
 
 
-def packed_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+def packed_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
                         response_mask: Tensor, prompt_len: int, group: Tensor, *, temperature: float,
                         pack_tokens: int | None = None, **kwargs) -> TokenStats:
     """``response_stats`` in one forward over ``pack_rows``' packs: each group's prompt runs once
@@ -177,6 +185,8 @@ def packed_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
     positions (the mask), and its logits are the same function of them."""
     p, (size, width) = prompt_len, input_ids.shape
     tokens, mask = input_ids[:, p:], response_mask[:, p:]
+    if position_ids is None:                                      # as the plain forward: 0..W-1
+        position_ids = torch.arange(width, device=input_ids.device).expand(size, width)
     packs = pack_rows(input_ids, attention_mask, position_ids, response_mask, p, group,
                       PACK_TOKENS if pack_tokens is None else pack_tokens)
     allowed = packs.allowed
