@@ -278,15 +278,21 @@ def stats_and_grads(model, batch, group, rows=None):
     return stats, [p.grad.clone() for p in model.parameters()]
 
 
+def stats_atol(model, batch) -> float:
+    """logp's tolerance between two forwards of ``batch`` (tests/tolerances.py logp_atol), at the
+    temperature 0.8 of stats_and_grads (any temperature >= 0.8 is covered)."""
+    with torch.no_grad():
+        scale = float(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids).logits.abs().max()) / 0.8      # tempered logits
+    return logp_atol(model, batch.input_ids.shape[1], scale)
+
+
 def assert_same_stats(a, b, model, batch):
     """Packed and plain forwards of the same rows: the same statistics up to the forwards'
     rounding (tests/tolerances.py logp_atol; the entropy moves by <= (1 + log V)·|Δz| more, Σπ² and the
     energy by <= 2·|Δz|), and gradients through the same chain backwards (normwise)."""
     (sa, ga), (sb, gb) = a, b
-    with torch.no_grad():
-        scale = float(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids).logits.abs().max()) / 0.8      # tempered logits
-    atol = logp_atol(model, batch.input_ids.shape[1], scale)
+    atol = stats_atol(model, batch)
     factors = {"logp": 1.0, "entropy": 1 + math.log(model.config.vocab_size), "sum_p2": 1.0, "energy": 1.0}
     for name, factor in factors.items():
         torch.testing.assert_close(getattr(sa, name), getattr(sb, name), atol=atol * factor, rtol=0)
@@ -404,12 +410,26 @@ def test_a_prompt_with_no_attended_column_gives_finite_stats_of_its_own_rows(set
     whole = scoring.packed_prompt_stats(*args, temperature=1.0)
     by_row = scoring.packed_prompt_stats(*args, temperature=1.0, pack_tokens=1)
     plain = scoring.response_stats(*args[:-1], temperature=1.0)
+    atol = stats_atol(model, batch) * (1 + math.log(model.config.vocab_size))   # the entropy's factor covers all
     for name in ("logp", "entropy", "sum_p2", "energy"):
         a, b, c = getattr(whole, name), getattr(by_row, name), getattr(plain, name)
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-        torch.testing.assert_close(a[~empty], c[~empty], atol=1e-5, rtol=0)
-        torch.testing.assert_close(a[empty, 1:], c[empty, 1:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+        torch.testing.assert_close(a[~empty], c[~empty], atol=atol, rtol=0)
+        torch.testing.assert_close(a[empty, 1:], c[empty, 1:], atol=atol, rtol=0)
+
+
+def test_packed_prompt_stats_without_position_ids_count_columns_as_the_plain_forward(setup):
+    """position_ids=None: both forwards number the columns 0..W-1 (HF's default)."""
+    from creditrl.runtime.scoring import response_stats
+
+    task, tok = setup
+    model = tiny_model(tok, SMALL, seed=5)
+    batch = random_batch(task, tok, model)
+    args = (model, batch.input_ids, batch.attention_mask, None, batch.response_mask, batch.prompt_len)
+    packed, plain = response_stats(*args, temperature=1.0, group=batch.group), response_stats(*args, temperature=1.0)
+    batch.position_ids = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids)   # for the logits' scale
+    torch.testing.assert_close(packed.logp, plain.logp, atol=stats_atol(model, batch), rtol=0)
 
 
 def test_alibi_models_are_scored_by_the_plain_forward():
