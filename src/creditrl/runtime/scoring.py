@@ -155,8 +155,8 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, r
     keep_prompt[:, -1] = True
     prompt_count = keep_prompt.sum(-1)[pack_group]                                  # [K]
     length = prompt_count + torch.zeros_like(prompt_count).index_add_(0, row_pack, n_in)
-    offset = int(length.max()) - length                                             # right-aligned
     shape = (len(pack_group), int(length.max()))
+    offset = shape[1] - length                                                      # right-aligned
     ids, pos = input_ids.new_zeros(shape), position_ids.new_zeros(shape)
     seg, col = torch.full(shape, PAD, device=dev), torch.zeros(shape, dtype=torch.long, device=dev)
     key = torch.zeros(shape, dtype=torch.bool, device=dev)
