@@ -388,6 +388,12 @@ def test_packed_prompt_stats_reject_groups_with_different_prompts(setup):
     with pytest.raises(ValueError, match=r"group: .*positions of attended columns.*rows \[5\]"):
         response_stats(model, batch.input_ids, batch.attention_mask, shifted, batch.response_mask,
                        batch.prompt_len, temperature=1.0, group=batch.group)
+    half = batch.response_mask.clone()
+    half[3, -1] = 0.5   # not a 0/1 mask: the plain forward's error, naming the row
+    for group in (None, batch.group):
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.*rows \[3\]"):
+            response_stats(model, batch.input_ids, batch.attention_mask, batch.position_ids, half,
+                           batch.prompt_len, temperature=1.0, group=group)
     shifted = batch.position_ids.clone()
     shifted[:, 0] += 5 * (batch.attention_mask[:, 0] == 0)   # positions of unattended columns do not count
     response_stats(model, batch.input_ids, batch.attention_mask, shifted, batch.response_mask,

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from creditrl.core.token_stats import TokenStats, token_stats
+from creditrl.utils.validate import as_mask
 
 
 def response_stats(model, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_mask: Tensor,
@@ -184,7 +185,7 @@ def packed_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
     Equal to the plain forward up to float rounding: every token attends the same keys at the same
     positions (the mask), and its logits are the same function of them."""
     p, (size, width) = prompt_len, input_ids.shape
-    tokens, mask = input_ids[:, p:], response_mask[:, p:]
+    tokens, mask = input_ids[:, p:], as_mask("mask", response_mask[:, p:])   # the plain path's rule and name
     if position_ids is None:                                      # as the plain forward: 0..W-1
         position_ids = torch.arange(width, device=input_ids.device).expand(size, width)
     packs = pack_rows(input_ids, attention_mask, position_ids, response_mask, p, group,
@@ -202,7 +203,7 @@ def packed_prompt_stats(model, input_ids: Tensor, attention_mask: Tensor, positi
     targets = torch.zeros(logits.shape[:2], dtype=tokens.dtype, device=tokens.device).index_put_(
         (k, slot), tokens[packs.rows, packs.cols + 1])
     trained = torch.zeros(logits.shape[:2], dtype=torch.bool, device=mask.device).index_put_(
-        (k, slot), mask[packs.rows, packs.cols + 1] != 0)
+        (k, slot), mask[packs.rows, packs.cols + 1])
     rest = token_stats(logits, targets, trained, temperature=temperature, **kwargs)
 
     def place(first: Tensor, packed: Tensor) -> Tensor:
