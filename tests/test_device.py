@@ -347,8 +347,8 @@ def test_policy_loss_reads_its_metrics_in_one_copy(device, combo):
 def test_learner_update_moves_no_token_tensors_to_the_host(device):
     """One ``Learner.update`` (statistics, advantages, loss, optimizer, metrics): no [B,T] tensor
     comes back; docs/performance.md: at most 64 scalar reads (validation guards and the step's
-    metrics; none per parameter tensor) and 16 small copies (chunk bounds, loss metrics, bucket
-    lengths [B]) per step of one micro-batch."""
+    metrics; none per parameter tensor) and 16 small copies (chunk bounds, loss metrics, the
+    packing's sizes) per step of one micro-batch."""
     from creditrl.config import load_config
     from creditrl.runtime.rollout import generate_rollouts
     from creditrl.tasks import get_task
