@@ -504,15 +504,14 @@ def test_pack_rows_matches_a_loop_over_rows(data):
         prompt_slot = dict(zip(prompt_cols, range(head - len(prompt_cols) + 1, head + 1)))
         for c, s in prompt_slot.items():
             assert packs.input_ids[k, s] == ids[rows[0], c]
+
+        def attends(s, keys):   # the query at slot s sees exactly these slots (no key: itself alone)
+            expected = torch.zeros(packs.input_ids.shape[1], dtype=torch.bool)
+            expected[keys or [s]] = True
+            return torch.equal(packs.allowed[k, 0, s], expected)
         for b in rows:
             for j in fed(b):
                 keys = [prompt_slot[c] for c in range(p) if attn[b, c]]
-                keys += [where[b, i][1] for i in range(j + 1) if attn[b, p + i]]
-                expected = torch.zeros(packs.input_ids.shape[1], dtype=torch.bool)
-                expected[keys or [where[b, j][1]]] = True          # no key: itself alone
-                assert torch.equal(packs.allowed[k, 0, where[b, j][1]], expected)
+                assert attends(where[b, j][1], keys + [where[b, i][1] for i in range(j + 1) if attn[b, p + i]])
         for c, s in prompt_slot.items():
-            keys = [prompt_slot[i] for i in range(c + 1) if attn[rows[0], i]]
-            expected = torch.zeros(packs.input_ids.shape[1], dtype=torch.bool)
-            expected[keys or [s]] = True
-            assert torch.equal(packs.allowed[k, 0, s], expected)
+            assert attends(s, [prompt_slot[i] for i in range(c + 1) if attn[rows[0], i]])

@@ -89,8 +89,8 @@ def _groups(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, pro
     """(each row's group index [B], each group's first row [G]); rows of a group whose prompt
     columns differ are a ValueError naming them."""
     size, p = input_ids.shape[0], prompt_len
-    _, inverse = torch.unique(group, return_inverse=True)
-    first_row = _least(inverse, torch.arange(size, device=group.device), int(inverse.max()) + 1)
+    distinct, inverse = torch.unique(group, return_inverse=True)
+    first_row = _least(inverse, torch.arange(size, device=group.device), len(distinct))
     attended = attention_mask[:, :p].to(input_ids.dtype)
     prompt = torch.stack([input_ids[:, :p], attended, position_ids[:, :p].to(input_ids.dtype) * attended])
     differ = (prompt != prompt[:, first_row[inverse]]).any(-1).any(0)
