@@ -111,7 +111,7 @@ def _assign(n_in: Tensor, most: int, inverse: Tensor, n_groups: int, pack_tokens
     pack's prompt [B], for rows feeding ``n_in`` [B] (<= ``most``) response inputs: a group's rows in order,
     a new pack where a row starts at or past the next multiple of ``pack_tokens`` inputs of its group."""
     size = len(n_in)
-    order = torch.sort(inverse * size + torch.arange(size, device=n_in.device)).indices
+    order = torch.sort(inverse, stable=True).indices              # by group, rows in order within it
     group_sorted, n_sorted = inverse[order], n_in[order]
     start = torch.cumsum(n_sorted, 0) - n_sorted
     in_group = start - _least(group_sorted, start, n_groups)[group_sorted]
@@ -129,7 +129,7 @@ def pack_mask(seg: Tensor, col: Tensor, key: Tensor) -> Tensor:
     A query with no key (padding, a prompt with no attended column) sees itself alone: no row of
     -inf, and nothing of other rows (the plain forward leaves it undefined: sdpa gives it zero
     attention, eager spreads it over the row)."""
-    allowed = seg[:, :, None] == seg[:, None, :]                  # built in place: K·L² bytes at a time
+    allowed = seg[:, :, None] == seg[:, None, :]                  # in place: the mask and one K·L² temporary
     allowed &= col[:, None, :] <= col[:, :, None]
     allowed |= (seg[:, None, :] == PROMPT) & (seg[:, :, None] != PROMPT)
     allowed &= key[:, None, :]
