@@ -7,6 +7,7 @@ from creditrl.config import load_config
 from creditrl.recipe import reference
 from creditrl.trainer.loop import resume, train
 from creditrl.utils import cli
+from creditrl.utils.durations import format_duration
 
 HELP = "train a policy (defaults: builtin:tiny on addition)"
 EXAMPLES = """examples:
@@ -43,5 +44,5 @@ def run(args) -> int:
         run_dir = train(cfg, progress=False if args.no_progress else None, overwrite=args.overwrite)
     print((run_dir / "summary.md").read_text())
     print(f"run directory: {run_dir}  (total wall time incl. model load/warm start: "
-          f"{(time.perf_counter() - start) / 60:.1f} min)")
+          f"{format_duration(time.perf_counter() - start)})")
     return 0

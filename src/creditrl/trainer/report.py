@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from creditrl.utils.durations import format_duration
 from creditrl.utils.plots import figure, save_figure
 
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
@@ -93,7 +94,7 @@ def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     lines = [f"# {title}", "",
              f"- steps: {summary['steps']}, generated tokens: {summary['tokens_total']:,}, "
-             f"wall time: {wall_time / 60:.1f} min",
+             f"wall time: {format_duration(wall_time)}",
              f"- held-out problems: {end.get('n_problems', '?')}, samples per problem: {end.get('n_samples', '?')}",
              "", "| held-out metric | start (step %s) | end (step %s) | change |" % (start.get("step"), end.get("step")),
              "|---|---|---|---|"]

@@ -22,6 +22,7 @@ from creditrl.tools.diagnose.optimizer_state import check_run, from_checkpoint
 from creditrl.tools.diagnose.plan import (Plan, budget_seconds, estimator_specs, loss_choice, loss_label)
 from creditrl.tools.diagnose.run import diagnose_policy
 from creditrl.utils import cli
+from creditrl.utils.durations import format_duration
 from creditrl.utils.options import deep_update
 from creditrl.utils.rundir import check_new_run
 from creditrl.utils.threads import torch_threads
@@ -111,5 +112,5 @@ def run_command(cfg: Config, d: DiagnoseConfig | None = None, *, overwrite: bool
         diagnose_policy(model, tokenizer, task, plan, space, rollout, setting=setting, vhat=vhat,
                         adam_source=f"the AdamW state of {state_dir}" if state_dir is not None else "",
                         run_dir=run_dir, overwrite=overwrite, progress=progress)
-    print(f"run directory: {run_dir}  (total wall time incl. model load: {(time.perf_counter() - start) / 60:.1f} min)")
+    print(f"run directory: {run_dir}  (total wall time incl. model load: {format_duration(time.perf_counter() - start)})")
     return run_dir

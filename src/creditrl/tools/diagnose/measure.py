@@ -35,6 +35,7 @@ from creditrl.runtime.gradient_space import GradientSpace, LARGE_MODEL_PARAMS
 from creditrl.runtime.group_gradients import GroupDraws, batch_advantages, batch_level_labels, group_gradients
 from creditrl.runtime.rollout import RolloutBatch, generate_rollouts
 from creditrl.tools.diagnose.plan import ADAM, GRPO, REF, Plan
+from creditrl.utils.durations import format_duration
 from creditrl.utils.stats import t_quantile
 
 RESOLVED_SE = 3.0          # the reference's ‖μ̂‖² must be at least this many standard errors above 0
@@ -331,7 +332,7 @@ def eta_text(state: dict, per_prompt: float, left: float) -> str:
     if not math.isfinite(more):
         return "unknown (signal not resolved)"
     seconds = max(0.0, more) * per_prompt
-    return f"{seconds / 60:.1f} min" + (" (beyond the budget)" if seconds > left else "")
+    return format_duration(seconds) + (" (beyond the budget)" if seconds > left else "")
 
 
 def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[], float] = time.perf_counter,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from creditrl.core.gradients import Interval
 from creditrl.tools import tables
+from creditrl.utils.durations import format_duration
 from creditrl.utils.io import atomic_write_text
 
 SKETCH_ERROR = ("Count sketch (Charikar et al. 2002): E<Sa, Sb> = <a, b> exactly, Var<Sa, Sb> ≤ 2‖a‖²‖b‖²/d, so a "
@@ -128,8 +129,8 @@ def setting_text(result: dict) -> str:
             f"{STOPS.get(m['stop'], m['stop'])}.{distinct} {result['informative_fraction']:.0%} of groups "
             f"informative (reward spread > 0); {m['invalid']} of {m['responses']} rewards invalid. Gradient space: "
             f"{s['space']}. Intervals: 95% jackknife t over {s['folds']} folds of prompts; labels: Holm over the "
-            f"comparisons with the configured row (5% family-wise). Wall time {result['timing']['total_s'] / 60:.1f} "
-            f"min (budget {s['budget_min']:.1f}).\n")
+            f"comparisons with the configured row (5% family-wise). Wall time "
+            f"{format_duration(result['timing']['total_s'])} (budget {s['budget_min']:.1f} min).\n")
 
 
 def reference_text(result: dict) -> str:
