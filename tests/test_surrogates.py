@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from creditrl import policy_loss
 from creditrl.core.losses import ON_POLICY_AS_CLIP, ClipCovOptions, KLCovOptions, SapoOptions, PolicyLoss
+from creditrl.core.losses.dppo import DPPO_DEFAULT_CAP
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
@@ -317,3 +318,28 @@ def test_gspo_composes_with_cispo_as_a_sequence_level_weight():
     n = mask.sum(1, keepdim=True).clamp(min=1)
     s = (((logp - old) * mask).sum(1, keepdim=True) / n).exp()
     torch.testing.assert_close(grad, -s.clamp(0.8, 1.2) * adv * mask.double() / mask.sum(), rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("gap", [0.0, 10.5, 30.0])
+def test_gspo_cap_cuts_the_ratio_surrogates_gradient_not_the_reinforce_forms(gap):
+    """GSPO caps log s_b at 10 (verl), which passes no gradient to the clipped ratio where it binds;
+    CISPO (ℓ = −sg(clip(s_b))·A·log π, TRL's cispo at the sequence level) and DPPO detach the
+    ratio's value, so they keep their ∇log π on every token whatever s_b."""
+    old, logp, adv, mask, _ = inputs(3)
+    old = old - gap                                           # every z up by ``gap``: log s_b too
+    n = mask.sum(1, keepdim=True).clamp(min=1)
+    log_s = ((logp - old) * mask).sum(1, keepdim=True) / n
+    s = log_s.clamp(max=10.0).exp()
+    lp = logp.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(policy_loss(lp, old, adv, mask, gspo=True, cispo=True)[0], lp)
+    torch.testing.assert_close(grad, -s.clamp(0.8, 1.2) * adv * mask.double() / mask.sum(), rtol=1e-10, atol=1e-14)
+    # DPPO's coefficient min(s_b, C)·inside·A (C = 20 while clip_c is unset): every token inside passes it
+    (grad,) = torch.autograd.grad(policy_loss(lp, old, adv, mask, gspo=True, dppo_tv=True)[0], lp)
+    inside = grad != 0
+    assert bool(inside.any()) or gap == 0.0
+    torch.testing.assert_close(grad[inside], (-s.clamp(max=DPPO_DEFAULT_CAP) * adv / mask.sum()).expand_as(grad)[inside],
+                               rtol=1e-10, atol=1e-14)
+    (grad,) = torch.autograd.grad(policy_loss(lp, old, adv, mask, gspo=True)[0], lp)
+    capped = (log_s > 10.0).expand_as(grad)
+    assert bool(capped.any()) == (gap > 0)
+    assert bool((grad[capped] == 0).all())                   # verl: no gradient where the cap binds

@@ -14,7 +14,9 @@ before the first step). ``EntropyControl`` holds (c, last entropy); the trainer 
 top_entropy (a "keep" term): only the top-ρ fraction of tokens by entropy keep the surrogate's
 gradient ("Beyond the 80/20 rule", arXiv 2506.01939; TRL's ``top_entropy_quantile``): the token
 surrogate is multiplied by 1[H_t ≥ quantile_{1−ρ}(H over the kept tokens)] (linear interpolation,
-as ``torch.quantile``). As in TRL the other tokens stay in the denominators and in the penalties.
+as ``torch.quantile``). As in TRL the other tokens stay in the loss's denominators; unlike TRL 1.16,
+whose entropy bonus then averages over the high-entropy tokens alone, the penalties (an entropy
+bonus included) still act on every kept token.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ gradient path:
     log s_bt = sg(mean_{t∈κ_b} z_bt) + z_bt − sg(z_bt),   clamped above at 10
 
 (value log s_b on every token, gradient ∇z_bt; the clamp is verl's, for stability, and passes no
-gradient where it binds). The term rewrites the state's log-ratio, so whatever surrogate follows
+gradient where it binds to the ratio surrogates; the REINFORCE-form ones, CISPO and DPPO, detach
+the ratio's value and keep ∇z_bt there: ``LossState.score_route``). The term rewrites the state's log-ratio, so whatever surrogate follows
 sees s_b: the PPO clip by default (verl's and TRL's ``gspo`` / ``importance_sampling_level=
 "sequence"``), or CISPO, SAPO, ... (TRL composes the sequence ratio with every ``loss_type`` the
 same way). The mean runs over the kept tokens (verl: ``response_mask``). GSPO's paper
@@ -38,7 +39,9 @@ def gspo(state: LossState, options: GspoOptions) -> LossState:
     rows = keep_f.sum(dim=1, keepdim=True)
     z = state.log_ratio
     seq = (z.detach() * keep_f).sum(dim=1, keepdim=True) / rows.clamp(min=1)
-    log_ratio = (z - z.detach() + seq).clamp(max=GSPO_MAX_LOG_RATIO) * state.valid_f
+    route = z - z.detach() + seq                     # off valid its value is seq, finite: only its gradient is read
+    log_ratio = route.clamp(max=GSPO_MAX_LOG_RATIO) * state.valid_f
     has = (rows > 0).to(seq.dtype)
     metric = (seq.abs() * has).sum() / has.sum().clamp(min=1)
-    return dataclasses.replace(state, log_ratio=log_ratio).with_metrics(seq_log_ratio_abs=metric)
+    return dataclasses.replace(state, log_ratio=log_ratio, score_route=(log_ratio, route)).with_metrics(
+        seq_log_ratio_abs=metric)

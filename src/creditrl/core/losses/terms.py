@@ -74,6 +74,9 @@ class LossState:
     keep:        bool ⊆ valid, the tokens the loss counts
     row_tokens:  [B] valid tokens per row;  n_valid: 0-d, Σ row_tokens (at least 1)
     log_ratio:   z = log π_θ − log π_old (set before the "ratio" stage)
+    score_route: (log_ratio, r) from a ratio term that caps log_ratio's value and with it its
+                 gradient (GSPO's log s ≤ 10, as verl): while log_ratio is still that tensor,
+                 ``score_logp`` takes r's gradient instead (None: log_ratio's own)
     weight:      per-token factor of the surrogate, [B,T] or [B,1] (None = 1)
     token_loss:  ℓ [B,T] (set by the "surrogate" stage);  loss: the scalar (set by "aggregate")
     flat:        flat term name -> its options (also of a term a chosen one replaces: ``flat["clip"]``)
@@ -93,6 +96,7 @@ class LossState:
     entropy: Tensor | None = None
     truncated: Tensor | None = None
     log_ratio: Tensor | None = None
+    score_route: tuple[Tensor, Tensor] | None = None
     weight: Tensor | None = None
     token_loss: Tensor | None = None
     loss: Tensor | None = None
@@ -118,8 +122,13 @@ class LossState:
     def score_logp(self) -> Tensor:
         """log π_θ(y_t) for the REINFORCE-form surrogates ℓ = −sg(w)·A·log π (CISPO, DPPO): the value
         of ``logp`` with the gradient of ``log_ratio``, so a ratio-stage term (GSPO's sequence
-        ratio, a GRPO-λ trace) routes it as it routes the ratio (with none, exactly ``logp``)."""
-        return self.log_ratio - self.log_ratio.detach() + self.logp.detach()
+        ratio, a GRPO-λ trace) routes it as it routes the ratio (with none, exactly ``logp``). A cap on
+        the ratio's value (``score_route``) does not cut it: these surrogates detach the ratio's
+        value, so the cap has no overflow to prevent, and CISPO keeps A·clip(r)·∇log π on every token."""
+        route = self.log_ratio
+        if self.score_route is not None and self.score_route[0] is route:
+            route = self.score_route[1]
+        return route - route.detach() + self.logp.detach()
 
 
 @dataclass(frozen=True)
