@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from creditrl.tools import tables
 from creditrl.tools import compare
+from creditrl.utils.rundir import RunDirError, mark_run
 from tolerances import sum_rtol
 
 
@@ -135,9 +136,56 @@ def test_compare_end_to_end_with_trainer(tmp_path):
     stamp = (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns
     assert cli_main(argv) == 0  # finished runs are reused, not retrained
     assert (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp
-    argv[argv.index("train.steps=2")] = "train.steps=3"  # a changed recipe retrains
-    assert cli_main(argv) == 0
+    argv[argv.index("train.steps=2")] = "train.steps=3"  # a changed recipe: finished runs are kept ...
+    assert cli_main(argv) == 2
+    assert (tmp_path / "runs" / "grpo-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp
+    assert cli_main([*argv, "--force"]) == 0                # ... until --force retrains them
     assert tables.read_csv(tmp_path / "final.csv")[0]["steps"] == 3
+
+
+def planned(out, overrides=("train.steps=4",)):
+    """A plan for run ``a`` seed 0 under ``out`` (``check_replaceable`` reads its target and recipe)."""
+    return compare.PlannedRun("a", compare.run_dir(out, "a", 0),
+                              {"config": None, "overrides": [*overrides, "train.seed=0"], "run_overrides": []}, None)
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_compare_never_replaces_a_folder_that_is_not_a_training_run(tmp_path, force):
+    plan = planned(tmp_path)
+    (plan.target / "chapters").mkdir(parents=True)
+    (plan.target / "chapters" / "ch1.tex").write_text("precious")
+    with pytest.raises(RunDirError, match="is not a creditrl training run"):
+        compare.check_replaceable([plan], force)
+    mark_run(plan.target, "diagnose")            # a diagnose report is no training run either
+    with pytest.raises(RunDirError, match="is not a creditrl training run"):
+        compare.check_replaceable([plan], force)
+
+
+def test_compare_refuses_a_finished_run_from_another_recipe_unless_forced(tmp_path):
+    plan = planned(tmp_path)
+    plan.target.mkdir(parents=True)
+    mark_run(plan.target, "train")
+    (plan.target / "summary.json").write_text("{}")
+    with pytest.raises(RunDirError, match=r"has no compare_recipe.json .*--force retrains it"):
+        compare.check_replaceable([plan], False)
+    (plan.target / compare.RECIPE_FILE).write_text(json.dumps(planned(tmp_path, ["train.steps=3"]).recipe))
+    with pytest.raises(RunDirError, match=r"trained with \['train.steps=3'\] where this compare sets "
+                                          r"\['train.steps=4'\]\); --force retrains it"):
+        compare.check_replaceable([plan], False)
+    compare.check_replaceable([plan], True)
+    (plan.target / "summary.json").unlink()      # an unfinished run of compare's restarts without --force
+    compare.check_replaceable([plan], False)
+
+
+def test_compare_cli_keeps_a_folder_in_the_way(tmp_path, capsys):
+    """Case: ``compare --run thesis`` deleted OUT/runs/thesis-s0 whatever it held; now it stops
+    before any training and names the folder."""
+    decoy = tmp_path / "runs" / "thesis-s0"
+    decoy.mkdir(parents=True)
+    (decoy / "ch1.tex").write_text("precious")
+    assert compare.main(["--out", str(tmp_path), "--no-progress", "train.steps=1", "--run", "thesis", "--"]) == 2
+    assert "is not a creditrl training run" in capsys.readouterr().err
+    assert (decoy / "ch1.tex").read_text() == "precious" and sorted(p.name for p in decoy.iterdir()) == ["ch1.tex"]
 
 
 def test_cli_rejects_bad_jobs(tmp_path, capsys):

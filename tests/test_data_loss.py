@@ -11,6 +11,7 @@ import pytest
 
 from creditrl.cli import main
 from creditrl.config import ConfigError, load_config
+from creditrl.utils.rundir import mark_run, run_kind
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
         "model.warm_start.max_steps=50", "model.warm_start.eval_every=25", "model.warm_start.eval_size=8",
@@ -55,6 +56,7 @@ def test_overwrite_replaces_a_run_once_it_can_start(finished_run):
     assert main([*args[:-1], "train.run_name=again", "--overwrite"]) == 0
     assert not (other / "stale.txt").exists()
     assert [json.loads(x)["step"] for x in (other / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert run_kind(other) == "train"
 
 
 @pytest.mark.parametrize("name", ["..", ".", "a/b", "/tmp", "..\\x"])
@@ -95,8 +97,48 @@ def test_diagnose_overwrite_with_a_bad_input_keeps_the_report(tmp_path, bad, cap
     run.mkdir()
     for name, text in (("diagnose.md", "# report"), ("diagnose.json", "{}")):
         (run / name).write_text(text)
+    mark_run(run, "diagnose")
     before = snapshot(run)
     assert main(["diagnose", "--no-progress", *TINY, *bad, f"train.output_dir={tmp_path}", "diagnose.run_name=d",
                  "--overwrite"]) == 2
     assert "error:" in capsys.readouterr().err
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("files", [{"config.yaml": "foo: 1\n", "important.txt": "keep"},
+                                   {"metrics.jsonl": "", "sub/thesis.tex": "years of work"},
+                                   {"diagnose.md": "# my notes", "diagnose.json": "{}"}],
+                         ids=["config-yaml", "metrics-jsonl", "diagnose-files"])
+@pytest.mark.parametrize("command,key", [("train", "train.run_name"), ("diagnose", "diagnose.run_name")])
+def test_overwrite_refuses_a_folder_that_only_looks_like_a_run(tmp_path, files, command, key, capsys):
+    """A config.yaml, a metrics.jsonl or a diagnose.md is any project's file: only the marker every
+    creditrl run writes first lets --overwrite delete a directory."""
+    folder = tmp_path / "project"
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    before = snapshot(folder)
+    assert main([command, "--no-progress", *TINY, f"train.output_dir={tmp_path}", f"{key}=project",
+                 "--overwrite"]) == 2
+    assert "is not a creditrl run directory" in capsys.readouterr().err
+    assert snapshot(folder) == before
+
+
+def test_overwrite_refuses_a_run_of_the_other_kind(finished_run, tmp_path, capsys):
+    """A diagnose report never replaces a trained run (its final model), nor a training run a report."""
+    root, args = finished_run
+    before = snapshot(root / "done")
+    assert run_kind(root / "done") == "train"
+    assert main(["diagnose", "--no-progress", *TINY, f"train.output_dir={root}", "diagnose.run_name=done",
+                 "--overwrite"]) == 2
+    assert "it is a creditrl train run, and this diagnose run replaces only a diagnose run" in capsys.readouterr().err
+    assert snapshot(root / "done") == before
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "diagnose.md").write_text("# report")
+    mark_run(report, "diagnose")
+    before = snapshot(report)
+    assert main(["train", "--no-progress", *TINY, f"train.output_dir={tmp_path}", "train.run_name=report",
+                 "--overwrite"]) == 2
+    assert "it is a creditrl diagnose run, and this train run replaces only a train run" in capsys.readouterr().err
+    assert snapshot(report) == before

@@ -11,7 +11,8 @@ config key that differs between the runs, and warns when one differs that no run
 A spec file holds ``config`` (base YAML, optional), ``overrides`` (for every run), ``seeds`` and
 ``runs`` (name -> list of ``key=value`` overrides). Each run × seed trains into
 ``OUT/runs/<name>-s<seed>``; a finished one trained from the same config and overrides is reused
-unless ``--force``.
+unless ``--force``, one trained from others is refused unless ``--force`` (which retrains it,
+deleting it), and a directory there that is not a creditrl training run is always refused.
 The report (``OUT/report.md``, ``OUT/compare.png``, ``OUT/final.csv``, ``OUT/curves.csv``) is
 built from the runs' metrics.jsonl / eval.jsonl only, so ``--report-only`` redraws it.
 """
@@ -22,7 +23,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -37,6 +37,7 @@ from creditrl.tools import tables
 from creditrl.trainer import train
 from creditrl.trainer.loop import TrainingStopped
 from creditrl.utils.imports import PluginError
+from creditrl.utils.rundir import LOCK_FILE, RunDirError, run_kind
 from creditrl.utils.validate import check_int
 
 PANELS = (  # (metric, x axis) of the report figure
@@ -143,8 +144,9 @@ def plan_runs(spec: CompareSpec, out: Path, *, progress: bool = True) -> list[Pl
 def train_planned(plan: PlannedRun) -> Path:
     """Train one planned run into a clean directory and stamp its recipe (a process pool's task)."""
     print(f"[creditrl compare] training {plan.target.name} -> {plan.target}", flush=True)
-    shutil.rmtree(plan.target, ignore_errors=True)  # a stale or partial run: start clean, never append
-    target = Path(train(plan.cfg))
+    # a partial or (``check_replaceable``) forced run starts clean, never appends: ``train`` deletes
+    # it only once the new run has loaded its model, and only a training run
+    target = Path(train(plan.cfg, overwrite=True))
     (target / RECIPE_FILE).write_text(json.dumps(plan.recipe))
     return target
 
@@ -160,6 +162,7 @@ def train_runs(plans: list[PlannedRun], *, force: bool = False, jobs: int = 1,
     todo = [p for p in plans if force or not (p.target / "summary.json").exists()
             or not (p.target / RECIPE_FILE).exists()
             or _trained_from(json.loads((p.target / RECIPE_FILE).read_text())) != _trained_from(p.recipe)]
+    check_replaceable(todo, force)
     failed = {}
     if jobs == 1 or len(todo) < 2:
         for plan in todo:
@@ -175,6 +178,36 @@ def train_runs(plans: list[PlannedRun], *, force: bool = False, jobs: int = 1,
         if plan.target.name not in failed:
             dirs.setdefault(plan.name, []).append(plan.target)
     return dirs
+
+
+def check_replaceable(plans: list[PlannedRun], force: bool) -> None:
+    """Before any run trains: each directory a plan would replace holds a creditrl training run, and
+    a finished one only with ``force``, so neither a mistyped ``--out`` nor a changed override
+    deletes anyone's work silently."""
+    for plan in plans:
+        target = plan.target
+        if target.exists() and not target.is_dir():
+            raise RunDirError(f"compare: {str(target)!r} exists and is not a directory; move it or choose another --out")
+        if not target.is_dir() or not any(p.name != LOCK_FILE for p in target.iterdir()):
+            continue
+        if run_kind(target) != "train":
+            raise RunDirError(f"compare: {str(target)!r} exists and is not a creditrl training run (compare trains "
+                              f"each run into OUT/runs/NAME-sSEED); move it or choose another --out")
+        if (target / "summary.json").exists() and not force:
+            recipe = target / RECIPE_FILE
+            was = _trained_from(json.loads(recipe.read_text())) if recipe.is_file() else None
+            now = _trained_from(plan.recipe)
+            if was is None:
+                how = f"it has no {RECIPE_FILE} (a run compare did not train)"
+            elif was["config"] != now["config"]:
+                how = f"it was trained from config {was['config']!r}, this compare's is {now['config']!r}"
+            else:
+                gone = [o for o in was["overrides"] if o not in now["overrides"]]
+                new = [o for o in now["overrides"] if o not in was["overrides"]]
+                how = (f"it was trained with {gone} where this compare sets {new}" if gone or new else
+                       "the same overrides in another order, which can change the config")
+            raise RunDirError(f"compare: {str(target)!r} is a finished run from another recipe ({how}); "
+                              f"--force retrains it (deleting it), or choose another --out")
 
 
 def _trained_from(recipe: dict) -> dict:
@@ -442,7 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(repeat for each run)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the spec's, else 0)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "compare", help="output dir (default: runs/compare)")
-    parser.add_argument("--force", action="store_true", help="retrain runs that already finished")
+    parser.add_argument("--force", action="store_true",
+                        help="retrain runs that already finished (deleting them); without it a finished run from "
+                        "another config or overrides is refused")
     parser.add_argument("--report-only", action="store_true", help="only redraw the report from OUT/runs")
     parser.add_argument("--smooth", type=int, default=None, help="moving-average window in steps (default: steps/20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

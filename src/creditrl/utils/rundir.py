@@ -1,8 +1,10 @@
 """Run directories that cannot be corrupted by accident.
 
 - A new run refuses an existing, non-empty directory unless ``overwrite``; continuing one is
-  ``--resume``'s job. ``overwrite`` deletes only a creditrl run directory, and only once the new
-  run has checked its whole config and loaded its model (``check_new_run`` then ``clear_run``).
+  ``--resume``'s job. ``overwrite`` deletes only a creditrl run directory of the same kind, known
+  by the marker every run writes first (``mark_run``: a ``config.yaml`` alone is any project's),
+  and only once the new run has checked its whole config and loaded its model (``check_new_run``
+  then ``clear_run``).
 - The directory must be writable, checked before any model is loaded.
 - ``RunLock``: one writer at a time. ``.lock`` holds the owner's PID; a lock whose process is
   gone (a killed run) is taken over, a live one is an error naming the PID.
@@ -11,6 +13,7 @@ file + ``os.replace``; a failed write removes its temporary file and names the p
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -34,17 +37,35 @@ def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
                           f"choose a writable {arg}") from None
 
 
-RUN_MARKERS = ("config.yaml", "diagnose.json", "diagnose.md", "metrics.jsonl")   # what creditrl writes first
+RUN_MARKER = ".creditrl-run"       # {"kind": "train" | "diagnose"}: the first file of every run directory
+RUN_KINDS = ("train", "diagnose")
+
+
+def mark_run(run_dir: Path, kind: str) -> None:
+    """Mark ``run_dir`` as a creditrl run of ``kind`` (one of ``RUN_KINDS``): what ``--overwrite``
+    may delete."""
+    if kind not in RUN_KINDS:
+        raise ValueError(f"kind: expected one of {list(RUN_KINDS)}, got {kind!r}")
+    (Path(run_dir) / RUN_MARKER).write_text(json.dumps({"kind": kind}) + "\n")
+
+
+def run_kind(run_dir: Path) -> str | None:
+    """The kind ``mark_run`` wrote into ``run_dir``; None for a directory without a readable marker."""
+    try:
+        kind = json.loads((Path(run_dir) / RUN_MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in RUN_KINDS else None
 
 
 def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.run_name",
-                  resume_hint: bool = True) -> None:
-    """Checks for a new run in ``run_dir``, before any work and without deleting anything: an
-    existing, non-empty directory is refused unless ``overwrite``; ``overwrite`` of a directory
-    that is not a creditrl run (none of ``RUN_MARKERS``) is refused too, so a mistyped
-    ``output_dir``/``run_name`` can never delete someone's folder. Errors name ``key``;
-    ``resume_hint`` mentions ``creditrl train --resume``. Deleting is ``clear_run``'s job, once
-    the new run is certain to start."""
+                  resume_hint: bool = True, kind: str = "train") -> None:
+    """Checks for a new run of ``kind`` in ``run_dir``, before any work and without deleting
+    anything: an existing, non-empty directory is refused unless ``overwrite``; ``overwrite`` of a
+    directory that is not a creditrl run of the same kind (``run_kind``) is refused too, so a
+    mistyped ``output_dir``/``run_name`` can never delete someone's folder, nor a diagnose report a
+    trained model. Errors name ``key``; ``resume_hint`` mentions ``creditrl train --resume``.
+    Deleting is ``clear_run``'s job, once the new run is certain to start."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"{key}: {str(run_dir)!r} exists and is not a directory; choose another {key}")
     entries = [p.name for p in run_dir.iterdir() if p.name != LOCK_FILE] if run_dir.is_dir() else []
@@ -53,9 +74,15 @@ def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.r
             resume = f"continue it with `creditrl train --resume {run_dir}` or " if resume_hint else ""
             raise RunDirError(f"{key}: the run directory {str(run_dir)!r} already exists; {resume}start it again "
                               f"with --overwrite (which deletes it){'' if resume_hint else ' or choose another ' + key}")
-        if not any(name in entries for name in RUN_MARKERS):
+        found = run_kind(run_dir)
+        if found is None:
             raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: it is not a creditrl run "
-                              f"directory (it holds none of {list(RUN_MARKERS)}); choose another {key}")
+                              f"directory (it has no {RUN_MARKER} marker, which every run writes first; a run made "
+                              f"before creditrl wrote one has none: delete it yourself if it is one); "
+                              f"choose another {key}")
+        if found != kind:
+            raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: it is a creditrl {found} run, "
+                              f"and this {kind} run replaces only a {kind} run; choose another {key}")
     check_writable(run_dir.parent if not run_dir.exists() else run_dir,
                    "train.output_dir" if not run_dir.exists() else key)
 

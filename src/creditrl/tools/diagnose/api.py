@@ -169,7 +169,8 @@ def diagnose(model, tokenizer, dataset, reward_funcs, *, reward_weights: Sequenc
     task = DatasetTask(dataset, funcs, check_weights(reward_weights, len(funcs)))
     run_dir = Path(output_dir).expanduser() if output_dir is not None else None
     if run_dir is not None:
-        check_new_run(run_dir, overwrite=overwrite, key="output_dir", resume_hint=False)   # deleted once done
+        check_new_run(run_dir, overwrite=overwrite, key="output_dir", resume_hint=False,
+                      kind="diagnose")   # deleted once done
     rows = len(plan.rows) * (2 if plan.adam else 1)
     space = choose_space(model, d.params, rows, plan.folds, plan.groups_per_prompt, d.max_memory_gb, d.sketch_dim,
                          key="params", memory_key="max_memory_gb")

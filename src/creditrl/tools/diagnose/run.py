@@ -16,7 +16,7 @@ from creditrl.tools.diagnose import recommend as rc
 from creditrl.tools.diagnose import report
 from creditrl.tools.diagnose.measure import Accumulator, Measurement, ModelSource, make_sketch, measure, status
 from creditrl.tools.diagnose.plan import Plan
-from creditrl.utils.rundir import RunLock, check_new_run, clear_run
+from creditrl.utils.rundir import RunLock, check_new_run, clear_run, mark_run
 
 
 def summarize(meas: Measurement, plan: Plan) -> dict:
@@ -97,11 +97,13 @@ def assemble(meas: Measurement, plan: Plan, space: GradientSpace, rollout: dict,
 def publish(run_dir: Path, result: dict, *, overwrite: bool, key: str) -> None:
     """Write the report beside ``run_dir``, then (holding its lock) clear an overwritten run and move
     the files in: a failure while writing leaves the old report as it was."""
-    check_new_run(run_dir, overwrite=overwrite, key=key, resume_hint=False)   # again: it may have appeared
+    # again: it may have appeared
+    check_new_run(run_dir, overwrite=overwrite, key=key, resume_hint=False, kind="diagnose")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=run_dir.parent, prefix=f".tmp-{run_dir.name}-") as folder:
         tmp = Path(folder)
         report.write(tmp, result)
+        mark_run(tmp, "diagnose")
         with RunLock(run_dir):
             clear_run(run_dir)
             for file in tmp.iterdir():
