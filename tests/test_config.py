@@ -1,6 +1,7 @@
 """Config: defaults, YAML + dotted overrides, typed values, clear errors, invalid combinations."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 from importlib import resources
@@ -20,8 +21,58 @@ def resolved(overrides=(), path=None):
 
 
 def test_packaged_default_yaml_equals_declared_defaults():
+    """Every key at its declared default, the diagnose section's too, and the file is what
+    `creditrl config --yaml` prints (so a new key cannot be left out of it)."""
+    from creditrl.config import DiagnoseConfig, load_diagnose_config
+    from creditrl.recipe.reference import default_yaml
+
     path = resources.files("creditrl") / "configs" / "default.yaml"
     assert config_to_dict(resolved(path=str(path))) == config_to_dict(resolve_config(Config()))
+    assert load_diagnose_config(str(path))[1] == DiagnoseConfig()
+    assert path.read_text() == default_yaml(), "regenerate it: creditrl config --yaml > src/creditrl/configs/default.yaml"
+    data = yaml.safe_load(path.read_text())
+    assert data["algorithm"]["options"] == {}   # another estimator would refuse the default one's options
+    assert set(data["loss"]) >= {"entropy_bonus", "cispo", "gspo", "sapo", "top_entropy", "delta_l_norm", "terms"}
+    assert set(data["logging"]) == {f.name for f in dataclasses.fields(Config().logging)}
+    again = resolve_config(load_config(str(path), ["algorithm.estimator=grpo"]))   # the copy-and-edit case
+    assert again.algorithm.estimator == "grpo"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loss.entropy_bonus.coef=0.1"], r"loss.entropy_bonus.coef: set to 0.1, but the entropy_bonus term is off "
+                                      r"\(loss.entropy_bonus.enabled is false\), so it would do nothing; switch it on "
+                                      r"with loss.entropy_bonus.enabled=true, or drop loss.entropy_bonus.coef"),
+    (["loss.trace.lam=0.5"], r"loss.trace.lam: set to 0.5, but the trace term is off"),
+    (["loss.stapo.enabled=false", "loss.stapo.tau_p=0.5"], r"loss.stapo.tau_p: set to 0.5, but the stapo term is off"),
+    (["model.lora.r=8"], r"model.lora.r: set to 8, but model.lora is off \(model.lora.enabled is false\)"),
+    (["rollout.dynamic_sampling.max_rounds=3"], r"rollout.dynamic_sampling.max_rounds: set to 3, but "
+                                                r"rollout.dynamic_sampling is off"),
+    (["rollout.overlong.penalty=2"], r"rollout.overlong.penalty: set to 2.0, but the penalty is off "
+                                     r"\(rollout.overlong.buffer is 0\)"),
+])
+def test_options_of_a_switched_off_section_are_refused(overrides, message, tmp_path):
+    """Case (audit): `loss.entropy_bonus.coef=0.1` ran with no bonus and config.yaml said coef 0.0.
+    Options of a section that is off do nothing, so they are refused, from the command line and
+    from a YAML file alike; a section at its defaults, on or off, is fine."""
+    with pytest.raises(ConfigError, match=message):
+        resolved(overrides)
+    key, value = overrides[-1].split("=")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(load_nested(key, yaml.safe_load(value))))
+    with pytest.raises(ConfigError, match=message):
+        resolved(overrides[:-1], path=str(path))
+    on = [o.replace("=false", "=true") for o in overrides[:-1]] or [
+        f"{key.rsplit('.', 1)[0]}.{'buffer=2' if 'overlong' in key else 'enabled=true'}"]
+    resolved([*on, overrides[-1]])   # switched on, the same option is taken
+    resolved(["loss.stapo.enabled=false", "loss.stapo.tau_p=0.002", "model.lora.enabled=false", "model.lora.r=16"])
+
+
+def load_nested(key: str, value) -> dict:
+    """``a.b.c`` and its value as the nested mapping a YAML file would hold."""
+    out = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
 
 
 def test_packaged_reasoning_gym_config_loads_and_builds_its_task():

@@ -3,7 +3,9 @@ estimator's, loss terms' and task's options are checked against their declaratio
 ``creditrl.recipe.resolve``."""
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any
 
 from creditrl.config.schema import (SIGNALS, TEMPERATURE_RANGE, Config, ConfigError, OverlongConfig,
                                     RolloutConfig)
@@ -78,6 +80,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"rollout.stop[{i}]: expected a non-empty string, got {stop!r} (an empty stop string "
                               f"matches at the start of every response and would cut each one to nothing)")
     validate_sampling_controls(r)
+    check_switched_off("model.lora", cfg.model.lora)
     samples = eval_settings(cfg)[1]
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
@@ -101,6 +104,19 @@ def _check_labels(key: str, labels: list | None) -> None:
         raise ConfigError(f"{key}: expected a non-empty list of distinct estimator names or null, got {labels}")
 
 
+def check_switched_off(key: str, section: Any) -> None:
+    """A section switched off by its ``enabled`` field sets none of its other fields: they would do
+    nothing, and the run would say it used them (ConfigError naming the first)."""
+    if section.enabled:
+        return
+    default = type(section)()
+    for f in dataclasses.fields(section):
+        if f.name != "enabled" and getattr(section, f.name) != getattr(default, f.name):
+            raise ConfigError(f"{key}.{f.name}: set to {getattr(section, f.name)!r}, but {key} is off ({key}.enabled "
+                              f"is false), so it would do nothing; switch it on with {key}.enabled=true, or drop "
+                              f"{key}.{f.name}")
+
+
 def validate_sampling_controls(r: RolloutConfig) -> None:
     """rollout.overlong and rollout.dynamic_sampling (the buffer against an automatic
     max_new_tokens is checked once the tokenizer has resolved it, ``check_overlong``)."""
@@ -110,12 +126,17 @@ def validate_sampling_controls(r: RolloutConfig) -> None:
     if not o.penalty > 0:
         raise ConfigError(f"rollout.overlong.penalty: expected a value > 0, got {o.penalty!r}")
     check_overlong(o, r.max_new_tokens)
+    if o.buffer == 0 and o.penalty != OverlongConfig().penalty:
+        raise ConfigError(f"rollout.overlong.penalty: set to {o.penalty!r}, but the penalty is off "
+                          f"(rollout.overlong.buffer is 0), so it would do nothing; set rollout.overlong.buffer > 0, "
+                          f"or drop rollout.overlong.penalty")
     if d.max_rounds < 1:
         raise ConfigError(f"rollout.dynamic_sampling.max_rounds: expected an integer >= 1 (the first round "
                           f"included), got {d.max_rounds}")
     if d.signal not in SIGNALS and not (d.signal.startswith("reward/") and len(d.signal) > len("reward/")):
         raise ConfigError(f"rollout.dynamic_sampling.signal: expected one of {list(SIGNALS)} or 'reward/<name>' (a "
                           f"reward component as logged), got {d.signal!r}")
+    check_switched_off("rollout.dynamic_sampling", d)
     if d.enabled and r.group_size < 2:
         raise ConfigError(f"rollout.dynamic_sampling.enabled: drops the groups whose signal does not vary, which "
                           f"needs rollout.group_size >= 2 (a group of 1 never varies, so every group would be "

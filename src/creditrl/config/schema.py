@@ -299,8 +299,10 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     loss: dict[str, Any] = opt({"clip_high": 0.28}, "The loss terms' options (`creditrl config` lists every one): the clipped "
                                    "surrogate, aggregation, KL and rollout correction flat (`loss.clip_low`, "
-                                   "`loss.agg`, `loss.kl_coef`, ...), optional terms as sections "
-                                   "(`loss.stapo.enabled=true`, `loss.trace.lam=0.99`; one surrogate in place of the "
+                                   "`loss.agg`, `loss.kl_coef`, ...), optional terms as sections switched on by "
+                                   "`enabled` (`loss.stapo.enabled=true`, `loss.trace.enabled=true "
+                                   "loss.trace.lam=0.9`: a section's options are refused while it is off; one "
+                                   "surrogate in place of the "
                                    "clip: `loss.cispo.enabled=true`), your own terms by import path in `loss.terms`; "
                                    "checked when the run starts. The trainer's recipe sets "
                                    "`clip_high: 0.28` (DAPO's clip-higher) over the library's default.")

@@ -97,6 +97,13 @@ def _from_nested(loss: Mapping[str, Any], where: str) -> dict[str, Any]:
         options = instantiate(f"{where}.{name}", term.options, section)   # checked even while off
         if enabled:
             chosen[name] = options
+            continue
+        default = term.make_options()
+        changed = [f.name for f in dataclasses.fields(options) if getattr(options, f.name) != getattr(default, f.name)]
+        if changed:   # verl's entropy_coeff > 0 or TRL's entropy_coef switch the term on; silence here would mislead
+            raise OptionError(f"{where}.{name}.{changed[0]}: set to {getattr(options, changed[0])!r}, but the {name} "
+                              f"term is off ({where}.{name}.enabled is false), so it would do nothing; switch it on "
+                              f"with {where}.{name}.enabled=true, or drop {where}.{name}.{changed[0]}")
     given: dict[str, int] = {}
     for i, entry in enumerate(loss.get("terms") or []):
         term, options = _listed_term(f"{where}.terms[{i}]", entry, terms)
