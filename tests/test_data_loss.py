@@ -142,3 +142,25 @@ def test_overwrite_refuses_a_run_of_the_other_kind(finished_run, tmp_path, capsy
                  "--overwrite"]) == 2
     assert "it is a creditrl diagnose run, and this train run replaces only a train run" in capsys.readouterr().err
     assert snapshot(report) == before
+
+
+def test_output_dir_with_a_tilde_is_under_home(tmp_path, monkeypatch):
+    """Case (audit): train.output_dir=~/runs made a directory named '~' in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--no-progress", *TINY, "train.steps=1", f"model.cache_dir={tmp_path / 'cache'}",
+                 "train.output_dir=~/runs", "train.run_name=r"]) == 0
+    assert run_kind(tmp_path / "home" / "runs" / "r") == "train" and not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "diagnose", "compare"])
+def test_a_second_config_file_is_refused(tmp_path, command, capsys):
+    """argparse kept the last --config silently, dropping every key of the first."""
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("train:\n  steps: 1\n")
+    second.write_text("optim:\n  lr: 1.0e-5\n")
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--config", str(first), "--config", str(second), f"train.output_dir={tmp_path}"])
+    assert exit_.value.code == 2
+    assert f"--config: given twice ({str(first)!r} and {str(second)!r})" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.yaml", "b.yaml"]

@@ -36,6 +36,7 @@ from creditrl.recipe.resolve import resolve_config
 from creditrl.tools import tables
 from creditrl.trainer import train
 from creditrl.trainer.loop import TrainingStopped
+from creditrl.utils import cli
 from creditrl.utils.imports import PluginError
 from creditrl.utils.rundir import LOCK_FILE, RunDirError, run_kind
 from creditrl.utils.validate import check_int
@@ -110,7 +111,7 @@ def load_spec(path: Path) -> CompareSpec:
 
 
 def run_dir(out: Path, name: str, seed: int) -> Path:
-    return Path(out) / "runs" / f"{name}-s{seed}"
+    return Path(out).expanduser() / "runs" / f"{name}-s{seed}"
 
 
 @dataclass(frozen=True)
@@ -469,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "run's own, up to the next option (refused when they end the command line and set keys "
                              "no other run sets: ambiguous)")
     parser.add_argument("--spec", type=Path, help="YAML spec with config / overrides / seeds / runs")
-    parser.add_argument("--config", help="base config YAML for every run (default: the packaged defaults)")
+    parser.add_argument("--config", action=cli.GivenOnce,
+                        help="base config YAML for every run (default: the packaged defaults)")
     parser.add_argument("--run", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                         help="one configuration: a name then its own overrides, up to the next option or `--` "
                              "(repeat for each run)")

@@ -170,7 +170,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.train.seed)
         self.task_rng = random.Random(cfg.train.seed)
         self.step, self.tokens_total, self.elapsed = 0, 0, 0.0
-        self.run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
+        self.run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir).expanduser() / run_name(cfg)
         self.progress = show
         self.eval_problems, self.eval_samples, self.pass_k = eval_settings(cfg)
         test = self.task.test_set()
@@ -476,7 +476,7 @@ def located(cfg: Config, run_dir: Path) -> Config:
     """``cfg`` naming ``run_dir`` as its train.output_dir / run_name (a run directory moved or
     copied elsewhere is resumed where it is, and its config says so)."""
     t = cfg.train
-    if (Path(t.output_dir) / (t.run_name or "")).resolve() == run_dir.resolve():
+    if (Path(t.output_dir).expanduser() / (t.run_name or "")).resolve() == run_dir.resolve():
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=str(run_dir.parent), run_name=run_dir.name))
 
@@ -514,7 +514,7 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
     (``resume`` continues it) before any work; ``overwrite`` deletes it only once the whole config
     is checked and the model loaded, so a bad input never costs a finished run. A run that fails
     before logging anything (a tracker that cannot start) leaves no directory behind."""
-    run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir) / run_name(cfg)
+    run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir).expanduser() / run_name(cfg)
     created = not run_dir.exists()
     check_new_run(run_dir, overwrite=overwrite)
     with RunLock(run_dir):

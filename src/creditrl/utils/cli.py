@@ -10,12 +10,24 @@ from typing import Callable
 from creditrl.utils.errors import USER_ERRORS
 
 
+class GivenOnce(argparse.Action):
+    """An option that may be given once: argparse keeps the last of two silently, and a second
+    ``--config`` would drop every key of the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string}: given twice ({getattr(namespace, self.dest)!r} and {values!r}); give one "
+                         f"(merge the files, or set single keys as key=value)")
+        setattr(namespace, self.dest, values)
+
+
 def config_parser(command: str, help_text: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
     """A subcommand's parser with the config arguments every config-taking command has."""
     parser = argparse.ArgumentParser(prog=f"creditrl {command}", description=description or help_text,
                                      epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
-    parser.add_argument("--config", metavar="FILE", help="YAML config file (or a packaged config's name)")
+    parser.add_argument("--config", metavar="FILE", action=GivenOnce,
+                        help="YAML config file (or a packaged config's name)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (e.g. in CI logs)")
     return parser
 
