@@ -164,3 +164,13 @@ def test_a_second_config_file_is_refused(tmp_path, command, capsys):
     assert exit_.value.code == 2
     assert f"--config: given twice ({str(first)!r} and {str(second)!r})" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.yaml", "b.yaml"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_resume_of_something_that_is_no_directory_names_it_and_leaves_nothing(tmp_path, kind, capsys):
+    target = tmp_path / "run"
+    if kind == "a file":
+        target.write_text("notes")
+    assert main(["train", "--resume", str(target)]) == 2
+    assert f"resume: {str(target)!r} is {kind}; expected a creditrl run directory" in capsys.readouterr().err
+    assert target.exists() == (kind == "a file") and (kind == "missing" or target.read_text() == "notes")

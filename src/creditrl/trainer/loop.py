@@ -47,7 +47,7 @@ from creditrl.core.estimators.labels import LOO
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
 from creditrl.recipe.build import (ConfiguredLoss, build_task, check_lora_source, default_max_new_tokens,
                                    load_configured_policy, policy_loss_from_config)
-from creditrl.utils.rundir import RunLock, check_new_run, clear_run, mark_run, run_kind
+from creditrl.utils.rundir import RunDirError, RunLock, check_new_run, clear_run, mark_run, run_kind
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.errors import CreditrlError
 from creditrl.utils.plots import require_matplotlib
@@ -539,6 +539,9 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:
     """Continue the interrupted run in ``run_dir`` from its newest valid checkpoint."""
+    if not Path(run_dir).is_dir():   # before the lock, which would create it
+        what = "a file" if Path(run_dir).exists() else "missing"
+        raise RunDirError(f"resume: {str(run_dir)!r} is {what}; expected a creditrl run directory")
     with RunLock(Path(run_dir)):
         trainer = Trainer.resume(run_dir, progress=progress)
         if run_kind(Path(run_dir)) is None:   # a run from before the marker: checked as a run just now
