@@ -111,7 +111,7 @@ def load_spec(path: Path) -> CompareSpec:
 
 
 def run_dir(out: Path, name: str, seed: int) -> Path:
-    return Path(out).expanduser() / "runs" / f"{name}-s{seed}"
+    return Path(out) / "runs" / f"{name}-s{seed}"
 
 
 @dataclass(frozen=True)
@@ -476,7 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one configuration: a name then its own overrides, up to the next option or `--` "
                              "(repeat for each run)")
     parser.add_argument("--seeds", default=None, help="comma-separated seeds (default: the spec's, else 0)")
-    parser.add_argument("--out", type=Path, default=Path("runs") / "compare", help="output dir (default: runs/compare)")
+    parser.add_argument("--out", type=lambda text: Path(text).expanduser(), default=Path("runs") / "compare",
+                        help="output dir (default: runs/compare)")
     parser.add_argument("--force", action="store_true",
                         help="retrain runs that already finished (deleting them); without it a finished run from "
                         "another config or overrides is refused")

@@ -74,9 +74,9 @@ class LossState:
     keep:        bool ⊆ valid, the tokens the loss counts
     row_tokens:  [B] valid tokens per row;  n_valid: 0-d, Σ row_tokens (at least 1)
     log_ratio:   z = log π_θ − log π_old (set before the "ratio" stage)
-    score_route: (log_ratio, r) from a ratio term that caps log_ratio's value and with it its
-                 gradient (GSPO's log s ≤ 10, as verl): while log_ratio is still that tensor,
-                 ``score_logp`` takes r's gradient instead (None: log_ratio's own)
+    score_route: (log_ratio, uncapped) from a ratio term that caps log_ratio's value and with it
+                 its gradient (GSPO's log s ≤ 10, as verl): while log_ratio is still that tensor,
+                 ``score_logp`` takes uncapped's gradient instead (None: log_ratio's own)
     weight:      per-token factor of the surrogate, [B,T] or [B,1] (None = 1)
     token_loss:  ℓ [B,T] (set by the "surrogate" stage);  loss: the scalar (set by "aggregate")
     flat:        flat term name -> its options (also of a term a chosen one replaces: ``flat["clip"]``)
