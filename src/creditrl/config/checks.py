@@ -3,7 +3,6 @@ estimator's, loss terms' and task's options are checked against their declaratio
 ``creditrl.recipe.resolve``."""
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -80,7 +79,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"rollout.stop[{i}]: expected a non-empty string, got {stop!r} (an empty stop string "
                               f"matches at the start of every response and would cut each one to nothing)")
     validate_sampling_controls(r)
-    check_switched_off("model.lora", cfg.model.lora)
     samples = eval_settings(cfg)[1]
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
@@ -104,17 +102,35 @@ def _check_labels(key: str, labels: list | None) -> None:
         raise ConfigError(f"{key}: expected a non-empty list of distinct estimator names or null, got {labels}")
 
 
-def check_switched_off(key: str, section: Any) -> None:
-    """A section switched off by its ``enabled`` field sets none of its other fields: they would do
-    nothing, and the run would say it used them (ConfigError naming the first)."""
-    if section.enabled:
-        return
-    default = type(section)()
-    for f in dataclasses.fields(section):
-        if f.name != "enabled" and getattr(section, f.name) != getattr(default, f.name):
-            raise ConfigError(f"{key}.{f.name}: set to {getattr(section, f.name)!r}, but {key} is off ({key}.enabled "
-                              f"is false), so it would do nothing; switch it on with {key}.enabled=true, or drop "
-                              f"{key}.{f.name}")
+SWITCHES = {"model.lora": ("enabled", "model.lora.enabled=true"),
+            "rollout.dynamic_sampling": ("enabled", "rollout.dynamic_sampling.enabled=true"),
+            "rollout.overlong": ("buffer", "rollout.overlong.buffer > 0")}
+
+
+def check_switches(layers: list[Any], cfg: Config) -> None:
+    """A section that is off unless its switch is set (``SWITCHES``; the loss terms' sections:
+    ``creditrl.core.losses.compose``) refuses options given while the switch is neither given in
+    any layer nor on: they would do nothing. Giving the switch, even off, is an ablation and
+    passes (a run's config.yaml gives every switch)."""
+    for key, (switch, how) in SWITCHES.items():
+        sections = [section for layer in layers if isinstance(section := _section(layer, key), dict)]
+        options = [name for section in sections for name in section if name != switch]
+        if options and not any(switch in section for section in sections) and not _on(cfg, key, switch):
+            raise ConfigError(f"{key}.{options[0]}: given, but {key} is off ({key}.{switch} is not set), so it would "
+                              f"do nothing; switch it on with {how}, or drop {key}.{options[0]}")
+
+
+def _section(layer: Any, key: str) -> Any:
+    for part in key.split("."):
+        layer = layer.get(part) if isinstance(layer, dict) else None
+    return layer
+
+
+def _on(cfg: Config, key: str, switch: str) -> bool:
+    section = cfg
+    for part in key.split("."):
+        section = getattr(section, part)
+    return bool(getattr(section, switch))
 
 
 def validate_sampling_controls(r: RolloutConfig) -> None:
@@ -126,17 +142,12 @@ def validate_sampling_controls(r: RolloutConfig) -> None:
     if not o.penalty > 0:
         raise ConfigError(f"rollout.overlong.penalty: expected a value > 0, got {o.penalty!r}")
     check_overlong(o, r.max_new_tokens)
-    if o.buffer == 0 and o.penalty != OverlongConfig().penalty:
-        raise ConfigError(f"rollout.overlong.penalty: set to {o.penalty!r}, but the penalty is off "
-                          f"(rollout.overlong.buffer is 0), so it would do nothing; set rollout.overlong.buffer > 0, "
-                          f"or drop rollout.overlong.penalty")
     if d.max_rounds < 1:
         raise ConfigError(f"rollout.dynamic_sampling.max_rounds: expected an integer >= 1 (the first round "
                           f"included), got {d.max_rounds}")
     if d.signal not in SIGNALS and not (d.signal.startswith("reward/") and len(d.signal) > len("reward/")):
         raise ConfigError(f"rollout.dynamic_sampling.signal: expected one of {list(SIGNALS)} or 'reward/<name>' (a "
                           f"reward component as logged), got {d.signal!r}")
-    check_switched_off("rollout.dynamic_sampling", d)
     if d.enabled and r.group_size < 2:
         raise ConfigError(f"rollout.dynamic_sampling.enabled: drops the groups whose signal does not vary, which "
                           f"needs rollout.group_size >= 2 (a group of 1 never varies, so every group would be "

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from creditrl.config.checks import validate
+from creditrl.config.checks import check_switches, validate
 from creditrl.config.diagnose import DiagnoseConfig, validate_diagnose
 from creditrl.config.schema import LEGACY_ALGORITHM_KEYS, SAMPLING_CONTROLS_OFF, Config, ConfigError
 from creditrl.utils.io import atomic_write_text
@@ -131,6 +131,7 @@ def merge_with_diagnose(cfg: Config, diagnose: DiagnoseConfig, path: str | Path 
             diagnose = merge(diagnose, section or {}, "diagnose")
             data = {k: v for k, v in data.items() if k != "diagnose"}
         cfg = merge(cfg, migrate(data))
+    check_switches(layers, cfg)
     return cfg, diagnose
 
 

@@ -301,7 +301,7 @@ class Config:
                                    "surrogate, aggregation, KL and rollout correction flat (`loss.clip_low`, "
                                    "`loss.agg`, `loss.kl_coef`, ...), optional terms as sections switched on by "
                                    "`enabled` (`loss.stapo.enabled=true`, `loss.trace.enabled=true "
-                                   "loss.trace.lam=0.9`: a section's options are refused while it is off; one "
+                                   "loss.trace.lam=0.9`: a section's options are refused while its switch is never set; one "
                                    "surrogate in place of the "
                                    "clip: `loss.cispo.enabled=true`), your own terms by import path in `loss.terms`; "
                                    "checked when the run starts. The trainer's recipe sets "

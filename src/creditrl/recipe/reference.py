@@ -155,7 +155,7 @@ DEFAULT_YAML_HEAD = """\
 # Every key is documented in docs/config.md (`creditrl config`) and listed by `creditrl train --help`.
 # algorithm.options: the chosen estimator's options, {} = its defaults (another estimator refuses them).
 # loss: the clip, aggregation, KL and rollout correction as flat keys; every other term is a section,
-# off unless `enabled: true` (a section's options are refused while it is off); your own: loss.terms.
+# off unless `enabled: true` (its options alone, without the switch, are refused); your own: loss.terms.
 """
 
 

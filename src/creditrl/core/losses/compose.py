@@ -93,17 +93,17 @@ def _from_nested(loss: Mapping[str, Any], where: str) -> dict[str, Any]:
             raise OptionError(f"{where}.{name}: expected a mapping of the term's options (switch it on with "
                               f"{where}.{name}.enabled=true), got {section!r}")
         section = dict(section or {})
+        switched = "enabled" in section
         enabled = coerce(f"{where}.{name}.enabled", section.pop("enabled", False), bool)
         options = instantiate(f"{where}.{name}", term.options, section)   # checked even while off
         if enabled:
             chosen[name] = options
-            continue
-        default = term.make_options()
-        changed = [f.name for f in dataclasses.fields(options) if getattr(options, f.name) != getattr(default, f.name)]
-        if changed:   # verl's entropy_coeff > 0 or TRL's entropy_coef switch the term on; silence here would mislead
-            raise OptionError(f"{where}.{name}.{changed[0]}: set to {getattr(options, changed[0])!r}, but the {name} "
-                              f"term is off ({where}.{name}.enabled is false), so it would do nothing; switch it on "
-                              f"with {where}.{name}.enabled=true, or drop {where}.{name}.{changed[0]}")
+        elif section and not switched:
+            # options with no switch would do nothing (verl's entropy_coeff > 0, TRL's entropy_coef turn the
+            # term on, so a user may expect that); an explicit enabled: false over them is an ablation
+            raise OptionError(f"{where}.{name}.{next(iter(section))}: given, but the {name} term is off "
+                              f"({where}.{name}.enabled is not set), so it would do nothing; switch it on with "
+                              f"{where}.{name}.enabled=true, or drop {where}.{name}.{next(iter(section))}")
     given: dict[str, int] = {}
     for i, entry in enumerate(loss.get("terms") or []):
         term, options = _listed_term(f"{where}.terms[{i}]", entry, terms)
