@@ -121,8 +121,16 @@ def merge_with_diagnose(cfg: Config, diagnose: DiagnoseConfig, path: str | Path 
                         overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, DiagnoseConfig]:
     """(``cfg``, ``diagnose``) <- YAML file <- overrides: each layer's ``diagnose`` section goes to the
     ``DiagnoseConfig`` (typed, unknown keys refused), the rest to the ``Config`` (``migrate``d)."""
-    layers = ([read_yaml(resolve_config_path(path)) or {}] if path is not None else []) + \
+    return _merge_layers(cfg, diagnose, config_layers(path, overrides))
+
+
+def config_layers(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> list[Any]:
+    """The YAML file's data (if any), then each override as a nested mapping: what ``merge`` applies."""
+    return ([read_yaml(resolve_config_path(path)) or {}] if path is not None else []) + \
         [parse_override(text) for text in overrides]
+
+
+def _merge_layers(cfg: Config, diagnose: DiagnoseConfig, layers: list[Any]) -> tuple[Config, DiagnoseConfig]:
     for data in layers:
         if isinstance(data, dict) and "diagnose" in data:
             section = data["diagnose"]
@@ -131,7 +139,6 @@ def merge_with_diagnose(cfg: Config, diagnose: DiagnoseConfig, path: str | Path 
             diagnose = merge(diagnose, section or {}, "diagnose")
             data = {k: v for k, v in data.items() if k != "diagnose"}
         cfg = merge(cfg, migrate(data))
-    check_switches(layers, cfg)
     return cfg, diagnose
 
 
@@ -145,8 +152,10 @@ def load_diagnose_config(path: str | Path | None = None, overrides: list[str] | 
                          ) -> tuple[Config, DiagnoseConfig]:
     """`creditrl diagnose`'s configs: the training ``Config`` and the ``diagnose`` section, both
     validated."""
-    cfg, diagnose = merge_with_diagnose(Config(), DiagnoseConfig(), path, overrides)
+    layers = config_layers(path, overrides)
+    cfg, diagnose = _merge_layers(Config(), DiagnoseConfig(), layers)
     validate(cfg)
+    check_switches(layers, cfg)   # after the values' own checks: a bad value is the more useful error
     validate_diagnose(diagnose)
     return cfg, diagnose
 
@@ -155,6 +164,7 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     """A validated copy of ``cfg`` with dotted ``key=value`` overrides applied."""
     cfg = merge_layers(cfg, None, overrides)
     validate(cfg)
+    check_switches(config_layers(None, overrides), cfg)
     return cfg
 
 
