@@ -162,9 +162,10 @@ def load_diagnose_config(path: str | Path | None = None, overrides: list[str] | 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """A validated copy of ``cfg`` with dotted ``key=value`` overrides applied."""
-    cfg = merge_layers(cfg, None, overrides)
+    layers = config_layers(None, overrides)
+    cfg = _merge_layers(cfg, DiagnoseConfig(), layers)[0]
     validate(cfg)
-    check_switches(config_layers(None, overrides), cfg)
+    check_switches(layers, cfg)
     return cfg
 
 

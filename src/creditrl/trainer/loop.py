@@ -539,11 +539,12 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:
     """Continue the interrupted run in ``run_dir`` from its newest valid checkpoint."""
-    if not Path(run_dir).is_dir():   # before the lock, which would create it
-        what = "a file" if Path(run_dir).exists() else "missing"
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():   # before the lock, which would create it
+        what = "a file" if run_dir.exists() else "missing"
         raise RunDirError(f"resume: {str(run_dir)!r} is {what}; expected a creditrl run directory")
-    with RunLock(Path(run_dir)):
+    with RunLock(run_dir):
         trainer = Trainer.resume(run_dir, progress=progress)
-        if run_kind(Path(run_dir)) is None:   # a run from before the marker: checked as a run just now
-            mark_run(Path(run_dir), "train")
+        if run_kind(run_dir) is None:   # a run from before the marker: checked as a run just now
+            mark_run(run_dir, "train")
         return trainer.run()

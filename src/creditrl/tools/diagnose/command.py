@@ -94,7 +94,7 @@ def run_command(cfg: Config, d: DiagnoseConfig | None = None, *, overwrite: bool
     cfg = resolve_config(cfg)
     plan = make_plan(cfg, d)
     run_dir = run_dir_of(cfg, d, plan)
-    # deleted once done
+    # an existing report is deleted only once the new one is written (``publish``)
     check_new_run(run_dir, overwrite=overwrite, key="diagnose.run_name", resume_hint=False, kind="diagnose")
     state_dir = check_run(d.optimizer_state, cfg) if d.optimizer_state else None
     task = build_task(cfg)

@@ -97,7 +97,7 @@ def assemble(meas: Measurement, plan: Plan, space: GradientSpace, rollout: dict,
 def publish(run_dir: Path, result: dict, *, overwrite: bool, key: str) -> None:
     """Write the report beside ``run_dir``, then (holding its lock) clear an overwritten run and move
     the files in: a failure while writing leaves the old report as it was."""
-    # again: it may have appeared
+    # again: a directory may have appeared while measuring
     check_new_run(run_dir, overwrite=overwrite, key=key, resume_hint=False, kind="diagnose")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=run_dir.parent, prefix=f".tmp-{run_dir.name}-") as folder:
