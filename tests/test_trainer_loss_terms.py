@@ -140,6 +140,25 @@ def test_a_surrogate_that_cannot_act_on_policy_is_noted():
         assert on_policy_notes(policy_loss_from_config(other).loss, other) == []
 
 
+def test_settings_that_do_less_than_they_seem_are_warned():
+    from creditrl.recipe.build import policy_loss_from_config
+    from creditrl.trainer.loop import idle_setting_notes
+
+    def notes(*overrides):
+        cfg = config(*overrides)
+        return idle_setting_notes(policy_loss_from_config(cfg).loss, cfg)
+
+    (note,) = notes("train.steps=10", "optim.warmup_steps=40")
+    assert note.startswith("warning: optim.warmup_steps=40 > train.steps=10: the learning rate never reaches "
+                           "optim.lr=0.001; it peaks at 25% of it")
+    (note,) = notes("loss.entropy_bonus.enabled=true")
+    assert note.startswith("warning: loss.entropy_bonus is on with coef=0")
+    bonus = "loss.entropy_bonus.enabled=true"
+    for fine in (("train.steps=10", "optim.warmup_steps=10"), (bonus, "loss.entropy_bonus.coef=0.01"),
+                 (bonus, "loss.entropy_bonus.adaptive=true"), ()):
+        assert notes(*fine) == []
+
+
 def test_a_run_that_keeps_no_token_says_so():
     step = {"step": 1, "reward_invalid_frac": 0.0, "zero_spread_frac": 0.5, "kept_frac": 0.0, "clipped_frac": 1.0,
             "adv_mean": 0.1, "adv_std": 0.5}

@@ -125,6 +125,21 @@ def on_policy_notes(loss, cfg: Config) -> list[str]:
             f"exactly as the default loss; it acts from optim.epochs > 1 or optim.minibatch_size < {batch}"]
 
 
+def idle_setting_notes(loss, cfg: Config) -> list[str]:
+    """Warnings for legal settings that do less than they seem to: a warmup longer than the run
+    (the learning rate never reaches ``optim.lr``), an entropy bonus switched on with β = 0."""
+    notes = []
+    warmup, steps = cfg.optim.warmup_steps, cfg.train.steps
+    if warmup > steps:   # the factor (step + 1) / warmup peaks on the last step
+        notes.append(f"warning: optim.warmup_steps={warmup} > train.steps={steps}: the learning rate never reaches "
+                     f"optim.lr={cfg.optim.lr}; it peaks at {steps / warmup:.0%} of it on the last step")
+    for term, options in loss.terms:
+        if term.name == "entropy_bonus" and options.coef == 0 and not options.adaptive:
+            notes.append("warning: loss.entropy_bonus is on with coef=0 (and not adaptive), so it adds nothing to "
+                         "the loss; set loss.entropy_bonus.coef > 0 or loss.entropy_bonus.adaptive=true")
+    return notes
+
+
 def run_name(cfg: Config) -> str:
     task = cfg.task.name.replace(":", "-")   # a user task by import path
     return cfg.train.run_name or f"{task}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -176,7 +191,8 @@ class Trainer:
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = self.signal_streak = 0
-        self.notes = precision_notes(self.model, cfg) + component_notes(cfg) + on_policy_notes(self.learner.loss.loss, cfg)
+        self.notes = (precision_notes(self.model, cfg) + component_notes(cfg) + idle_setting_notes(loss.loss, cfg)
+                      + on_policy_notes(loss.loss, cfg))
         if self.precision_choice is not None:
             self.notes.append(f"note: {self.precision_choice.text()}")
 
