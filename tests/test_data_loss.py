@@ -11,7 +11,7 @@ import pytest
 
 from creditrl.cli import main
 from creditrl.config import ConfigError, load_config
-from creditrl.utils.rundir import mark_run, run_kind
+from creditrl.utils.rundir import LOCK_FILE, mark_run, occupant, run_kind
 
 TINY = ["model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
         "model.warm_start.max_steps=50", "model.warm_start.eval_every=25", "model.warm_start.eval_size=8",
@@ -24,6 +24,24 @@ def snapshot(folder: Path) -> dict[str, str]:
     """Every file under ``folder`` (relative path -> SHA-256)."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_occupant_tells_what_holds_a_run_directory(tmp_path):
+    """The one classification behind --overwrite and compare's replacement check."""
+    assert occupant(tmp_path / "absent") is None
+    (tmp_path / "file").write_text("x")
+    assert occupant(tmp_path / "file") == "file"
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    (locked / LOCK_FILE).write_text("1")
+    assert occupant(locked) is None                     # empty but for a lock: free
+    (locked / "config.yaml").write_text("train: {}\n")
+    assert occupant(locked) == "folder"                 # a config.yaml alone is any project's
+    for kind in ("train", "diagnose"):
+        mark_run(locked, kind)
+        assert occupant(locked) == kind
+    (locked / ".creditrl-run").write_text('{"kind": "evil"}')
+    assert occupant(locked) == "folder"
 
 
 @pytest.fixture(scope="module")

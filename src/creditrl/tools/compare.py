@@ -38,7 +38,7 @@ from creditrl.trainer import train
 from creditrl.trainer.loop import TrainingStopped
 from creditrl.utils import cli
 from creditrl.utils.imports import PluginError
-from creditrl.utils.rundir import LOCK_FILE, RunDirError, run_kind
+from creditrl.utils.rundir import RunDirError, occupant
 from creditrl.utils.validate import check_int
 
 PANELS = (  # (metric, x axis) of the report figure
@@ -186,12 +186,12 @@ def check_replaceable(plans: list[PlannedRun], force: bool) -> None:
     a finished one only with ``force``, so neither a mistyped ``--out`` nor a changed override
     deletes anyone's work silently."""
     for plan in plans:
-        target = plan.target
-        if target.exists() and not target.is_dir():
+        target, found = plan.target, occupant(plan.target)
+        if found == "file":
             raise RunDirError(f"compare: {str(target)!r} exists and is not a directory; move it or choose another --out")
-        if not target.is_dir() or not any(p.name != LOCK_FILE for p in target.iterdir()):
+        if found is None:
             continue
-        if run_kind(target) != "train":
+        if found != "train":
             raise RunDirError(f"compare: {str(target)!r} exists and is not a creditrl training run (compare trains "
                               f"each run into OUT/runs/NAME-sSEED); move it or choose another --out")
         if (target / "summary.json").exists() and not force:

@@ -58,24 +58,33 @@ def run_kind(run_dir: Path) -> str | None:
     return kind if kind in RUN_KINDS else None
 
 
+def occupant(run_dir: Path) -> str | None:
+    """What holds ``run_dir``: None (nothing, or an empty directory but for its lock), ``"file"`` (not
+    a directory), ``"folder"`` (a directory that is no creditrl run) or the run's kind (``RUN_KINDS``)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        return "file"
+    if not run_dir.is_dir() or not any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        return None
+    return run_kind(run_dir) or "folder"
+
+
 def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.run_name",
                   resume_hint: bool = True, kind: str = "train") -> None:
     """Checks for a new run of ``kind`` in ``run_dir``, before any work and without deleting
     anything: an existing, non-empty directory is refused unless ``overwrite``; ``overwrite`` of a
-    directory that is not a creditrl run of the same kind (``run_kind``) is refused too, so a
+    directory that is not a creditrl run of the same kind (``occupant``) is refused too, so a
     mistyped ``output_dir``/``run_name`` can never delete someone's folder, nor a diagnose report a
     trained model. Errors name ``key``; ``resume_hint`` mentions ``creditrl train --resume``.
     Deleting is ``clear_run``'s job, once the new run is certain to start."""
-    if run_dir.exists() and not run_dir.is_dir():
+    found = occupant(run_dir)
+    if found == "file":
         raise RunDirError(f"{key}: {str(run_dir)!r} exists and is not a directory; choose another {key}")
-    entries = [p.name for p in run_dir.iterdir() if p.name != LOCK_FILE] if run_dir.is_dir() else []
-    if entries:
+    if found is not None:
         if not overwrite:
             resume = f"continue it with `creditrl train --resume {run_dir}` or " if resume_hint else ""
             raise RunDirError(f"{key}: the run directory {str(run_dir)!r} already exists; {resume}start it again "
                               f"with --overwrite (which deletes it){'' if resume_hint else ' or choose another ' + key}")
-        found = run_kind(run_dir)
-        if found is None:
+        if found == "folder":
             raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: it is not a creditrl run "
                               f"directory (it has no {RUN_MARKER} marker, which every run writes first; a run made "
                               f"before creditrl wrote one has none: delete it yourself if it is one); "
