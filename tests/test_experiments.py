@@ -585,6 +585,29 @@ def test_report_finds_the_seed_sets_beside_the_runs(fast_root, tmp_path):
     assert "`" + str(root / "seed200") + "`" in (tmp_path / "docs" / "results.md").read_text()
 
 
+@pytest.mark.slow
+def test_report_keeps_the_published_results_unless_it_covers_them(fast_root, tmp_path, monkeypatch, capsys):
+    """Without --docs, report replaces docs/results.md: refused from a run that covers only some
+    experiments or a preset other than full, before anything is written; --docs docs forces it."""
+    import shutil
+
+    from creditrl_research.experiments.runner import main
+    fast_run(fast_root, "maxk-bandit")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results.md").write_text("published\n")
+    runs = tmp_path / "runs" / "experiments" / "full"
+    shutil.copytree(fast_root / "maxk-bandit", runs / "maxk-bandit")
+    assert main(["report"]) == 2
+    err = capsys.readouterr().err
+    assert "--docs: not given, so report would replace the published docs/results.md" in err
+    assert "no results for [" in err and "preset(s) ['fast'], not full" in err
+    assert (tmp_path / "docs" / "results.md").read_text() == "published\n"
+    assert not (tmp_path / "docs" / "figures").exists()
+    assert main(["report", "--docs", "docs"]) == 0
+    assert "maxk-bandit" in (tmp_path / "docs" / "results.md").read_text()
+
+
 def test_undefined_efficiency_is_named_and_the_rule_reads_the_defined_lengths(monkeypatch):
     """A checkpoint whose reference mean gradient is not resolved (efficiency NaN) makes that length's
     efficiency undefined: the text says where and why (never 'nan'), and the verdict reads the other length."""

@@ -255,6 +255,23 @@ def default_checks(runs: Path) -> list[Path]:
     return found
 
 
+def check_publishable(runs: Path) -> None:
+    """``report`` without --docs replaces the published docs/results.md: refused (before anything is
+    written) when ``runs`` holds only some experiments or another preset than full, which would put
+    "Not run" sections or miniature numbers in place of the published ones."""
+    verdicts = collect_verdicts(runs)
+    if not verdicts:
+        return                           # write_report names an empty --runs
+    missing = [name for name in experiment_names() if name not in verdicts]
+    presets = sorted({p for p in recorded_presets(runs, verdicts).values() if p != "full"})
+    if missing or presets:
+        what = "; ".join(([f"no results for {missing}"] if missing else [])
+                         + ([f"preset(s) {presets}, not full"] if presets else []))
+        raise ValueError(f"--docs: not given, so report would replace the published docs/results.md, but {runs} "
+                         f"has {what}; finish those first, give --docs DIR to write the report elsewhere, or "
+                         f"--docs docs to replace the published one anyway")
+
+
 def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
                  checks: list[Path] | tuple[Path, ...] = ()) -> Path:
     """Assemble ``docs/results.md`` from every experiment found under ``runs``; copy its PNGs.
@@ -315,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # key=value may come before or after options
     try:
         check_arguments(args)
+        if args.name == "report" and args.docs is None:
+            check_publishable(args.runs or DEFAULT_RUNS / "full")
         args.preset, args.docs = args.preset or "fast", args.docs or Path("docs")
         if args.name == "report":
             runs = args.runs or DEFAULT_RUNS / "full"
