@@ -210,6 +210,12 @@ def test_short_run_writes_every_output(tmp_path_factory):
                  "--out", str(out / "eval.json"), "--no-progress"]) == 0
     result = json.loads((out / "eval.json").read_text())
     assert result["n_problems"] == 4 and {"greedy_acc", "pass@2", "avg@2"} <= set(result)
+    # with the run's own eval settings, creditrl eval reproduces the run's last held-out eval: every eval
+    # of a run samples with train.seed (the same draws at start and end, so their change is paired)
+    assert main(["eval", "--run", str(run), "--out", str(out / "same.json"), "--no-progress"]) == 0
+    same = json.loads((out / "same.json").read_text())
+    shared = set(evals[-1]) - {"step", "tokens_total", "time_eval"}
+    assert {key: same[key] for key in shared} == {key: evals[-1][key] for key in shared}
 
 
 def cli(*args):

@@ -277,7 +277,7 @@ class Trainer:
             result = evaluate(self.model, self.tokenizer, self.task, self.test_problems, n=self.eval_samples,
                               ks=self.pass_k, temperature=r.temperature, top_p=r.top_p,
                               max_new_tokens=r.max_new_tokens, max_tool_tokens=r.max_tool_tokens,
-                              seed=c.train.seed + 1_000_003 * (self.step + 1), stop_strings=tuple(r.stop),
+                              seed=c.train.seed, stop_strings=tuple(r.stop),
                               keep_samples=c.logging.completions)
         return {"step": self.step, "tokens_total": self.tokens_total, **result,
                 "time_eval": time.perf_counter() - start}
