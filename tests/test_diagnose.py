@@ -504,3 +504,20 @@ def test_trl_style_function_on_builtin_tiny(tiny, tmp_path):
     assert {r["row"] for r in result["rows"]} == {"rloo", "grpo", "otb", "rloo · seq", "grpo · seq", "otb · seq"}
     assert result["recommendation"]["text"] and result["rows"][0]["adam_vs_configured"] is not None
     assert no_nan((tmp_path / "r" / "diagnose.md").read_text())
+
+
+@pytest.mark.parametrize("budget, end, prompts", [(100.0, 93.0, 72), (80.0, 80.0, 59)])
+def test_the_rounds_stop_before_work_that_would_end_past_the_budget(budget, end, prompts):
+    """Sampling a round costs 7 s and each prompt 1 s (a simulated clock): no round is started, and no
+    prompt measured, that would end past the budget; the rounds end at most one prompt's cost early."""
+    from diagnose_sim import Clock, GaussianSource, sim_plan, simulate
+
+    class SlowSampling(GaussianSource):
+        def sample(self, problems):
+            self.clock.now += 7.0
+            return problems
+
+    plan = dataclasses.replace(sim_plan(["grpo", "rloo"], "grpo", target_width=1e-9), budget_s=budget)
+    clock = Clock()
+    out = simulate(plan, SlowSampling(list(plan.rows), [1.0] * len(plan.rows), clock, seed=0), clock)["measurement"]
+    assert (clock.now, out.prompts, out.stop) == (end, prompts, "budget")

@@ -9,7 +9,7 @@ distinct non-zero cotangent) and streams them into ``GradientMoments`` whose uni
 prompts, with the Adam-preconditioned copies in a second one. After each round the stopping rule
 (``status``) is checked: the reference's mean gradient resolved (cross-fitted ‖μ̂‖² >= 3 standard
 errors) and the configured estimator's efficiency interval within ±target_width; the wall-time
-budget is checked after each prompt.
+budget is checked before each round and each prompt, against what they have cost so far (``Pace``).
 
 ``measure`` takes a ``Source`` (the model, or in tests an enumerable policy): ``prompts(n)``,
 ``sample(problems)`` and ``draws(round, i)``.
@@ -335,15 +335,40 @@ def eta_text(state: dict, per_prompt: float, left: float) -> str:
     return format_duration(seconds) + (" (beyond the budget)" if seconds > left else "")
 
 
+@dataclass
+class Pace:
+    """What sampling a round and measuring a prompt have cost on the run's clock, so the rounds stop
+    before work that would end past the budget rather than after it."""
+    rounds: int = 0
+    sampling: float = 0.0
+    prompts: int = 0
+    measuring: float = 0.0
+
+    def prompt(self) -> float:
+        return self.measuring / self.prompts if self.prompts else 0.0
+
+    def next_round(self) -> float:
+        """A new round's sampling and its first prompt."""
+        return (self.sampling / self.rounds if self.rounds else 0.0) + self.prompt()
+
+    def allows(self, cost: float, now: float, deadline: float) -> bool:
+        """Whether work expected to cost ``cost`` ends by the deadline; the first two prompts always run
+        (no statistic exists before them)."""
+        return self.prompts < 2 or now + cost <= deadline
+
+
 def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[], float] = time.perf_counter,
             deadline: float = math.inf, progress: bool = False, log: Callable[[str], None] | None = None
             ) -> Measurement:
     """Rounds until the stopping rule holds, the budget (``deadline`` on ``clock``) runs out or the
     task's distinct prompts do (module docstring)."""
-    out = acc.out
+    out, pace = acc.out, Pace()
     with progress_bar(progress) as bar:
         job = bar.add_task("first round", total=plan.prompts, eta="…")
         while True:
+            if not pace.allows(pace.next_round(), clock(), deadline):
+                out.stop = "budget"
+                break
             problems = source.prompts(plan.prompts)
             out.exhausted = len(problems) < plan.prompts
             if not problems:
@@ -352,8 +377,9 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
             start = clock()
             sampled = source.sample(problems)
             out.seconds["sampling"] += clock() - start
+            pace.rounds, pace.sampling = pace.rounds + 1, pace.sampling + clock() - start
             note_round(source, sampled, out)
-            over = run_round(source, sampled, len(problems), acc, clock, deadline, bar, job)
+            over = run_round(source, sampled, len(problems), acc, clock, deadline, bar, job, pace)
             if len(out.rounds) == 0:
                 check_signal(out, getattr(source, "checker", []))
             state = status(plan, acc.stats(status_names(plan)), out.prompts) if out.prompts >= 2 else None
@@ -406,14 +432,18 @@ def check_signal(out: Measurement, checker: list[str]) -> None:
                      f"sometimes right")
 
 
-def run_round(source: Source, sampled, count: int, acc: Accumulator, clock, deadline: float, bar, job) -> bool:
-    """Measure a round's prompts one by one; True when the budget ran out (the prompt in progress is
-    finished; the round's remaining prompts are dropped)."""
+def run_round(source: Source, sampled, count: int, acc: Accumulator, clock, deadline: float, bar, job,
+              pace: Pace) -> bool:
+    """Measure a round's prompts one by one; True when the budget ran out or the next prompt would
+    end past it (the round's remaining prompts are dropped)."""
     for i in range(count):
+        if not pace.allows(pace.prompt(), clock(), deadline):
+            return True
         start = clock()
         draws = source.draws(sampled, i)
         acc.out.seconds["gradients"] += clock() - start
         acc.add(draws)
+        pace.prompts, pace.measuring = pace.prompts + 1, pace.measuring + clock() - start
         bar.advance(job, 1)
         if clock() > deadline:
             return True
