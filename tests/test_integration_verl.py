@@ -234,11 +234,44 @@ def test_reinforce_plus_plus_equals_verls_function(seed, gamma):
     ours = creditrl.compute_advantages("reinforce_plus_plus", rewards=batch["token_level_rewards"],
                                        mask=batch["response_mask"], group=group_of(batch["index"]), gamma=gamma)
     torch.testing.assert_close(ours.double(), theirs, atol=1e-5, rtol=1e-5)
-    plugin_adv, plugin_returns = core_algos.get_adv_estimator_fn("creditrl_reinforce_plus_plus")(
-        token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-        index=batch["index"], config={"creditrl": {"gamma": gamma}})
-    torch.testing.assert_close(plugin_adv.double(), theirs, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(plugin_returns.double(), their_returns, atol=1e-5, rtol=1e-5)
+    # gamma as creditrl's option, and as verl's own algorithm.gamma (what verl's function reads)
+    for config in ({"creditrl": {"gamma": gamma}}, AlgoConfig(gamma=gamma)):
+        plugin_adv, plugin_returns = core_algos.get_adv_estimator_fn("creditrl_reinforce_plus_plus")(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=batch["index"], config=config)
+        torch.testing.assert_close(plugin_adv.double(), theirs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(plugin_returns.double(), their_returns, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_norm_adv_by_std_in_grpo_false_is_grpo_without_the_std_as_in_verl(seed):
+    from verl.trainer.config import AlgoConfig
+    batch = verl_batch(seed)
+    theirs, _ = core_algos.compute_grpo_outcome_advantage(
+        token_level_rewards=batch["token_level_rewards"].double(), response_mask=batch["response_mask"].double(),
+        index=batch["index"], norm_adv_by_std_in_grpo=False)
+    for name in ("creditrl_grpo", "creditrl_dr_grpo"):
+        ours, _ = core_algos.get_adv_estimator_fn(name)(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=batch["index"], config=AlgoConfig(norm_adv_by_std_in_grpo=False))
+        torch.testing.assert_close(ours.double(), theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name, config, message", [
+    ("creditrl_grpo", {"gamma": 0.9}, r"algorithm.gamma: creditrl_grpo takes one outcome reward per response .*"
+                                      r"expected 1.0 \(verl's default\), got 0.9"),
+    ("creditrl_reinforce", {"gamma": 0.9, "creditrl": {"gamma": 0.5}},
+     r"algorithm.gamma=0.9 and algorithm.creditrl.gamma=0.5 disagree"),
+    ("creditrl_rloo", {"norm_adv_by_std_in_grpo": False},
+     r"algorithm.norm_adv_by_std_in_grpo: .*creditrl_rloo has no such option.*got False"),
+    ("creditrl_grpo", {"norm_adv_by_std_in_grpo": False, "creditrl": {"scale": "batch"}},
+     r"norm_adv_by_std_in_grpo=False and algorithm.creditrl.scale='batch' disagree"),
+])
+def test_verls_own_algorithm_keys_are_refused_where_they_would_do_nothing(name, config, message):
+    batch = verl_batch(0)
+    with pytest.raises(ValueError, match=message):
+        core_algos.get_adv_estimator_fn(name)(token_level_rewards=batch["token_level_rewards"],
+                                              response_mask=batch["response_mask"], index=batch["index"], config=config)
 
 
 @pytest.mark.parametrize("seed", range(3))

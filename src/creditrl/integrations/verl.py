@@ -201,6 +201,38 @@ def estimator_options(config: Any) -> dict:
     return {} if node is None else {str(k): v for k, v in dict(node).items()}
 
 
+def verl_algorithm_options(name: str, config: Any, options: dict) -> dict:
+    """``options`` with verl's own algorithm keys that mean the same in creditrl: ``algorithm.gamma``
+    is the discount of a token-level estimator's returns-to-go (verl's reinforce_plus_plus reads it),
+    and ``algorithm.norm_adv_by_std_in_grpo=False`` is grpo's ``scale='none'`` (as in verl's grpo;
+    dr_grpo never divides). Either is refused where it would do nothing (a sequence-level estimator
+    has no returns to discount; only grpo's std division can be turned off), or where
+    ``algorithm.creditrl`` says otherwise. Unset or at verl's defaults (1.0, True), they change nothing."""
+    if config is None:
+        return options
+    options, spec = dict(options), get_estimator(name)
+    gamma = config.get("gamma", 1.0)
+    if gamma is not None and float(gamma) != 1.0:
+        if not spec.token_level:
+            raise ValueError(f"algorithm.gamma: {PREFIX}{name} takes one outcome reward per response (no "
+                             f"returns-to-go to discount), so gamma would do nothing; expected 1.0 (verl's "
+                             f"default), got {gamma}")
+        if "gamma" in options and float(options["gamma"]) != float(gamma):
+            raise ValueError(f"algorithm.gamma={gamma} and algorithm.creditrl.gamma={options['gamma']} disagree; "
+                             f"set one")
+        options["gamma"] = float(gamma)
+    if config.get("norm_adv_by_std_in_grpo", True) is False and name != "dr_grpo":     # dr_grpo: no std anyway
+        if name != "grpo":
+            raise ValueError(f"algorithm.norm_adv_by_std_in_grpo: False turns off GRPO's division by the group std, "
+                             f"which is {PREFIX}grpo's scale='none'; {PREFIX}{name} has no such option, so it "
+                             f"would do nothing; expected True (verl's default), got False")
+        if options.get("scale", "none") != "none":
+            raise ValueError(f"algorithm.norm_adv_by_std_in_grpo=False and algorithm.creditrl.scale="
+                             f"{options['scale']!r} disagree; set one")
+        options["scale"] = "none"
+    return options
+
+
 def reward_components(config: Any, non_tensor_batch: Any, rows: int,
                       device: torch.device) -> tuple[Tensor | None, list | None]:
     """The reward components [B,K] and weights of ``algorithm.gdpo_reward_keys`` /
@@ -238,7 +270,8 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                 f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; set "
                 "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
                 "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
-        options = check_estimator_options(name, estimator_options(config), "algorithm.creditrl")
+        options = check_estimator_options(name, verl_algorithm_options(name, config, estimator_options(config)),
+                                          "algorithm.creditrl")
         gamma = options.pop("gamma", 1.0)
         components, weights = reward_components(config, non_tensor_batch, response_mask.shape[0],
                                                 response_mask.device) if reads_components else (None, None)
