@@ -309,9 +309,10 @@ def test_reinforce_plus_plus_differs_on_singletons_and_rewards_on_masked_tokens(
     assert not torch.allclose(ours, theirs, atol=1e-3)
 
 
-def actor_config(**policy_loss):
+def actor_config(loss_mode="creditrl", **policy_loss):
+    """verl's actor config with creditrl's policy-loss fields; verl picks the loss by ``loss_mode``."""
     return ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio_c=3.0,
-                       policy_loss=plugin.CreditPolicyLossConfig(**policy_loss))
+                       policy_loss=plugin.CreditPolicyLossConfig(loss_mode=loss_mode, **policy_loss))
 
 
 def loss_inputs(seed=0, shape=(6, 5)):
@@ -457,7 +458,8 @@ def test_each_verl_named_loss_through_the_plugin_equals_verls_own(name):
         for info in infos[:1] if name == "geo_mean" else infos:    # verl's geo_mean ignores global_batch_info
             config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio_c=10.0,
                                  clip_ratio_high=0.28, **actor_fields,
-                                 policy_loss=plugin.CreditPolicyLossConfig(**ours_fields, **policy_fields))
+                                 policy_loss=plugin.CreditPolicyLossConfig(loss_mode="creditrl", **ours_fields,
+                                                                           **policy_fields))
             verl_config = ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, clip_ratio_c=10.0,
                                       clip_ratio_high=0.28, **actor_fields,
                                       policy_loss=PolicyLossConfig(**policy_fields))
@@ -491,6 +493,25 @@ def test_verl_plugin_refuses_what_a_verl_policy_loss_cannot_be_fed_and_feeds_the
     mask = inputs["response_mask"]
     torch.testing.assert_close(grad, -0.2 * mask / mask.sum())
     assert metrics["actor/creditrl/entropy_bonus_coef"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"loss_mode": "vanilla", "stapo": True, "stapo_tau_p": 0.3},
+     r"loss_mode: 'vanilla' is verl's own policy loss, which reads none of creditrl's fields \(stapo, stapo_tau_p\)"),
+    ({"loss_mode": "creditrl_stapo", "stapo": False},
+     r"stapo: loss_mode='creditrl_stapo' switches stapo on; expected stapo unset or true, got False"),
+    ({"loss_mode": "creditrl_grpo_lambda", "trace": False}, r"trace: loss_mode='creditrl_grpo_lambda' switches trace on"),
+    ({"loss_mode": "creditrl_bogus"}, r"loss_mode: expected one of \['creditrl', 'creditrl_stapo', "
+                                      r"'creditrl_grpo_lambda'\] \(creditrl's\) or one of verl's, got 'creditrl_bogus'"),
+])
+def test_a_loss_mode_that_contradicts_creditrls_fields_is_refused_when_the_config_is_built(fields, message):
+    with pytest.raises(ValueError, match=message):
+        plugin.CreditPolicyLossConfig(**fields)
+
+
+def test_verls_own_loss_mode_without_creditrls_fields_is_accepted():
+    assert plugin.CreditPolicyLossConfig(loss_mode="vanilla", clip_cov_ratio=0.001).loss_mode == "vanilla"
+    assert plugin.CreditPolicyLossConfig(loss_mode="creditrl_stapo", stapo=True).stapo is True
 
 
 def test_delta_l_norm_in_verl_weights_each_micro_batch_by_its_share_of_the_responses():
@@ -623,7 +644,7 @@ def test_trainer_hooks_install_from_verl_extension_points():
     alias.ppo_loss = losses.ppo_loss                      # as engine_workers' ``from ... import ppo_loss``
     sys.modules[alias.__name__] = alias
     try:
-        plugin.CreditPolicyLossConfig(stapo_tau_p=0.1)
+        plugin.CreditPolicyLossConfig(loss_mode="creditrl_stapo", stapo_tau_p=0.1)
         assert losses.ppo_loss.__creditrl__ is original and alias.ppo_loss is losses.ppo_loss
         wrapped = losses.ppo_loss
         assert "verl.workers.utils.losses" in plugin.install_trainer_hooks()

@@ -385,10 +385,32 @@ def check_terms_for_verl(terms: dict[str, Any]) -> dict[str, Any]:
     return terms
 
 
+def check_loss_mode(config: Any) -> None:
+    """``loss_mode`` and creditrl's fields agree: verl's own loss modes read none of creditrl's fields,
+    a ``creditrl*`` mode must be one of ``POLICY_LOSSES``, and a mode that switches a term on (e.g.
+    ``creditrl_stapo``) refuses that term set to False."""
+    mode = config.loss_mode
+    own = {f.name for f in dataclasses.fields(PolicyLossConfig)}
+    given = [f.name for f in dataclasses.fields(config) if f.name not in own and getattr(config, f.name) is not None]
+    if mode not in POLICY_LOSSES:
+        if str(mode).startswith(PREFIX):
+            raise ValueError(f"loss_mode: expected one of {list(POLICY_LOSSES)} (creditrl's) or one of verl's, "
+                             f"got {mode!r}")
+        if given:
+            raise ValueError(f"loss_mode: {mode!r} is verl's own policy loss, which reads none of creditrl's fields "
+                             f"({', '.join(given)}); expected one of {list(POLICY_LOSSES)} with them, got {mode!r}")
+        return
+    for term in POLICY_LOSSES[mode]:
+        if getattr(config, term, None) is False:
+            raise ValueError(f"{term}: loss_mode={mode!r} switches {term} on; expected {term} unset or true, got "
+                             f"False (loss_mode='creditrl' is the loss without it)")
+
+
 def _install_hooks_after_init(self) -> None:
     parent = getattr(PolicyLossConfig, "__post_init__", None)
     if parent is not None:
         parent(self)
+    check_loss_mode(self)
     defaults = {name: value({}, "token-mean") for name, value in VERL_NATIVE.items()}
     options = verl_native_options({"policy_loss": self})
     check_terms_for_verl(compose(Fields(lambda key: getattr(self, key, None), defaults,   # checks the options now
