@@ -245,11 +245,19 @@ def half_uniform(prompts, completions, **kwargs):
 
 @pytest.mark.slow
 def test_dynamic_sampling_takes_uniform_groups_out_of_the_loss(model_dir, tmp_path, monkeypatch):
+    scored = []
+
+    def recorded(prompts, completions, **kwargs):
+        scored.append(half_uniform(prompts, completions))
+        return scored[-1]
+
     with pytest.warns(UserWarning, match="dynamic_sampling: every group of this generation batch had the same reward"):
-        trainer, records, changed = run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=half_uniform,
+        trainer, records, changed = run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=recorded,
                                                 advantage_estimator="reinforce_plus_plus_baseline",
                                                 dynamic_sampling=True)
     assert changed
+    for (rollout, _), given in zip(records["rollouts"], scored, strict=True):   # last_rollout keeps every reward
+        torch.testing.assert_close(rollout["rewards"], torch.tensor(given), rtol=0, atol=0)
     for (rollout, _), loss_adv, mask in zip(records["rollouts"], records["loss_inputs"], records["masks"]):
         group = torch.arange(len(rollout["rewards"])) // NUM_GENERATIONS
         uniform = creditrl.core.groups.uniform_groups(rollout["rewards"].double(), group)[group]

@@ -354,7 +354,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         rewards_per_func = captured[0]                   # [all processes' completions, reward funcs]
         rewards = (rewards_per_func * self.reward_weights.to(rewards_per_func.device)[None]).nansum(dim=1)
         group = torch.arange(rewards.numel(), device=rewards.device) // group_size
-        scorable = ~torch.isnan(rewards_per_func).all(dim=1)
+        scored = ~torch.isnan(rewards_per_func).all(dim=1)
+        scorable = scored
         kept = self._filtered_rows(mode, rewards, rewards_per_func, group)
         if kept is not None:                             # out of the loss: its mask is zeroed
             start = self.accelerator.process_index * local_rows
@@ -362,11 +363,11 @@ class CreditGRPOTrainer(GRPOTrainer):
             mask = mask & kept[start:start + local_rows, None]
             scorable = scorable & kept
         components = rewards_per_func if get_estimator(self.estimator).reward_components else None
-        if not bool(scorable.all()):  # every reward func returned None: group-mean reward, advantage 0
+        if not bool(scored.all()):  # every reward func returned None: group-mean reward, advantage 0
             groups = GroupIndex.from_ids(group)
-            scored = scorable.float()
-            mean = groups.gather(groups.sum(rewards * scored) / groups.sum(scored).clamp(min=1))
-            rewards = torch.where(scorable, rewards, mean)
+            weight = scored.float()
+            mean = groups.gather(groups.sum(rewards * weight) / groups.sum(weight).clamp(min=1))
+            rewards = torch.where(scored, rewards, mean)
 
         energy = None
         if self.wants_energy:
