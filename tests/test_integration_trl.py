@@ -204,6 +204,42 @@ def trl_advantages(model_dir, tmp_path, monkeypatch, **options):
 
 
 @pytest.mark.slow
+def test_trls_own_metrics_are_logged_under_trls_names_with_trls_values(model_dir, tmp_path):
+    """The same run with plain GRPOTrainer and with CreditGRPOTrainer (grpo at TRL's eps, SGD, two
+    iterations per generation so the ratio leaves 1, a KL term): TRL's loss metrics (entropy, kl,
+    clip_ratio/*) are in both logs, equal up to the float32 rounding of two implementations of the
+    same step (the updates agree to ~1e-6 relative); a clip fraction may differ by a token at the edge."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    logs = {}
+    for name, config, trainer_class, own in (("trl", GRPOConfig, GRPOTrainer, {}),
+                                             ("credit", CreditGRPOConfig, CreditGRPOTrainer,
+                                              {"advantage_estimator": "grpo", "estimator_options": {"eps": 1e-4}})):
+        args = config(output_dir=str(tmp_path / name), per_device_train_batch_size=2 * NUM_GENERATIONS,
+                      num_generations=NUM_GENERATIONS, max_completion_length=8, max_steps=2, num_iterations=2,
+                      loss_type="dapo", optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", beta=0.1,
+                      epsilon=0.05, max_grad_norm=1e9, logging_steps=1, report_to="none", use_cpu=True, bf16=False,
+                      save_strategy="no", seed=0, **own)
+        trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model_dir), reward_funcs=count_digits,
+                                args=args, processing_class=AutoTokenizer.from_pretrained(model_dir),
+                                train_dataset=Dataset.from_dict({"prompt": ["ab", "12", "cd", "34"] * 4}))
+        trainer.train()
+        logs[name] = [entry for entry in trainer.state.log_history if "loss" in entry]
+    keys = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+            "clip_ratio/low_min", "clip_ratio/high_max")
+    assert len(logs["trl"]) == len(logs["credit"]) == 2
+    tokens = 2 * NUM_GENERATIONS * 8
+    assert any(entry["clip_ratio/region_mean"] > 0 for entry in logs["trl"])      # the clip metrics are exercised
+    for theirs, ours in zip(logs["trl"], logs["credit"]):
+        assert set(keys) <= set(theirs) and set(keys) <= set(ours)
+        assert ours["entropy"] == pytest.approx(theirs["entropy"], rel=1e-4)
+        assert ours["kl"] == pytest.approx(theirs["kl"], rel=1e-3, abs=1e-7)
+        for key in keys[2:]:
+            assert abs(ours[key] - theirs[key]) <= 2 / tokens + 1e-6, key
+
+
+@pytest.mark.slow
 def test_grpo_batch_scale_equals_trls_scale_rewards_batch(model_dir, tmp_path, monkeypatch):
     per_func, theirs = trl_advantages(model_dir, tmp_path, monkeypatch, scale_rewards="batch")
     rewards = (per_func * torch.tensor([1.0, 0.5])).nansum(1)

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import add_fused_lm_head
+from trl.trainer.utils import add_fused_lm_head, nanmax, nanmin
 
 from creditrl.utils.validate import check_choice, float_mask
 from creditrl.core.estimators import check_group_size, estimator_output, list_estimators
@@ -492,7 +492,39 @@ class CreditGRPOTrainer(GRPOTrainer):
         valid = mask.bool()
         metrics["entropy"] = float(entropy.detach()[valid].mean()) if valid.any() else 0.0
         self._log_creditrl(mode, metrics)
+        self._log_trl_metrics(mode, logp.detach(), logp.detach() if old_logp is None else old_logp,
+                              inputs.get("ref_per_token_logps"), advantages, entropy.detach(), valid)
         return loss
+
+    @torch.no_grad()
+    def _log_trl_metrics(self, mode: str, logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None,
+                         advantages: Tensor, entropy: Tensor, mask: Tensor) -> None:
+        """TRL's own loss metrics, under TRL's names and definitions (``GRPOTrainer._compute_loss``), so
+        dashboards built on plain GRPOTrainer keep working: ``entropy``, ``kl`` (beta != 0, k3 to the
+        reference, times the ratio under ``use_bias_correction_kl``) and ``clip_ratio/*`` (the ratio outside [1 - epsilon, 1 + epsilon_high] on the side
+        where the advantage's sign makes the clip bind). creditrl's own are under ``creditrl/*``."""
+        mask = mask.float()
+
+        def global_masked_mean(x: Tensor) -> float:
+            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def masked_seq_mean(x: Tensor) -> Tensor:        # NaN for an empty row, skipped by nanmin / nanmax
+            return (x * mask).sum(-1) / mask.sum(-1)
+
+        logged, ratio = self._metrics[mode], torch.exp(logp - old_logp)
+        if self.beta != 0.0 and ref_logp is not None:
+            gap = ref_logp - logp
+            kl = torch.exp(gap) - gap - 1
+            logged["kl"].append(global_masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
+        logged["entropy"].append(global_masked_mean(entropy))
+        low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
+        high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
+        logged["clip_ratio/low_mean"].append(global_masked_mean(low))
+        logged["clip_ratio/high_mean"].append(global_masked_mean(high))
+        logged["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+        logged["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(masked_seq_mean(low))).item())
+        logged["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(masked_seq_mean(high))).item())
 
     def _step_policy_loss(self) -> PolicyLoss:
         """The loss of this micro-batch: with an adaptive entropy bonus, the β its controller applies
