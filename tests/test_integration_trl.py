@@ -385,6 +385,14 @@ def test_config_rejects_bad_options(tmp_path):
      r"multi_objective_aggregation: 'normalize_then_sum' .* advantage_estimator='gdpo'; expected 'sum_then_normalize'"),
     ({"advantage_estimator": "gdpo", "estimator_options": {"scale": "batch"}},
      r"estimator_options: unknown option\(s\) \['scale'\]"),
+    # errors name the field the user set (TRL's or the generated one), not creditrl's option
+    ({"trace_lam": 1.5}, r"^trace_lam: expected a value in \[0, 1\], got 1.5"),
+    ({"delta_l_norm_alpha": 3}, r"^delta_l_norm_alpha: expected a value in \[0, 1\], got 3"),
+    ({"top_entropy_quantile": 1.5}, r"^top_entropy_quantile: expected a value in \(0, 1\], got 1.5"),
+    ({"top_entropy_quantile": 0.0}, r"^top_entropy_quantile: expected a value in \(0, 1\], got 0"),
+    ({"epsilon": -1.0}, r"^epsilon: expected a value in \[0, 1\), got -1"),
+    ({"beta": -1.0}, r"^beta: expected a value in \[0, inf\], got -1"),
+    ({"advantage_estimator": "maxpo", "maxk_k": 0}, r"^maxk_k: maxpo needs 1 <= k"),
 ])
 def test_config_refuses_each_bad_setting_at_construction(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):

@@ -509,6 +509,19 @@ def test_a_loss_mode_that_contradicts_creditrls_fields_is_refused_when_the_confi
         plugin.CreditPolicyLossConfig(**fields)
 
 
+@pytest.mark.parametrize("field, value", [("trace_lam", 1.5), ("stapo_tau_p", -1.0), ("delta_l_norm_alpha", 3.0),
+                                          ("top_entropy_quantile", 1.5)])
+def test_an_option_error_names_the_config_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field}: expected a value in"):
+        plugin.CreditPolicyLossConfig(loss_mode="creditrl", **{field: value})
+
+
+def test_a_bad_loss_agg_mode_is_named_with_verls_modes():
+    with pytest.raises(ValueError, match=r"loss_agg_mode: .*'bogus'.*'token-sum'"):
+        core_algos.get_policy_loss_fn("creditrl")(**loss_inputs(0), loss_agg_mode="bogus", config=actor_config(),
+                                                  rollout_is_weights=None)
+
+
 def test_verls_own_loss_mode_without_creditrls_fields_is_accepted():
     assert plugin.CreditPolicyLossConfig(loss_mode="vanilla", clip_cov_ratio=0.001).loss_mode == "vanilla"
     assert plugin.CreditPolicyLossConfig(loss_mode="creditrl_stapo", stapo=True).stapo is True

@@ -66,11 +66,28 @@ TRL_NATIVE = {
     "max_len": lambda args: args.max_completion_length if args.loss_type == "dr_grpo" else None,
 }
 # creditrl loss terms that GRPOConfig switches by its own fields: term -> its options from the config (None = off)
-TRL_NATIVE_TERMS = {
-    "top_entropy": lambda args: None if args.top_entropy_quantile >= 1.0 else {"quantile": args.top_entropy_quantile},
+TRL_NATIVE_TERMS = {   # a quantile of 1 keeps every token: off; one above 1 reaches the term's range check
+    "top_entropy": lambda args: None if args.top_entropy_quantile == 1.0 else {"quantile": args.top_entropy_quantile},
 }
+# the GRPOConfig field behind each creditrl option it holds, for errors: TRL's names, not creditrl's
+TRL_FIELD_OF = {"clip_low": "epsilon", "clip_high": "epsilon_high", "kl_coef": "beta",
+                "quantile": "top_entropy_quantile", "k": "maxk_k"}
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                    "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@contextmanager
+def trl_field_names(args):
+    """Errors of the options GRPOConfig holds under its own names name its field (``epsilon``), not
+    creditrl's option (``clip_low``); ``k`` only where ``maxk_k`` set it."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        option, _, rest = str(err).partition(": ")
+        field_name = TRL_FIELD_OF.get(option)
+        if field_name is None or (field_name == "maxk_k" and args.maxk_k is None):
+            raise
+        raise type(err)(f"{field_name}: {rest}") from None
 
 
 def parse_json_field(name: str, value, kind: type):
@@ -130,11 +147,13 @@ class _CreditGRPOFields(GRPOConfig):
             raise ValueError(f"maxk_k: an alias of estimator_options['k'], both set ({self.maxk_k} and "
                              f"{self.estimator_options['k']}); set one")
         self.check_trl_aggregation()
-        check_estimator_options(self.advantage_estimator, self.estimator_kwargs(), "estimator_options")
-        for key in ("num_generations", "num_generations_eval"):   # each mode's group size, now, not at step 1
-            if getattr(self, key, None) is not None:
-                check_group_size(self.advantage_estimator, self.estimator_kwargs(), getattr(self, key), key=key)
-        if "mask_truncated" in self.policy_loss_terms():              # also checks every loss option now
+        with trl_field_names(self):
+            check_estimator_options(self.advantage_estimator, self.estimator_kwargs(), "estimator_options")
+            for key in ("num_generations", "num_generations_eval"):   # each mode's group size, now, not at step 1
+                if getattr(self, key, None) is not None:
+                    check_group_size(self.advantage_estimator, self.estimator_kwargs(), getattr(self, key), key=key)
+            terms = self.policy_loss_terms()                               # also checks every loss option now
+        if "mask_truncated" in terms:
             raise ValueError("mask_truncated: TRL masks truncated completions itself, before the loss: set "
                              "mask_truncated_completions=True instead of creditrl's mask_truncated")
 

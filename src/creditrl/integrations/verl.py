@@ -52,7 +52,8 @@ from creditrl.core.estimators import build_batch, estimator_result, list_estimat
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields
 from creditrl.core.losses import Fields, PolicyLoss, compose
-from creditrl.utils.validate import LOGP_TOLERANCE, ONE_FLOAT32_BITS, FusedChecks, check_tensor, float32_bits
+from creditrl.utils.validate import (LOGP_TOLERANCE, ONE_FLOAT32_BITS, FusedChecks, check_choice, check_tensor,
+                                     float32_bits)
 
 PREFIX = "creditrl_"
 ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")
@@ -355,6 +356,9 @@ VERL_NATIVE = {
 }
 
 
+VERL_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
 def verl_native_options(config: Any) -> dict[str, dict[str, Any]]:
     """The options of creditrl's terms that verl holds under its own names: SAPO's ``tau_pos`` /
     ``tau_neg`` (actor) and Clip-Cov's / KL-Cov's fields (``actor.policy_loss``); unset = the term's
@@ -478,6 +482,7 @@ def make_policy_loss(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, An
                             rollout_is_weights: Tensor | None = None) -> tuple[Tensor, dict[str, Any]]:
         if config is None:
             raise ValueError("config: expected verl's ActorConfig, got None")
+        check_choice("loss_agg_mode", loss_agg_mode, VERL_AGG_MODES)
         node = config.get("policy_loss", None)
         native = {name: value(config, loss_agg_mode) for name, value in VERL_NATIVE.items()}
         loss_fn = PolicyLoss(check_terms_for_verl(compose(Fields(

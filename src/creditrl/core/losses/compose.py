@@ -209,7 +209,7 @@ def _from_fields(spec: Fields) -> dict[str, Any]:
             raise ValueError(f"{name}_{next(iter(values))}: set while {name}=False, where it does nothing; "
                              f"drop it or set {name}=True")
         if switch or (switch is None and values):
-            terms[name] = term.make_options(values)
+            terms[name] = _field_options(term, values, f"{name}_")
     user = get("loss_terms")
     if isinstance(user, str):
         user = json.loads(user)
@@ -221,6 +221,18 @@ def _from_fields(spec: Fields) -> dict[str, Any]:
             raise ValueError(f"loss_terms: loss term {name!r} is also set by its own fields; set it one way")
         terms[name] = options
     return terms
+
+
+def _field_options(term: LossTerm, values: dict[str, Any], prefix: str) -> Any:
+    """``term.make_options(values)`` whose error names the front end's field (``trace_lam``), not the
+    options class's (``lam``)."""
+    try:
+        return term.make_options(values)
+    except (TypeError, ValueError) as err:
+        field_name, _, rest = str(err).partition(": ")
+        if field_name in values:
+            raise type(err)(f"{prefix}{field_name}: {rest}") from None
+        raise
 
 
 # ----------------------------------------------------------------------------- the one-call form
