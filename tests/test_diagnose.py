@@ -122,25 +122,35 @@ def test_ranking_agrees_with_the_grad_variance_experiment(tiny, tiny_measured, m
     with torch_threads(1):
         stats, _ = gv.measure_checkpoint(cfg, 1, 96, 1)
     theirs = gv.gradient_quality(stats, "rloo")
+    # the raw variance ratio is defined on any checkpoint; the efficiency needs the reference's mean
+    # gradient above 0, which this tiny setting's ~50 prompts resolve on some checkpoints (some CPUs) only
+    pairs = [(ours["otb"]["raw_ratio_vs_rloo"], theirs["otb"].raw_ratio)]
     a, b = ours["otb"]["efficiency_vs_rloo"], theirs["otb"].efficiency
-    assert a.defined and b.defined, (a, b)
-    assert a.low <= b.high and b.low <= a.high, (a, b)                         # the intervals overlap
-    assert not ((a.low > 1 and b.high < 1) or (a.high < 1 and b.low > 1)), (a, b)   # no opposite ranking
+    if a.defined and b.defined:
+        pairs.append((a, b))
+    for a, b in pairs:
+        assert a.defined and b.defined, (a, b)
+        assert a.low <= b.high and b.low <= a.high, (a, b)                         # the intervals overlap
+        assert not ((a.low > 1 and b.high < 1) or (a.high < 1 and b.low > 1)), (a, b)   # no opposite ranking
 
 
 def test_sketch_efficiencies_agree_with_exact_ones(tiny_measured):
     _, _, exact, sketched = tiny_measured
     for name in ("otb", "otb+loo", "grpo", "dr_grpo"):
-        for key in ("efficiency_vs_rloo", "scale"):
+        for key in ("raw_variance", "raw_ratio_vs_rloo", "efficiency_vs_rloo", "scale"):
             e, s = exact[name][key], sketched[name][key]
-            assert e.defined and s.defined, (name, key, e, s)
-            assert within(e.value, s) and within(s.value, e), (name, key, e, s)
+            if key.startswith("raw"):     # defined on any checkpoint; the others where the reference's ‖μ̂‖² > 0
+                assert e.defined and s.defined, (name, key, e, s)
+            if e.defined and s.defined:
+                assert within(e.value, s) and within(s.value, e), (name, key, e, s)
 
 
 def test_dr_grpo_is_exactly_a_multiple_of_rloo_and_needs_no_backward(tiny_measured):
     plan, meas, rows, _ = tiny_measured
-    assert rows["dr_grpo"]["scale"].value == pytest.approx(7 / 8, rel=1e-5)
-    assert rows["dr_grpo"]["efficiency_vs_rloo"].value == pytest.approx(1.0, rel=1e-5)
+    assert rows["dr_grpo"]["raw_ratio_vs_rloo"].value == pytest.approx((7 / 8) ** 2, rel=1e-5)
+    if rows["dr_grpo"]["scale"].defined:        # the reference's ‖μ̂‖² > 0 on this checkpoint
+        assert rows["dr_grpo"]["scale"].value == pytest.approx(7 / 8, rel=1e-5)
+        assert rows["dr_grpo"]["efficiency_vs_rloo"].value == pytest.approx(1.0, rel=1e-5)
     # rows: reference, rloo, grpo, otb, otb+loo, dr_grpo: the reference, rloo (token-mean at ratio 1 has rloo's
     # cotangent) and dr_grpo ((N−1)/N × it) share one backward; a group without reward spread needs none
     informative = sum(g["informative"] for g in meas.groups)
