@@ -520,8 +520,9 @@ class CreditGRPOTrainer(GRPOTrainer):
                          advantages: Tensor, entropy: Tensor, mask: Tensor) -> None:
         """TRL's own loss metrics, under TRL's names and definitions (``GRPOTrainer._compute_loss``), so
         dashboards built on plain GRPOTrainer keep working: ``entropy``, ``kl`` (beta != 0, k3 to the
-        reference, times the ratio under ``use_bias_correction_kl``) and ``clip_ratio/*`` (the ratio outside [1 - epsilon, 1 + epsilon_high] on the side
-        where the advantage's sign makes the clip bind). creditrl's own are under ``creditrl/*``."""
+        reference, times the ratio under ``use_bias_correction_kl``) and ``clip_ratio/*`` (the ratio
+        outside [1 - epsilon, 1 + epsilon_high] on the side where the advantage's sign makes the clip
+        bind). creditrl's own are under ``creditrl/*``."""
         mask = mask.float()
 
         def global_masked_mean(x: Tensor) -> float:
