@@ -706,6 +706,31 @@ def test_resume_refuses_a_key_that_cannot_change_mid_run_by_name(tmp_path, key, 
     assert (run / "config.yaml").read_text() == text and not (run / "resumes.jsonl").exists()
 
 
+def test_resume_follows_a_moved_run_and_refuses_an_edit_that_would_move_it(tmp_path):
+    """A run resumes in its directory: config.yaml naming where the run was trained (a moved
+    directory) or where it is now is followed and recorded; naming a third place is refused before
+    anything changes (before, the edit was silently reverted)."""
+    import shutil
+    from creditrl.trainer import resume
+    run = _finished_run(tmp_path)
+    _edit(run, train__output_dir=str(tmp_path / "elsewhere"), train__steps=3)
+    text = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"config.yaml: train.output_dir '.*elsewhere' / train.run_name 'r' name "
+                                          r".*a resumed run continues in its own directory.*otherwise restore "
+                                          rf"train.output_dir '{tmp_path}' and train.run_name 'r'"):
+        resume(run, progress=False)
+    assert (run / "config.yaml").read_text() == text and not (run / "resumes.jsonl").exists()
+    _edit(run, train__output_dir=str(tmp_path))
+    moved = tmp_path / "moved" / "r2"
+    shutil.move(run, moved)
+    resume(moved, progress=False)
+    record = json.loads((moved / "resumes.jsonl").read_text().splitlines()[-1])
+    assert record["changes"]["train.output_dir"] == [str(tmp_path), str(moved.parent)]
+    assert record["changes"]["train.run_name"] == ["r", "r2"]
+    saved = load_saved_config(moved / "config.yaml").train
+    assert (saved.output_dir, saved.run_name) == (str(moved.parent), "r2")
+
+
 def test_resume_refuses_fewer_steps_than_done_and_an_incomplete_config(tmp_path):
     from creditrl.trainer import resume
     run = _finished_run(tmp_path)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from creditrl.config import (Config, ConfigError, check_complete, check_overlong, config_from_dict, config_to_dict,
-                             eval_settings, read_saved_config, resume_changes, save_config)
+                             check_location_edit, eval_settings, read_saved_config, resume_changes, save_config)
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
@@ -208,9 +208,11 @@ class Trainer:
         data = read_saved_config(run_dir / "config.yaml")
         cfg = resolve_config(config_from_dict(data))
         check_complete(run_dir / "config.yaml", data, config_to_dict(cfg))
-        cfg = located(cfg, run_dir)
         skipped: list[str] = []
         weights, state = ckpt.load_latest(run_dir, skipped) if ckpt.list_checkpoints(run_dir) else (None, None)
+        if state is not None and "config" in state:
+            check_location_edit(cfg.train.output_dir, cfg.train.run_name, state["config"], run_dir)
+        cfg = located(cfg, run_dir)
         step = state["step"] if state else 0
         changes = resume_changes(state["config"], config_to_dict(cfg), step) if state and "config" in state else {}
         if state is not None and step >= cfg.train.steps and (run_dir / "final").is_dir() and \
