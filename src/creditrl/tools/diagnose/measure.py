@@ -338,9 +338,9 @@ def eta_text(state: dict, per_prompt: float, left: float) -> str:
 @dataclass
 class Pace:
     """What sampling a round and measuring a prompt have cost on the run's clock, so the rounds stop
-    before work that would end past the budget rather than after it."""
-    rounds: int = 0
-    sampling: float = 0.0
+    before work that would end past the budget rather than after it. Sampling is read from the
+    measurement's own totals (``out``); a prompt's cost is its draws and their statistics."""
+    out: Measurement
     prompts: int = 0
     measuring: float = 0.0
 
@@ -349,7 +349,8 @@ class Pace:
 
     def next_round(self) -> float:
         """A new round's sampling and its first prompt."""
-        return (self.sampling / self.rounds if self.rounds else 0.0) + self.prompt()
+        rounds = len(self.out.rounds)
+        return (self.out.seconds["sampling"] / rounds if rounds else 0.0) + self.prompt()
 
     def allows(self, cost: float, now: float, deadline: float) -> bool:
         """Whether work expected to cost ``cost`` ends by the deadline; the first two prompts always run
@@ -362,7 +363,7 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
             ) -> Measurement:
     """Rounds until the stopping rule holds, the budget (``deadline`` on ``clock``) runs out or the
     task's distinct prompts do (module docstring)."""
-    out, pace = acc.out, Pace()
+    out, pace = acc.out, Pace(acc.out)
     with progress_bar(progress) as bar:
         job = bar.add_task("first round", total=plan.prompts, eta="…")
         while True:
@@ -377,7 +378,6 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
             start = clock()
             sampled = source.sample(problems)
             out.seconds["sampling"] += clock() - start
-            pace.rounds, pace.sampling = pace.rounds + 1, pace.sampling + clock() - start
             note_round(source, sampled, out)
             over = run_round(source, sampled, len(problems), acc, clock, deadline, bar, job, pace)
             if len(out.rounds) == 0:
