@@ -509,25 +509,31 @@ class CreditGRPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / normalizer
         valid = mask.bool()
-        metrics["entropy"] = float(entropy.detach()[valid].mean()) if valid.any() else 0.0
+        # one masked sum for both entropies: creditrl's is this process's, TRL's is reduced over processes
+        entropy_totals = torch.stack([(entropy.detach() * valid).sum(dtype=torch.float32), valid.sum().float()])
+        metrics["entropy"] = (entropy_totals[0] / entropy_totals[1].clamp(min=1.0)).item()
         self._log_creditrl(mode, metrics)
         self._log_trl_metrics(mode, logp.detach(), logp.detach() if old_logp is None else old_logp,
-                              inputs.get("ref_per_token_logps"), advantages, entropy.detach(), valid)
+                              inputs.get("ref_per_token_logps"), advantages, entropy_totals, valid)
         return loss
 
     @torch.no_grad()
     def _log_trl_metrics(self, mode: str, logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None,
-                         advantages: Tensor, entropy: Tensor, mask: Tensor) -> None:
+                         advantages: Tensor, entropy_totals: Tensor, mask: Tensor) -> None:
         """TRL's own loss metrics, under TRL's names and definitions (``GRPOTrainer._compute_loss``), so
         dashboards built on plain GRPOTrainer keep working: ``entropy``, ``kl`` (beta != 0, k3 to the
         reference, times the ratio under ``use_bias_correction_kl``) and ``clip_ratio/*`` (the ratio
         outside [1 - epsilon, 1 + epsilon_high] on the side where the advantage's sign makes the clip
-        bind). creditrl's own are under ``creditrl/*``."""
+        bind). creditrl's own are under ``creditrl/*``. ``entropy_totals``: this process's masked
+        entropy sum and token count, [2]."""
         mask = mask.float()
 
-        def global_masked_mean(x: Tensor) -> float:
-            totals = self.accelerator.reduce(torch.stack([(x * mask).sum(), mask.sum()]), reduction="sum")
+        def global_mean(totals: Tensor) -> float:
+            totals = self.accelerator.reduce(totals, reduction="sum")
             return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        def global_masked_mean(x: Tensor) -> float:
+            return global_mean(torch.stack([(x * mask).sum(), mask.sum()]))
 
         def masked_seq_mean(x: Tensor) -> Tensor:        # NaN for an empty row, skipped by nanmin / nanmax
             return (x * mask).sum(-1) / mask.sum(-1)
@@ -537,7 +543,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             gap = ref_logp - logp
             kl = torch.exp(gap) - gap - 1
             logged["kl"].append(global_masked_mean(kl * ratio if self.args.use_bias_correction_kl else kl))
-        logged["entropy"].append(global_masked_mean(entropy))
+        logged["entropy"].append(global_mean(entropy_totals))
         low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float()
         logged["clip_ratio/low_mean"].append(global_masked_mean(low))
