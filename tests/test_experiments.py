@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from creditrl_research import experiments
 from creditrl.tools import tables
+from creditrl.utils.durations import format_duration
 from creditrl_research import rules
 from creditrl_research.experiments import maxk_bandit as mb
 from tolerances import EPS64, sum_rtol
@@ -526,6 +527,9 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same run checked against itself
     assert "| pooled (secondary) |" in text and "DerSimonian–Laird" in text   # the pre-registered secondary column
     assert "— (not pooled: its rule reads no interval)" in text                # maxk-bandit's slope verdict
+    walls = [float((fast_root / n / "wall_time.txt").read_text()) for n in experiments.experiment_names()]
+    assert f"Total wall time of the experiments: {format_duration(sum(walls))}." in text   # seconds, not "0.2 min"
+    assert f"Wall time: {format_duration(walls[0])}." in text
     partial_count = len(experiments.get_experiment("grad-variance").verdicts(partial / "grad-variance"))
     assert f"`{partial}` (only `grad-variance`)" in text
     assert f"{partial_count} of {partial_count} verdicts agree" in text and "(not run)" in text

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from creditrl.config import merge_layers, parse_override
 from creditrl.tools import tables
+from creditrl.utils.durations import format_duration
 from creditrl_research import rules
 from creditrl_research.experiments.registry import experiment_names, get_experiment
 
@@ -202,7 +203,7 @@ def reproducibility_section(first: dict, checks: list[tuple[Path, dict]]) -> str
         where = rules.environment_line(tables.read_json(envs[0])) if envs else ""
         ran = "all experiments" if set(second) == set(first) else "only " + ", ".join(f"`{n}`" for n in second)
         walls = [float(w.read_text()) for n in second if (w := path / n / "wall_time.txt").exists()]
-        wall = f" Wall time {sum(walls) / 60:.1f} min in all." if walls else ""
+        wall = f" Wall time {format_duration(sum(walls))} in all." if walls else ""
         lines.append(f"- `{path}` ({ran}): {where}{wall} {same} of {compared} verdicts agree.")
     for row in rows:
         outcome, text = rules.pooled_verdict(sets[row["claim"]])
@@ -224,7 +225,7 @@ def experiment_section(name: str, out_dir: Path, figures: Path, verdicts: list[r
     if (out_dir / "environment.json").exists():
         facts.append(rules.environment_line(tables.read_json(out_dir / "environment.json")))
     if (out_dir / "wall_time.txt").exists():
-        facts.append(f"Wall time: {(out_dir / 'wall_time.txt').read_text().strip()} s.")
+        facts.append(f"Wall time: {format_duration(float((out_dir / 'wall_time.txt').read_text()))}.")
     return section + ("\n_" + " ".join(facts) + "_\n" if facts else "")
 
 
@@ -294,7 +295,7 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
     presets = recorded_presets(runs, verdicts)
     head = [INTRO.format(provenance=provenance(presets)), "## Summary of verdicts\n", coverage_line(presets),
             rules.summary_table([v for vs in verdicts.values() for v in vs]),
-            f"Total wall time of the experiments: {sum(walls) / 60:.1f} min." if walls else ""]
+            f"Total wall time of the experiments: {format_duration(sum(walls))}." if walls else ""]
     if found:
         head.append(reproducibility_section(verdicts, found))
     path = docs / "results.md"
