@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import shutil
 import time
 import types
 from pathlib import Path
@@ -710,7 +711,6 @@ def test_resume_follows_a_moved_run_and_refuses_an_edit_that_would_move_it(tmp_p
     """A run resumes in its directory: config.yaml naming where the run was trained (a moved
     directory) or where it is now is followed and recorded; naming a third place is refused before
     anything changes (before, the edit was silently reverted)."""
-    import shutil
     from creditrl.trainer import resume
     run = _finished_run(tmp_path)
     _edit(run, train__output_dir=str(tmp_path / "elsewhere"), train__steps=3)
@@ -761,12 +761,33 @@ def test_resume_without_a_checkpoint_starts_again_and_says_so(tmp_path):
     from creditrl.trainer import resume
     run = _finished_run(tmp_path, "train.save_every=0")
     _edit(run, model__tiny__hidden_size=64, train__steps=1)             # nothing trained is kept: any edit goes
-    (run / "summary.json").unlink()
+    for name in ("summary.json", "final"):                              # as a run killed before its end
+        shutil.rmtree(run / name) if (run / name).is_dir() else (run / name).unlink()
     resume(run, progress=False)
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     assert [json.loads(x)["step"] for x in (run / "eval.jsonl").read_text().splitlines()] == [0, 1]
     assert "restarted from step 0 with config.yaml as it is now (changes not compared" in (run / "summary.md").read_text()
     assert json.loads((run / "resumes.jsonl").read_text().splitlines()[-1])["changes"] is None
+
+
+def test_resuming_a_finished_run_without_a_checkpoint_is_refused(tmp_path, capsys):
+    """A run that finished with train.save_every=0 (the SmolLM2 preset) has final/ and no checkpoint:
+    --resume would train it again from step 0 and replace final/, so it is refused, nothing changed,
+    pointing to a new run from final/ (which then trains); a damaged final/ is a run to finish again."""
+    from creditrl.trainer.command import main
+    run = _finished_run(tmp_path, "train.save_every=0")
+    _edit(run, train__steps=3)
+    before = {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    assert main(["--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "finished (final/ complete) and kept no checkpoint" in err
+    assert f"model.name={run / 'final'}" in err and "--overwrite" in err
+    assert {p: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"} == before
+    cfg = load_config(None, TINY + [f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}",
+                                    "train.run_name=next", "train.steps=1", f"model.name={run / 'final'}"])
+    from creditrl.trainer import train
+    assert (train(cfg, progress=False) / "final").is_dir()
 
 
 def test_resume_changes_are_computed_on_resolved_configs():

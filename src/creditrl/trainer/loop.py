@@ -215,10 +215,15 @@ class Trainer:
         cfg = located(cfg, run_dir)
         step = state["step"] if state else 0
         changes = resume_changes(state["config"], config_to_dict(cfg), step) if state and "config" in state else {}
-        if state is not None and step >= cfg.train.steps and (run_dir / "final").is_dir() and \
-                final_problem(run_dir / "final") is None:
+        finished = (run_dir / "final").is_dir() and final_problem(run_dir / "final") is None
+        if state is not None and step >= cfg.train.steps and finished:
             raise ValueError(f"resume: the run in {str(run_dir)!r} already finished ({step}/{cfg.train.steps} steps, "
                              f"final/ complete); nothing to resume (to train on, raise train.steps in its config.yaml)")
+        if state is None and finished:    # a restart from step 0 would discard the finished model
+            raise ValueError(f"resume: the run in {str(run_dir)!r} finished (final/ complete) and kept no checkpoint to "
+                             f"continue from (train.save_every=0), so resuming would train it again from step 0 and "
+                             f"replace final/. To train its model further, start a new run from it "
+                             f"(model.name={str(run_dir / 'final')}); to train this run again, use --overwrite")
         trainer = cls(cfg, run_dir, progress=progress)
         if state is not None:
             trainer.load_state(weights, state)
