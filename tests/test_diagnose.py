@@ -36,6 +36,7 @@ from creditrl.tools.diagnose import report
 from creditrl.tools.diagnose.api import DatasetTask
 from creditrl.tools.diagnose.command import make_plan
 from creditrl.tools.diagnose.measure import Accumulator, Measurement, ModelSource, measure
+from creditrl.tools.diagnose.plan import REF
 from creditrl.utils.threads import torch_threads
 from creditrl_research.experiments import grad_variance as gv
 from enumerable_policy import (GROUP, STEPS, THETA, enumerate_policy, estimator_output, policy_logits, reward,
@@ -308,8 +309,18 @@ def test_bad_input_is_refused_before_any_work(tiny, tmp_path, monkeypatch):
         tiny_plan(["diagnose.estimators=[maxpo]"])
     with pytest.raises(ValueError, match=r"diagnose.losses\[0\].nope: unknown key; valid keys of loss are"):
         tiny_plan(["diagnose.losses=[{nope: {enabled: true}}]"])
-    with pytest.raises(ValueError, match=r"diagnose.losses\[0\]: .*unknown name 'no_such_term'"):
+    with pytest.raises(ValueError, match=r"^diagnose.losses\[0\].terms\[0\].path: unknown name 'no_such_term'"):
         tiny_plan(["diagnose.losses=[{terms: [{path: no_such_term}]}]"])
+    with pytest.raises(ValueError, match=r"^diagnose.losses\[0\].agg: unknown value"):      # the key, named once
+        tiny_plan(["diagnose.losses=[{agg: bogus}]"])
+    # a repeated label would overwrite the other loss's rows (one loss silently never measured)
+    with pytest.raises(ValueError, match=r"diagnose.losses\[1\]: its label 'a' is already diagnose.losses\[0\]'s"):
+        tiny_plan(["diagnose.losses=[{name: a, agg: seq-mean-token-mean}, {name: a, kl_coef: 0.05}]"])
+    with pytest.raises(ValueError, match=r"diagnose.losses\[1\]: its label 'agg=seq-mean-token-mean' is already"):
+        tiny_plan(["diagnose.losses=[{agg: seq-mean-token-mean}, {agg: seq-mean-token-mean}]"])
+    with pytest.raises(ValueError, match=r"diagnose.losses\[0\]: its label 'configured' is already the configured"):
+        tiny_plan(["diagnose.losses=[{name: configured, agg: seq-mean-token-mean}]"])
+    assert len(tiny_plan(["diagnose.losses=[{name: a, agg: seq-mean-token-mean}, {name: b, kl_coef: 0.05}]"]).losses) == 3
     for key, value in (("target_width", "0"), ("target_width", "-0.1"), ("budget_min", "0"), ("budget_min", "-2")):
         with pytest.raises(ValueError, match=rf"diagnose.{key}: expected a value > 0, got"):
             load_diagnose_config(None, [f"diagnose.{key}={value}"])
@@ -531,3 +542,73 @@ def test_the_rounds_stop_before_work_that_would_end_past_the_budget(budget, end,
     clock = Clock()
     out = simulate(plan, SlowSampling(list(plan.rows), [1.0] * len(plan.rows), clock, seed=0), clock)["measurement"]
     assert (clock.now, out.prompts, out.stop) == (end, prompts, "budget")
+
+
+class ExactMultiples:
+    """A ``GaussianSource`` where, as in a real run, the rloo row is the reference's draws and dr_grpo's
+    are exactly 7/8 of them (dr_grpo = (N−1)/N · rloo)."""
+
+    def __new__(cls, plan, clock, seed=0):
+        from diagnose_sim import GaussianSource
+
+        class Source(GaussianSource):
+            def draws(self, sampled, index):
+                out = super().draws(sampled, index)
+                # rloo's own float path: the same gradient up to float32 rounding, as in a real run
+                out.grads[:, self.names.index("rloo")] = out.grads[:, self.names.index(REF)] * (1 + 2 ** -22)
+                out.grads[:, self.names.index("dr_grpo")] = out.grads[:, self.names.index(REF)] * 0.875
+                return out
+        names = list(plan.rows)
+        return Source(names, [1.3 if n == "otb" else 1.0 for n in names], clock, seed=seed)
+
+
+def test_configured_rloo_reads_grpos_interval_and_exact_multiples_are_no_tests():
+    """rloo configured: its efficiency against the reference (itself) is 1 with a rounding-level se,
+    so the stopping rule reads grpo's interval (as documented), and dr_grpo, an exact multiple of
+    rloo, is none of Holm's m comparisons and outside the power range (efficiency 1 by construction)."""
+    from diagnose_sim import Clock, sim_plan, simulate
+    plan = sim_plan(["rloo", "grpo", "dr_grpo", "otb"], "rloo")
+    clock = Clock()
+    out = simulate(plan, ExactMultiples(plan, clock), clock)
+    rows = {r["row"]: r for r in out["rows"]}
+    assert rows["dr_grpo"]["efficiency_vs_configured"].se <= 1e-6        # the exact relation, up to rounding
+    assert 0 < rows["rloo"]["efficiency_vs_rloo"].se <= 1e-6         # rounding, not an exact 0
+    assert out["reference"]["width_row"] == "grpo" and out["reference"]["width"] > 1e-3
+    rec = out["recommendation"]
+    assert rec["m"] == 2 and "dr_grpo" not in rec["better"] + rec["worse"]
+    assert out["power"]["comparisons"] in (0, 2)
+
+
+def test_a_max_k_configured_row_is_not_ranked_against():
+    """max@K rows target another objective: with maxpo configured no row is compared with it (m = 0,
+    no power), and the recommendation keeps it, saying why."""
+    from diagnose_sim import Clock, GaussianSource, sim_plan, simulate
+    plan = sim_plan(["rloo", "grpo", "maxpo"], "maxpo")
+    assert not plan.ranked("maxpo")
+    clock = Clock()
+    out = simulate(plan, GaussianSource(list(plan.rows), [1.0, 1.0, 1.0, 3.0], clock, seed=0), clock)
+    rec = out["recommendation"]
+    assert (rec["m"], rec["better"], rec["worse"], rec["choice"]) == (0, [], [], "maxpo")
+    assert out["power"]["comparisons"] == 0
+    assert "targets the max@K objective" in rec["text"] or "not resolved" in rec["text"]
+
+
+def test_the_trend_names_no_prompt_count_while_the_signal_is_not_positive():
+    """A non-positive ‖μ̂‖² has no level to extrapolate: the prompts needed are unknown (inf), not the
+    upper 95% bound's optimistic count; a positive one gives P·(3·se/‖μ̂‖²)²."""
+    from creditrl.tools.diagnose.measure import needed_prompts
+    width = Interval(1.0, 0.99, 1.01, 16, 1e-3, log=True)
+    assert needed_prompts(10, Interval(-10.0, -46.0, 26.0, 16, 17.0), width, 0.1) == math.inf
+    assert needed_prompts(10, Interval(0.0, -1.0, 1.0, 16, 0.5), width, 0.1) == math.inf
+    assert needed_prompts(10, Interval(10.0, 6.0, 14.0, 16, 2.0), width, 0.1) == pytest.approx(10 * (3 * 2 / 10) ** 2)
+
+
+def test_a_budget_shorter_than_a_prompt_still_measures_two():
+    """The first two prompts always run (no statistic exists before them), even when the budget is
+    spent before the first: the run ends with a defined result, not an internal error."""
+    from diagnose_sim import Clock, GaussianSource, sim_plan, simulate
+    plan = dataclasses.replace(sim_plan(["grpo", "rloo"], "grpo"), budget_s=0.5)
+    clock = Clock()
+    out = simulate(plan, GaussianSource(list(plan.rows), [1.0] * len(plan.rows), clock, seed=0), clock)
+    assert (out["measurement"].prompts, out["measurement"].stop) == (2, "budget")
+    assert out["recommendation"]["choice"] == "grpo"

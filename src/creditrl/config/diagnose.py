@@ -22,7 +22,7 @@ class DiagnoseConfig:
     groups_per_prompt: int = opt(2, "Independent groups of rollout.group_size responses per prompt (>= 2: two groups "
                                     "of one prompt separate the variance within a prompt from that across prompts).")
     target_width: float = opt(0.1, "Stop once the configured estimator's efficiency interval (against rloo; "
-                                   "against grpo when rloo is the configured one) lies within ×(1 ± target_width) of "
+                                   "against grpo when the configured one is rloo or an exact multiple of it, e.g. dr_grpo) lies within ×(1 ± target_width) of "
                                    "its value (0.1: ±10%) and the reference is resolved.")
     budget_min: float | None = opt(None, "Wall-time budget in minutes after the model has loaded (warm-up, rounds, "
                                          "report); the run stops at the end of the prompt in progress. null = 2.5 for "
@@ -33,8 +33,8 @@ class DiagnoseConfig:
                                              "(the max@K ones only when diagnose.k or algorithm.options.k is set).")
     losses: list[dict] | None = opt(None, "Further losses to compare, as (estimator × loss) rows: each a mapping of "
                                           "`loss` keys over the configured loss (e.g. `[{agg: seq-mean-token-mean}, "
-                                          "{kl_coef: 0.05}]`; an optional `name` labels it). null = the configured "
-                                          "loss only.")
+                                          "{kl_coef: 0.05}]`; an optional `name` labels it; labels must differ from each "
+                                          "other and from `configured`). null = the configured loss only.")
     k: int | None = opt(None, "K of the max@K estimators (maxpo, ei, pkpo, passk_chen, maxk_bon); null = "
                               "algorithm.options.k when set.")
     params: list[str] | None = opt(None, "Parameter-name prefixes whose gradient is measured (`[all]`: every trainable "

@@ -136,6 +136,9 @@ def plan_for(cfg: Config, d: DiagnoseConfig, loss, losses) -> Plan:
     further = dict(losses or {})
     if not isinstance(further, dict):
         raise TypeError(f"losses: expected a mapping name -> loss, got {type(losses).__name__}")
+    if "configured" in map(str, further):
+        raise ValueError("losses: the name 'configured' is the configured loss's (`loss`) label; expected another "
+                         "name for a further loss")
     choices = (as_loss("configured", loss, "loss"), *(as_loss(str(n), v, f"losses[{n!r}]") for n, v in further.items()))
     return Plan(prompts=d.prompts, groups_per_prompt=d.groups_per_prompt, group_size=cfg.rollout.group_size,
                 folds=d.folds or min(16, d.prompts), estimators=specs, losses=choices, configured=configured,

@@ -66,8 +66,20 @@ def further_loss(cfg: Config, index: int, values: dict):
         loss = resolve_loss(deep_update(cfg.loss, data))
         composed = policy_loss_from_config(dataclasses.replace(cfg, loss=loss)).loss
     except (ConfigError, ValueError, TypeError) as err:
-        raise ConfigError(f"{where}: {str(err).replace('loss.', f'{where}.', 1)}") from None
+        message = str(err).replace("loss.", f"{where}.", 1)
+        raise ConfigError(message if message.startswith(where) else f"{where}: {message}") from None
     return loss_choice(loss_label(index, values), composed)
+
+
+def check_loss_labels(labels: list[str]) -> None:
+    """Each further loss's label (its ``name``, else its keys) names its rows, so it must be unique
+    and not the configured loss's: a repeated one would overwrite the other's rows."""
+    for i, label in enumerate(labels[1:]):
+        if label in labels[:i + 1]:
+            first = labels.index(label)
+            taken = "the configured loss" if first == 0 else f"diagnose.losses[{first - 1}]"
+            raise ConfigError(f"diagnose.losses[{i}]: its label {label!r} is already {taken}'s; expected a unique "
+                              f"label per loss (set a distinct name: ...)")
 
 
 def make_plan(cfg: Config, d: DiagnoseConfig) -> Plan:
@@ -77,6 +89,7 @@ def make_plan(cfg: Config, d: DiagnoseConfig) -> Plan:
     configured = name + (LOO if options.get("leave_one_out") else "")
     k = d.k if d.k is not None else options.get("k")
     specs = estimator_specs(d.estimators, configured, options, k, cfg.rollout.group_size)
+    check_loss_labels(["configured", *(loss_label(i, values) for i, values in enumerate(d.losses or []))])
     losses = (loss_choice("configured", policy_loss_from_config(cfg).loss),
               *(further_loss(cfg, i, values) for i, values in enumerate(d.losses or [])))
     return Plan(prompts=d.prompts, groups_per_prompt=d.groups_per_prompt, group_size=cfg.rollout.group_size,

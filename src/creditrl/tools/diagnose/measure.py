@@ -39,6 +39,9 @@ from creditrl.utils.durations import format_duration
 from creditrl.utils.stats import t_quantile
 
 RESOLVED_SE = 3.0          # the reference's ‖μ̂‖² must be at least this many standard errors above 0
+# a log-efficiency se below this is the float rounding of an exact relation (the row is a multiple of
+# the other: ~1e-9 to 1e-16 measured), never a measurement: that would be a ±0.0002% interval
+ROUNDING_SE = 1e-6
 
 
 class Source(Protocol):
@@ -263,22 +266,22 @@ class Accumulator:
 
 def width_row(plan: Plan, stats: GradientStats) -> tuple[str, Interval]:
     """The row whose efficiency interval the stopping rule reads: the configured one against the
-    reference, or grpo when the configured row equals the reference exactly (se 0)."""
+    reference, or grpo when the configured row is an exact multiple of the reference (rloo itself,
+    dr_grpo: efficiency 1 with a rounding-level se, ``ROUNDING_SE``), whose interval says nothing."""
     quality = gradient_quality(stats, REF)
     own = quality[plan.configured].efficiency
-    if own.defined and own.se == 0 and GRPO in quality:
+    if own.defined and own.se <= ROUNDING_SE and GRPO in quality:
         return GRPO, quality[GRPO].efficiency
     return plan.configured, own
 
 
 def needed_prompts(measured: int, signal: Interval, width: Interval, target: float) -> float:
     """The prompts the trend says both conditions need (standard errors shrink as 1/√P): inf when
-    the signal is not positive even at its upper 95% bound."""
-    if not math.isfinite(signal.se) or signal.folds < 2:
+    the signal's estimate is not positive (the trend has no level to extrapolate: any bound, e.g.
+    the upper 95% one, would be a guess, and an optimistic one)."""
+    if not math.isfinite(signal.se) or signal.folds < 2 or not signal.value > 0:
         return math.inf
-    upper = signal.value + t_quantile(signal.folds - 1) * signal.se
-    level = signal.value if signal.value > 0 else upper
-    need = measured * (RESOLVED_SE * signal.se / level) ** 2 if level > 0 else math.inf
+    need = measured * (RESOLVED_SE * signal.se / signal.value) ** 2
     if width.defined and width.se > 0:
         need = max(need, measured * (t_quantile(width.folds - 1) * width.se / math.log1p(target)) ** 2)
     elif not width.defined:
@@ -445,6 +448,6 @@ def run_round(source: Source, sampled, count: int, acc: Accumulator, clock, dead
         acc.add(draws)
         pace.prompts, pace.measuring = pace.prompts + 1, pace.measuring + clock() - start
         bar.advance(job, 1)
-        if clock() > deadline:
+        if clock() > deadline and pace.prompts >= 2:   # the first two always run (``Pace.allows``)
             return True
     return False

@@ -26,7 +26,7 @@ from creditrl.core.estimators.labels import name_of
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.gradients.quality import EXACT
 from creditrl.core.gradients import EstimatorQuality, Interval, gradient_quality, prompt_noise_scale, signal_interval
-from creditrl.tools.diagnose.measure import Measurement, RESOLVED_SE
+from creditrl.tools.diagnose.measure import Measurement, RESOLVED_SE, ROUNDING_SE
 from creditrl.tools.diagnose.plan import ADAM, REF, Plan
 from creditrl.utils.stats import holm, t_ppf, t_sf
 
@@ -87,11 +87,26 @@ def column_of(table: list[dict], plan: Plan) -> str:
     return "adam_vs_configured" if adam else "efficiency_vs_configured"
 
 
+def exact_relation(iv: Interval) -> bool:
+    """An efficiency whose jackknife se is float rounding (``ROUNDING_SE``): the row is an exact
+    multiple of the configured one (rloo itself, dr_grpo = (N−1)/N · rloo), efficiency 1 by
+    construction, so it is no test: it stays out of Holm's m and the power range."""
+    return iv.defined and iv.se <= ROUNDING_SE
+
+
+def compared_rows(table: list[dict], plan: Plan, column: str) -> list[dict]:
+    """The rows tested against the configured one: ranked, not exact relations of it; none when the
+    configured row is itself not ranked (a max@K objective, which the other rows do not estimate)."""
+    if not plan.ranked(plan.configured):
+        return []
+    return [r for r in table if r["ranked"] and r["row"] != plan.configured and not exact_relation(r[column])]
+
+
 def label_rows(table: list[dict], plan: Plan) -> dict:
     """Holm-calibrated labels (module docstring) of the ranked rows against the configured one:
     ``better``, ``worse``, ``biased`` (lists of rows) and the number of comparisons ``m``."""
     column = column_of(table, plan)
-    compared = [r for r in table if r["ranked"] and r["row"] != plan.configured]
+    compared = compared_rows(table, plan, column)
     efficiency = holm([r[column].p_value(1.0) for r in compared], ALPHA)
     biased = holm([one_sided_below_one(r["cosine_raw"]) for r in compared], ALPHA)
     out = {"column": column, "m": len(compared), "better": [], "worse": [], "biased": []}
@@ -120,11 +135,12 @@ def power_line(table: list[dict], plan: Plan, labels: dict) -> dict:
     (module docstring): median, smallest and largest over the comparisons whose se is defined."""
     column, m = labels["column"], max(labels["m"], 1)
     ratios = []
-    for r in table:
-        iv = r[column]
-        if r["ranked"] and r["row"] != plan.configured and iv.defined and iv.se > 0 and iv.folds >= 2:
-            df = iv.folds - 1
-            ratios.append(math.exp((t_ppf(1 - ALPHA / (2 * m), df) + t_ppf(POWER, df)) * iv.se))
+    if labels.get("resolved", True):   # no power while nothing can be ranked
+        for r in compared_rows(table, plan, column):
+            iv = r[column]
+            if iv.defined and iv.se > 0 and iv.folds >= 2:
+                df = iv.folds - 1
+                ratios.append(math.exp((t_ppf(1 - ALPHA / (2 * m), df) + t_ppf(POWER, df)) * iv.se))
     if not ratios:
         return {"median": None, "low": None, "high": None, "comparisons": 0}
     return {"median": statistics.median(ratios), "low": min(ratios), "high": max(ratios), "comparisons": len(ratios)}
@@ -144,7 +160,11 @@ def recommend(table: list[dict], plan: Plan, meas: Measurement) -> dict:
         text = (f"keep `{cfg}`, the configured estimator: the reference's mean gradient is not resolved "
                 f"(cross-fitted ‖μ̂‖² = {signal.value:.3g} ± {signal.se:.2g}, {RESOLVED_SE:.0f} standard errors "
                 f"needed), so no estimator can be ranked against it here")
-        return {**labels, "better": [], "worse": [], "choice": cfg, "text": text}
+        return {**labels, "better": [], "worse": [], "choice": cfg, "text": text, "resolved": False}
+    if not plan.ranked(cfg):
+        text = (f"keep `{cfg}`, the configured estimator: it targets the max@K objective, which no other row "
+                f"estimates, so none is ranked against it (each row's efficiency against the reference is shown)")
+        return {**labels, "choice": cfg, "text": text}
     by_row = {r["row"]: r for r in table}
     candidates = [row for row in labels["better"] if row not in labels["biased"]]
     shunned = [row for row in labels["better"] if row in labels["biased"]]

@@ -80,9 +80,8 @@ def undefined_notes(rows: list[dict], needed: float, prompts: int) -> list[str]:
         return []
     need = (f"the trend (standard errors shrink as 1/√prompts) says about {needed:,.0f} prompts would resolve it "
             f"({prompts} measured)" if math.isfinite(needed) else
-            "the trend cannot say how many prompts would resolve it: the signal is not positive even at its upper "
-            "95% bound; a task where the model is more often partly right (more informative groups) helps more "
-            "than prompts")
+            "the trend cannot say how many prompts would resolve it: the signal's estimate is not positive; a task "
+            "where the model is more often partly right (more informative groups) helps more than prompts")
     return ["**Undefined values** (never guessed):\n"] + [
         f"- {', '.join(f'`{x}`' for x in which[:6])}{' …' if len(which) > 6 else ''}: undefined because {why}; "
         f"{need}." for why, which in reasons.items()] + [""]
@@ -111,7 +110,7 @@ def noise_section(noise: dict, group_size: int) -> list[str]:
 
 def power_text(power: dict, configured: str, column: str) -> str:
     if not power["comparisons"]:
-        return "**Power:** undefined (no comparison has a defined interval yet).\n"
+        return "**Power:** undefined (no comparison is ranked with a defined interval).\n"
     where = "Adam" if column.startswith("adam") else "plain"
     return (f"**Power:** against `{configured}` this run detects an efficiency ratio of **{power['median']:.2f}×** "
             f"(or 1/{power['median']:.2f}) with 80% probability at the 5% family-wise level (median over "
@@ -130,7 +129,7 @@ def setting_text(result: dict) -> str:
             f"informative (reward spread > 0); {m['invalid']} of {m['responses']} rewards invalid. Gradient space: "
             f"{s['space']}. Intervals: 95% jackknife t over {s['folds']} folds of prompts; labels: Holm over the "
             f"comparisons with the configured row (5% family-wise). Wall time "
-            f"{format_duration(result['timing']['total_s'])} (budget {s['budget_min']:.1f} min).\n")
+            f"{format_duration(result['timing']['total_s'])} (budget {format_duration(60 * s['budget_min'])}).\n")
 
 
 def reference_text(result: dict) -> str:

@@ -16,6 +16,7 @@ from creditrl.tools.diagnose import recommend as rc
 from creditrl.tools.diagnose import report
 from creditrl.tools.diagnose.measure import Accumulator, Measurement, ModelSource, make_sketch, measure, status
 from creditrl.tools.diagnose.plan import Plan
+from creditrl.utils.durations import format_duration
 from creditrl.utils.rundir import RunLock, check_new_run, clear_run, mark_run
 
 
@@ -33,7 +34,7 @@ def plan_text(plan: Plan) -> str:
     return (f"measuring {len(plan.rows) - 1} rows ({len(plan.estimators)} estimators × {len(plan.losses)} loss(es)) "
             f"in rounds of {plan.prompts} prompts × {plan.groups_per_prompt} groups of {plan.group_size}, until the "
             f"reference is resolved and `{plan.configured}`'s efficiency interval is within ±{plan.target_width:.0%}, "
-            f"or {plan.budget_s / 60:.1f} min (diagnose.budget_min)")
+            f"or {format_duration(plan.budget_s)} (diagnose.budget_min)")
 
 
 def diagnose_policy(model, tokenizer, task, plan: Plan, space: GradientSpace, rollout: dict, *, setting: dict,
