@@ -612,3 +612,12 @@ def test_a_budget_shorter_than_a_prompt_still_measures_two():
     out = simulate(plan, GaussianSource(list(plan.rows), [1.0] * len(plan.rows), clock, seed=0), clock)
     assert (out["measurement"].prompts, out["measurement"].stop) == (2, "budget")
     assert out["recommendation"]["choice"] == "grpo"
+
+
+def test_the_plot_draws_no_point_without_its_interval():
+    """An efficiency whose interval is undefined is left out of the plot (and marked there), not drawn
+    as a bare point that reads like an exact value; an exact one (the configured row) is drawn."""
+    exact, measured = Interval(1.0, 1.0, 1.0, 16, 0.0, log=True), Interval(1.2, 1.0, 1.4, 16, 0.1, log=True)
+    loose = Interval(0.67, math.nan, math.nan, 16, math.nan, log=True)
+    rows = [{"efficiency_vs_configured": iv, "adam_vs_configured": None} for iv in (exact, measured, loose)]
+    assert report.plot_points(rows, "efficiency_vs_configured") == [(0, exact), (1, measured)]

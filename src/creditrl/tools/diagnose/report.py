@@ -204,24 +204,30 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_points(rows: list[dict], key: str) -> list[tuple[int, Interval]]:
+    """(row index, interval) of the rows whose ``key`` is drawn: point and interval defined (a point
+    without its interval would read as an exact value; those rows are marked "undefined")."""
+    return [(i, r[key]) for i, r in enumerate(rows) if r[key] is not None and r[key].defined and r[key].value > 0]
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     fig, (ax,) = tables.figure(1, width=max(4.5, 0.45 * len(rows)))
     for shift, key, label in ((-0.12, "efficiency_vs_configured", "plain"), (0.12, "adam_vs_configured", "Adam")):
-        points = [(i, r[key]) for i, r in enumerate(rows) if r[key] is not None and math.isfinite(r[key].value)
-                  and r[key].value > 0]
+        points = plot_points(rows, key)
         if points:
             ivs = [iv for _, iv in points]
-            err = [[max(iv.value - iv.low, 0) if iv.defined else 0 for iv in ivs],
-                   [max(iv.high - iv.value, 0) if iv.defined else 0 for iv in ivs]]
+            err = [[max(iv.value - iv.low, 0) for iv in ivs], [max(iv.high - iv.value, 0) for iv in ivs]]
             ax.errorbar([i + shift for i, _ in points], [iv.value for iv in ivs], yerr=err, fmt="o", ms=3,
                         capsize=2, label=f"efficiency vs configured ({label})")
     for i, r in enumerate(rows):
-        if not math.isfinite(r["efficiency_vs_configured"].value):
+        if not r["efficiency_vs_configured"].defined:
             ax.annotate("undefined", (i, 0.02), xycoords=("data", "axes fraction"), rotation=90, ha="center",
                         va="bottom", fontsize=6, color="gray")     # at the foot, clear of the points
     ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax.set_xlim(-0.5, len(rows) - 0.5)         # the first and last rows' marks clear of the frame
     ax.set_xticks(range(len(rows)), [r["row"] for r in rows], rotation=45, ha="right", fontsize=7)
-    ax.set(yscale="log", ylabel="efficiency (95% CI)", title="creditrl diagnose: efficiency at matched signal")
+    ax.set(yscale="log", ylabel="efficiency (95% CI)")
+    ax.set_title("creditrl diagnose:\nefficiency at matched signal", fontsize=9)   # fits the narrowest figure
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
