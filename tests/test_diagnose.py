@@ -321,6 +321,13 @@ def test_bad_input_is_refused_before_any_work(tiny, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"diagnose.losses\[0\]: its label 'configured' is already the configured"):
         tiny_plan(["diagnose.losses=[{name: configured, agg: seq-mean-token-mean}]"])
     assert len(tiny_plan(["diagnose.losses=[{name: a, agg: seq-mean-token-mean}, {name: b, kl_coef: 0.05}]"]).losses) == 3
+    with pytest.raises(ValueError, match=r"diagnose.k: K of the max@K estimators, but none is measured .*maxpo"):
+        tiny_plan(["diagnose.k=4", "diagnose.estimators=[rloo]"])                  # k would do nothing
+    assert "maxpo" in tiny_plan(["diagnose.k=2", "diagnose.estimators=[rloo, maxpo]"]).estimators
+    with pytest.raises(ValueError, match=r"^diagnose.k: estimator 'maxpo' with options \{'k': 100\}"):
+        tiny_plan(["diagnose.k=100", "diagnose.estimators=[maxpo]"])              # the key the user set
+    with pytest.raises(ValueError, match=r"diagnose.target_width: expected a number below 1 .*got 1"):
+        load_diagnose_config(None, ["diagnose.target_width=1"])               # ×(1 − w) would reach 0
     for key, value in (("target_width", "0"), ("target_width", "-0.1"), ("budget_min", "0"), ("budget_min", "-2")):
         with pytest.raises(ValueError, match=rf"diagnose.{key}: expected a value > 0, got"):
             load_diagnose_config(None, [f"diagnose.{key}={value}"])

@@ -22,8 +22,9 @@ class DiagnoseConfig:
     groups_per_prompt: int = opt(2, "Independent groups of rollout.group_size responses per prompt (>= 2: two groups "
                                     "of one prompt separate the variance within a prompt from that across prompts).")
     target_width: float = opt(0.1, "Stop once the configured estimator's efficiency interval (against rloo; "
-                                   "against grpo when the configured one is rloo or an exact multiple of it, e.g. dr_grpo) lies within ×(1 ± target_width) of "
-                                   "its value (0.1: ±10%) and the reference is resolved.")
+                                   "against grpo when the configured one is rloo or an exact multiple of it, e.g. "
+                                   "dr_grpo) lies within ×(1 ± target_width) of its value (0.1: ±10%; below 1) and "
+                                   "the reference is resolved.")
     budget_min: float | None = opt(None, "Wall-time budget in minutes after the model has loaded (warm-up, rounds, "
                                          "report); the run stops at the end of the prompt in progress. null = 2.5 for "
                                          "builtin:tiny, 12 for other models.")
@@ -64,6 +65,8 @@ def validate_diagnose(d: DiagnoseConfig) -> None:
     for key, value in (("diagnose.target_width", d.target_width), ("diagnose.budget_min", d.budget_min),
                        ("diagnose.max_memory_gb", d.max_memory_gb)):
         _positive(key, value)
+    if d.target_width >= 1:   # ×(1 − w) would reach 0: the width condition would hold for any interval
+        raise ConfigError(f"diagnose.target_width: expected a number below 1 (0.1 = ±10%), got {d.target_width!r}")
     if d.adam_warmup < 0:
         raise ConfigError(f"diagnose.adam_warmup: expected an integer >= 0, got {d.adam_warmup}")
     if d.losses is not None and (not d.losses or not all(isinstance(x, dict) for x in d.losses)):

@@ -12,8 +12,8 @@ from datetime import datetime
 from pathlib import Path
 
 from creditrl.config import Config, ConfigError, DiagnoseConfig, load_diagnose_config
-from creditrl.core.estimators.labels import LOO
-from creditrl.core.estimators.registry import get_estimator
+from creditrl.core.estimators.labels import LOO, takes_k
+from creditrl.core.estimators.registry import get_estimator, list_estimators
 from creditrl.recipe import reference
 from creditrl.recipe.resolve import resolve_config, resolve_device, resolve_loss
 from creditrl.recipe.build import build_task, default_max_new_tokens, load_configured_policy, policy_loss_from_config
@@ -89,6 +89,10 @@ def make_plan(cfg: Config, d: DiagnoseConfig) -> Plan:
     configured = name + (LOO if options.get("leave_one_out") else "")
     k = d.k if d.k is not None else options.get("k")
     specs = estimator_specs(d.estimators, configured, options, k, cfg.rollout.group_size)
+    if d.k is not None and not any(takes_k(name) for name, _ in specs.values()):
+        raise ConfigError(f"diagnose.k: K of the max@K estimators, but none is measured (diagnose.estimators: "
+                          f"{d.estimators}); leave diagnose.k unset or list a max@K estimator "
+                          f"({', '.join(n for n in list_estimators() if takes_k(n))})")
     check_loss_labels(["configured", *(loss_label(i, values) for i, values in enumerate(d.losses or []))])
     losses = (loss_choice("configured", policy_loss_from_config(cfg).loss),
               *(further_loss(cfg, i, values) for i, values in enumerate(d.losses or [])))

@@ -147,7 +147,9 @@ def estimator_specs(labels: Sequence[str] | None, configured_label: str, configu
         try:
             check_group_size(name, options, group_size, key="rollout.group_size")
         except ValueError as err:
-            raise ValueError(f"{arg}: estimator {label!r} with options {options}: {err}") from None
+            where = "diagnose.k" if "k" in options and label != configured_label and arg == "diagnose.estimators" \
+                else arg                                                # the key the user set
+            raise ValueError(f"{where}: estimator {label!r} with options {options}: {err}") from None
         specs[label] = (name, options)
     return specs
 
