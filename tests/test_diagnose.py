@@ -628,3 +628,33 @@ def test_the_plot_draws_no_point_without_its_interval():
     loose = Interval(0.67, math.nan, math.nan, 16, math.nan, log=True)
     rows = [{"efficiency_vs_configured": iv, "adam_vs_configured": None} for iv in (exact, measured, loose)]
     assert report.plot_points(rows, "efficiency_vs_configured") == [(0, exact), (1, measured)]
+
+
+def test_the_pace_counts_the_status_between_rounds_and_reserves_it(monkeypatch):
+    """The status computed after each round costs 5 s here (a simulated clock; on flat gradient spaces
+    it is seconds): the next round's forecast counts it, and every prompt reserves it for the closing
+    statistics, so no round is sampled that measures no prompt and the run ends within the budget
+    (before, the status was not forecast: a round was sampled past the budget and the end overran)."""
+    from creditrl.tools.diagnose import measure as measure_module
+    from diagnose_sim import Clock, GaussianSource, sim_plan, simulate
+
+    clock = Clock()
+    real = measure_module.status
+
+    def slow_status(*args):
+        clock.now += 5.0
+        return real(*args)
+
+    class SlowSampling(GaussianSource):
+        def sample(self, problems):
+            self.clock.now += 7.0
+            return problems
+
+    monkeypatch.setattr(measure_module, "status", slow_status)
+    for budget in (60.0, 75.0, 100.0, 130.0):
+        clock.now = 0.0
+        plan = dataclasses.replace(sim_plan(["grpo", "rloo"], "grpo", target_width=1e-9), budget_s=budget)
+        out = simulate(plan, SlowSampling(list(plan.rows), [1.0] * len(plan.rows), clock, seed=0), clock)["measurement"]
+        measured = [r["prompts"] for r in out.rounds]
+        assert measured == sorted(set(measured)), measured           # every round measured a prompt
+        assert clock.now <= budget and out.stop == "budget"

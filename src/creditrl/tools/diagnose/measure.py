@@ -340,25 +340,30 @@ def eta_text(state: dict, per_prompt: float, left: float) -> str:
 
 @dataclass
 class Pace:
-    """What sampling a round and measuring a prompt have cost on the run's clock, so the rounds stop
-    before work that would end past the budget rather than after it. Sampling is read from the
-    measurement's own totals (``out``); a prompt's cost is its draws and their statistics."""
+    """What a round's sampling and bookkeeping, a prompt and the status between rounds have cost on
+    the run's clock, so the rounds stop before work that would end past the budget rather than after
+    it. Each check reserves the latest status computation (``closing``), a lower bound on the final
+    statistics' cost."""
     out: Measurement
     prompts: int = 0
     measuring: float = 0.0
+    status_time: float = 0.0   # the status computations between rounds, in all
+    closing: float = 0.0       # the latest one
 
     def prompt(self) -> float:
         return self.measuring / self.prompts if self.prompts else 0.0
 
     def next_round(self) -> float:
-        """A new round's sampling and its first prompt."""
-        rounds = len(self.out.rounds)
-        return (self.out.seconds["sampling"] / rounds if rounds else 0.0) + self.prompt()
+        """A new round's sampling and bookkeeping (the rounds' time besides their prompts and status)
+        and its first prompt."""
+        rounds = self.out.rounds
+        between = sum(r["seconds"] for r in rounds) - self.measuring - self.status_time
+        return (between / len(rounds) if rounds else 0.0) + self.prompt()
 
     def allows(self, cost: float, now: float, deadline: float) -> bool:
-        """Whether work expected to cost ``cost`` ends by the deadline; the first two prompts always run
-        (no statistic exists before them)."""
-        return self.prompts < 2 or now + cost <= deadline
+        """Whether work expected to cost ``cost`` ends by the deadline with the closing statistics;
+        the first two prompts always run (no statistic exists before them)."""
+        return self.prompts < 2 or now + cost + self.closing <= deadline
 
 
 def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[], float] = time.perf_counter,
@@ -385,7 +390,10 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
             over = run_round(source, sampled, len(problems), acc, clock, deadline, bar, job, pace)
             if len(out.rounds) == 0:
                 check_signal(out, getattr(source, "checker", []))
+            before = clock()
             state = status(plan, acc.stats(status_names(plan)), out.prompts) if out.prompts >= 2 else None
+            pace.closing = clock() - before
+            pace.status_time += pace.closing
             out.rounds.append({**(state or {}), "seconds": clock() - start})
             stop = "budget" if over else "resolved" if state and state["narrow"] else \
                 "exhausted" if out.exhausted else ""
