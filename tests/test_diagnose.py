@@ -658,3 +658,14 @@ def test_the_pace_counts_the_status_between_rounds_and_reserves_it(monkeypatch):
         measured = [r["prompts"] for r in out.rounds]
         assert measured == sorted(set(measured)), measured           # every round measured a prompt
         assert clock.now <= budget and out.stop == "budget"
+
+
+def test_a_rounds_reward_counts_cover_its_measured_prompts_only():
+    """A round cut by the budget after 2 of its 3 prompts: the invalid-reward count (and its total)
+    covers those 2 prompts' responses (rows are prompt-major), as the report's prompt count does."""
+    from types import SimpleNamespace
+    from creditrl.tools.diagnose.measure import note_round
+    out = Measurement()
+    invalid = torch.tensor([0, 1, 0, 0,  1, 1, 0, 0,  1, 1, 1, 1], dtype=torch.bool)    # 3 prompts x 4 responses
+    note_round(SimpleNamespace(), SimpleNamespace(reward_invalid=invalid), out, measured=2, count=3)
+    assert (out.responses, out.invalid) == (8, 3)

@@ -386,8 +386,9 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
             start = clock()
             sampled = source.sample(problems)
             out.seconds["sampling"] += clock() - start
-            note_round(source, sampled, out)
+            measured = out.prompts
             over = run_round(source, sampled, len(problems), acc, clock, deadline, bar, job, pace)
+            note_round(source, sampled, out, out.prompts - measured, len(problems))
             if len(out.rounds) == 0:
                 check_signal(out, getattr(source, "checker", []))
             before = clock()
@@ -413,10 +414,13 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
     return acc.finish()
 
 
-def note_round(source: Source, sampled, out: Measurement) -> None:
-    """Invalid rewards and each estimator's advantage time of a sampled round (when the source has them)."""
+def note_round(source: Source, sampled, out: Measurement, measured: int, count: int) -> None:
+    """Invalid rewards of the round's ``measured`` prompts of ``count`` (rows are prompt-major: the
+    report counts what was measured) and each estimator's advantage time of the sampled round (when
+    the source has them)."""
     invalid = getattr(sampled, "reward_invalid", None)
     if invalid is not None:
+        invalid = invalid[:invalid.numel() // count * measured]
         out.responses += int(invalid.numel())
         out.invalid += int(invalid.sum())
     timed = getattr(source, "advantage_seconds", None)
