@@ -417,7 +417,7 @@ def test_one_reward_function_keeps_its_weight():
     assert score_terms(task._terms, [task.problems[0]], ["x"]).rewards == [5.0]
 
 
-def test_fewer_distinct_prompts_than_asked_uses_each_once_and_says_so(tiny, tmp_path):
+def test_fewer_distinct_prompts_than_asked_uses_each_once_and_says_so(tiny, tmp_path, capsys):
     task, model, tokenizer = tiny
     rows = [{"prompt": p.prompt, "answer": p.answer} for p in (task.sample(random.Random(i)) for i in range(40))]
     rows = [dict(r) for r in {r["prompt"]: r for r in rows}.values()][:6]
@@ -432,6 +432,7 @@ def test_fewer_distinct_prompts_than_asked_uses_each_once_and_says_so(tiny, tmp_
     assert result["setting"]["groups"] == 12
     text = (tmp_path / "r" / "diagnose.md").read_text()
     assert "ran out of distinct prompts after 6" in text and "6 distinct prompts" in text
+    assert "ETA none (the task's distinct prompts ran out)" in capsys.readouterr().out   # no time for prompts that do not exist
 
 
 def test_every_reward_invalid_is_said_so(tiny, tmp_path):

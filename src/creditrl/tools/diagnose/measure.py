@@ -400,14 +400,15 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
                 "exhausted" if out.exhausted else ""
             if state is not None:
                 spent = sum(r["seconds"] for r in out.rounds) / max(out.prompts, 1)
+                eta = "none (the task's distinct prompts ran out)" if out.exhausted else \
+                    eta_text(state, spent, deadline - clock())
                 bar.update(job, total=max(out.prompts, min(state["needed"], 10 * out.prompts)),
                            description=f"width {width_text(state)} (target ±{plan.target_width:.0%}), reference "
-                                       f"{z_text(state)} (target {RESOLVED_SE:.0f})",
-                           eta=eta_text(state, spent, deadline - clock()))
+                                       f"{z_text(state)} (target {RESOLVED_SE:.0f})", eta=eta)
                 if log is not None and not progress:
                     log(f"round {len(out.rounds)}: {out.prompts} prompts; reference ‖μ̂‖² at {z_text(state)} (target "
                         f"{RESOLVED_SE:.0f}); {state['width_row']} interval {width_text(state)} (target "
-                        f"±{plan.target_width:.0%}); ETA {eta_text(state, spent, deadline - clock())}")
+                        f"±{plan.target_width:.0%}); ETA {eta}")
             if stop:
                 out.stop = stop
                 break
