@@ -16,6 +16,7 @@ from creditrl.core.gradients import Interval
 from creditrl.tools import tables
 from creditrl.utils.durations import format_duration
 from creditrl.utils.io import atomic_write_text
+from creditrl.utils.plots import plain_log_ticks
 
 SKETCH_ERROR = ("Count sketch (Charikar et al. 2002): E<Sa, Sb> = <a, b> exactly, Var<Sa, Sb> ≤ 2‖a‖²‖b‖²/d, so a "
                 "squared norm's relative error is at most sqrt(2/d) = {rel:.2%} per pair of vectors (d = {dim:,}); "
@@ -227,9 +228,10 @@ def plot(rows: list[dict], path: Path) -> Path:
     ax.set_xlim(-0.5, len(rows) - 0.5)         # the first and last rows' marks clear of the frame
     ax.set_xticks(range(len(rows)), [r["row"] for r in rows], rotation=45, ha="right", fontsize=7)
     ax.set(yscale="log", ylabel="efficiency (95% CI)")
+    plain_log_ticks(ax.yaxis)
     ax.set_title("creditrl diagnose:\nefficiency at matched signal", fontsize=9)   # fits the narrowest figure
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:         # beside the axes: never over an error bar
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     tables.save_figure(fig, tmp)
     os.replace(tmp, path)
