@@ -79,7 +79,7 @@ def check_loss_labels(labels: list[str]) -> None:
             first = labels.index(label)
             taken = "the configured loss" if first == 0 else f"diagnose.losses[{first - 1}]"
             raise ConfigError(f"diagnose.losses[{i}]: its label {label!r} is already {taken}'s; expected a unique "
-                              f"label per loss (set a distinct name: ...)")
+                              f"label per loss (give each a distinct `name`)")
 
 
 def make_plan(cfg: Config, d: DiagnoseConfig) -> Plan:
