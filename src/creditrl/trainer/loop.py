@@ -220,8 +220,9 @@ class Trainer:
             raise ValueError(f"resume: the run in {str(run_dir)!r} already finished ({step}/{cfg.train.steps} steps, "
                              f"final/ complete); nothing to resume (to train on, raise train.steps in its config.yaml)")
         if state is None and finished:    # a restart from step 0 would discard the finished model
+            why = f"every checkpoint is damaged: {'; '.join(skipped)}" if skipped else "train.save_every=0"
             raise ValueError(f"resume: the run in {str(run_dir)!r} finished (final/ complete) and kept no checkpoint to "
-                             f"continue from (train.save_every=0), so resuming would train it again from step 0 and "
+                             f"continue from ({why}), so resuming would train it again from step 0 and "
                              f"replace final/. To train its model further, start a new run from it "
                              f"(model.name={str(run_dir / 'final')}); to train this run again, use --overwrite")
         trainer = cls(cfg, run_dir, progress=progress)
