@@ -29,7 +29,8 @@ from creditrl.config.files import (PACKAGED_CONFIGS, apply_overrides, check_comp
                                    merge_layers, merge_with_diagnose, migrate, missing_keys, packaged_configs,
                                    parse_override, read_saved_config, read_yaml, resolve_config_path, save_config,
                                    saved_layout)
-from creditrl.config.resume import RESUME_CHANGEABLE, changeable_on_resume, check_location_edit, resume_changes
+from creditrl.config.resume import (RESUME_CHANGEABLE, changeable_on_resume, check_location_edit, resume_changes,
+                                    run_place)
 
 __all__ = [
     "DTYPES", "LEGACY_ALGORITHM_KEYS", "SAMPLING_CONTROLS_OFF", "SIGNALS", "TEMPERATURE_RANGE", "TRACKERS",
@@ -40,5 +41,5 @@ __all__ = [
     "config_to_dict", "flat_items", "flatten", "load_config", "load_diagnose_config", "load_saved_config",
     "merge_layers", "merge_with_diagnose", "migrate", "missing_keys", "packaged_configs", "parse_override",
     "read_saved_config", "read_yaml", "resolve_config_path", "save_config", "saved_layout", "RESUME_CHANGEABLE",
-    "changeable_on_resume", "check_location_edit", "resume_changes",
+    "changeable_on_resume", "check_location_edit", "resume_changes", "run_place",
 ]

@@ -40,18 +40,20 @@ def resume_changes(before: dict, after: dict, step: int) -> dict[str, list]:
     return changes
 
 
+def run_place(output_dir: str, run_name: str | None) -> Path:
+    """The run directory that ``train.output_dir`` / ``train.run_name`` name, resolved."""
+    return (Path(output_dir).expanduser() / (run_name or "")).resolve()
+
+
 def check_location_edit(output_dir: str, run_name: str | None, before: dict, run_dir: Path) -> None:
     """A resumed run continues in its own directory ``run_dir``: config.yaml's ``train.output_dir`` /
     ``train.run_name`` may name it, or the place the run was trained in (``before``, the checkpoint's
     config: a moved or copied run), and then follow it. Naming a third place is an edit that cannot
     take effect, refused naming both keys."""
-    def place(parent, name) -> Path:
-        return (Path(parent).expanduser() / (name or "")).resolve()
-
     old = flatten(saved_layout(before))
     trained = (old.get("train.output_dir"), old.get("train.run_name"))
-    said = place(output_dir, run_name)
-    if said == run_dir.resolve() or (trained[0] is not None and said == place(*trained)):
+    said = run_place(output_dir, run_name)
+    if said == run_dir.resolve() or (trained[0] is not None and said == run_place(*trained)):
         return
     raise ConfigError(f"config.yaml: train.output_dir {output_dir!r} / train.run_name {run_name!r} name {str(said)!r}, "
                       f"but this run is in {str(run_dir)!r}: a resumed run continues in its own directory. To move "

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from creditrl.config import (Config, ConfigError, check_complete, check_overlong, config_from_dict, config_to_dict,
-                             check_location_edit, eval_settings, read_saved_config, resume_changes, save_config)
+                             check_location_edit, eval_settings, read_saved_config, resume_changes, run_place,
+                             save_config)
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
@@ -500,7 +501,7 @@ def located(cfg: Config, run_dir: Path) -> Config:
     """``cfg`` naming ``run_dir`` as its train.output_dir / run_name (a run directory moved or
     copied elsewhere is resumed where it is, and its config says so)."""
     t = cfg.train
-    if (Path(t.output_dir).expanduser() / (t.run_name or "")).resolve() == run_dir.resolve():
+    if run_place(t.output_dir, t.run_name) == run_dir.resolve():
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=str(run_dir.parent), run_name=run_dir.name))
 
