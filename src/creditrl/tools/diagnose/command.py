@@ -93,9 +93,9 @@ def make_plan(cfg: Config, d: DiagnoseConfig) -> Plan:
         raise ConfigError(f"diagnose.k: K of the max@K estimators, but none is measured (diagnose.estimators: "
                           f"{d.estimators}); leave diagnose.k unset or list a max@K estimator "
                           f"({', '.join(n for n in list_estimators() if takes_k(n))})")
-    check_loss_labels(["configured", *(loss_label(i, values) for i, values in enumerate(d.losses or []))])
     losses = (loss_choice("configured", policy_loss_from_config(cfg).loss),
               *(further_loss(cfg, i, values) for i, values in enumerate(d.losses or [])))
+    check_loss_labels([loss.name for loss in losses])
     return Plan(prompts=d.prompts, groups_per_prompt=d.groups_per_prompt, group_size=cfg.rollout.group_size,
                 folds=d.folds or min(16, d.prompts), estimators=specs, losses=losses, configured=configured,
                 batch=cfg.rollout.prompts_per_step, seed=cfg.train.seed if d.seed is None else d.seed,
