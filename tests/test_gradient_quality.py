@@ -10,8 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from creditrl.core.gradients import (CountSketch, GradientMoments, NoiseScale, exact_quality, gradient_quality,
-                                     moments_from_draws, noise_scale_terms)
+from creditrl.core.gradients import (CountSketch, GradientMoments, NoiseScale, exact_multiples, exact_quality,
+                                     gradient_quality, moments_from_draws, noise_scale_terms)
 from enumerable_policy import THETA, outcome_gradients, true_gradient
 from tolerances import sum_rtol
 
@@ -321,6 +321,32 @@ def test_an_exact_multiple_is_added_without_a_gradient():
         torch.testing.assert_close(getattr(got, key), getattr(want, key))
     q = gradient_quality(got)
     assert q["dr"].scale.value == pytest.approx(0.75, rel=EXACT) and q["dr"].efficiency.value == pytest.approx(1.0, rel=EXACT)
+
+
+@settings(max_examples=25, deadline=None)
+@given(c=st.floats(-4.0, 4.0).filter(lambda c: abs(c) > 1e-3), seed=st.integers(0, 2 ** 16))
+def test_exact_multiples_are_identities_whatever_the_signal(c, seed):
+    """A row whose every draw is c × the reference's (here through a float32 path, as rloo's row and the
+    reference are in diagnose) has c, cos = sign(c), efficiency 1 and raw ratio c² exactly (se 0), even
+    on draws of mean 0, where every estimate is undefined; a row 1e-3 away per element is estimated."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(16, 1, 6, generator=gen, dtype=torch.float64)               # mean 0: no signal
+    near = base * (1 + 1e-3 * torch.randn(16, 1, 6, generator=gen, dtype=torch.float64))
+    rounded = (base.float() * c).double()
+    grads = torch.cat([base, rounded, torch.randn(16, 1, 6, generator=gen, dtype=torch.float64), near], 1)
+    stats = moments_from_draws(("ref", "mult", "other", "near"), grads, list(range(16)), folds=4)
+    factors = exact_multiples(stats)
+    for e in range(4):            # by construction: each row is its own multiple, ref and mult each other's
+        for f in range(4):
+            want = {(0, 1): 1 / c, (1, 0): c}.get((e, f), 1.0 if e == f else math.nan)
+            assert factors[e][f] == pytest.approx(want, rel=1e-6, nan_ok=True), (e, f)
+    q = gradient_quality(stats, "ref")["mult"]
+    assert (q.scale.value, q.cosine.value, q.efficiency.value) == (pytest.approx(c, rel=1e-6), math.copysign(1, c), 1.0)
+    assert q.raw_ratio.value == pytest.approx(c * c, rel=1e-6)
+    assert all(iv.exact and iv.low == iv.high == iv.value for iv in (q.scale, q.cosine, q.efficiency, q.raw_ratio))
+    assert gradient_quality(stats, "ref", "mult")["ref"].efficiency.exact
+    assert not any(iv.exact for iv in (gradient_quality(stats, "ref")["near"].efficiency,
+                                       gradient_quality(stats, "ref")["other"].scale))
 
 
 def test_per_unit_variance_is_unbiased_for_dependent_draws():

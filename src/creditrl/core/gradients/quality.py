@@ -21,6 +21,10 @@ delete-one-fold jackknife over the K folds of units (t with K - 1 df; variance, 
 efficiency and raw ratio on the log scale, scale and cosine on the linear scale), every ratio
 recomputed in each replicate from the same folds. NaN where a denominator's estimate is not positive
 (too few draws to see the mean gradient above the noise).
+
+Exact relations: where every draw of e is a multiple of f's (rloo's row against the reference,
+dr_grpo = (N−1)/N · rloo), c, cos, efficiency and raw ratio between them are identities, not
+estimates: they are given exactly (se 0) whether or not the mean gradient is resolved.
 """
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ from creditrl.utils.validate import check_tensor
 
 BIAS_CORRECTED = ("cosine",)
 EXACT = 1e-9      # a standard error below this (relative) is float rounding of an exact relation
+# 1 − cos² of two estimators' stacked draws below this: one is a multiple of the other up to float32
+# rounding (a relative error δ per draw gives δ² ≲ 1e-12); distinct estimators differ by δ ≫ 1e-5
+MULTIPLE_SIN2 = 1e-10
 LOG_SCALE = ("variance", "matched_variance", "efficiency", "raw_ratio")
 STATISTICS = ("variance", "scale", "cosine", "matched_variance", "efficiency", "raw_ratio", "signal")
 
@@ -63,6 +70,11 @@ class Interval:
     def defined(self) -> bool:
         """Point and interval are finite."""
         return all(math.isfinite(x) for x in (self.value, self.low, self.high))
+
+    @property
+    def exact(self) -> bool:
+        """An identity, not an estimate (se 0: e.g. between exact multiples, ``exact_multiples``)."""
+        return self.defined and self.se == 0.0
 
     def p_value(self, null: float) -> float:
         """Two-sided p-value of ``value`` = ``null`` from the jackknife t (``folds`` − 1 df); NaN when
@@ -179,13 +191,34 @@ def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: st
     if per_unit:
         second, weight = _unit_second(stats.nonempty())
     values = _statistics(second, signal, r, b, weight)
+    factor = exact_multiples(stats)
+    K = int(stats.nonempty().draws.numel())
     out = {}
     for e, name in enumerate(stats.names):
         fields = {key: _interval(float(values[key][0, e]), values[key][1:, e], key in LOG_SCALE, key in BIAS_CORRECTED)
                   for key in STATISTICS if key != "signal"}
+        if math.isfinite(c := factor[e][r]):
+            fields.update(scale=_exact(c, K), cosine=_exact(math.copysign(1.0, c), K))
+        if math.isfinite(c := factor[e][b]):
+            fields.update(efficiency=_exact(1.0, K, log=True), raw_ratio=_exact(c * c, K, log=True))
         out[name] = EstimatorQuality(name, reference, baseline or reference, signal=float(values["signal"][0, e]),
                                      **fields)
     return out
+
+
+def exact_multiples(stats: GradientStats) -> list[list[float]]:
+    """[E][E]: c where every draw of estimator e is c × f's (``MULTIPLE_SIN2``), else NaN; read from
+    the per-draw second moments Q = Σ_k g_k g_k^T: the draws are multiples iff Q_ef² = Q_ee Q_ff."""
+    q = stats.second.sum(0)
+    d = torch.diagonal(q)
+    outer = d[:, None] * d[None, :]
+    multiple = (outer > 0) & (1 - q.square() / outer.clamp(min=torch.finfo(q.dtype).tiny) <= MULTIPLE_SIN2)
+    return torch.where(multiple, q / d[None, :].clamp(min=torch.finfo(q.dtype).tiny), math.nan).tolist()
+
+
+def _exact(value: float, folds: int, log: bool = False) -> Interval:
+    """An identity: the value with a zero-width interval (se 0)."""
+    return Interval(value, value, value, folds, 0.0, log)
 
 
 def signal_interval(stats: GradientStats, name: str) -> Interval:

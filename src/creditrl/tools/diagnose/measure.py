@@ -39,9 +39,6 @@ from creditrl.utils.durations import format_duration
 from creditrl.utils.stats import t_quantile
 
 RESOLVED_SE = 3.0          # the reference's ‖μ̂‖² must be at least this many standard errors above 0
-# a log-efficiency se below this is the float rounding of an exact relation (the row is a multiple of
-# the other: ~1e-9 to 1e-16 measured), never a measurement: that would be a ±0.0002% interval
-ROUNDING_SE = 1e-6
 
 
 class Source(Protocol):
@@ -56,7 +53,8 @@ class Source(Protocol):
 class Measurement:
     """``stats`` (plain) and ``adam`` (preconditioned) over prompts; ``groups`` one row per group;
     ``nonzero`` row -> groups with a non-zero gradient; ``seconds``: sampling, gradients, statistics,
-    per row advantages; ``rounds`` one record per round; ``stop`` why the rounds ended;
+    per row advantages; ``sampled_groups`` the groups sampled (a round's last prompts may go
+    unmeasured); ``rounds`` one record per round; ``stop`` why the rounds ended;
     ``exhausted`` the task's distinct prompts ran out; ``checker`` what the reward checker reported."""
     stats: GradientStats | None = None
     adam: GradientStats | None = None
@@ -67,6 +65,7 @@ class Measurement:
     responses: int = 0
     invalid: int = 0
     backward: int = 0
+    sampled_groups: int = 0
     rounds: list[dict] = field(default_factory=list)
     stop: str = ""
     exhausted: bool = False
@@ -267,10 +266,10 @@ class Accumulator:
 def width_row(plan: Plan, stats: GradientStats) -> tuple[str, Interval]:
     """The row whose efficiency interval the stopping rule reads: the configured one against the
     reference, or grpo when the configured row is an exact multiple of the reference (rloo itself,
-    dr_grpo: efficiency 1 with a rounding-level se, ``ROUNDING_SE``), whose interval says nothing."""
+    dr_grpo: efficiency 1 by construction, ``Interval.exact``), whose interval says nothing."""
     quality = gradient_quality(stats, REF)
     own = quality[plan.configured].efficiency
-    if own.defined and own.se <= ROUNDING_SE and GRPO in quality:
+    if own.exact and GRPO in quality:
         return GRPO, quality[GRPO].efficiency
     return plan.configured, own
 
@@ -342,9 +341,10 @@ def eta_text(state: dict, per_prompt: float, left: float) -> str:
 class Pace:
     """What a round's sampling and bookkeeping, a prompt and the status between rounds have cost on
     the run's clock, so the rounds stop before work that would end past the budget rather than after
-    it. Each check reserves the latest status computation (``closing``), a lower bound on the final
-    statistics' cost."""
+    it. Each check reserves the latest status computation (``closing``, the one after the round) and
+    the closing statistics forecast from it: ``final`` × as much (``final_cost``)."""
     out: Measurement
+    final: float = 1.0
     prompts: int = 0
     measuring: float = 0.0
     status_time: float = 0.0   # the status computations between rounds, in all
@@ -363,7 +363,14 @@ class Pace:
     def allows(self, cost: float, now: float, deadline: float) -> bool:
         """Whether work expected to cost ``cost`` ends by the deadline with the closing statistics;
         the first two prompts always run (no statistic exists before them)."""
-        return self.prompts < 2 or now + cost + self.closing <= deadline
+        return self.prompts < 2 or now + cost + self.closing * (1 + self.final) <= deadline
+
+
+def final_cost(rows: int, status_rows: int, adam: bool) -> float:
+    """The closing statistics' cost over a status computation's: both are dominated by the folds'
+    cross Gram of K·E sums of D floats, (K·E)²·D multiply-adds, over the status rows (E') between rounds
+    and over every row at the end, again for the Adam copies: (1 + adam)·(E/E')²."""
+    return (1 + adam) * (rows / status_rows) ** 2
 
 
 def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[], float] = time.perf_counter,
@@ -371,7 +378,8 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
             ) -> Measurement:
     """Rounds until the stopping rule holds, the budget (``deadline`` on ``clock``) runs out or the
     task's distinct prompts do (module docstring)."""
-    out, pace = acc.out, Pace(acc.out)
+    out = acc.out
+    pace = Pace(out, final_cost(len(plan.rows), len(status_names(plan)), acc.adam is not None))
     with progress_bar(progress) as bar:
         job = bar.add_task("first round", total=plan.prompts, eta="…")
         while True:
@@ -386,6 +394,7 @@ def measure(source: Source, plan: Plan, acc: Accumulator, *, clock: Callable[[],
             start = clock()
             sampled = source.sample(problems)
             out.seconds["sampling"] += clock() - start
+            out.sampled_groups += len(problems) * plan.groups_per_prompt
             measured = out.prompts
             over = run_round(source, sampled, len(problems), acc, clock, deadline, bar, job, pace)
             note_round(source, sampled, out, out.prompts - measured, len(problems))

@@ -26,7 +26,7 @@ from creditrl.core.estimators.labels import name_of
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.gradients.quality import EXACT
 from creditrl.core.gradients import EstimatorQuality, Interval, gradient_quality, prompt_noise_scale, signal_interval
-from creditrl.tools.diagnose.measure import Measurement, RESOLVED_SE, ROUNDING_SE
+from creditrl.tools.diagnose.measure import Measurement, RESOLVED_SE
 from creditrl.tools.diagnose.plan import ADAM, REF, Plan
 from creditrl.utils.stats import holm, t_ppf, t_sf
 
@@ -45,7 +45,9 @@ def row_cost(meas: Measurement, plan: Plan, label: str) -> float:
 
 
 def undefined_reason(meas: Measurement, plan: Plan, label: str, q: EstimatorQuality) -> str | None:
-    """Why a row's numbers are undefined (None when they are all defined)."""
+    """Why a row's numbers are undefined (None when they are all defined, e.g. an exact relation's)."""
+    if all(iv.defined for iv in (q.efficiency, q.scale, q.cosine)):
+        return None
     signal = signal_interval(meas.stats, REF)
     if not signal.value > 0:
         return (f"the reference's mean gradient is not resolved above the noise (cross-fitted ‖μ̂‖² = "
@@ -87,19 +89,14 @@ def column_of(table: list[dict], plan: Plan) -> str:
     return "adam_vs_configured" if adam else "efficiency_vs_configured"
 
 
-def exact_relation(iv: Interval) -> bool:
-    """An efficiency whose jackknife se is float rounding (``ROUNDING_SE``): the row is an exact
-    multiple of the configured one (rloo itself, dr_grpo = (N−1)/N · rloo), efficiency 1 by
-    construction, so it is no test: it stays out of Holm's m and the power range."""
-    return iv.defined and iv.se <= ROUNDING_SE
-
-
 def compared_rows(table: list[dict], plan: Plan, column: str) -> list[dict]:
-    """The rows tested against the configured one: ranked, not exact relations of it; none when the
-    configured row is itself not ranked (a max@K objective, which the other rows do not estimate)."""
+    """The rows tested against the configured one: ranked, not exact multiples of it (``Interval.exact``:
+    rloo itself, dr_grpo = (N−1)/N · rloo, efficiency 1 by construction, so no test: out of Holm's m
+    and the power range); none when the configured row is itself not ranked (a max@K objective,
+    which the other rows do not estimate)."""
     if not plan.ranked(plan.configured):
         return []
-    return [r for r in table if r["ranked"] and r["row"] != plan.configured and not exact_relation(r[column])]
+    return [r for r in table if r["ranked"] and r["row"] != plan.configured and not r[column].exact]
 
 
 def label_rows(table: list[dict], plan: Plan) -> dict:

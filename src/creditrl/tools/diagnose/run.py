@@ -71,7 +71,7 @@ def diagnose_policy(model, tokenizer, task, plan: Plan, space: GradientSpace, ro
 
 def assemble(meas: Measurement, plan: Plan, space: GradientSpace, rollout: dict, setting: dict, timing: dict) -> dict:
     """The whole result: ``summarize``'s verdicts, the setting, the measurement's record, the timings."""
-    groups = max(len(meas.groups), 1)
+    groups, sampled = max(len(meas.groups), 1), max(meas.sampled_groups, 1)
     return {**summarize(meas, plan),
             "setting": {**setting, "prompts": meas.prompts, "prompts_per_round": plan.prompts,
                         "groups_per_prompt": plan.groups_per_prompt, "group_size": plan.group_size,
@@ -83,14 +83,14 @@ def assemble(meas: Measurement, plan: Plan, space: GradientSpace, rollout: dict,
                         "losses": [{"name": x.name, "text": x.text, "notes": list(x.notes)} for x in plan.losses],
                         "batch_level": batch_level_labels(plan.estimators), "step": plan.batch},
             "measurement": {"stop": meas.stop, "exhausted": meas.exhausted, "rounds": meas.rounds,
-                            "responses": meas.responses, "invalid": meas.invalid, "backward": meas.backward,
-                            "checker": meas.checker},
+                            "sampled_groups": meas.sampled_groups, "responses": meas.responses,
+                            "invalid": meas.invalid, "backward": meas.backward, "checker": meas.checker},
             "groups": meas.groups,
             "sketch_error": report.SKETCH_ERROR.format(rel=(2 / space.dim) ** 0.5, dim=space.dim)
             if space.kind == "sketch" else None,
             "timing": {**timing, "sampling_s": meas.seconds["sampling"], "gradients_s": meas.seconds["gradients"],
                        "statistics_s": meas.seconds["statistics"],
-                       "sampling_s_per_group": meas.seconds["sampling"] / groups,
+                       "sampling_s_per_group": meas.seconds["sampling"] / sampled,
                        "gradients_s_per_group": meas.seconds["gradients"] / groups},
             "stats": meas.stats.to_dict(), "adam_stats": meas.adam.to_dict() if meas.adam is not None else None}
 
