@@ -44,11 +44,16 @@ machine and wall time of what did run are stated in each section."""
 
 INTRO = """# Results: each paper's claim in miniature
 
-{provenance} Every verdict's rule is fixed in code before the run
+{provenance} Every verdict's rule is fixed in code before the reported runs
 (`verdicts()` of each experiment module) and printed next to it with its 95% interval and its power:
-the smallest effect the sample size detects with 80% probability (2.8 standard errors). A verdict is
-one of reproduces / partly / does not reproduce / **inconclusive** (the setting did not produce the
-condition the claim is about, or the interval covers both outcomes).
+the smallest effect the sample size detects with 80% probability (2.8 standard errors). Some rules were
+revised after earlier runs of the same seeds had been seen, each toward a stricter verdict
+([evidence-history.md](evidence-history.md)). A verdict is one of reproduces / partly / does not
+reproduce / **inconclusive** (the setting did not produce the condition the claim is about, or the
+interval covers both outcomes). Intervals are per comparison, not adjusted for the several rivals or
+cells a rule combines: a **partly** that rests on one comparison of several is weak. The summary
+table gives this run's verdicts; where other seed sets differ, the reproducibility table below marks
+them **(differs)**.
 
 Gradient comparisons are decided at matched signal: an estimator whose mean gradient is shrunk
 (scale c < 1 along the true gradient) looks less noisy without being better, and Adam does not see the

@@ -1,10 +1,12 @@
-"""ΔL normalisation: the minimum-variance unbiased aggregation over response lengths (an
+"""ΔL normalisation: the paper's minimum-variance unbiased aggregation over response lengths (an
 "aggregate" loss term, in place of ``aggregation``).
 
 ΔL Normalization (He et al., arXiv 2509.07558): each response's summed token loss gives an
 unbiased sample g_b = Σ_t ∇ℓ_bt of the policy gradient whose variance grows with its length n_b
-(Var g_b ∝ n_b). Of the combinations Σ_b x_b g_b with Σ_b x_b = 1 (unbiased), the variance
-Σ_b x_b² n_b is smallest for x_b ∝ 1/n_b; ΔL takes x_b ∝ n_b^{−α}:
+(Var g_b ∝ n_b: the paper's model, which holds where the lengths carry no information about the
+reward; creditrl's `grad-variance` verdict on it is inconclusive, docs/results.md). Of the
+combinations Σ_b x_b g_b with Σ_b x_b = 1 (unbiased), the variance Σ_b x_b² n_b is smallest for
+x_b ∝ 1/n_b; ΔL takes x_b ∝ n_b^{−α}:
 
     L = (1/M) · Σ_b x_b Σ_t ℓ_bt,     x_b = n_b^{−α} / Σ_{b'∈S} n_{b'}^{−α}
 
@@ -33,7 +35,7 @@ class DeltaLNormOptions:
     """α, the exponent of the length weights n_b^{−α}."""
 
     alpha: float = field(default=1.0, metadata={
-        "help": "α in [0, 1] of the weights n_b^-α (1: minimum variance; 0: Dr. GRPO's equal weights)"})
+        "help": "α in [0, 1] of the weights n_b^-α (1: the paper's minimum-variance choice; 0: Dr. GRPO's equal weights)"})
 
     def __post_init__(self):
         check_range("alpha", self.alpha, 0.0, 1.0)
@@ -41,9 +43,10 @@ class DeltaLNormOptions:
 
 @register_loss_term("delta_l_norm", options=DeltaLNormOptions, stage="aggregate")
 def delta_l_norm(state: LossState, options: DeltaLNormOptions) -> LossState:
-    """ΔL normalisation L = (1/M)·Σ_b n_b^{−α}·Σ_t ℓ_bt / Σ_b' n_b'^{−α} (unbiased; least variance at α = 1).
+    """ΔL normalisation L = (1/M)·Σ_b n_b^{−α}·Σ_t ℓ_bt / Σ_b' n_b'^{−α} (the paper's α = 1: least variance).
 
-    Metric ``agg_count``: Σ_b n_b^{−α} over responses with a kept token."""
+    Unbiased and least-variance where the lengths carry no information about the reward (module
+    docstring). Metric ``agg_count``: Σ_b n_b^{−α} over responses with a kept token."""
     keep_f = state.keep_f
     rows = keep_f.sum(dim=1)
     inverse = rows.clamp(min=1).pow(-options.alpha) * (rows > 0)
