@@ -177,6 +177,10 @@ def test_bad_values_name_the_key(override, message):
     (["loss.stapo.enabled=true", "optim.micro_batch_size=4"], "STAPO's silencing threshold is a quantile"),
     (["logging.grad_noise_scale=true", "optim.epochs=2"], "logging.grad_noise_scale: measured on the on-policy"),
     (["train.precision=fp16", "train.device=cpu"], "train.precision: fp16 needs CUDA"),
+    (["optim.minibatch_size=7"], "optim.minibatch_size: expected a divisor of the 64 responses per step "
+     "(rollout.prompts_per_step × rollout.group_size: [1, 2, 4, 8, 16, 32, 64]), got 7: the last mini-batch would "
+     "hold 1 response(s)"),
+    (["optim.minibatch_size=65"], "optim.minibatch_size: expected at most 64"),
     (["algorithm.estimator=grpo", "algorithm.options.gamma=0.9"], "grpo uses the total reward R"),
     (["algorithm.estimator=opo", 'algorithm.options.leave_one_out="false"'], "algorithm.options.leave_one_out: expected bool"),
     (["algorithm.estimator=otb", "algorithm.options.leave_one_out=1"], "algorithm.options.leave_one_out: expected bool"),

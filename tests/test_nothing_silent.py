@@ -654,6 +654,26 @@ def _finished_run(tmp_path, *extra, name="r", steps=2):
     return train(cfg, progress=False)
 
 
+def test_a_runs_weights_are_as_readable_as_its_other_files(tmp_path):
+    """final/ and each checkpoint: every file has the mode a plain open gives under the umask (the
+    safetensors weights were written 0600, unreadable by the other users of a shared run directory)."""
+    import stat
+    run = _finished_run(tmp_path)
+    mask = os.umask(0)
+    os.umask(mask)
+    files = [f for folder in [run / "final", *(run / "checkpoints").iterdir()] for f in folder.iterdir()]
+    assert any(f.suffix == ".safetensors" for f in files)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o666 & ~mask for f in files}
+
+
+def test_a_set_precision_is_in_the_summary_too(tmp_path):
+    """An explicit train.precision is recorded in the summary beside the config (only auto's choice was)."""
+    run = _finished_run(tmp_path, "train.precision=fp32")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["precision"] == "fp32, as train.precision set it (not timed)"
+    assert "- precision: fp32, as train.precision set it" in (run / "summary.md").read_text()
+
+
 def _edit(run, **changes):
     """Set dotted keys of run/config.yaml (a None value deletes the key)."""
     import yaml
@@ -705,6 +725,16 @@ def test_resume_refuses_a_key_that_cannot_change_mid_run_by_name(tmp_path, key, 
                                           r"a resumed run may change only optim.lr"):
         resume(run, progress=False)
     assert (run / "config.yaml").read_text() == text and not (run / "resumes.jsonl").exists()
+
+
+def test_resume_names_an_edited_estimator_whose_options_no_longer_resolve(tmp_path):
+    """Only `estimator:` edited (grpo -> rloo), grpo's options left beside it: the refusal names the
+    edited key, as for any key that cannot change mid-run, not rloo's unknown options."""
+    from creditrl.trainer import resume
+    run = _finished_run(tmp_path)
+    _edit(run, algorithm__estimator="rloo")
+    with pytest.raises(ConfigError, match=r"cannot change in the middle of a run \(algorithm.estimator: 'grpo' -> 'rloo'\)"):
+        resume(run, progress=False)
 
 
 def test_resume_follows_a_moved_run_and_refuses_an_edit_that_would_move_it(tmp_path):
@@ -1055,8 +1085,30 @@ def test_learned_nothing_names_invalid_and_zero_spread_rewards():
     assert "reinforce still gave advantages" in learned_nothing([{**m, "adv_mean": 0.5} for m in flat], "reinforce")
     assert learned_nothing(flat[:-1] + [{**flat[-1], "zero_spread_frac": 0.5}], "grpo") is None
     assert learned_nothing([], "grpo") is None
-    assert streak_warning(flat[4], 5).startswith("warning: no reward signal for 5 steps in a row (step 5)")
-    assert streak_warning(flat[4], 4) is None and streak_warning(flat[5], 6) is None   # once per streak
+    assert streak_warning(flat[:5]).startswith("warning: no reward signal for 5 steps in a row (step 5)")
+    assert streak_warning(flat[:4]) is None and streak_warning(flat[:6]) is None   # once per streak
+
+
+def test_flat_groups_with_rewards_differing_between_them():
+    """rollout.group_size=1 (or any flat groups) with rewards that differ across the step: an estimator
+    comparing across groups (reinforce, whose advantages are then not 0) learns, so no warning; one
+    comparing within groups (advantages 0) learns nothing, and the message says the rewards differed
+    only between groups instead of "every response scored the same". The mean reward is over the steps
+    the message covers, not the last step's."""
+    from creditrl.trainer.report import learned_nothing, no_signal, streak_warning
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    steps = [{"step": s + 1, "reward_invalid_frac": 0.0, "zero_spread_frac": 1.0, "reward_mean": r, "reward_std": 0.5,
+              "adv_mean": 0.3, "adv_std": 0.4} for s, r in enumerate(rewards)]
+    assert [no_signal(m) for m in steps] == [None] * 6 and learned_nothing(steps, "reinforce") is None
+    within = [{**m, "adv_mean": 0.0, "adv_std": 0.0} for m in steps]
+    text = learned_nothing(within, "grpo")
+    assert "rewards differed only between groups" in text and "every response scored the same" not in text
+    assert "mean reward 0.333 over those steps" in text
+    assert "mean reward 0.2 over those steps" in streak_warning(within[:5])
+    # every reward of the batch equal: no signal for any estimator, whatever its advantages
+    same = [{**m, "reward_mean": 1.0, "reward_std": 0.0} for m in steps]
+    assert "reinforce still gave advantages" in learned_nothing(same, "reinforce")
+    assert "every response scored the same" in learned_nothing(same, "reinforce")
 
 
 def test_a_run_whose_checker_always_raises_says_so(tmp_path, capsys, monkeypatch):
@@ -1426,3 +1478,29 @@ def test_diagnose_width_and_an_undefined_noise_scale_read_as_words():
     assert "B_simple of the estimator trained: undefined." in text and "undefined groups" not in text
     assert "B_simple of the estimator trained: 12.3 groups." in "\n".join(
         diagnosis_section([{**step, "diagnose/noise_scale": 12.34}], []))
+
+
+def test_ctrl_c_says_where_the_run_stands_and_how_to_continue(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during step 4 of a run checkpointed every 2 steps: one line naming the step reached, the
+    newest checkpoint and the resume command with the steps it redoes, then exit 130 (no traceback);
+    without checkpoints it says a resume starts again from step 0."""
+    from creditrl.cli import main
+    from creditrl.trainer.loop import Trainer
+    real = Trainer.train_step
+
+    def interrupted_at_4(self):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted_at_4)
+    for save_every, says in ((2, "the newest checkpoint is step 2: `creditrl train --resume {run}` continues from it, "
+                                 "redoing step 3"),
+                             (0, "no checkpoint was saved (train.save_every=0): `creditrl train --resume {run}` starts "
+                                 "again from step 0")):
+        name = f"r{save_every}"
+        assert main(["train", "--no-progress", *TINY, "train.steps=5", f"train.save_every={save_every}",
+                     f"train.output_dir={tmp_path}", f"train.run_name={name}"]) == 130
+        err = capsys.readouterr().err
+        assert f"interrupted at step 3 of 5; {says.format(run=tmp_path / name)}" in err
+        assert err.rstrip().endswith("creditrl train: interrupted") and "Traceback" not in err

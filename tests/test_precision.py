@@ -140,3 +140,18 @@ def test_builtin_tiny_runs_fp32_untimed_and_says_so(tmp_path):
     run = Trainer(cfg, progress=False).run()
     assert load_saved_config(run / "config.yaml").train.precision == "fp32"
     assert (run / "config.yaml").read_text().startswith("# train.precision=auto chose fp32, not timed: builtin:tiny")
+
+
+def test_auto_with_low_precision_weights_records_the_dtype_they_compute_in(tmp_path):
+    """model.dtype=bfloat16: the weights compute in bf16 whatever the autocast, so auto records bf16 and
+    why (it recorded "chose fp32 ... fp32 is exact" for a run that computed in bf16); float32 weights
+    keep the untimed fp32 record (model.dtype takes float32 or bfloat16 only)."""
+    from creditrl.trainer.precision import resolve_precision
+
+    cfg = load_config(None, ["model.dtype=bfloat16"])
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    resolved, choice = resolve_precision(cfg, model, None, None)
+    assert (resolved.train.precision, choice.chosen, choice.seconds) == ("bf16", "bf16", {})
+    assert "stored in bfloat16 (model.dtype)" in choice.text() and "exact" not in choice.text()
+    untimed = resolve_precision(load_config(None, []), torch.nn.Linear(2, 2), None, None)[1]
+    assert untimed.chosen == "fp32" and "fp32 is exact" in untimed.reason

@@ -67,6 +67,15 @@ def one_step(setup, overrides):
     return metrics, changed
 
 
+def test_micro_batches_log_the_same_metrics_as_the_whole_batch(setup):
+    """optim.micro_batch_size changes no metric's presence, and the aggregation's count is the whole
+    mini-batch's (it was left out of a micro-batched step's metrics)."""
+    whole, _ = one_step(setup, [])
+    parts, _ = one_step(setup, ["optim.micro_batch_size=5"])
+    assert set(parts) == set(whole)
+    assert parts["agg_count"] == pytest.approx(whole["agg_count"], rel=1e-6)
+
+
 def estimator_overrides(name):
     return ["algorithm.options.k=2"] if name in ("maxpo", "pkpo", "ei", "maxk_bon", "passk_chen") else []
 
@@ -91,7 +100,7 @@ LOSS_OPTIONS = {
     "stapo": ["loss.stapo.enabled=true", "loss.stapo.tau_p=0.5"],
     "trace": ["loss.trace.enabled=true", "loss.trace.lam=0.9", "loss.trace.style=both"],
     "trace_weight": ["loss.trace.enabled=true", "loss.trace.update=weight"],
-    "epochs_minibatches": ["optim.epochs=2", "optim.minibatch_size=6", "optim.schedule=cosine",
+    "epochs_minibatches": ["optim.epochs=2", "optim.minibatch_size=4", "optim.schedule=cosine",
                            "optim.warmup_steps=2"],
     "everything": ["loss.clip_c=3.0", "loss.kl_coef=0.05", "loss.rollout_correction=tis", "loss.stapo.enabled=true",
                    "loss.trace.enabled=true", "algorithm.estimator=otb_isolated"],

@@ -101,7 +101,8 @@ def test_adaptive_entropy_applies_the_controllers_coefficient_step_by_step(setup
     task, tok = setup
     model = tiny_model(tok, SMALL, seed=0)
     cfg = config("loss.entropy_bonus.enabled=true", "loss.entropy_bonus.adaptive=true", "loss.entropy_bonus.coef=0.1",
-                 "loss.entropy_bonus.target=50.0", "loss.entropy_bonus.coef_delta=0.01", "optim.minibatch_size=6")
+                 "loss.entropy_bonus.target=50.0", "loss.entropy_bonus.coef_delta=0.01", "optim.minibatch_size=6",
+                 "rollout.prompts_per_step=3")                     # rollout()'s 3 prompts × 4: two mini-batches
     learner = Learner(model, cfg)
     applied = []
     for step in range(3):

@@ -207,8 +207,8 @@ class OptimConfig:
     min_lr_ratio: float = opt(0.1, "Cosine floor as a fraction of lr.")
     max_grad_norm: float = opt(1.0, "Gradient-norm clipping.")
     epochs: int = opt(1, "μ: passes over each rollout batch.")
-    minibatch_size: int | None = opt(None, "Responses per optimizer step; null = the whole batch (one step per "
-                                           "epoch).")
+    minibatch_size: int | None = opt(None, "Responses per optimizer step, a divisor of the batch (as verl's "
+                                     "ppo_mini_batch_size); null = the whole batch (one step per epoch).")
     micro_batch_size: int | None = opt(None, "Responses per forward/backward inside one optimizer step (gradient "
                                              "accumulation; the gradient equals the whole mini-batch's). Costs one "
                                              "extra no-grad forward for the old log-probs. Not combinable with "
@@ -241,9 +241,10 @@ class TrainConfig:
                 "sampling) run under `bf16` autocast (fast on GPUs and CPUs with bf16 matrix units, AVX512-BF16 or "
                 "AMX; slower than fp32 on CPUs without) or `fp16` autocast with loss scaling (CUDA only); `fp32` = "
                 "none. `auto` times a few decoding steps and a forward+backward of the run's own model at fp32 and "
-                "at bf16 when the run starts (~10 s for SmolLM2 on a CPU) and keeps bf16 only where it is >= 1.11x "
-                "as fast and its gradient's cosine with fp32's is >= 0.99, else fp32; builtin:tiny runs fp32 "
-                "untimed (its millisecond steps time too noisily to choose by). The run's config.yaml holds the "
+                "at bf16 when the run starts (SmolLM2 on a CPU) and keeps bf16 only where it is >= 1.11x "
+                "as fast and its gradient's cosine with fp32's is >= 0.99, else fp32 (~10 s on an idle machine; "
+                "longer under load); builtin:tiny runs fp32 untimed (its millisecond steps time too noisily to "
+                "choose by), and weights stored in bf16 (model.dtype=bfloat16) bf16 untimed. The run's config.yaml holds the "
                 "precision chosen, with both timings in a comment above it, and so does its summary. A LoRA run "
                 "stores its frozen base in bf16 under bf16 and fp16 (not under `auto`: the model loads before "
                 "the choice).")

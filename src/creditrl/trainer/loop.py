@@ -36,7 +36,8 @@ from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
-from creditrl.trainer.report import diagnosis_section, learned_nothing, no_signal, plot_run, streak_warning
+from creditrl.trainer.report import (NO_SIGNAL_STEPS, diagnosis_section, learned_nothing, no_signal, plot_run,
+                                     streak_warning)
 from creditrl.trainer.report import write_summary
 from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
@@ -191,7 +192,8 @@ class Trainer:
         self.eval_problems, self.eval_samples, self.pass_k = eval_settings(cfg)
         test = self.task.test_set()
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
-        self.clipped_streak = self.skipped_streak = self.signal_streak = 0
+        self.clipped_streak = self.skipped_streak = 0
+        self.no_signal_steps: list[dict] = []   # the current streak of steps without a reward signal
         self.notes = (precision_notes(self.model, cfg) + component_notes(cfg) + idle_setting_notes(loss.loss, cfg)
                       + on_policy_notes(loss.loss, cfg))
         if self.precision_choice is not None:
@@ -207,7 +209,11 @@ class Trainer:
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"resume: {str(run_dir)!r} has no config.yaml; expected a creditrl run directory")
         data = read_saved_config(run_dir / "config.yaml")
-        cfg = resolve_config(config_from_dict(data))
+        try:
+            cfg = resolve_config(config_from_dict(data))
+        except ConfigError:        # an edit that cannot resolve (e.g. a new estimator with the old one's
+            changed_keys_first(run_dir, data)       # options): name the edited keys when that explains it
+            raise
         check_complete(run_dir / "config.yaml", data, config_to_dict(cfg))
         skipped: list[str] = []
         weights, state = ckpt.load_latest(run_dir, skipped) if ckpt.list_checkpoints(run_dir) else (None, None)
@@ -409,9 +415,10 @@ class Trainer:
                 logger.log_completions(self.step, "train", samples)
                 logger.log("metrics", metrics)
                 self.check_skipped(metrics)
-                self.signal_streak = self.signal_streak + 1 if no_signal(metrics) else 0
+                # the streak's steps, kept up to one past the warning's length (it warns once per streak)
+                self.no_signal_steps = [*self.no_signal_steps, metrics][:NO_SIGNAL_STEPS + 1] if no_signal(metrics) else []
                 for warning in (self.clipped_warning(metrics["clipped_frac"]), self.uniform_warning(metrics),
-                                streak_warning(metrics, self.signal_streak)):
+                                streak_warning(self.no_signal_steps)):
                     if warning:
                         logger.message(warning)
                 self.elapsed = time.perf_counter() - started
@@ -425,9 +432,25 @@ class Trainer:
                 self.log_eval(logger)
             self.elapsed = time.perf_counter() - started
             self.finish(logger)
+        except KeyboardInterrupt:
+            print(self.interrupted_text(), file=sys.stderr, flush=True)
+            raise
         finally:
             logger.close()
         return self.run_dir
+
+    def interrupted_text(self) -> str:
+        """Where an interrupted run stands and how to continue it."""
+        found = ckpt.list_checkpoints(self.run_dir)
+        resume = f"`creditrl train --resume {self.run_dir}`"
+        if not found:
+            return (f"interrupted at step {self.step} of {self.cfg.train.steps}; no checkpoint was saved "
+                    f"(train.save_every={self.cfg.train.save_every}): {resume} starts again from step 0")
+        newest = int(ckpt.PATTERN.search(found[-1].name).group(1))
+        steps = f"step {self.step}" if self.step == newest + 1 else f"steps {newest + 1}–{self.step}"
+        redo = f", redoing {steps} (their logged rows are replaced)" if self.step > newest else ""
+        return (f"interrupted at step {self.step} of {self.cfg.train.steps}; the newest checkpoint is step {newest}: "
+                f"{resume} continues from it{redo}")
 
     def finish(self, logger: RunLogger | None = None) -> dict:
         """final/ (atomic, with a manifest), plots, summary.md/json; a run that had no reward signal
@@ -451,8 +474,8 @@ class Trainer:
             extra["resumed"] = "; ".join(resume_note(r) for r in resumes)
         if self.truncated_prompts:
             extra["truncated_prompts"] = self.truncated_prompts
-        if precision_comments(self.run_dir):
-            extra["precision"] = precision_comments(self.run_dir)[0]
+        extra["precision"] = next(iter(precision_comments(self.run_dir)),
+                                  f"{self.cfg.train.precision}, as train.precision set it (not timed)")
         if self.tiny_cache is not None:
             info = warm_start_info(self.tiny_cache) or {}
             if info:
@@ -504,6 +527,16 @@ def located(cfg: Config, run_dir: Path) -> Config:
     if run_place(t.output_dir, t.run_name) == run_dir.resolve():
         return cfg
     return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=str(run_dir.parent), run_name=run_dir.name))
+
+
+def changed_keys_first(run_dir: Path, data: dict) -> None:
+    """The refusal naming config.yaml's edited keys that cannot change mid-run (``resume_changes``),
+    read against the newest checkpoint's config, when there is one; nothing otherwise."""
+    if not ckpt.list_checkpoints(run_dir):
+        return
+    _, state = ckpt.load_latest(run_dir, [])
+    if state and "config" in state:
+        resume_changes(state["config"], data, state["step"])
 
 
 def resume_note(record: dict, run_dir: Path | None = None) -> str:

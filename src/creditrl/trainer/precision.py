@@ -23,10 +23,14 @@ PROBE_TOKENS = 8     # decoding steps (fewer when rollout.max_new_tokens is smal
 
 def resolve_precision(cfg: Config, model, tokenizer, task) -> tuple[Config, PrecisionChoice | None]:
     """``cfg`` with ``train.precision`` resolved (unchanged unless ``auto``) and the choice made,
-    None when there was none to make. builtin:tiny runs fp32 untimed (``precision_of``)."""
+    None when there was none to make. builtin:tiny runs fp32 untimed (``precision_of``); weights stored
+    in bf16 compute in bf16 whatever the autocast, so they record bf16 untimed."""
     if cfg.train.precision != "auto":
         return cfg, None
-    if precision_of(cfg).resolved:             # a model auto does not time (UNTIMED_MODELS)
+    if cfg.model.dtype == "bfloat16":          # the weights compute in bf16 whatever the autocast
+        choice = PrecisionChoice("bf16", {}, None, f"the model's weights are stored in {cfg.model.dtype} "
+                                 f"(model.dtype), so the model computes in {cfg.model.dtype} whatever the autocast")
+    elif precision_of(cfg).resolved:           # a model auto does not time (UNTIMED_MODELS)
         choice = PrecisionChoice(precision_of(cfg).name, {}, None, f"{cfg.model.name}'s millisecond steps time "
                                                                    "too noisily to choose by, and fp32 is exact")
     else:

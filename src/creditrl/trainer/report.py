@@ -160,20 +160,31 @@ NO_SIGNAL_STEPS = 5   # consecutive steps without a reward signal before the liv
 def no_signal(metrics: dict) -> str | None:
     """Why a step could not learn from its rewards: ``"invalid"`` (every reward NaN/inf or a
     checker error, counted as 0), ``"uniform"`` (dynamic sampling kept no group: no update),
-    ``"zero_spread"`` (every group's rewards equal), ``"nothing_kept"`` (every token left the loss:
-    kept_frac 0), or None."""
+    ``"zero_spread"`` (every group's rewards equal, and the advantages carry no difference between
+    responses: all 0, or every reward of the step equal), ``"nothing_kept"`` (every token left the
+    loss: kept_frac 0), or None. Flat groups still teach an estimator that compares across groups
+    (``reinforce``, ``reinforce_plus_plus``, ``shrinkage``; e.g. rollout.group_size=1) when the
+    step's rewards differ: its advantages are then not 0."""
     if (metrics.get("reward_invalid_frac") or 0) >= 1:
         return "invalid"
     if metrics.get("kept_groups") == 0:
         return "uniform"
-    if (metrics.get("zero_spread_frac") or 0) >= 1:
+    if (metrics.get("zero_spread_frac") or 0) >= 1 and (
+            not (metrics.get("reward_std") or 0) > 0 or _zero_advantages(metrics)):
         return "zero_spread"
     if metrics.get("kept_frac") == 0:
         return "nothing_kept"
     return None
 
 
-def _reason(kind: str | None, metrics: dict) -> str:
+def _zero_advantages(metrics: dict) -> bool:
+    return metrics.get("adv_mean") == 0 and metrics.get("adv_std") == 0
+
+
+def _reason(kind: str | None, steps: list[dict]) -> str:
+    """Why ``steps`` (the steps a warning covers) had no reward signal; numbers from the last one
+    except the mean reward, over all of them."""
+    metrics = steps[-1]
     if kind == "uniform":
         return ("dynamic sampling kept no group (every sampled group's signal was the same for all its responses), "
                 "so no update was made")
@@ -184,17 +195,25 @@ def _reason(kind: str | None, metrics: dict) -> str:
         return ("every token was dropped from the loss (kept_frac 0: e.g. loss.mask_truncated with every response "
                 f"cut at rollout.max_new_tokens, clipped_frac {metrics.get('clipped_frac', float('nan')):.2g}, or a "
                 "rollout correction dropping every token), so no step moved the policy")
-    mean = metrics.get("reward_mean")
-    return (f"every group's rewards were equal (zero spread; mean reward {mean:.3g}: every response scored the same, "
+    means = [m["reward_mean"] for m in steps if m.get("reward_mean") is not None]
+    mean = f"{sum(means) / len(means):.3g}" if means else "undefined"
+    if any((m.get("reward_std") or 0) > 0 for m in steps):
+        return (f"every group's rewards were equal within the group (zero spread; mean reward {mean} over "
+                f"{'those steps' if len(steps) > 1 else 'the step'}): rewards differed only between groups, which "
+                f"the estimator does not compare (a larger rollout.group_size, or an estimator that compares "
+                f"across groups, e.g. reinforce_plus_plus)")
+    return (f"every group's rewards were equal (zero spread; mean reward {mean} over "
+            f"{'those steps' if len(steps) > 1 else 'the step'}: within each step every response scored the same, "
             f"e.g. a task too hard or too easy for the model, or a reward that ignores the response)")
 
 
-def streak_warning(metrics: dict, streak: int) -> str | None:
-    """The live warning once ``NO_SIGNAL_STEPS`` steps in a row had no reward signal."""
-    if streak != NO_SIGNAL_STEPS:
+def streak_warning(steps: list[dict]) -> str | None:
+    """The live warning once ``NO_SIGNAL_STEPS`` steps in a row (``steps``, the streak so far) had no
+    reward signal."""
+    if len(steps) != NO_SIGNAL_STEPS:
         return None
-    return (f"warning: no reward signal for {streak} steps in a row (step {metrics['step']}): "
-            f"{_reason(no_signal(metrics), metrics)}; a run like this learns nothing from its task")
+    return (f"warning: no reward signal for {len(steps)} steps in a row (step {steps[-1]['step']}): "
+            f"{_reason(no_signal(steps[-1]), steps)}; a run like this learns nothing from its task")
 
 
 def learned_nothing(metrics: list[dict], estimator: str) -> str | None:
@@ -204,10 +223,10 @@ def learned_nothing(metrics: list[dict], estimator: str) -> str | None:
     if not metrics or None in kinds:
         return None
     kind = kinds[0] if len(set(kinds)) == 1 else "zero_spread"
-    zero = all(m.get("kept_groups") == 0 or (m.get("adv_mean") == 0 and m.get("adv_std") == 0) for m in metrics)
+    zero = all(m.get("kept_groups") == 0 or _zero_advantages(m) for m in metrics)
     effect = ("no step made an update" if kind == "uniform" else
               "the loss had no token to learn from" if kind == "nothing_kept" else
               "the advantages were 0 at every step, so nothing was learned from the rewards" if zero else
               f"{estimator} still gave advantages, but the rewards never said which responses were better")
     return (f"this run learned nothing from its task. At all {len(metrics)} steps "
-            f"{_reason(kind, metrics[-1])}; {effect}")
+            f"{_reason(kind, metrics)}; {effect}")

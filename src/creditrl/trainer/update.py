@@ -309,7 +309,8 @@ class Learner:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(total)
-        return {k: v / total for k, v in weighted.items()}
+        out = {k: v / total for k, v in weighted.items()}
+        return {**out, "agg_count": total} if len(chunks) > 1 else out   # Σ_i count_i: the mini-batch's
 
     def observe_noise(self, first: list, count_a: float, total: float, group: Tensor, halves: int) -> None:
         """Feed the noise scale with the two halves' mean gradients g_A = S_A/c_A and

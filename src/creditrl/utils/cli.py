@@ -44,7 +44,8 @@ def parse(parser: argparse.ArgumentParser, argv: list[str], *, paths: bool = Fal
 
 
 def run(command: str, fn: Callable[[], int]) -> int:
-    """``fn()``, with a user error printed as one line naming the command (exit status 2)."""
+    """``fn()``, with a user error printed as one line naming the command (exit status 2), and Ctrl-C
+    as one line (130, the shell's convention) after whatever the interrupted work printed."""
     try:
         return int(fn() or 0)
     except USER_ERRORS as err:
@@ -52,3 +53,8 @@ def run(command: str, fn: Callable[[], int]) -> int:
             raise
         print(f"creditrl {command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:           # Ctrl-C: what was interrupted says where it stands, no traceback
+        if os.environ.get("CREDITRL_DEBUG"):
+            raise
+        print(f"creditrl {command}: interrupted", file=sys.stderr)
+        return 130

@@ -39,6 +39,7 @@ def atomic_directory(path: Path, *, replace: bool = False, complete_marker: str 
     os.chmod(tmp, 0o755)
     try:
         yield tmp
+        plain_modes(tmp)
         if replace and path.exists():
             shutil.rmtree(path)
         try:
@@ -48,6 +49,16 @@ def atomic_directory(path: Path, *, replace: bool = False, complete_marker: str 
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def plain_modes(folder: Path) -> None:
+    """Every file in ``folder`` readable as a plain ``open`` under the umask would make it
+    (safetensors writes its files 0600, so a shared run directory's weights were private)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for file in folder.rglob("*"):
+        if file.is_file() and not file.is_symlink():
+            os.chmod(file, 0o666 & ~mask)
 
 
 MANIFEST = "manifest.json"
