@@ -117,6 +117,27 @@ def test_report_only_cli(tmp_path):
     assert "| a | 1 |" in (tmp_path / "report.md").read_text()
 
 
+def test_one_seed_shows_no_spread(tmp_path):
+    """A run with one seed has no standard deviation: its cells say so, not "± 0"."""
+    fake_run(tmp_path, "a", 0)
+    fake_run(tmp_path, "b", 0)
+    fake_run(tmp_path, "b", 1)
+    text = (compare.write_report(compare.find_runs(tmp_path), tmp_path)).read_text()
+    line = next(l for l in text.splitlines() if l.startswith("| a"))
+    assert "(one seed)" in line and "±" not in line
+    assert "±" in next(l for l in text.splitlines() if l.startswith("| b"))
+
+
+def test_report_only_refuses_an_unfinished_run(tmp_path, capsys):
+    """A compare interrupted during run b (step 7, no summary.json): redrawing would set b's last rows
+    and step-0 eval beside a's end-of-run numbers, so it is refused, naming the run and its step."""
+    fake_run(tmp_path, "a", 0)
+    (fake_run(tmp_path, "b", 0, steps=7) / "summary.json").unlink()
+    assert compare.main(["--out", str(tmp_path), "--report-only"]) == 2
+    assert "expected finished runs, got 1 unfinished (b-s0 (step 7): no summary.json)" in capsys.readouterr().err
+    assert not (tmp_path / "report.md").exists()
+
+
 @pytest.mark.slow
 def test_compare_end_to_end_with_trainer(tmp_path):
     """Two configs x two seeds through the real trainer; a second call reuses finished runs."""
@@ -292,3 +313,17 @@ def test_report_names_config_keys_that_differ_and_warns_when_no_run_set_them(tmp
     text = compare.write_report(compare.find_runs(tmp_path / "y"), tmp_path / "y", window=1).read_text()
     assert "not comparable" not in text and "## Config keys that differ between the runs" in text
     assert "train.steps" not in text
+
+
+def test_ctrl_c_in_compare_says_how_to_finish(monkeypatch, capsys):
+    """Ctrl-C inside a command that does not catch it: one line naming what to do, exit 130, no traceback."""
+    from creditrl import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "main", interrupted)
+    assert cli.main(["compare", "--out", "x"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("creditrl compare: interrupted (to finish, run the same compare command again")
+    assert "Traceback" not in err

@@ -486,3 +486,18 @@ def test_off_policy_cispo_rule(efficiencies, clip, outcome):
         assert "did not produce the condition" in v.note
     undefined = op.cispo_verdict([1.5, math.nan, 1.6, 1.55], [0.05] * 4)   # a non-finite checkpoint is left out
     assert "undefined at 1 checkpoint(s)" in undefined.ours and undefined.outcome == "reproduces"
+
+
+def test_moderate_k_needs_an_interior_k():
+    """A K sweep with fewer than 3 values of K ≥ 2 has no interior K: the best can only lie at an end, so the
+    claim is untested (inconclusive), not refuted; with one, the rule decides."""
+    from creditrl_research.experiments.maxk_bandit import best_at_moderate_k
+    from creditrl_research.rules import Estimate
+
+    def est(v):
+        return Estimate(v, v - 0.01, v + 0.01, 0.005, 8)
+
+    assert best_at_moderate_k({"K=1": est(1.0), "K=3": est(0.8), "K=7": est(0.9)}) == "inconclusive"
+    assert best_at_moderate_k({"K=3": est(0.8)}) == "inconclusive"
+    assert best_at_moderate_k({"K=2": est(0.9), "K=4": est(0.7), "K=8": est(0.95)}) == "reproduces"
+    assert best_at_moderate_k({"K=2": est(0.6), "K=4": est(0.7), "K=8": est(0.95)}) == "does not reproduce"

@@ -177,7 +177,9 @@ def test_experiment_cli_errors(tmp_path, capsys):
     assert "nope: unknown key" in err and "group_size" in err
     # the trainer's typed merge: types, finiteness and tuple items are checked and named
     for bad, message in [("k=1.5", "k: expected int"), ("k_sweep=[2,x]", "k_sweep[1]: expected int"),
-                         ("variance_batches=.inf", "expected int"), ("seed", "expected key=value")]:
+                         ("variance_batches=.inf", "expected int"), ("seed", "expected key=value"),
+                         ("num_actions=1", "num_actions: expected action counts >= 2"),      # validated before any
+                         ("actions_sweep=[1,4]", "actions_sweep: expected action counts >= 2")]:   # output is written
         assert experiments.main(["maxk-bandit", "--out", str(tmp_path), bad]) == 2
         assert message in capsys.readouterr().err
     assert experiments.main(["grad-variance", "--out", str(tmp_path), "temperature=nan"]) == 2
@@ -194,12 +196,43 @@ def test_experiment_cli_errors(tmp_path, capsys):
 
 def test_experiment_cli_runs_with_overrides(tmp_path):
     (tmp_path / "small.yaml").write_text("seeds: 2\nvariance_batches: 10\nactions_sweep: [4]\n")
-    rc = experiments.main(["maxk-bandit", "--out", str(tmp_path), "--config", str(tmp_path / "small.yaml"),
-                           "bias_batches=[5, 50]", "k_sweep=[2,3]"])
-    assert rc == 0
-    rows = tables.read_csv(tmp_path / "bias.csv")
+    out = tmp_path / "run"
+    args = ["maxk-bandit", "--out", str(out), "--config", str(tmp_path / "small.yaml"), "bias_batches=[5, 50]",
+            "k_sweep=[2,3]"]
+    assert experiments.main(args) == 0
+    rows = tables.read_csv(out / "bias.csv")
     assert sorted({r["batches"] for r in rows}) == [5, 50]
-    assert tables.read_json(tmp_path / "summary.json")["config"]["seeds"] == 2
+    assert tables.read_json(out / "summary.json")["config"]["seeds"] == 2
+
+
+def test_an_experiment_replaces_a_finished_run_only_when_told(tmp_path, capsys):
+    """A finished run in --out is refused without --overwrite (it was replaced silently); with it, the old
+    outputs go first, so an interrupted rerun cannot leave its environment.json beside the old results
+    (the report then stated the new seeds under the old numbers). A directory no experiment wrote is
+    refused either way."""
+    out = tmp_path / "run"
+    small = ["seeds=2", "variance_batches=10", "actions_sweep=[4]", "bias_batches=[5]", "k_sweep=[2]"]
+    assert experiments.main(["maxk-bandit", "--out", str(out), "seed=0", *small]) == 0
+    before = (out / "bias.csv").read_text()
+    # its sizes were overridden: the recorded preset says so (seed and threads aside), so the report and the
+    # guard of the published docs/results.md do not take it for the preset's own run
+    label = (out / "preset.txt").read_text().strip()
+    assert label.startswith("fast (overridden: ") and "seeds=2" in label and "seed=" not in label.replace("seeds=", "")
+    assert experiments.main(["maxk-bandit", "--out", str(out), "seed=5", *small]) == 2
+    assert f"--out: {out} holds a finished maxk-bandit run (preset {label}, seeds [0]); give --out a new " \
+           "directory, or --overwrite to replace it" in capsys.readouterr().err
+    assert (out / "bias.csv").read_text() == before
+    (out / "stale.csv").write_text("left by the earlier run")
+    assert experiments.main(["maxk-bandit", "--out", str(out), "--overwrite", "seed=5", *small]) == 0
+    assert not (out / "stale.csv").exists()
+    assert tables.read_json(out / "environment.json")["seeds"] == [5]
+    assert tables.read_json(out / "summary.json")["config"]["seed"] == 5
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    assert experiments.main(["maxk-bandit", "--out", str(other), "--overwrite", *small]) == 2
+    assert "holds files no experiment wrote (no preset.txt)" in capsys.readouterr().err
+    assert (other / "notes.txt").exists()
 
 
 def test_bootstrap_ci_and_slope():
@@ -507,15 +540,25 @@ def test_otb_stability_and_stapo_census_fast_presets(fast_root):
 
 
 @pytest.mark.slow
+def relabelled(root, out, names):
+    """Copies of ``root``'s experiments ``names`` under ``out``, their seeds recorded as other ones."""
+    import shutil
+    for name in names:
+        shutil.copytree(root / name, out / name)
+        env = tables.read_json(out / name / "environment.json")
+        tables.write_json(out / name / "environment.json", {**env, "seeds": [s + 100 for s in env["seeds"]]})
+    return out
+
+
 def test_results_report_from_fast_runs(fast_root, tmp_path):
     """docs/results.md is assembled from the CSVs: the summary table lists every verdict, figures
     are copied, a second run's verdicts are listed beside, missing experiments are named."""
     for name in experiments.experiment_names():
         fast_run(fast_root, name)
-    partial = tmp_path / "partial"  # a check run of one experiment only
-    partial.mkdir()
-    (partial / "grad-variance").symlink_to(fast_root / "grad-variance")
-    path = experiments.write_report(fast_root, tmp_path / "docs", checks=[fast_root, partial])
+    # check runs: the same outputs recorded under other seeds (a run with the published seeds is no check)
+    other = relabelled(fast_root, tmp_path / "other", experiments.experiment_names())
+    partial = relabelled(fast_root, tmp_path / "partial", ["grad-variance"])   # a check of one experiment only
+    path = experiments.write_report(fast_root, tmp_path / "docs", checks=[other, partial])
     text = path.read_text()
     for name in experiments.experiment_names():
         png = name.replace("-", "_") + ".png"
@@ -524,7 +567,7 @@ def test_results_report_from_fast_runs(fast_root, tmp_path):
     verdicts = [v for vs in experiments.collect_verdicts(fast_root).values() for v in vs]
     head = text.split("## Reproducibility")[0]
     assert all(f"| {v.claim} ({v.source}) |" in head for v in verdicts)
-    assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same run checked against itself
+    assert f"{len(verdicts)} of {len(verdicts)} verdicts agree" in text  # the same outputs under other seeds
     assert "| pooled (secondary) |" in text and "DerSimonian–Laird" in text   # the pre-registered secondary column
     assert "— (not pooled: its rule reads no interval)" in text                # maxk-bandit's slope verdict
     walls = [float((fast_root / n / "wall_time.txt").read_text()) for n in experiments.experiment_names()]
@@ -577,16 +620,22 @@ def test_report_finds_the_seed_sets_beside_the_runs(fast_root, tmp_path):
 
     fast_run(fast_root, "maxk-bandit")
     root = tmp_path / "experiments"
-    for name in ("full", "seed200", "seed300", "other"):
+    for name in ("full", "seed200", "seed300", "seed500"):
         (root / name).mkdir(parents=True)
         shutil.copytree(fast_root / "maxk-bandit", root / name / "maxk-bandit")
     (root / "seed300" / "maxk-bandit" / "preset.txt").write_text("full\n")   # another preset: not a check
     (root / "seed400").mkdir()                                                   # nothing finished: not a check
-    assert experiments.default_checks(root / "full") == [root / "seed200"]
-    assert experiments.default_checks(root / "seed200") == []                    # itself and others excluded
+    env = tables.read_json(root / "seed200" / "maxk-bandit" / "environment.json")
+    tables.write_json(root / "seed200" / "maxk-bandit" / "environment.json", {**env, "seeds": [200]})
+    assert experiments.default_checks(root / "full") == [root / "seed200"]       # "other": the same seeds
+    assert experiments.default_checks(root / "seed200") == [root / "seed500"]    # itself excluded; seeds differ
     from creditrl_research.experiments.runner import main
     assert main(["report", "--runs", str(root / "full"), "--docs", str(tmp_path / "docs")]) == 0
     assert "`" + str(root / "seed200") + "`" in (tmp_path / "docs" / "results.md").read_text()
+    # seed500 is a copy of full (its seeds): not a check by default, and refused as one
+    for check in (root / "seed500", root / "full"):
+        assert main(["report", "--runs", str(root / "full"), "--docs", str(tmp_path / "d2"),
+                     "--check", str(check)]) == 2
 
 
 @pytest.mark.slow

@@ -959,6 +959,7 @@ def test_eval_takes_a_run_or_a_model_directory_positionally(finished, capsys):
     (["model.name=builtin:tiny"], r"model.name: given twice"),
     (["RUN", "RUN"], r"RUN_OR_MODEL: expected one run or model directory"),
     (["--config", "default"], r"--config: a run directory is evaluated with its own config.yaml"),
+    (["--out", "RUN"], r"--out: expected a file path for the JSON result, got the directory"),
 ])
 def test_eval_checks_every_argument_before_the_model_loads(finished, monkeypatch, capsys, args, message):
     import creditrl.cli as cli
@@ -966,6 +967,19 @@ def test_eval_checks_every_argument_before_the_model_loads(finished, monkeypatch
     run = str(finished[0])
     assert cli.main(["eval", "--no-progress", run, *[run if a == "RUN" else a for a in args]]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_eval_of_a_run_without_its_config_names_the_missing_file(finished, tmp_path, capsys):
+    """A run directory that lost its config.yaml is named as such, not taken for a model directory
+    without config.json (model.name)."""
+    import shutil
+    from creditrl.cli import main
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run)
+    (run / "config.yaml").unlink()
+    assert main(["eval", "--no-progress", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "looks like a creditrl run directory (final/, checkpoints/ or metrics.jsonl) but has no config.yaml" in err
 
 
 def test_eval_of_something_that_is_not_a_directory_says_what_it_expects(capsys):

@@ -9,6 +9,7 @@ Set CREDITRL_DEBUG=1 to see full tracebacks instead of one-line errors.
 """
 from __future__ import annotations
 
+import os
 import sys
 from importlib.metadata import entry_points
 
@@ -29,6 +30,13 @@ COMMANDS = {
 PLUGIN_GROUP = "creditrl.commands"
 RESEARCH = {"experiment": ("the papers' claims in miniature (docs/results.md)",
                            "from a clone, `pip install -e research/` (`make setup` does it)")}
+
+
+INTERRUPTED = {  # what to do after Ctrl-C, where the command's runs are not resumed by --resume
+    "compare": " (to finish, run the same compare command again, not the trainer's --resume: it reuses the "
+               "finished runs and trains the unfinished one again from the start)",
+    "experiment": " (an experiment starts over when run again; the interrupted one's outputs are cleared first)",
+}
 
 
 def commands() -> dict[str, tuple[str, str]]:
@@ -65,7 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     loaded: list = []
     status = cli.run(name, lambda: loaded.append(load_object(available[name][0], what=f"creditrl {name}")))
-    return status if not loaded else int(loaded[0](argv[1:]) or 0)   # each command reports its own errors
+    if not loaded:
+        return status
+    try:
+        return int(loaded[0](argv[1:]) or 0)   # each command reports its own errors
+    except KeyboardInterrupt:                  # Ctrl-C in a command that does not catch it: one line, 130
+        if os.environ.get("CREDITRL_DEBUG"):
+            raise
+        print(f"creditrl {name}: interrupted" + INTERRUPTED.get(name, ""), file=sys.stderr)
+        return 130
+
 
 
 if __name__ == "__main__":

@@ -556,4 +556,4 @@ def report(out_dir: Path, figure_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-EXPERIMENT = register_experiment(Experiment("grad-variance", PRESETS, run, verdicts, report))
+EXPERIMENT = register_experiment(Experiment("grad-variance", PRESETS, run, verdicts, report, validate))

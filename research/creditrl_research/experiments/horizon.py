@@ -402,4 +402,4 @@ def report(out_dir: Path, figure_path: str) -> str:
         efficiency_table(rows, "raw_ratio"), "\nThe policies:\n", tables.markdown_table(context)])
 
 
-EXPERIMENT = register_experiment(Experiment("horizon", PRESETS, run, verdicts, report))
+EXPERIMENT = register_experiment(Experiment("horizon", PRESETS, run, verdicts, report, validate))

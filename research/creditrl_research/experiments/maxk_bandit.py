@@ -195,6 +195,10 @@ def validate(cfg: BanditConfig) -> None:
         raise ValueError(f"k_sweep: expected values in [1, {cfg.group_size - 1}] (K <= N-1), got {list(cfg.k_sweep)}")
     if cfg.variance_batches < 2:
         raise ValueError(f"variance_batches: expected >= 2, got {cfg.variance_batches}")
+    for key, values in (("num_actions", (cfg.num_actions,)), ("actions_sweep", cfg.actions_sweep)):
+        if any(n < 2 for n in values):      # one action: every estimator's gradient is 0 (nothing to compare)
+            raise ValueError(f"{key}: expected action counts >= 2 (with one action every gradient is 0), got "
+                             f"{values[0] if key == 'num_actions' else list(values)}")
 
 
 def run(cfg: BanditConfig, out_dir: Path) -> dict:
@@ -317,7 +321,8 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
         "L2O helps most at moderate K", "MaxPO §5.1", "L2O is most effective for moderate K",
         "Var(EI+L2O)/Var(EI) " + ", ".join(f"K={k}: {by_k[k]}" for k in ks) + f"; smallest over K ≥ 2 at K={best}",
         "over K ≥ 2 (K = 1 is degenerate): the smallest ratio at an interior K with its CI below 1 and both end "
-        "ratios' CIs above it reproduces; interior but not separated: partly; at an end of the sweep: does not",
+        "ratios' CIs above it reproduces; interior but not separated: partly; at an end of the sweep: does not; "
+        "inconclusive without an interior K (fewer than 3 values of K ≥ 2)",
         best_at_moderate_k(statistics), f"{cfg.get('seeds')} paired instances × {cfg.get('variance_batches')} "
         "batches per K",
         (f"L2O raises the variance above EI at K = {', '.join(map(str, raises))} (CI above 1). " if raises else "")
@@ -338,9 +343,12 @@ def fewer_with_actions(statistics) -> str:
 
 
 def best_at_moderate_k(statistics) -> str:
-    """Rule (c) on {"K=…": Var(EI+L2O)/Var(EI)}: over K ≥ 2 (K = 1 is degenerate)."""
+    """Rule (c) on {"K=…": Var(EI+L2O)/Var(EI)}: over K ≥ 2 (K = 1 is degenerate); inconclusive for a
+    sweep with no interior K (fewer than 3 values ≥ 2), where the best K can only lie at an end."""
     by_k = {int(k[2:]): e for k, e in statistics.items()}
     sweep = sorted(k for k in by_k if k >= 2)
+    if len(sweep) < 3:
+        return "inconclusive"
     best = min(sweep, key=lambda k: by_k[k].value)
     interior = sweep[0] < best < sweep[-1] and by_k[best].high < 1
     fades = all(by_k[k].low > by_k[best].high for k in (sweep[0], sweep[-1]))
@@ -366,4 +374,4 @@ def report(out_dir: Path, figure_path: str) -> str:
     return "\n".join(lines)
 
 
-EXPERIMENT = register_experiment(Experiment("maxk-bandit", PRESETS, run, verdicts, report))
+EXPERIMENT = register_experiment(Experiment("maxk-bandit", PRESETS, run, verdicts, report, validate))

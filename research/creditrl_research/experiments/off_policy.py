@@ -337,4 +337,4 @@ def report(out_dir: Path, figure_path: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-EXPERIMENT = register_experiment(Experiment("off-policy", PRESETS, run, verdicts, report))
+EXPERIMENT = register_experiment(Experiment("off-policy", PRESETS, run, verdicts, report, validate))

@@ -133,7 +133,9 @@ def verdicts(out_dir: Path) -> list[rules.Verdict]:
         "inconclusive", outcome,
         f"{n} seeds: detectable ≥ {tables.fmt(kept.detectable)} accuracy; collapse counts are descriptive "
         f"(no count difference over {n} seeds is significant at 5%)",
-        "" if g4 >= min(3, n) else "GRPO at N=4 did not collapse often enough in this regime.",
+        "" if g4 >= min(3, n) else "No run had a reward signal (every gradient was 0), so none could collapse."
+        if not any(float(x["max_grad_norm"]) > 0 for x in rows) else
+        "GRPO at N=4 did not collapse often enough in this regime.",
         statistics={"accuracy change OTB-N4 − GRPO-N4": kept}, decide=kept_more, condition_met=g4 >= min(3, n))]
     ratio = studies.paired_ratio(rows, "otb-n4", "grpo-n16", "gain", cfg["bootstrap"])
     tokens = sum(studies.by_seed(rows, "otb-n4", "tokens").values()) / max(
@@ -178,12 +180,15 @@ def report(out_dir: Path, figure_path: str) -> str:
     out_dir = Path(out_dir)
     cfg = tables.read_json(out_dir / "summary.json")["config"]
     rows = tables.read_csv(out_dir / "seeds.csv")
+    start = sum(float(r["start_acc"]) for r in rows) / max(len(rows), 1)
+    evals = (f"every {cfg['eval_every']} steps" if cfg["eval_every"] else "at the start and the end")
     lines = ["## OTB: stability and token efficiency in a collapse regime (OTB §6.3, Fig. 1)\n",
-             f"Setting: `builtin:tiny` warm-started to ~20% on 2-digit multiplication with a scratchpad "
+             f"Setting: `builtin:tiny` warm-started (the full preset aims at ~20%; held-out sampled accuracy at "
+             f"the start {start:.0%}, mean over runs) on 2-digit multiplication with a scratchpad "
              f"(~34-token responses), one checkpoint per seed; lr 3e-4, no gradient clipping; {cfg['num_seeds']} "
              f"seeds × (GRPO N=4, OTB N=4, GRPO N=16), the three runs of a seed from its checkpoint, {cfg['steps']} "
              f"steps of {cfg['prompts_per_step']} prompts; held-out "
-             f"eval every {cfg['eval_every']} steps on {cfg['eval_problems']} prompts × {cfg['eval_samples']} samples. "
+             f"eval {evals} on {cfg['eval_problems']} prompts × {cfg['eval_samples']} samples. "
              "The learning rate was chosen on a pilot seed to make GRPO N=4 collapse (see the module docstring).\n",
              f"![otb stability]({figure_path})\n",
              tables.markdown_table(rows, ["run", "seed", "collapsed", "collapse_step", "start_acc", "end_acc",

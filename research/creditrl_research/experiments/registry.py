@@ -21,6 +21,8 @@ class Experiment:
     run:      (cfg, out_dir) -> summary dict; writes its CSVs, ``figure`` and summary.json.
     verdicts: out_dir -> its claims, decided from those files by rules fixed in code before the runs.
     report:   (out_dir, figure_path) -> its Markdown section of docs/results.md.
+    validate: cfg -> None, raising a ValueError naming the field of a config ``run`` cannot use
+              (checked with the config, before any output is written); None: nothing beyond the numbers.
     """
 
     name: str
@@ -28,6 +30,7 @@ class Experiment:
     run: Callable[[Any, Path], dict]
     verdicts: Callable[[Path], list[Verdict]]
     report: Callable[[Path, str], str]
+    validate: Callable[[Any], Any] | None = None
 
     def __post_init__(self):
         missing = [p for p in PRESET_NAMES if p not in self.presets]

@@ -82,6 +82,8 @@ def experiment_config(name: str, preset: str = "fast", config_file: str | Path |
                          f"{sorted(experiment.presets)}")
     cfg = merge_layers(experiment.presets[preset], config_file, overrides)
     check_numbers(name, cfg, experiment.presets[preset])
+    if experiment.validate is not None:
+        experiment.validate(cfg)
     return cfg
 
 
@@ -121,7 +123,8 @@ def check_arguments(args) -> None:
     """Options that the chosen command would ignore are refused, naming them."""
     if args.name == "report":
         unused = [flag for flag, given in (("key=value", args.overrides), ("--config", args.config),
-                                           ("--preset", args.preset), ("--out", args.out)) if given]
+                                           ("--preset", args.preset), ("--out", args.out),
+                                           ("--overwrite", args.overwrite)) if given]
         if unused:
             raise ValueError(f"report does not use {', '.join(unused)} (it reads finished experiments: --runs, "
                              f"--docs, --check)")
@@ -141,16 +144,43 @@ def run_experiment(name: str, preset: str = "fast", out: Path | None = None, cfg
     experiment = get_experiment(name)
     cfg = experiment_config(name, preset) if cfg is None else cfg
     out_dir = Path(out) if out is not None else DEFAULT_RUNS / preset / name
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_out(name, out_dir, overwrite=True)
+    if out_dir.exists():        # an earlier run's outputs go first: an interrupted run leaves no mix of two
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
     seeds = [cfg.seed + i for i in range(getattr(cfg, "num_seeds", 1))]
     tables.write_json(out_dir / "environment.json", rules.environment(cfg.threads, seeds))
-    (out_dir / "preset.txt").write_text(f"{preset}\n")  # the report states which preset it covers
+    (out_dir / "preset.txt").write_text(f"{preset_label(experiment, preset, cfg)}\n")  # the report states it
     start = time.perf_counter()
     summary = experiment.run(cfg, out_dir)
     seconds = time.perf_counter() - start
     (out_dir / "wall_time.txt").write_text(f"{seconds:.0f}\n")  # the report states it next to the sizes
     print(f"[creditrl] {name} ({preset}) finished in {seconds:.1f}s -> {out_dir}")
     return out_dir, summary
+
+
+def preset_label(experiment, preset: str, cfg) -> str:
+    """The preset a run ran, with the sizes it overrode (seed and threads aside): a run called "full"
+    with fewer seeds is no run of the full preset, and the report and its publishing guard say so."""
+    base = experiment.presets[preset]
+    changed = [f"{f.name}={getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+               if f.name not in ("seed", "threads") and getattr(cfg, f.name) != getattr(base, f.name)]
+    return f"{preset} (overridden: {', '.join(changed)})" if changed else preset
+
+
+def check_out(name: str, out_dir: Path, *, overwrite: bool) -> None:
+    """An experiment writes into a new or empty directory, or over its own earlier outputs (its
+    ``preset.txt``): those of a finished run (``summary.json``) only with ``overwrite``."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not (out_dir / "preset.txt").is_file():
+        raise ValueError(f"--out: expected a new or empty directory, or an earlier {name} run's, got {out_dir}, "
+                         f"which holds files no experiment wrote (no preset.txt); nothing was written")
+    if (out_dir / "summary.json").is_file() and not overwrite:
+        env = tables.read_json(out_dir / "environment.json") if (out_dir / "environment.json").is_file() else {}
+        raise ValueError(f"--out: {out_dir} holds a finished {name} run (preset "
+                         f"{(out_dir / 'preset.txt').read_text().strip()}, seeds {env.get('seeds', 'not recorded')}); "
+                         f"give --out a new directory, or --overwrite to replace it")
 
 
 def recorded_presets(runs: Path, names) -> dict[str, str]:
@@ -250,13 +280,13 @@ def checked_runs(checks: list[Path] | tuple[Path, ...]) -> list[tuple[Path, dict
 
 def default_checks(runs: Path) -> list[Path]:
     """The check runs ``report`` uses when no --check is given: the directories ``seed*`` beside ``runs``
-    whose finished experiments all ran with the same preset as those under ``runs``."""
+    whose finished experiments all ran with the same preset as those under ``runs``, with other seeds."""
     runs = Path(runs)
     preset = set(recorded_presets(runs, collect_verdicts(runs)).values())
     found = []
     for path in sorted(runs.parent.glob("seed*")):
         names = collect_verdicts(path) if path.is_dir() and path.resolve() != runs.resolve() else {}
-        if names and set(recorded_presets(path, names).values()) == preset:
+        if names and set(recorded_presets(path, names).values()) == preset and not same_data(runs, path, names):
             found.append(path)
     return found
 
@@ -278,6 +308,29 @@ def check_publishable(runs: Path) -> None:
                          f"--docs docs to replace the published one anyway")
 
 
+def same_data(runs: Path, path: Path, names) -> str | None:
+    """Why ``path`` is no independent check of ``runs`` (the same directory, or every experiment of
+    ``names`` both ran with the same seeds), or None."""
+    if path.resolve() == runs.resolve():
+        return "the same directory"
+    shared = [n for n in names
+              if (runs / n / "environment.json").is_file() and (path / n / "environment.json").is_file()]
+    seeds = {n: tables.read_json(runs / n / "environment.json").get("seeds") for n in shared}
+    if shared and all(tables.read_json(path / n / "environment.json").get("seeds") == seeds[n] for n in shared):
+        return f"whose experiments ran with the same seeds ({seeds})"
+    return None
+
+
+def check_independent(runs: Path, found: list[tuple[Path, dict]]) -> None:
+    """A --check is another seed set: not ``runs`` itself, nor a run whose shared experiments all
+    ran with ``runs``' seeds (its verdicts would count the same data twice in the pooled column)."""
+    for path, verdicts in found:
+        why = same_data(runs, path, verdicts)
+        if why:
+            raise ValueError(f"--check: expected another seed set than --runs {runs}, got {path}, {why}: its "
+                             f"verdicts are no check, and pooling would count the same data twice")
+
+
 def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
                  checks: list[Path] | tuple[Path, ...] = ()) -> Path:
     """Assemble ``docs/results.md`` from every experiment found under ``runs``; copy its PNGs.
@@ -285,6 +338,7 @@ def write_report(runs: Path = DEFAULT_RUNS / "full", docs: Path = Path("docs"),
     Refuses (before writing anything) when ``runs`` holds no finished experiment: an empty report
     would overwrite the published one with nothing."""
     found = checked_runs(checks)
+    check_independent(Path(runs), found)
     verdicts = collect_verdicts(runs)
     if not verdicts:
         raise ValueError(f"--runs: expected a directory holding finished experiments, got {runs} (no "
@@ -323,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override fields of the preset's config, as in creditrl train (e.g. seed=3 "
                         "group_sizes=[4,8]); with 'all' only keys every experiment has (seed, threads)")
     parser.add_argument("--config", metavar="FILE", help="YAML merged over the preset before the overrides")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a finished run in the output directory (without it, one is refused)")
     parser.add_argument("--runs", type=Path, default=None,
                         help=f"report: directory holding the experiments' outputs (default: {DEFAULT_RUNS}/full)")
     parser.add_argument("--docs", type=Path, default=None,
@@ -354,9 +410,11 @@ def main(argv: list[str] | None = None) -> int:
             check_common_keys(args.overrides)
         configs = {name: experiment_config(name, args.preset, args.config, args.overrides) for name in names}
         root = args.out if args.out is not None else DEFAULT_RUNS / args.preset
+        outs = {name: root / name if args.name == "all" or args.out is None else args.out for name in configs}
+        for name, out in outs.items():
+            check_out(name, out, overwrite=args.overwrite)
         for name, cfg in configs.items():
-            out = root / name if args.name == "all" else args.out
-            run_experiment(name, args.preset, out, cfg)
+            run_experiment(name, args.preset, outs[name], cfg)
         if args.name == "all":  # only the full preset in its default place may overwrite docs/results.md
             docs = args.docs if args.preset == "full" and args.out is None else root
             print(f"[creditrl] wrote {write_report(root, docs, default_checks(root))}")

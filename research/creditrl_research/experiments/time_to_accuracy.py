@@ -362,4 +362,4 @@ def report(out_dir: Path, figure_path: str) -> str:
     return "\n".join(lines)
 
 
-EXPERIMENT = register_experiment(Experiment("time-to-accuracy", PRESETS, run, verdicts, report))
+EXPERIMENT = register_experiment(Experiment("time-to-accuracy", PRESETS, run, verdicts, report, validate))

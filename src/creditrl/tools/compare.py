@@ -246,6 +246,17 @@ def find_runs(out: Path) -> dict[str, list[Path]]:
     return dirs
 
 
+def check_finished(runs: dict[str, list[Path]]) -> None:
+    """Every run of a redrawn report finished (its summary.json): an interrupted one's last rows
+    would stand beside the others' end-of-run numbers as if they were its own."""
+    unfinished = [f"{path.name} (step {(read_jsonl(path / 'metrics.jsonl') or [{}])[-1].get('step', 0)})"
+                  for dirs in runs.values() for path in dirs if not (path / "summary.json").is_file()]
+    if unfinished:
+        raise ValueError(f"--report-only: expected finished runs, got {len(unfinished)} unfinished "
+                         f"({', '.join(unfinished)}: no summary.json); rerun the same compare, which resumes "
+                         f"them, then redraw")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -327,8 +338,9 @@ def mean_std_table(rows: list[dict], columns: list[str]) -> str:
             if vals.numel() == 0:
                 entry[c] = "–"
             else:
-                std = float(vals.std()) if vals.numel() > 1 else 0.0
-                entry[c] = f"{float(vals.mean()):.3g} ± {std:.2g}"
+                # one seed has no spread to show: "± 0" would read as a measured zero
+                entry[c] = (f"{float(vals.mean()):.3g} ± {float(vals.std()):.2g}" if vals.numel() > 1
+                            else f"{float(vals.mean()):.3g} (one seed)")
         table.append(entry)
     return tables.markdown_table(table, ["run", "seeds", *columns])
 
@@ -416,7 +428,8 @@ def config_differences(runs: dict[str, list[Path]]) -> list[str]:
                 own.update(o.split("=", 1)[0].strip() for o in run_overrides)
     differ = {k: v for k, v in values.items() if len(set(v.values())) > 1 or len(v) < len(runs)}
     if not differ:
-        return [] if len(runs) < 2 else ["## Config\n", "The runs' configs are identical but for the seed.\n"]
+        return [] if len(runs) < 2 else ["## Config\n", "The runs' configs are identical (seeds aside: each run's "
+                                         "are in its directory name, `<run>-s<seed>`).\n"]
     shared = [k for k in differ if not _explained(k, own)] if known else []
     lines = []
     if shared:
@@ -547,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--report-only: redraws the report from OUT/runs alone; drop --run, --spec, --seeds, "
                                  "--config, --force and key=value")
             runs = find_runs(args.out)
+            check_finished(runs)
         else:
             spec = spec_from_args(args)
             check_last_run(sys.argv[1:] if argv is None else list(argv), spec)

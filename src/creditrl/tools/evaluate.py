@@ -70,6 +70,11 @@ def eval_config(args):
         path = path.parent            # a run's final/: evaluated as the run, with its task and settings
     if path is not None and any(o.split("=", 1)[0].strip() == "model.name" for o in overrides):
         raise ValueError(f"model.name: given twice, as the directory {str(path)!r} and as model.name=...; drop one")
+    if path is not None and not (path / "config.yaml").is_file() and not (path / "config.json").is_file() and \
+            ((path / "final").is_dir() or (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
+        raise FileNotFoundError(f"RUN_OR_MODEL: {str(path)!r} looks like a creditrl run directory (final/, "
+                                f"checkpoints/ or metrics.jsonl) but has no config.yaml, which evaluating a run "
+                                f"needs; restore it, or evaluate its model directory ({str(path / 'final')!r})")
     if path is None or not (path / "config.yaml").is_file():
         named = [f"model.name={path}"] if path is not None else []
         return resolve_config(load_config(args.config, [*overrides, *named])), None
@@ -113,6 +118,8 @@ def run(args) -> int:
     task = build_task(cfg)
     n, ks, problems = eval_sizes(args, cfg, task)
     if args.out:
+        if Path(args.out).expanduser().is_dir():
+            raise IsADirectoryError(f"--out: expected a file path for the JSON result, got the directory {args.out!r}")
         check_writable(Path(args.out).expanduser().resolve().parent, "--out")
     model, tokenizer = load_configured_policy(cfg, task, resolve_device(cfg.train.device), not args.no_progress,
                                               name=weights)
