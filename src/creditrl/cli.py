@@ -84,6 +84,5 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -74,9 +74,9 @@ def validate(cfg: Config) -> None:
     if o.minibatch_size is not None and o.minibatch_size <= batch and batch % o.minibatch_size:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]
         raise ConfigError(f"optim.minibatch_size: expected a divisor of the {batch} responses per step "
-                          f"(rollout.prompts_per_step × rollout.group_size: {divisors}), got {o.minibatch_size}: the "
-                          f"last mini-batch would hold {batch % o.minibatch_size} response(s) and take a full optimizer "
-                          f"step on them")
+                          f"(rollout.prompts_per_step × rollout.group_size: {divisors}), got {o.minibatch_size}: "
+                          f"the last mini-batch would hold {batch % o.minibatch_size} response(s) and take a full "
+                          f"optimizer step on them")
     for key, seed in (("train.seed", t.seed), ("model.warm_start.seed", cfg.model.warm_start.seed)):
         if not 0 <= seed < 2**32:
             raise ConfigError(f"{key}: expected an integer in [0, 2**32 - 1] (numpy's seed range), got {seed}")

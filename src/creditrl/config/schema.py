@@ -244,8 +244,9 @@ class TrainConfig:
                 "at bf16 when the run starts (SmolLM2 on a CPU) and keeps bf16 only where it is >= 1.11x "
                 "as fast and its gradient's cosine with fp32's is >= 0.99, else fp32 (~10 s on an idle machine; "
                 "longer under load); builtin:tiny runs fp32 untimed (its millisecond steps time too noisily to "
-                "choose by), and weights stored in bf16 (model.dtype=bfloat16) bf16 untimed. The run's config.yaml holds the "
-                "precision chosen, with both timings in a comment above it, and so does its summary. A LoRA run "
+                "choose by), and weights stored in bf16 (model.dtype=bfloat16) bf16 untimed. The run's "
+                "config.yaml holds the precision chosen, with both timings in a comment above it, and so does its "
+                "summary. A LoRA run "
                 "stores its frozen base in bf16 under bf16 and fp16 (not under `auto`: the model loads before "
                 "the choice).")
     deterministic: bool = opt(True, "Deterministic torch algorithms (with a fixed thread count this makes resume "

@@ -416,7 +416,8 @@ class Trainer:
                 logger.log("metrics", metrics)
                 self.check_skipped(metrics)
                 # the streak's steps, kept up to one past the warning's length (it warns once per streak)
-                self.no_signal_steps = [*self.no_signal_steps, metrics][:NO_SIGNAL_STEPS + 1] if no_signal(metrics) else []
+                streak = [*self.no_signal_steps, metrics][:NO_SIGNAL_STEPS + 1]
+                self.no_signal_steps = streak if no_signal(metrics) else []
                 for warning in (self.clipped_warning(metrics["clipped_frac"]), self.uniform_warning(metrics),
                                 streak_warning(self.no_signal_steps)):
                     if warning:

@@ -5,8 +5,8 @@ count sketch for gradients too large to keep (``sketch``). The model side (one g
 gradient under every estimator) is ``creditrl.runtime.group_gradients``."""
 from creditrl.core.gradients.moments import GradientMoments, GradientStats, moments_from_draws
 from creditrl.core.gradients.noise_scale import NoiseScale, noise_scale_terms, prompt_noise_scale
-from creditrl.core.gradients.quality import (EstimatorQuality, Interval, exact_multiples, exact_quality, gradient_quality,
-                                            signal_interval)
+from creditrl.core.gradients.quality import (EstimatorQuality, Interval, exact_multiples, exact_quality,
+                                            gradient_quality, signal_interval)
 from creditrl.core.gradients.sketch import CountSketch
 
 __all__ = ["GradientMoments", "GradientStats", "moments_from_draws", "NoiseScale", "noise_scale_terms", "prompt_noise_scale",
