@@ -1159,7 +1159,7 @@ def test_experiment_report_states_the_presets_and_experiments_it_covers(tmp_path
 
     from creditrl_research.experiments import runner
     names = runner.experiment_names()
-    fake = SimpleNamespace(run=lambda cfg, out: {}, presets=runner.get_experiment(names[0]).presets)
+    fake = SimpleNamespace(run=lambda cfg, out: {}, presets=runner.get_experiment(names[0]).presets, validate=None)
     monkeypatch.setattr(runner, "get_experiment", lambda name: fake)
     runner.run_experiment(names[0], "fast", tmp_path / names[0])
     assert (tmp_path / names[0] / "preset.txt").read_text().strip() == "fast"

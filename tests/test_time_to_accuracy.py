@@ -225,9 +225,8 @@ def test_bad_configs_are_refused_before_any_work(tmp_path):
         ("target=1.0", r"target: expected a held-out accuracy in \(0, 1\)"),
         ("budgets=[55]", r"budgets: expected multiples of eval_every \(10\) up to steps \(120\)"),
     ]:
-        cfg = experiments.experiment_config("time-to-accuracy", "full", None, [override])
-        with pytest.raises(ValueError, match=message):
-            tta.run(cfg, tmp_path / "x")
+        with pytest.raises(ValueError, match=message):       # with the config, before any run (or output)
+            experiments.experiment_config("time-to-accuracy", "full", None, [override])
     assert not (tmp_path / "x").exists()
     assert base.extra_arms == ("maxrl", "reinforce_plus_plus") and base.num_seeds >= 16 and base.steps >= 100
     picked = experiments.experiment_config("time-to-accuracy", "full", None,

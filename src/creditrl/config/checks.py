@@ -37,6 +37,16 @@ def check_run_name(key: str, name: str | None) -> None:
                           f"or '..'), or null for an automatic name; got {name!r}")
 
 
+def check_minibatch(size: int | None, batch: int) -> None:
+    """``optim.minibatch_size`` divides the step's ``batch`` responses (as verl's ppo_mini_batch_size):
+    a remainder mini-batch of a few responses would take a full optimizer step on them."""
+    if size is not None and size <= batch and batch % size:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ConfigError(f"optim.minibatch_size: expected a divisor of the {batch} responses per step "
+                          f"(rollout.prompts_per_step × rollout.group_size: {divisors}), got {size}: the last "
+                          f"mini-batch would hold {batch % size} response(s) and take a full optimizer step on them")
+
+
 def validate(cfg: Config) -> None:
     """Reject invalid values of the run's own settings, naming the key. The estimator's, the loss
     terms' and the task's options are checked against their declarations when the run starts
@@ -71,12 +81,7 @@ def validate(cfg: Config) -> None:
         if value is not None and value > limit:
             raise ConfigError(f"{key}: expected at most {limit} ({what}: rollout.prompts_per_step × "
                               f"rollout.group_size{', or optim.minibatch_size' if 'micro' in key else ''}), got {value}")
-    if o.minibatch_size is not None and o.minibatch_size <= batch and batch % o.minibatch_size:
-        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
-        raise ConfigError(f"optim.minibatch_size: expected a divisor of the {batch} responses per step "
-                          f"(rollout.prompts_per_step × rollout.group_size: {divisors}), got {o.minibatch_size}: "
-                          f"the last mini-batch would hold {batch % o.minibatch_size} response(s) and take a full "
-                          f"optimizer step on them")
+    check_minibatch(o.minibatch_size, batch)
     for key, seed in (("train.seed", t.seed), ("model.warm_start.seed", cfg.model.warm_start.seed)):
         if not 0 <= seed < 2**32:
             raise ConfigError(f"{key}: expected an integer in [0, 2**32 - 1] (numpy's seed range), got {seed}")
