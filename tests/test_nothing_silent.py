@@ -979,7 +979,7 @@ def test_eval_of_a_run_without_its_config_names_the_missing_file(finished, tmp_p
     (run / "config.yaml").unlink()
     assert main(["eval", "--no-progress", str(run)]) == 2
     err = capsys.readouterr().err
-    assert "looks like a creditrl run directory (final/, checkpoints/ or metrics.jsonl) but has no config.yaml" in err
+    assert f"{str(run)!r} is a creditrl training run (its .creditrl-run marker) but has no config.yaml" in err
 
 
 def test_eval_of_something_that_is_not_a_directory_says_what_it_expects(capsys):

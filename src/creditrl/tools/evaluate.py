@@ -16,7 +16,7 @@ from creditrl.trainer.checkpoint import list_checkpoints
 from creditrl.trainer.loop import final_problem
 from creditrl.trainer.precision import resolve_precision
 from creditrl.utils import cli
-from creditrl.utils.rundir import check_writable
+from creditrl.utils.rundir import RUN_MARKER, check_writable, run_kind
 
 HELP = "held-out greedy accuracy and pass@k / avg@k"
 
@@ -70,11 +70,10 @@ def eval_config(args):
         path = path.parent            # a run's final/: evaluated as the run, with its task and settings
     if path is not None and any(o.split("=", 1)[0].strip() == "model.name" for o in overrides):
         raise ValueError(f"model.name: given twice, as the directory {str(path)!r} and as model.name=...; drop one")
-    if path is not None and not (path / "config.yaml").is_file() and not (path / "config.json").is_file() and \
-            ((path / "final").is_dir() or (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()):
-        raise FileNotFoundError(f"RUN_OR_MODEL: {str(path)!r} looks like a creditrl run directory (final/, "
-                                f"checkpoints/ or metrics.jsonl) but has no config.yaml, which evaluating a run "
-                                f"needs; restore it, or evaluate its model directory ({str(path / 'final')!r})")
+    if path is not None and not (path / "config.yaml").is_file() and run_kind(path) == "train":
+        raise FileNotFoundError(f"RUN_OR_MODEL: {str(path)!r} is a creditrl training run (its {RUN_MARKER} marker) "
+                                f"but has no config.yaml, which evaluating a run needs; restore it, or evaluate "
+                                f"its model directory ({str(path / 'final')!r})")
     if path is None or not (path / "config.yaml").is_file():
         named = [f"model.name={path}"] if path is not None else []
         return resolve_config(load_config(args.config, [*overrides, *named])), None

@@ -186,13 +186,14 @@ def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: st
     if not pairs > 0:
         raise ValueError("stats: expected draws from at least 2 independent units (the mean gradient is "
                          f"cross-fitted between units), got {float(stats.draws.sum()):.0f} draw(s) in one unit")
-    second, signal = _replicates(stats.nonempty())
+    kept = stats.nonempty()
+    second, signal = _replicates(kept)
     weight = None
     if per_unit:
-        second, weight = _unit_second(stats.nonempty())
+        second, weight = _unit_second(kept)
     values = _statistics(second, signal, r, b, weight)
     factor = exact_multiples(stats)
-    K = int(stats.nonempty().draws.numel())
+    K = int(kept.draws.numel())
     out = {}
     for e, name in enumerate(stats.names):
         fields = {key: _interval(float(values[key][0, e]), values[key][1:, e], key in LOG_SCALE, key in BIAS_CORRECTED)
