@@ -196,7 +196,7 @@ def fmt(result: dict, key: str, width: int = 9) -> str:
 
 def bench_estimators(device, num_groups: int, size: int, length: int, repeats: int, tf) -> list[dict]:
     from creditrl import compute_advantages, list_estimators
-    from creditrl.integrations import energy_from_logp
+    from creditrl.integrations.energy import energy_from_logp
 
     print(f"\n== estimators: B={num_groups * size} ({num_groups} x {size}), T={length} on {device.type}; ms "
           f"(verl: its own function, same inputs; creditrl: compute_advantages incl. the energy for otb/ogb)")

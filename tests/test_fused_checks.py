@@ -4,16 +4,19 @@ every edge of the bit-pattern tests (-0.0, NaN of either sign, infinities, denor
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+import creditrl.integrations.energy as energy_module
 import creditrl.utils.validate as validate
 from creditrl import compute_advantages
 from creditrl.core.estimators import ENERGY_TOLERANCE
-from creditrl.utils.validate import check_mask
+from creditrl.integrations.energy import checked_energy_from_logp, energy_from_logp
+from creditrl.utils.validate import LOGP_TOLERANCE, check_mask
 
 NEG_NAN = -float("nan")          # on x86 the NaN of an invalid operation has its sign bit set
 SPECIAL = [0.0, 1.0, -0.0, 0.5, 2.0, -1.0, float("nan"), NEG_NAN, float("inf"), -float("inf"), 1e-30, 1e-45,
@@ -143,10 +146,7 @@ def test_energy_check_matches_a_loop(valid_values, masked_values, seed):
             compute_advantages("otb", **args)
 
 
-# ----------------------------------------------------------------------------- verl's plug-in
-
-verl = pytest.importorskip("verl")
-from creditrl.integrations.verl import LOGP_TOLERANCE, check_actor_stats, group_ids  # noqa: E402
+# ----------------------------------------------------------------------------- actor stats -> energy
 
 ACTOR = [0.0, -0.0, 0.5, 1.0, 1.0005, 1.002, -0.5, -3.0, float("nan"), NEG_NAN, float("inf"), -float("inf"),
          1e-45, -1e-45, 5.0, -20.0]
@@ -159,13 +159,99 @@ def loop_actor_ok(logp: list[float], sum_p2: list[float]) -> tuple[bool, bool]:
             all(0 < v <= high for v in f32(sum_p2)))
 
 
-@settings(max_examples=200, deadline=None)
+def loop_energy(logp: list[float], sum_p2: list[float]) -> list[float]:
+    """OTB eq. 7 element by element in float64, clamped at 0."""
+    return [max(0.0, 1.0 - 2.0 * math.exp(lp) + s) if math.isfinite(1.0 - 2.0 * math.exp(min(lp, 700.0)) + s)
+            else float("nan") for lp, s in zip(logp, sum_p2)]
+
+
+@pytest.fixture(params=["compiled", "eager"])
+def energy_path(request, monkeypatch):
+    """Each test runs through the compiled kernel and through the eager fallback (compiling failed)."""
+    if request.param == "eager":
+        monkeypatch.setattr(energy_module, "_EAGER_REASON", ["forced by the test"])
+    return request.param
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(valid=st.lists(st.tuples(st.floats(-30.0, 0.0, width=32), st.floats(2.0 ** -20, 1.0, width=32)), min_size=1,
+                      max_size=10),
+       rows=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_energy_matches_a_loop(energy_path, device, valid, rows, dtype):
+    """w_t = 1 - 2 exp(logp) + sum_p2 >= 0 (OTB eq. 7) to float32 rounding, from any float dtype.
+    Tolerance: |w| <= 3, exp to ~1 ulp, three float32 roundings of values <= 3: under 8 ulps of 3."""
+    logp = torch.tensor([v[0] for v in valid], dtype=torch.float64).to(dtype).repeat(rows, 1)
+    sum_p2 = torch.tensor([v[1] for v in valid], dtype=torch.float64).to(dtype).repeat(rows, 1)
+    want = torch.tensor(loop_energy(logp.double().flatten().tolist(), sum_p2.double().flatten().tolist()),
+                        dtype=torch.float64).view(logp.shape)
+    got = energy_from_logp(logp.to(device), sum_p2.to(device))
+    assert got.dtype == torch.float32 and got.device.type == device.type
+    assert bool((got >= 0).all())
+    torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=8 * 3 * torch.finfo(torch.float32).eps)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(valid=st.lists(st.tuples(st.sampled_from(ACTOR), st.sampled_from(ACTOR)), min_size=1, max_size=8),
+       masked=st.lists(st.tuples(st.sampled_from(ACTOR), st.sampled_from(ACTOR)), max_size=8),
+       mask_dtype=st.sampled_from([torch.float32, torch.bool, torch.int64]), seed=st.integers(0, 99))
+def test_checked_energy_decides_as_a_loop(energy_path, valid, masked, mask_dtype, seed):
+    """The range test fused into the energy's pass: logp <= 0 and sum_p2 in (0, 1] (within
+    LOGP_TOLERANCE) on valid tokens only, whatever the padding holds; the error names the
+    argument as verl does; on success the energy is the unchecked function's."""
+    pairs = valid + masked
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
+    logp = torch.tensor([p[0] for p in pairs], dtype=torch.float32)[order][None]
+    sum_p2 = torch.tensor([p[1] for p in pairs], dtype=torch.float32)[order][None]
+    mask = (order < len(valid))[None].to(mask_dtype)
+    logp_ok, p2_ok = loop_actor_ok([p[0] for p in valid], [p[1] for p in valid])
+    if logp_ok and p2_ok:
+        energy = checked_energy_from_logp(logp, sum_p2, mask)
+        torch.testing.assert_close(energy, energy_from_logp(logp, sum_p2), rtol=0, atol=0, equal_nan=True)
+    else:
+        with pytest.raises(ValueError, match="old_log_probs" if not logp_ok else "sum_pi_squared"):
+            checked_energy_from_logp(logp, sum_p2, mask)
+
+
+def test_energy_refuses_bad_arguments_and_takes_empty_batches():
+    with pytest.raises(ValueError, match=r"sum_p2: expected logp's shape \[2, 3\], got \[2, 2\]"):
+        energy_from_logp(torch.zeros(2, 3), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="logp: expected a floating-point tensor, got torch.int64"):
+        energy_from_logp(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"valid: expected logp's shape \[2, 3\], got \[3\]"):
+        checked_energy_from_logp(torch.zeros(2, 3), torch.ones(2, 3), torch.ones(3))
+    empty = checked_energy_from_logp(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, 3))
+    assert empty.shape == (0, 3) and empty.dtype == torch.float32
+
+
+def test_a_failed_compilation_falls_back_to_eager_once_and_says_so(monkeypatch):
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no C++ compiler\nsecond line")
+        return call
+    monkeypatch.setattr(energy_module, "_EAGER_REASON", [])
+    monkeypatch.setattr(torch, "compile", broken)
+    double = energy_module._fused(lambda x: 2 * x)
+    with pytest.warns(RuntimeWarning, match=r"torch.compile failed \(RuntimeError: no C\+\+ compiler\); .* eagerly"):
+        assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")             # once per process
+        assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+
+
+# ----------------------------------------------------------------------------- verl's plug-in
+
+verl = pytest.importorskip("verl")
+from creditrl.integrations.verl import check_actor_stats, group_ids  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
 @given(valid=st.lists(st.tuples(st.sampled_from(ACTOR), st.sampled_from(ACTOR)), min_size=1, max_size=8),
        masked=st.lists(st.tuples(st.sampled_from(ACTOR), st.sampled_from(ACTOR)), max_size=8),
        mask_dtype=st.sampled_from([torch.float32, torch.bool, torch.int64]), seed=st.integers(0, 99))
 def test_actor_stats_check_matches_a_loop(valid, masked, mask_dtype, seed):
     """old_log_probs <= 0 and sum_pi_squared in (0, 1] (within LOGP_TOLERANCE) on valid tokens
-    only, whatever the padding holds (verl pads with 0), for every mask dtype verl may pass."""
+    only, whatever the padding holds (verl pads with 0), for every mask dtype verl may pass, as the
+    plug-in calls it."""
     pairs = valid + masked
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
     logp = torch.tensor([p[0] for p in pairs], dtype=torch.float32)[order][None]
@@ -179,20 +265,18 @@ def test_actor_stats_check_matches_a_loop(valid, masked, mask_dtype, seed):
             check_actor_stats(mask, logp, sum_p2)
 
 
-def test_actor_stats_take_one_read_zero_padding_included(monkeypatch):
-    """float32 sum_pi_squared is tested on the valid tokens straight away (verl pads it with 0, outside
-    (0, 1]); other dtypes try every token first."""
-    reads = count_reads(monkeypatch)
+def test_actor_stats_are_checked_in_the_energys_pass():
+    """Both given: the check returns their energy (the same as the unchecked function's), verl's 0
+    padding off the response untested; one alone (an estimator that needs no energy) is only checked."""
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, -2.0]]), torch.tensor([[0.5, 0.9, 0.3]]))
-    assert reads == [2]
-    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]]))
-    assert reads == [2, 2]                           # sum_pi_squared's zero padding: no second read
-    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]], dtype=torch.float64))
-    assert reads == [2, 2, 2, 1]                     # float64: every token, then the valid ones
-    scratch = torch.full((1, 3), 7.0)
-    check_actor_stats(mask, torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]]), scratch=scratch)
-    assert reads == [2, 2, 2, 1, 2] and not bool((scratch == 7.0).any())   # the integer pass went into scratch
+    logp, sum_p2 = torch.tensor([[-1.0, -0.5, 0.0]]), torch.tensor([[0.5, 0.9, 0.0]])
+    energy = check_actor_stats(mask, logp, sum_p2)
+    assert torch.equal(energy, energy_from_logp(logp, sum_p2))
+    assert check_actor_stats(mask, logp, None) is None and check_actor_stats(mask, None, sum_p2) is None
+    with pytest.raises(ValueError, match="sum_pi_squared: expected values in"):
+        check_actor_stats(mask, None, torch.tensor([[0.5, 1.5, 0.0]]))
+    with pytest.raises(ValueError, match=r"old_log_probs: expected a tensor of response_mask's shape \[1, 3\]"):
+        check_actor_stats(mask, torch.zeros(1, 2), sum_p2)
 
 
 @settings(max_examples=60, deadline=None)

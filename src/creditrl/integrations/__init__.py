@@ -15,24 +15,11 @@ import dataclasses
 import typing
 from typing import Any, Collection, Mapping
 
-import torch
-from torch import Tensor
-
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import get_loss_term, list_loss_terms
 
 LOSS_TERMS_HELP = ("Further loss terms: a list of {\"path\": \"package.module:function\" (or a registered name), "
                    "<option>: value, ...} (or its JSON), e.g. [{\"path\": \"my_terms:length_penalty\", \"coef\": 0.01}]")
-
-
-def energy_from_logp(logp: Tensor, sum_p2: Tensor, *, out: Tensor | None = None) -> Tensor:
-    """Per-token energy w_t = ||e_y - pi_t||^2 = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 (OTB eq. 7), float32,
-    clamped >= 0 like ``creditrl.token_stats``; from frameworks that give log pi(y_t) and sum pi^2.
-    ``out``: a float32 buffer of logp's shape to write it into (e.g. one whose contents are dead)."""
-    # one allocation (or none with ``out``), then in place: large [B,T] allocations (their page
-    # faults) dominate the cost on a CPU
-    energy = torch.exp(logp.detach().float(), out=out)
-    return torch.add(sum_p2.detach().float(), energy, alpha=-2.0, out=energy).add_(1.0).clamp_(min=0.0)
 
 
 def check_estimator_options(name: str, options: Mapping[str, Any], where: str) -> dict:

@@ -47,7 +47,8 @@ from creditrl.utils.validate import check_choice, float_mask
 from creditrl.core.estimators import check_group_size, estimator_output, list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex, uniform_groups
-from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields
+from creditrl.integrations import check_estimator_options, loss_term_fields
+from creditrl.integrations.energy import energy_from_logp
 from creditrl.core.losses import EntropyControl, Fields, PolicyLoss, compose, power_proxy
 from creditrl.runtime.rollout import RolloutBatch
 from creditrl.runtime.sampling import position_ids_from_mask

@@ -50,10 +50,10 @@ from verl.workers.config import PolicyLossConfig
 
 from creditrl.core.estimators import build_batch, estimator_result, list_estimators, with_energy
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.integrations import check_estimator_options, energy_from_logp, loss_term_fields
+from creditrl.integrations import check_estimator_options, loss_term_fields
+from creditrl.integrations.energy import check_range, checked_energy_from_logp
 from creditrl.core.losses import Fields, PolicyLoss, compose
-from creditrl.utils.validate import (LOGP_TOLERANCE, ONE_FLOAT32_BITS, FusedChecks, check_choice, check_tensor,
-                                     float32_bits)
+from creditrl.utils.validate import check_choice, check_tensor
 
 PREFIX = "creditrl_"
 ENERGY_KEYS = ("old_log_probs", "sum_pi_squared", "rollout_is_weights")
@@ -101,99 +101,24 @@ def _block_ids(index: np.ndarray) -> np.ndarray | None:
     return np.cumsum(starts) - 1
 
 
-ACTOR_STATS = {  # name -> (lowest (excluded), highest accepted on the response tokens, what is expected)
-    "old_log_probs": (None, LOGP_TOLERANCE, "<= 0 (log-probabilities)"),
-    "sum_pi_squared": (0.0, 1.0 + LOGP_TOLERANCE, "in (0, 1] (a sum of squared probabilities)"),
-}
-
-
-def _range_stats(name: str, x: Tensor) -> Tensor:
-    """[min, max] of ``x`` in one pass, as x's dtype. A quantity bounded below by 0 comes from the
-    int32 bit patterns (``float32_bits``; twice as fast): exact where every value is >= +0.0,
-    and a min below 0 or NaN where one is not. Log-probs need their max alone."""
-    if ACTOR_STATS[name][0] is None:
-        return x.amax().expand(2)
-    if x.dtype == torch.float32:
-        return torch.stack(torch.aminmax(float32_bits(x))).view(torch.float32)
-    return torch.stack(torch.aminmax(x))
-
-
-def _in_range(name: str, values: list[float]) -> bool:
-    lowest, highest, _ = ACTOR_STATS[name]
-    return (lowest is None or values[0] > lowest) and values[1] <= highest        # False for NaN
-
-
-def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None, *,
-                      scratch: Tensor | None = None) -> None:
-    """The actor's per-token stats on the valid tokens: ``old_log_probs`` <= 0 (log-probabilities)
-    and ``sum_pi_squared`` in (0, 1] (a sum of squared probabilities), each within ``LOGP_TOLERANCE``;
-    anything else (e.g. probabilities passed as log-probs) would give wrong energies silently.
-
-    One pass per tensor, all read in one host read: the log-probs' max over every token (verl pads
-    them with 0, inside the range); for float32 ``sum_pi_squared`` and mask straight away the test on
-    the valid tokens alone (``_valid_range_check``), as verl pads it with 0, outside (0, 1]: an
-    every-token pass would fail on every verl batch and cost a second pass. ``scratch``: a float32
-    buffer of the mask's shape, free to overwrite, for that test's integer pass (saves allocating
-    one). Other dtypes: an every-token pass, then the valid-token one where it fails; only a failure
-    there costs the details."""
+def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None,
+                      sum_pi_squared: Tensor | None) -> Tensor | None:
+    """The energy from the actor's per-token stats (``checked_energy_from_logp``: ``old_log_probs``
+    <= 0 and ``sum_pi_squared`` in (0, 1] on the response tokens, tested in the energy's own pass),
+    or None without both. One of them alone (an estimator that needs neither) is range-checked
+    token by token. verl pads both with 0 off the response, where nothing is tested."""
     given = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
     for name, x in given.items():
         if x is not None and (not isinstance(x, Tensor) or x.shape != response_mask.shape):
             got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected a tensor of response_mask's shape {list(response_mask.shape)}, "
                              f"got {got}")
-    given = {name: x.detach() for name, x in given.items() if x is not None and x.numel()}
-    checks = FusedChecks()
+    if old_log_probs is not None and sum_pi_squared is not None:
+        return checked_energy_from_logp(old_log_probs, sum_pi_squared, response_mask)
     for name, x in given.items():
-        if _on_bits(name, x, response_mask):
-            checks.add(*_valid_range_check(name, x, response_mask, scratch))
-        else:
-            checks.add(_range_stats(name, x), functools.partial(_in_range, name))
-    failed = [name for name, ok in zip(given, checks.run()) if not ok]
-    retry = [name for name in failed if not _on_bits(name, given[name], response_mask)]
-    for name in retry:
-        checks.add(*_valid_range_check(name, given[name], response_mask))
-    passed = {name for name, ok in zip(retry, checks.run()) if ok}
-    for name in failed:
-        if name not in passed:
-            _check_exactly(name, given[name], response_mask.bool())
-
-
-def _on_bits(name: str, x: Tensor, mask: Tensor) -> bool:
-    """Whether ``x``'s valid-token range test is the one integer pass of ``_valid_range_check``."""
-    return name == "sum_pi_squared" and x.dtype == mask.dtype == torch.float32
-
-
-def _valid_range_check(name: str, x: Tensor, mask: Tensor,
-                       scratch: Tensor | None = None) -> tuple[Tensor, Callable[[list[float]], bool]]:
-    """Stats and verdict of ``x``'s range on the valid tokens alone (masked ones count as inside).
-
-    float32 ``sum_pi_squared`` and mask (``_on_bits``): one integer pass over d = x's bit patterns -
-    the mask's (1.0f's on valid tokens, 0 on masked ones; int32, wrapping), written into ``scratch``
-    when it is a usable float32 buffer. On a valid token d is x's pattern shifted by 1.0f's, so x in
-    (0, high] iff d in [1 - ONE, bits(high) - ONE] (an interval that does not wrap, so the test is
-    exact for every pattern, negatives and NaNs included); on a masked token d is x's pattern, and
-    verl's padding 0 lies inside. Otherwise a ``where``."""
-    check = functools.partial(_in_range, name)
-    if not _on_bits(name, x, mask):
-        return _range_stats(name, torch.where(mask.bool(), x, 0.0 if name == "old_log_probs" else 1.0)), check
-    high = int(float32_bits(torch.tensor(ACTOR_STATS[name][1], dtype=torch.float32)))
-    lowest, highest = 1 - ONE_FLOAT32_BITS, high - ONE_FLOAT32_BITS
-    usable = scratch is not None and scratch.dtype == torch.float32 and scratch.shape == x.shape and \
-        scratch.is_contiguous() and scratch.device == x.device
-    shifted = torch.sub(float32_bits(x), float32_bits(mask), out=float32_bits(scratch) if usable else None)
-    return (torch.stack(torch.aminmax(shifted)),
-            lambda values: values[0] >= lowest and values[1] <= highest)
-
-
-def _check_exactly(name: str, x: Tensor, valid: Tensor) -> None:
-    """The range test token by token (a pass the fast tests could not settle, e.g. masked garbage)."""
-    lowest, highest, want = ACTOR_STATS[name]
-    inside = (x <= highest) if lowest is None else (x > lowest) & (x <= highest)
-    bad = valid & ~inside
-    if bool(bad.any()):
-        raise ValueError(f"{name}: expected values {want} on the response tokens, got {int(bad.sum())} outside, "
-                         f"e.g. {x[bad][:4].tolist()}")
+        if x is not None:
+            check_range(name, x, response_mask)
+    return None
 
 
 def estimator_options(config: Any) -> dict:
@@ -284,11 +209,7 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             batch = build_batch(rewards=token_level_rewards, mask=response_mask,
                                 group=group_ids(index, response_mask.shape[0], response_mask.device), gamma=gamma,
                                 components=components, component_weights=weights)
-            # one [B,T] float32 buffer for the range test's integer pass, then for the energies
-            scratch = torch.empty(response_mask.shape, dtype=torch.float32, device=response_mask.device) \
-                if both and isinstance(sum_pi_squared, Tensor) and sum_pi_squared.shape == response_mask.shape else None
-            check_actor_stats(batch.valid, old_log_probs, sum_pi_squared, scratch=scratch)
-            energy = energy_from_logp(old_log_probs, sum_pi_squared, out=scratch) if both else None
+            energy = check_actor_stats(batch.valid, old_log_probs, sum_pi_squared)
             if energy is not None:
                 batch = with_energy(batch, energy, rollout_is_weights)
             result = estimator_result(name, batch, **options)

@@ -1,0 +1,119 @@
+"""Per-token energy from a framework's actor statistics, with their range check, in one fused pass.
+
+Frameworks give log pi(y_t) and sum_v pi_t(v)^2 per token (verl's ``old_log_probs`` and
+``sum_pi_squared``; TRL's through creditrl's hook). The energy (OTB eq. 7) is a pointwise function
+of both, and the check that they are what their names say (log-probs <= 0, a sum of squared
+probabilities in (0, 1]) is a reduction over the same values: ``torch.compile`` turns both into one
+loop that reads each input once. The same functions run eagerly where compilation is unavailable
+(no C++ compiler, or Triton on a GPU): identical results up to the exp's last bit, several passes
+slower, with one warning saying why.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from creditrl.utils.validate import LOGP_TOLERANCE
+
+# what each statistic must be on the response tokens (float32 bounds, as the check compares float32 values)
+EXPECTED = {"old_log_probs": "<= 0 (log-probabilities)",
+            "sum_pi_squared": "in (0, 1] (a sum of squared probabilities)"}
+LOGP_HIGH = float(torch.tensor(LOGP_TOLERANCE, dtype=torch.float32))
+SUM_P2_HIGH = float(torch.tensor(1.0 + LOGP_TOLERANCE, dtype=torch.float32))
+
+
+def _energy(logp: Tensor, sum_p2: Tensor) -> Tensor:
+    """w_t = ||e_y - pi_t||^2 = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 (OTB eq. 7) [B,T], clamped >= 0
+    (it is (1 - pi)^2 + sum_{v != y} pi^2 >= 0 in exact arithmetic; rounding may dip below)."""
+    return torch.clamp(sum_p2 - 2.0 * torch.exp(logp) + 1.0, min=0.0)
+
+
+def _energy_and_ranges(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """The energy [B,T] and [3] = [max logp, min sum_p2, max sum_p2] over the tokens where
+    ``valid`` != 0 (-inf, 1, 0 where there are none; NaN where a valid value is NaN)."""
+    on = valid != 0
+    ranges = torch.stack([torch.where(on, logp, float("-inf")).amax(), torch.where(on, sum_p2, 1.0).amin(),
+                          torch.where(on, sum_p2, 0.0).amax()])
+    return _energy(logp, sum_p2), ranges
+
+
+_EAGER_REASON: list[str] = []   # why compilation was given up, once per process
+
+
+def _fused(fn: Callable) -> Callable:
+    """``fn`` compiled on first use (shapes dynamic: one compilation covers every B and T), or ``fn``
+    itself once compiling has failed in this process."""
+    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
+
+    @functools.wraps(fn)
+    def run(*args: Tensor):
+        if not _EAGER_REASON:
+            try:
+                return compiled()(*args)
+            except Exception as error:   # the compiler stack's failures vary by backend; eager is exact
+                _EAGER_REASON.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                warnings.warn(f"creditrl: torch.compile failed ({_EAGER_REASON[0]}); the actor-statistics energy "
+                              "runs eagerly (same results, slower)", RuntimeWarning, stacklevel=3)
+        return fn(*args)
+    return run
+
+
+_energy_fused = _fused(_energy)
+_energy_and_ranges_fused = _fused(_energy_and_ranges)
+
+
+def _float32(x: Tensor) -> Tensor:
+    return x.detach().to(torch.float32).contiguous()
+
+
+def _check_shapes(logp: Tensor, sum_p2: Tensor) -> None:
+    for name, x in (("logp", logp), ("sum_p2", sum_p2)):
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got "
+                             f"{x.dtype if isinstance(x, Tensor) else type(x).__name__}")
+    if sum_p2.shape != logp.shape:
+        raise ValueError(f"sum_p2: expected logp's shape {list(logp.shape)}, got {list(sum_p2.shape)}")
+
+
+def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
+    """Per-token energy w_t = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 (OTB eq. 7) [B,T] float32, clamped
+    >= 0 like ``creditrl.token_stats``, from log pi(y_t) [B,T] and sum_v pi_t(v)^2 [B,T]."""
+    _check_shapes(logp, sum_p2)
+    if logp.numel() == 0:
+        return torch.zeros(logp.shape, dtype=torch.float32, device=logp.device)
+    return _energy_fused(_float32(logp), _float32(sum_p2))
+
+
+def checked_energy_from_logp(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> Tensor:
+    """``energy_from_logp``, after checking on the tokens where ``valid`` [B,T] != 0 that ``logp`` <= 0
+    and ``sum_p2`` in (0, 1], each within ``LOGP_TOLERANCE``; raises ValueError naming the argument
+    (as verl names it) otherwise (e.g. probabilities passed as log-probs would give wrong energies
+    silently). The range comes from the energy's own pass: one host read, no extra pass."""
+    _check_shapes(logp, sum_p2)
+    if valid.shape != logp.shape:
+        raise ValueError(f"valid: expected logp's shape {list(logp.shape)}, got {list(valid.shape)}")
+    if logp.numel() == 0:
+        return energy_from_logp(logp, sum_p2)
+    energy, ranges = _energy_and_ranges_fused(_float32(logp), _float32(sum_p2), valid.detach().contiguous())
+    logp_max, p2_min, p2_max = ranges.tolist()
+    # comparisons false for NaN: a NaN on a valid token fails
+    if not logp_max <= LOGP_HIGH:
+        check_range("old_log_probs", logp, valid)
+    if not (p2_min > 0.0 and p2_max <= SUM_P2_HIGH):
+        check_range("sum_pi_squared", sum_p2, valid)
+    return energy
+
+
+def check_range(name: str, x: Tensor, valid: Tensor) -> None:
+    """``x``'s range test (``EXPECTED[name]``) token by token on the valid tokens, with examples in
+    the error (the slow path, for the message once the fused test has failed, or for a lone tensor)."""
+    x, on = _float32(x), valid.detach() != 0
+    inside = (x <= LOGP_HIGH) if name == "old_log_probs" else (x > 0.0) & (x <= SUM_P2_HIGH)
+    bad = on & ~inside
+    if bool(bad.any()):
+        raise ValueError(f"{name}: expected values {EXPECTED[name]} on the response tokens, got "
+                         f"{int(bad.sum())} outside, e.g. {x[bad][:4].tolist()}")
