@@ -159,6 +159,17 @@ def loop_actor_ok(logp: list[float], sum_p2: list[float]) -> tuple[bool, bool]:
             all(0 < v <= high for v in f32(sum_p2)))
 
 
+def actor_case(valid: list, masked: list, mask_dtype: torch.dtype, seed: int):
+    """(logp, sum_p2, mask) [1, n] with the ``valid`` pairs on the mask and the ``masked`` ones off
+    it, shuffled, and the loop's verdicts on the valid pairs (logp ok, sum_p2 ok)."""
+    pairs = valid + masked
+    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
+    logp = torch.tensor([p[0] for p in pairs], dtype=torch.float32)[order][None]
+    sum_p2 = torch.tensor([p[1] for p in pairs], dtype=torch.float32)[order][None]
+    mask = (order < len(valid))[None].to(mask_dtype)
+    return (logp, sum_p2, mask, *loop_actor_ok([p[0] for p in valid], [p[1] for p in valid]))
+
+
 def loop_energy(logp: list[float], sum_p2: list[float]) -> list[float]:
     """OTB eq. 7 element by element in float64, clamped at 0."""
     return [max(0.0, 1.0 - 2.0 * math.exp(lp) + s) if math.isfinite(1.0 - 2.0 * math.exp(min(lp, 700.0)) + s)
@@ -198,12 +209,7 @@ def test_checked_energy_decides_as_a_loop(energy_path, valid, masked, mask_dtype
     """The range test fused into the energy's pass: logp <= 0 and sum_p2 in (0, 1] (within
     LOGP_TOLERANCE) on valid tokens only, whatever the padding holds; the error names the
     argument as verl does; on success the energy is the unchecked function's."""
-    pairs = valid + masked
-    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
-    logp = torch.tensor([p[0] for p in pairs], dtype=torch.float32)[order][None]
-    sum_p2 = torch.tensor([p[1] for p in pairs], dtype=torch.float32)[order][None]
-    mask = (order < len(valid))[None].to(mask_dtype)
-    logp_ok, p2_ok = loop_actor_ok([p[0] for p in valid], [p[1] for p in valid])
+    logp, sum_p2, mask, logp_ok, p2_ok = actor_case(valid, masked, mask_dtype, seed)
     if logp_ok and p2_ok:
         energy = checked_energy_from_logp(logp, sum_p2, mask)
         torch.testing.assert_close(energy, energy_from_logp(logp, sum_p2), rtol=0, atol=0, equal_nan=True)
@@ -252,12 +258,7 @@ def test_actor_stats_check_matches_a_loop(valid, masked, mask_dtype, seed):
     """old_log_probs <= 0 and sum_pi_squared in (0, 1] (within LOGP_TOLERANCE) on valid tokens
     only, whatever the padding holds (verl pads with 0), for every mask dtype verl may pass, as the
     plug-in calls it."""
-    pairs = valid + masked
-    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed))
-    logp = torch.tensor([p[0] for p in pairs], dtype=torch.float32)[order][None]
-    sum_p2 = torch.tensor([p[1] for p in pairs], dtype=torch.float32)[order][None]
-    mask = (order < len(valid))[None].to(mask_dtype)
-    logp_ok, p2_ok = loop_actor_ok([p[0] for p in valid], [p[1] for p in valid])
+    logp, sum_p2, mask, logp_ok, p2_ok = actor_case(valid, masked, mask_dtype, seed)
     if logp_ok and p2_ok:
         check_actor_stats(mask, logp, sum_p2)
     else:
