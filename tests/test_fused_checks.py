@@ -181,6 +181,10 @@ def energy_path(request, monkeypatch):
     """Each test runs through the compiled kernel and through the eager fallback (compiling failed)."""
     if request.param == "eager":
         monkeypatch.setattr(energy_module, "_EAGER_REASON", ["forced by the test"])
+    else:
+        checked_energy_from_logp(-torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3))
+        if energy_module._EAGER_REASON:
+            pytest.skip(f"torch.compile fails here ({energy_module._EAGER_REASON[0]}): the eager case covers it")
     return request.param
 
 
