@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import creditrl.integrations.energy as energy_module
+import creditrl.utils.fused as fused_module
 import creditrl.utils.validate as validate
 from creditrl import compute_advantages
 from creditrl.core.estimators import ENERGY_TOLERANCE
@@ -180,11 +180,11 @@ def loop_energy(logp: list[float], sum_p2: list[float]) -> list[float]:
 def energy_path(request, monkeypatch):
     """Each test runs through the compiled kernel and through the eager fallback (compiling failed)."""
     if request.param == "eager":
-        monkeypatch.setattr(energy_module, "_EAGER_REASON", ["forced by the test"])
+        monkeypatch.setattr(fused_module, "_EAGER_REASON", ["forced by the test"])
     else:
         checked_energy_from_logp(-torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3))
-        if energy_module._EAGER_REASON:
-            pytest.skip(f"torch.compile fails here ({energy_module._EAGER_REASON[0]}): the eager case covers it")
+        if fused_module._EAGER_REASON:
+            pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]}): the eager case covers it")
     return request.param
 
 
@@ -238,9 +238,9 @@ def test_a_failed_compilation_falls_back_to_eager_once_and_says_so(monkeypatch):
         def call(*args):
             raise RuntimeError("no C++ compiler\nsecond line")
         return call
-    monkeypatch.setattr(energy_module, "_EAGER_REASON", [])
+    monkeypatch.setattr(fused_module, "_EAGER_REASON", [])
     monkeypatch.setattr(torch, "compile", broken)
-    double = energy_module._fused(lambda x: 2 * x)
+    double = fused_module.fused(lambda x: 2 * x)
     with pytest.warns(RuntimeWarning, match=r"torch.compile failed \(RuntimeError: no C\+\+ compiler\); .* eagerly"):
         assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
     with warnings.catch_warnings():

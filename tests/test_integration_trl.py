@@ -532,12 +532,17 @@ def test_reasoning_gym_example_with_a_trl_reward_function(tmp_path, monkeypatch)
     assert "rewards/reasoning_gym_reward/mean" in logged
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("with_energy", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_energy):
+def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_energy, compiled, monkeypatch):
     """The hook's metrics from an estimator's per-row values (no pass over A) and from the [B,T]
-    advantages equal a loop over rows and tokens: Σ|A| / tokens, Σw / tokens, (1/B) Σ_i Σ_t A² w."""
+    advantages (the energy's sums fused, or eager where compiling fails) equal a loop over rows and
+    tokens: Σ|A| / tokens, Σw / tokens, (1/B) Σ_i Σ_t A² w."""
+    import creditrl.utils.fused as fused_module
     from creditrl.integrations.trl import rollout_metrics
+    if not compiled:
+        monkeypatch.setattr(fused_module, "_EAGER_REASON", ["forced by the test"])
     g = torch.Generator().manual_seed(seed)
     rows, steps = 7, 9
     mask = torch.rand(rows, steps, generator=g) < 0.7

@@ -4,19 +4,15 @@ Frameworks give log pi(y_t) and sum_v pi_t(v)^2 per token (verl's ``old_log_prob
 ``sum_pi_squared``; TRL's through creditrl's hook). The energy (OTB eq. 7) is a pointwise function
 of both, and the check that they are what their names say (log-probs <= 0, a sum of squared
 probabilities in (0, 1]) is a reduction over the same values: ``torch.compile`` turns both into one
-loop that reads each input once. The same functions run eagerly where compilation is unavailable
-(no C++ compiler, or Triton on a GPU): identical results up to the exp's last bit, several passes
-slower, with one warning saying why.
+loop that reads each input once (``creditrl.utils.fused``; eager where compiling fails: the same
+results up to the exp's last bit, several passes slower).
 """
 from __future__ import annotations
-
-import functools
-import warnings
-from typing import Callable
 
 import torch
 from torch import Tensor
 
+from creditrl.utils.fused import fused
 from creditrl.utils.validate import LOGP_TOLERANCE
 
 # what each statistic must be on the response tokens (float32 bounds, as the check compares float32 values)
@@ -41,29 +37,8 @@ def _energy_and_ranges(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Ten
     return _energy(logp, sum_p2), ranges
 
 
-_EAGER_REASON: list[str] = []   # why compilation was given up, once per process
-
-
-def _fused(fn: Callable) -> Callable:
-    """``fn`` compiled on first use (shapes dynamic: one compilation covers every B and T), or ``fn``
-    itself once compiling has failed in this process."""
-    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
-
-    @functools.wraps(fn)
-    def run(*args: Tensor):
-        if not _EAGER_REASON:
-            try:
-                return compiled()(*args)
-            except Exception as error:   # the compiler stack's failures vary by backend; eager is exact
-                _EAGER_REASON.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-                warnings.warn(f"creditrl: torch.compile failed ({_EAGER_REASON[0]}); the actor-statistics energy "
-                              "runs eagerly (same results, slower)", RuntimeWarning, stacklevel=3)
-        return fn(*args)
-    return run
-
-
-_energy_fused = _fused(_energy)
-_energy_and_ranges_fused = _fused(_energy_and_ranges)
+_energy_fused = fused(_energy)
+_energy_and_ranges_fused = fused(_energy_and_ranges)
 
 
 def _float32(x: Tensor) -> Tensor:
