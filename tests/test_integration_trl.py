@@ -10,6 +10,7 @@ import dataclasses
 import json
 import pathlib
 import sys
+import warnings
 
 import pytest
 
@@ -64,7 +65,7 @@ def run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=count_digits, **o
     dataset = Dataset.from_dict({"prompt": ["ab", "cd", "12", "ef", "34", "gh"] * 2})
     args = CreditGRPOConfig(
         output_dir=str(tmp_path), per_device_train_batch_size=2 * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
-        max_completion_length=8, max_steps=2, learning_rate=5e-2, logging_steps=1, report_to="none",
+        max_completion_length=8, max_steps=options.pop("max_steps", 2), learning_rate=5e-2, logging_steps=1, report_to="none",
         use_cpu=True, bf16=False, save_strategy="no", seed=0, temperature=1.0, **options)
     trainer = CreditGRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=dataset,
                                 processing_class=tokenizer)
@@ -94,6 +95,27 @@ def run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=count_digits, **o
     trainer.train()
     changed = any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
     return trainer, records, changed
+
+
+def zero_reward(completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+@pytest.mark.parametrize("reward, warns", [(zero_reward, True), (count_digits, False)])
+def test_a_run_without_reward_signal_says_so(reward, warns, model_dir, tmp_path, monkeypatch):
+    """NO_SIGNAL_BATCHES generation batches in a row with every advantage 0 (here every reward 0)
+    give one warning that the run learns nothing; rewards that differ give none."""
+    from creditrl.integrations.trl import NO_SIGNAL_BATCHES
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _, _ = run_trainer(model_dir, tmp_path, monkeypatch, reward_funcs=reward,
+                                    max_steps=NO_SIGNAL_BATCHES + 1)
+    said = [str(w.message) for w in caught if "learns nothing from its task" in str(w.message)]
+    assert len(said) == (1 if warns else 0), said
+    if warns:
+        assert f"every advantage was 0 in {NO_SIGNAL_BATCHES} generation batches in a row" in said[0]
+    logged = [e["creditrl/advantage_abs_mean"] for e in trainer.state.log_history if "creditrl/advantage_abs_mean" in e]
+    assert len(logged) == NO_SIGNAL_BATCHES + 1 and (max(logged) == 0) == warns
 
 
 @torch.no_grad()
@@ -578,7 +600,8 @@ def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
     trainer = SimpleNamespace(estimator=name, estimator_kwargs=options, args=SimpleNamespace(dynamic_sampling=False),
                               accelerator=SimpleNamespace(process_index=0), logged={})
     trainer._gather_rows = lambda x: x
-    trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics)
+    trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
+    trainer._watch_reward_signal = lambda value: None
     trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
     mask = torch.ones(8, 5, dtype=torch.bool)
     group = torch.arange(8) // 4
@@ -601,7 +624,8 @@ def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
     trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, accelerator=SimpleNamespace(process_index=0),
                               args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={})
     trainer._gather_rows = lambda x: x
-    trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics)
+    trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
+    trainer._watch_reward_signal = lambda value: None
     trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
     mask = torch.rand(8, 6, generator=g) < 0.7
     mask[:, 0] = True

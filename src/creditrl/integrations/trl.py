@@ -55,6 +55,7 @@ from creditrl.runtime.sampling import position_ids_from_mask
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
 from creditrl.utils.fused import fused
 
+NO_SIGNAL_BATCHES = 5   # generation batches in a row without a reward signal before the warning (as creditrl train)
 # TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
 AGG_BY_LOSS_TYPE = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
                     "dr_grpo": "seq-mean-token-sum-norm"}
@@ -250,6 +251,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             self.use_adaptive_entropy, self.entropy_coef, self._last_world_entropy = True, bonus.coef, math.inf
         self._entropy_window: Tensor | None = None
         self.last_rollout: dict[str, Tensor] | None = None
+        self._flat_batches = 0                          # generation batches in a row with every advantage 0
         self._reward_capture: list[Tensor] | None = None
         # Re-patch TRL's fused LM head so the same tiled pass also returns log sum pi^2.
         self._policy_module = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -438,7 +440,9 @@ class CreditGRPOTrainer(GRPOTrainer):
             # whatever value the estimator gave them, and the local mask's counts are the ones to use
             per_row = per_row[local] if everything else torch.where(scorable[local], per_row[local], 0.0)
             counts = counts[local] if counts is not None and everything else None
-        self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, per_row, counts))
+        logged = self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, per_row, counts))
+        if mode == "train":
+            self._watch_reward_signal(logged["advantage_abs_mean"])
         self.last_rollout.update(rewards=rewards, group=group, mask=mask, energy=energy, advantages=advantages,
                                  estimator_mask=all_mask)
         return advantages
@@ -575,12 +579,27 @@ class CreditGRPOTrainer(GRPOTrainer):
             self.entropy_coef, self._last_world_entropy = control.coef, control.last_entropy
             self._entropy_window = None
 
-    def _log_creditrl(self, mode: str, metrics: dict[str, float]) -> None:
-        """Average ``metrics`` over processes (one gather) and queue them in TRL's logger."""
+    def _log_creditrl(self, mode: str, metrics: dict[str, float]) -> dict[str, float]:
+        """Average ``metrics`` over processes (one gather), queue them in TRL's logger, return them."""
         keys = sorted(metrics)
         values = torch.tensor([[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device)
-        for key, value in zip(keys, self.accelerator.gather(values).mean(dim=0).tolist()):
+        averaged = dict(zip(keys, self.accelerator.gather(values).mean(dim=0).tolist()))
+        for key, value in averaged.items():
             self._metrics[mode][f"creditrl/{key}"].append(value)
+        return averaged
+
+    def _watch_reward_signal(self, advantage_abs_mean: float) -> None:
+        """Warn when ``NO_SIGNAL_BATCHES`` generation batches in a row had every advantage 0 (over all
+        processes): such a run learns nothing from its task, and TRL says so only in a metric."""
+        self._flat_batches = self._flat_batches + 1 if advantage_abs_mean == 0 else 0
+        if self._flat_batches == NO_SIGNAL_BATCHES:
+            warnings.warn(
+                f"creditrl: every advantage was 0 in {NO_SIGNAL_BATCHES} generation batches in a row (global step "
+                f"{self.state.global_step}): the rewards held no difference for {self.estimator!r} to learn from "
+                "(with a group baseline: each group's rewards were equal, TRL's frac_reward_zero_std = 1), so the "
+                "policy gradient has no reward part and the model learns nothing from its task. A task the model "
+                "sometimes solves, more generations per prompt or a partial-credit reward gives it a signal.",
+                RuntimeWarning, stacklevel=2)
 
 
 @fused
