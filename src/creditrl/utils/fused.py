@@ -28,7 +28,9 @@ def fused(fn: Callable) -> Callable:
             try:
                 return compiled()(*args)
             except Exception as error:   # noqa: BLE001 (the compiler stack's failures vary by backend; eager is exact)
-                _EAGER_REASON.append(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                # inductor's first line is often only "backend='inductor' raised:": the cause is on the next
+                lines = [line.strip() for line in str(error).splitlines() if line.strip()][:2]
+                _EAGER_REASON.append(f"{type(error).__name__}: {' '.join(lines)}")
                 warnings.warn(f"creditrl: torch.compile failed ({_EAGER_REASON[0]}); fused tensor code runs eagerly "
                               "(same results, slower)", RuntimeWarning, stacklevel=2)
         return fn(*args)
