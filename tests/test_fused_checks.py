@@ -1,6 +1,7 @@
-"""The input checks computed in one pass per tensor and read back once (issue 32) decide exactly
-what a token-by-token loop decides: the loops here are the reference, over values chosen to hit
-every edge of the bit-pattern tests (-0.0, NaN of either sign, infinities, denormals, rounding)."""
+"""The input checks computed in one pass per tensor and read back once (issue 32), and the actor
+statistics' check fused into the energy's compiled pass, decide exactly what a token-by-token loop
+decides: the loops here are the reference, over values chosen to hit every edge (-0.0, NaN of
+either sign, infinities, denormals, rounding, values just past each bound)."""
 from __future__ import annotations
 
 import math
@@ -247,6 +248,36 @@ def test_a_failed_compilation_falls_back_to_eager_once_and_says_so(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")             # once per process
         assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_a_callers_error_raises_as_itself_and_leaves_compiling_on(monkeypatch):
+    """A compiled call that fails on an input the eager function refuses too is the caller's error:
+    it raises unchanged, with no warning, and compiling stays on."""
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("compiled: shapes do not broadcast")
+        return call
+    monkeypatch.setattr(fused_module, "_EAGER_REASON", [])
+    monkeypatch.setattr(torch, "compile", broken)
+    add = fused_module.fused(lambda x, y: x + y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="must match the size"):
+            add(torch.ones(2), torch.ones(3))
+    assert fused_module._EAGER_REASON == []
+
+
+def test_energy_compiles_once_for_every_shape():
+    """Inputs go in flat, so B and T do not multiply graphs: a handful of shapes (1 element, then
+    many) add at most two graphs per dtype combination."""
+    from torch._dynamo.utils import counters
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    before = counters["stats"]["unique_graphs"]
+    for rows, steps in [(1, 1), (1, 5), (3, 1), (4, 7), (2, 300), (9, 33)]:
+        checked_energy_from_logp(-torch.rand(rows, steps), torch.rand(rows, steps) * 0.9 + 0.05,
+                                 torch.ones(rows, steps))
+    assert counters["stats"]["unique_graphs"] - before <= 2
 
 
 # ----------------------------------------------------------------------------- verl's plug-in

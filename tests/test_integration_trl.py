@@ -101,10 +101,18 @@ def zero_reward(completions, **kwargs):
     return [0.0 for _ in completions]
 
 
-@pytest.mark.parametrize("reward, warns", [(zero_reward, True), (count_digits, False)])
-def test_a_run_without_reward_signal_says_so(reward, warns, model_dir, tmp_path, monkeypatch):
-    """NO_SIGNAL_BATCHES generation batches in a row with every advantage 0 (here every reward 0)
-    give one warning that the run learns nothing; rewards that differ give none."""
+def no_reward(completions, **kwargs):
+    return [None for _ in completions]
+
+
+@pytest.mark.parametrize("reward, cause", [
+    (zero_reward, "the rewards held no difference for 'grpo' to learn from"),
+    (no_reward, "no completion was scored or kept"), (count_digits, None)])
+def test_a_run_without_reward_signal_says_so(reward, cause, model_dir, tmp_path, monkeypatch):
+    """NO_SIGNAL_BATCHES generation batches in a row with every advantage 0 (every reward 0, or no
+    reward at all) give one warning that the run learns nothing, naming why; rewards that differ
+    give none."""
+    warns = cause is not None
     from creditrl.integrations.trl import NO_SIGNAL_BATCHES
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -114,6 +122,7 @@ def test_a_run_without_reward_signal_says_so(reward, warns, model_dir, tmp_path,
     assert len(said) == (1 if warns else 0), said
     if warns:
         assert f"every advantage was 0 in {NO_SIGNAL_BATCHES} generation batches in a row" in said[0]
+        assert cause in said[0]
     logged = [e["creditrl/advantage_abs_mean"] for e in trainer.state.log_history if "creditrl/advantage_abs_mean" in e]
     assert len(logged) == NO_SIGNAL_BATCHES + 1 and (max(logged) == 0) == warns
 
@@ -601,7 +610,7 @@ def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
                               accelerator=SimpleNamespace(process_index=0), logged={})
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
-    trainer._watch_reward_signal = lambda value: None
+    trainer._watch_reward_signal = lambda *args: None
     trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
     mask = torch.ones(8, 5, dtype=torch.bool)
     group = torch.arange(8) // 4
@@ -625,7 +634,7 @@ def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
                               args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={})
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
-    trainer._watch_reward_signal = lambda value: None
+    trainer._watch_reward_signal = lambda *args: None
     trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
     mask = torch.rand(8, 6, generator=g) < 0.7
     mask[:, 0] = True

@@ -4,8 +4,8 @@ Frameworks give log pi(y_t) and sum_v pi_t(v)^2 per token (verl's ``old_log_prob
 ``sum_pi_squared``; TRL's through creditrl's hook). The energy (OTB eq. 7) is a pointwise function
 of both, and the check that they are what their names say (log-probs <= 0, a sum of squared
 probabilities in (0, 1]) is a reduction over the same values: ``torch.compile`` turns both into one
-loop that reads each input once (``creditrl.utils.fused``; eager where compiling fails: the same
-results up to the exp's last bit, several passes slower).
+loop that reads each input once (``creditrl.utils.fused``; where compiling fails, in-place eager
+twins give the same results up to the exp's last bit, several passes slower).
 """
 from __future__ import annotations
 
@@ -23,26 +23,42 @@ SUM_P2_HIGH = float(torch.tensor(1.0 + LOGP_TOLERANCE, dtype=torch.float32))
 
 
 def _energy(logp: Tensor, sum_p2: Tensor) -> Tensor:
-    """w_t = ||e_y - pi_t||^2 = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 (OTB eq. 7) [B,T], clamped >= 0
+    """w_t = ||e_y - pi_t||^2 = 1 - 2 pi_t(y_t) + sum_v pi_t(v)^2 (OTB eq. 7) [N], clamped >= 0
     (it is (1 - pi)^2 + sum_{v != y} pi^2 >= 0 in exact arithmetic; rounding may dip below)."""
     return torch.clamp(sum_p2 - 2.0 * torch.exp(logp) + 1.0, min=0.0)
 
 
+def _energy_in_place(logp: Tensor, sum_p2: Tensor) -> Tensor:
+    """``_energy`` eagerly, in place on exp's output (one [N] allocation; the same roundings)."""
+    return torch.exp(logp).mul_(-2.0).add_(sum_p2).add_(1.0).clamp_(min=0.0)
+
+
 def _energy_and_ranges(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """The energy [B,T] and [3] = [max logp, min sum_p2, max sum_p2] over the tokens where
-    ``valid`` != 0 (-inf, 1, 0 where there are none; NaN where a valid value is NaN)."""
+    """The energy [N] and [3] = [max logp, min sum_p2, max sum_p2] over the tokens where ``valid``
+    != 0, others read as logp 0 and sum_p2 1, inside both ranges (NaN where a valid value is NaN).
+    The same rule, token by token, is ``check_actor_stat_range``'s."""
     on = valid != 0
-    ranges = torch.stack([torch.where(on, logp, float("-inf")).amax(), torch.where(on, sum_p2, 1.0).amin(),
-                          torch.where(on, sum_p2, 0.0).amax()])
-    return _energy(logp, sum_p2), ranges
+    held = torch.where(on, sum_p2, 1.0)
+    return _energy(logp, sum_p2), torch.stack([torch.where(on, logp, 0.0).amax(), held.amin(), held.amax()])
 
 
-_energy_fused = fused(_energy)
-_energy_and_ranges_fused = fused(_energy_and_ranges)
+def _energy_and_ranges_in_place(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """``_energy_and_ranges`` eagerly: one [N] buffer for both masked reads, one pass for min and max."""
+    on = valid != 0
+    held = torch.where(on, sum_p2, 1.0)
+    low, high = torch.aminmax(held)
+    top = torch.where(on, logp, held.new_zeros(()), out=held).amax()
+    return _energy_in_place(logp, sum_p2), torch.stack([top, low, high])
 
 
-def _float32(x: Tensor) -> Tensor:
-    return x.detach().to(torch.float32).contiguous()
+_energy_fused = fused(_energy, eager=_energy_in_place)
+_energy_and_ranges_fused = fused(_energy_and_ranges, eager=_energy_and_ranges_in_place)
+
+
+def _flat(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """x flat (as ``dtype``), for one graph per dtype whatever the shape (``creditrl.utils.fused``); the
+    last ``detach`` keeps dynamo from guarding on the shape of the tensor a flat view was taken of."""
+    return x.detach().to(dtype or x.dtype).reshape(-1).detach()
 
 
 def _check_shapes(logp: Tensor, sum_p2: Tensor) -> None:
@@ -60,35 +76,38 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     _check_shapes(logp, sum_p2)
     if logp.numel() == 0:
         return torch.zeros(logp.shape, dtype=torch.float32, device=logp.device)
-    return _energy_fused(_float32(logp), _float32(sum_p2))
+    return _energy_fused(_flat(logp, torch.float32), _flat(sum_p2, torch.float32)).view(logp.shape)
 
 
 def checked_energy_from_logp(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> Tensor:
     """``energy_from_logp``, after checking on the tokens where ``valid`` [B,T] != 0 that ``logp`` <= 0
-    and ``sum_p2`` in (0, 1], each within ``LOGP_TOLERANCE``; raises ValueError naming the argument
-    (as verl names it) otherwise (e.g. probabilities passed as log-probs would give wrong energies
-    silently). The range comes from the energy's own pass: one host read, no extra pass."""
+    and ``sum_p2`` in (0, 1], each within ``LOGP_TOLERANCE`` and as float32 values (the energy's
+    precision); raises ValueError naming the argument (as verl names it) otherwise (e.g.
+    probabilities passed as log-probs would give wrong energies silently). The range comes from the
+    energy's own pass: one host read, no extra pass."""
     _check_shapes(logp, sum_p2)
     if valid.shape != logp.shape:
         raise ValueError(f"valid: expected logp's shape {list(logp.shape)}, got {list(valid.shape)}")
     if logp.numel() == 0:
         return energy_from_logp(logp, sum_p2)
-    energy, ranges = _energy_and_ranges_fused(_float32(logp), _float32(sum_p2), valid.detach().contiguous())
+    energy, ranges = _energy_and_ranges_fused(_flat(logp, torch.float32), _flat(sum_p2, torch.float32),
+                                                    _flat(valid))
     logp_max, p2_min, p2_max = ranges.tolist()
     # comparisons false for NaN: a NaN on a valid token fails
     if not logp_max <= LOGP_HIGH:
-        check_range("old_log_probs", logp, valid)
+        check_actor_stat_range("old_log_probs", logp, valid)
     if not (p2_min > 0.0 and p2_max <= SUM_P2_HIGH):
-        check_range("sum_pi_squared", sum_p2, valid)
-    return energy
+        check_actor_stat_range("sum_pi_squared", sum_p2, valid)
+    return energy.view(logp.shape)
 
 
-def check_range(name: str, x: Tensor, valid: Tensor) -> None:
-    """``x``'s range test (``EXPECTED[name]``) token by token on the valid tokens, with examples in
-    the error (the slow path, for the message once the fused test has failed, or for a lone tensor)."""
-    x, on = _float32(x), valid.detach() != 0
-    inside = (x <= LOGP_HIGH) if name == "old_log_probs" else (x > 0.0) & (x <= SUM_P2_HIGH)
+def check_actor_stat_range(name: str, x: Tensor, valid: Tensor) -> None:
+    """``x``'s range test (``EXPECTED[name]``, on float32 values) token by token on the valid tokens,
+    with the caller's values as examples in the error (the slow path: to word the error once the fused
+    test has failed, or for a lone tensor). The fused rule is ``_energy_and_ranges``."""
+    held, on = x.detach().to(torch.float32), valid.detach() != 0
+    inside = (held <= LOGP_HIGH) if name == "old_log_probs" else (held > 0.0) & (held <= SUM_P2_HIGH)
     bad = on & ~inside
     if bool(bad.any()):
         raise ValueError(f"{name}: expected values {EXPECTED[name]} on the response tokens, got "
-                         f"{int(bad.sum())} outside, e.g. {x[bad][:4].tolist()}")
+                         f"{int(bad.sum())} outside, e.g. {x.detach()[bad][:4].tolist()}")

@@ -442,7 +442,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             counts = counts[local] if counts is not None and everything else None
         logged = self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, per_row, counts))
         if mode == "train":
-            self._watch_reward_signal(logged["advantage_abs_mean"])
+            self._watch_reward_signal(logged["advantage_abs_mean"], scorable, all_mask)
         self.last_rollout.update(rewards=rewards, group=group, mask=mask, energy=energy, advantages=advantages,
                                  estimator_mask=all_mask)
         return advantages
@@ -588,23 +588,30 @@ class CreditGRPOTrainer(GRPOTrainer):
             self._metrics[mode][f"creditrl/{key}"].append(value)
         return averaged
 
-    def _watch_reward_signal(self, advantage_abs_mean: float) -> None:
-        """Warn when ``NO_SIGNAL_BATCHES`` generation batches in a row had every advantage 0 (over all
-        processes): such a run learns nothing from its task, and TRL says so only in a metric."""
+    def _watch_reward_signal(self, advantage_abs_mean: float, scorable: Tensor, mask: Tensor) -> None:
+        """Warn (main process) when ``NO_SIGNAL_BATCHES`` generation batches in a row had every advantage
+        0 over all processes, naming why for the last: such a run learns nothing from its task, and
+        TRL says so only in a metric. ``scorable`` [B_all], ``mask`` [B_all, T]: the estimator's."""
         self._flat_batches = self._flat_batches + 1 if advantage_abs_mean == 0 else 0
-        if self._flat_batches == NO_SIGNAL_BATCHES:
-            warnings.warn(
-                f"creditrl: every advantage was 0 in {NO_SIGNAL_BATCHES} generation batches in a row (global step "
-                f"{self.state.global_step}): the rewards held no difference for {self.estimator!r} to learn from "
-                "(with a group baseline: each group's rewards were equal, TRL's frac_reward_zero_std = 1), so the "
-                "policy gradient has no reward part and the model learns nothing from its task. A task the model "
-                "sometimes solves, more generations per prompt or a partial-credit reward gives it a signal.",
-                RuntimeWarning, stacklevel=2)
+        if self._flat_batches != NO_SIGNAL_BATCHES or not self.accelerator.is_main_process:
+            return
+        if not bool(scorable.any()):
+            why = ("no completion was scored or kept (every reward function returned None, or dynamic sampling "
+                   "filtered every group)")
+        elif not bool(mask.any()):
+            why = "no completion token was in the loss (e.g. every completion truncated and masked)"
+        else:
+            why = (f"the rewards held no difference for {self.estimator!r} to learn from (with a group baseline: "
+                   "each group's rewards were equal, TRL's frac_reward_zero_std = 1)")
+        warnings.warn(
+            f"creditrl: every advantage was 0 in {NO_SIGNAL_BATCHES} generation batches in a row (global step "
+            f"{self.state.global_step}): {why}, so the policy gradient has no reward part and the model learns "
+            "nothing from its task.", RuntimeWarning, stacklevel=2)
 
 
 @fused
 def _energy_sums(advantages: Tensor, energy: Tensor) -> Tensor:
-    """[Σ|A|, Σ w, Σ A² w] of [B,T] float tensors, in one pass once compiled (the bool mask's count
+    """[Σ|A|, Σ w, Σ A² w] of flat [N] float tensors, in one pass once compiled (the bool mask's count
     stays out: a bool load in the same loop tripled its time on a CPU)."""
     return torch.stack([advantages.abs().sum(), energy.sum(), (advantages * energy * advantages).sum()])
 
@@ -633,7 +640,8 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
         if energy is None:
             stats.append(torch.abs(advantages).sum())
         else:
-            sums = _energy_sums(advantages, energy.to(advantages.dtype))
+            # flat, and detached from the [B,T] tensors: one graph whatever the shape (creditrl.utils.fused)
+            sums = _energy_sums(advantages.reshape(-1).detach(), energy.to(advantages.dtype).reshape(-1).detach())
             stats += [sums[0], sums[1], sums[2] / max(advantages.shape[0], 1)]
     values = torch.stack([x.to(torch.float64) for x in stats]).tolist()
     count = max(values[0], 1.0)

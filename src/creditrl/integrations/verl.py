@@ -51,7 +51,7 @@ from verl.workers.config import PolicyLossConfig
 from creditrl.core.estimators import build_batch, estimator_result, list_estimators, with_energy
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, loss_term_fields
-from creditrl.integrations.energy import check_range, checked_energy_from_logp
+from creditrl.integrations.energy import check_actor_stat_range, checked_energy_from_logp
 from creditrl.core.losses import Fields, PolicyLoss, compose
 from creditrl.utils.validate import check_choice, check_tensor
 
@@ -117,7 +117,7 @@ def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None,
         return checked_energy_from_logp(old_log_probs, sum_pi_squared, response_mask)
     for name, x in given.items():
         if x is not None:
-            check_range(name, x, response_mask)
+            check_actor_stat_range(name, x, response_mask)
     return None
 
 

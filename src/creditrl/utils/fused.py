@@ -2,12 +2,14 @@
 
 Eager PyTorch makes one pass over memory per op, so a chain of pointwise ops and reductions over
 [B,T] tensors is bound by memory traffic; inductor fuses it into one loop that reads each input
-once. A fused function must be plain tensor code that is also correct eagerly: where compiling
-fails (no C++ compiler on a CPU, no Triton on a GPU) it runs as it is, with one warning per process
-naming the reason.
+once. A fused function must be pure tensor code without autograd, correct eagerly too, called on
+flat (1-D) tensors: then its compiled graphs are few (dynamic sizes; size 1 and each input dtype
+compile once more). Where compiling fails (no C++ compiler on a CPU, no Triton on a GPU) it runs as
+it is, with one warning per process naming the reason.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections.abc import Callable
@@ -17,21 +19,39 @@ import torch
 _EAGER_REASON: list[str] = []   # why compiling was given up, once per process
 
 
-def fused(fn: Callable) -> Callable:
-    """``fn`` compiled on first use (shapes dynamic: one compilation covers every B and T), or ``fn``
-    itself once compiling has failed in this process."""
+def _reason(error: Exception) -> str:
+    # inductor's first line is often only "backend='inductor' raised:": the cause is on the next
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()][:2]
+    return f"{type(error).__name__}: {' '.join(lines)}"
+
+
+def fused(fn: Callable | None = None, *, eager: Callable | None = None) -> Callable:
+    """``fn`` compiled on first use, or ``eager`` (default ``fn`` itself: the same function, written for
+    the compiler; an eager twin may work in place to save passes and must give the same values up to
+    rounding) once compiling has failed in this process. A failure of the compiled call counts as the
+    compiler's only when the eager function then succeeds on the same arguments; a caller's error (a
+    bad shape or device, out of memory) raises as itself and leaves compiling on. Runs without
+    autograd and autocast (fewer graphs, and nothing to record). Usable as ``@fused`` or
+    ``fused(fn, eager=...)``."""
+    if fn is None:
+        return functools.partial(fused, eager=eager)
+    eager = eager or fn
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
 
     @functools.wraps(fn)
     def run(*args):
-        if not _EAGER_REASON:
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        with torch.no_grad(), torch.autocast(device, enabled=False) if device in ("cpu", "cuda") \
+                else contextlib.nullcontext():
+            if _EAGER_REASON:
+                return eager(*args)
             try:
                 return compiled()(*args)
-            except Exception as error:   # noqa: BLE001 (the compiler stack's failures vary by backend; eager is exact)
-                # inductor's first line is often only "backend='inductor' raised:": the cause is on the next
-                lines = [line.strip() for line in str(error).splitlines() if line.strip()][:2]
-                _EAGER_REASON.append(f"{type(error).__name__}: {' '.join(lines)}")
-                warnings.warn(f"creditrl: torch.compile failed ({_EAGER_REASON[0]}); fused tensor code runs eagerly "
-                              "(same results, slower)", RuntimeWarning, stacklevel=2)
-        return fn(*args)
+            except Exception as error:   # noqa: BLE001 (the compiler stack's failures vary by backend)
+                failure = error
+            result = eager(*args)        # outside the except: a caller's own error raises here, unchained
+            warnings.warn(f"creditrl: torch.compile failed ({_reason(failure)}); fused tensor code runs eagerly "
+                          "(the same results up to rounding, slower)", RuntimeWarning, stacklevel=2)
+            _EAGER_REASON.append(_reason(failure))
+            return result
     return run
