@@ -38,8 +38,10 @@ def _energy_and_ranges(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Ten
     != 0, others read as logp 0 and sum_p2 1, inside both ranges (NaN where a valid value is NaN).
     The same rule, token by token, is ``check_actor_stat_range``'s."""
     on = valid != 0
-    held = torch.where(on, sum_p2, 1.0)
-    return _energy(logp, sum_p2), torch.stack([torch.where(on, logp, 0.0).amax(), held.amin(), held.amax()])
+    # three reductions over three where()s: inductor fuses them into the energy's loop, while one
+    # shared where() feeding amin and amax compiled 1.5x slower
+    return _energy(logp, sum_p2), torch.stack([torch.where(on, logp, 0.0).amax(), torch.where(on, sum_p2, 1.0).amin(),
+                                               torch.where(on, sum_p2, 1.0).amax()])
 
 
 def _energy_and_ranges_in_place(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
