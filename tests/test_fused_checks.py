@@ -234,13 +234,18 @@ def test_energy_refuses_bad_arguments_and_takes_empty_batches():
     assert empty.shape == (0, 3) and empty.dtype == torch.float32
 
 
-def test_a_failed_compilation_falls_back_to_eager_once_and_says_so(monkeypatch):
+def compile_that_raises(monkeypatch, message: str) -> None:
+    """``torch.compile`` replaced by one whose compiled calls raise RuntimeError(message), compiling on."""
     def broken(fn, **kwargs):
         def call(*args):
-            raise RuntimeError("no C++ compiler\nsecond line")
+            raise RuntimeError(message)
         return call
     monkeypatch.setattr(fused_module, "_EAGER_REASON", [])
     monkeypatch.setattr(torch, "compile", broken)
+
+
+def test_a_failed_compilation_falls_back_to_eager_once_and_says_so(monkeypatch):
+    compile_that_raises(monkeypatch, "no C++ compiler\nsecond line")
     double = fused_module.fused(lambda x: 2 * x)
     with pytest.warns(RuntimeWarning, match=r"torch.compile failed \(RuntimeError: no C\+\+ compiler second line\); "
                                              r".* eagerly"):
@@ -253,12 +258,7 @@ def test_a_failed_compilation_falls_back_to_eager_once_and_says_so(monkeypatch):
 def test_a_callers_error_raises_as_itself_and_leaves_compiling_on(monkeypatch):
     """A compiled call that fails on an input the eager function refuses too is the caller's error:
     it raises unchanged, with no warning, and compiling stays on."""
-    def broken(fn, **kwargs):
-        def call(*args):
-            raise RuntimeError("compiled: shapes do not broadcast")
-        return call
-    monkeypatch.setattr(fused_module, "_EAGER_REASON", [])
-    monkeypatch.setattr(torch, "compile", broken)
+    compile_that_raises(monkeypatch, "compiled: shapes do not broadcast")
     add = fused_module.fused(lambda x, y: x + y)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from creditrl.utils.fused import fused
+from creditrl.utils.fused import flat, fused
 from creditrl.utils.validate import LOGP_TOLERANCE
 
 # what each statistic must be on the response tokens (float32 bounds, as the check compares float32 values)
@@ -57,12 +57,6 @@ _energy_fused = fused(_energy, eager=_energy_in_place)
 _energy_and_ranges_fused = fused(_energy_and_ranges, eager=_energy_and_ranges_in_place)
 
 
-def _flat(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """x flat (as ``dtype``), for one graph per dtype whatever the shape (``creditrl.utils.fused``); the
-    last ``detach`` keeps dynamo from guarding on the shape of the tensor a flat view was taken of."""
-    return x.detach().to(dtype or x.dtype).reshape(-1).detach()
-
-
 def _check_shapes(logp: Tensor, sum_p2: Tensor) -> None:
     for name, x in (("logp", logp), ("sum_p2", sum_p2)):
         if not isinstance(x, Tensor) or not x.is_floating_point():
@@ -78,7 +72,7 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     _check_shapes(logp, sum_p2)
     if logp.numel() == 0:
         return torch.zeros(logp.shape, dtype=torch.float32, device=logp.device)
-    return _energy_fused(_flat(logp, torch.float32), _flat(sum_p2, torch.float32)).view(logp.shape)
+    return _energy_fused(flat(logp, torch.float32), flat(sum_p2, torch.float32)).view(logp.shape)
 
 
 def checked_energy_from_logp(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> Tensor:
@@ -92,8 +86,8 @@ def checked_energy_from_logp(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> Ten
         raise ValueError(f"valid: expected logp's shape {list(logp.shape)}, got {list(valid.shape)}")
     if logp.numel() == 0:
         return energy_from_logp(logp, sum_p2)
-    energy, ranges = _energy_and_ranges_fused(_flat(logp, torch.float32), _flat(sum_p2, torch.float32),
-                                                    _flat(valid))
+    energy, ranges = _energy_and_ranges_fused(flat(logp, torch.float32), flat(sum_p2, torch.float32),
+                                               flat(valid))
     logp_max, p2_min, p2_max = ranges.tolist()
     # comparisons false for NaN: a NaN on a valid token fails
     if not logp_max <= LOGP_HIGH:

@@ -53,7 +53,7 @@ from creditrl.core.losses import EntropyControl, Fields, PolicyLoss, compose, po
 from creditrl.runtime.rollout import RolloutBatch
 from creditrl.runtime.sampling import position_ids_from_mask
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
-from creditrl.utils.fused import fused
+from creditrl.utils.fused import flat, fused
 
 NO_SIGNAL_BATCHES = 5   # generation batches in a row without a reward signal before the warning (as creditrl train)
 # TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
@@ -640,8 +640,7 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
         if energy is None:
             stats.append(torch.abs(advantages).sum())
         else:
-            # flat, and detached from the [B,T] tensors: one graph whatever the shape (creditrl.utils.fused)
-            sums = _energy_sums(advantages.reshape(-1).detach(), energy.to(advantages.dtype).reshape(-1).detach())
+            sums = _energy_sums(flat(advantages), flat(energy, advantages.dtype))
             stats += [sums[0], sums[1], sums[2] / max(advantages.shape[0], 1)]
     values = torch.stack([x.to(torch.float64) for x in stats]).tolist()
     count = max(values[0], 1.0)

@@ -3,7 +3,7 @@
 Eager PyTorch makes one pass over memory per op, so a chain of pointwise ops and reductions over
 [B,T] tensors is bound by memory traffic; inductor fuses it into one loop that reads each input
 once. A fused function must be pure tensor code without autograd, correct eagerly too, called on
-flat (1-D) tensors: then its compiled graphs are few (dynamic sizes; size 1 and each input dtype
+flat (1-D) tensors (``flat``): then its compiled graphs are few (dynamic sizes; size 1 and each input dtype
 compile once more). Where compiling fails (no C++ compiler on a CPU, no Triton on a GPU) it runs as
 it is, with one warning per process naming the reason.
 """
@@ -25,16 +25,20 @@ def _reason(error: Exception) -> str:
     return f"{type(error).__name__}: {' '.join(lines)}"
 
 
-def fused(fn: Callable | None = None, *, eager: Callable | None = None) -> Callable:
+def flat(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x flat (as ``dtype``) and detached, the form fused functions take: one graph per dtype whatever
+    the shape; the last ``detach`` keeps dynamo from guarding on the shape of the tensor a flat view
+    was taken of."""
+    return x.detach().to(dtype or x.dtype).reshape(-1).detach()
+
+
+def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
     """``fn`` compiled on first use, or ``eager`` (default ``fn`` itself: the same function, written for
     the compiler; an eager twin may work in place to save passes and must give the same values up to
     rounding) once compiling has failed in this process. A failure of the compiled call counts as the
     compiler's only when the eager function then succeeds on the same arguments; a caller's error (a
     bad shape or device, out of memory) raises as itself and leaves compiling on. Runs without
-    autograd and autocast (fewer graphs, and nothing to record). Usable as ``@fused`` or
-    ``fused(fn, eager=...)``."""
-    if fn is None:
-        return functools.partial(fused, eager=eager)
+    autograd and autocast (fewer graphs, and nothing to record); inputs as ``flat`` gives them."""
     eager = eager or fn
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
 
