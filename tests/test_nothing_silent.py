@@ -1218,8 +1218,9 @@ def test_prompts_longer_than_the_tiny_context_fail_before_the_warm_start(tmp_pat
 def test_a_reward_beyond_float32_range_counts_as_invalid_not_a_crash():
     from creditrl.runtime.rollout import reward_tensor
     from creditrl.tasks.rewards import RewardFunction
-    reward, _, problem = RewardFunction._value(1e39)
-    assert math.isnan(reward) and "beyond float32's range" in problem
+    for value in (1e39, float("inf"), -float("inf")):
+        reward, _, problem = RewardFunction._value(value)
+        assert math.isnan(reward) and "not a finite float32 reward" in problem
     assert RewardFunction._value(3e38)[0] == 3e38
     rewards, invalid = reward_tensor([1.0, 1e39, -1e300, float("nan"), float("inf"), 3e38])
     assert invalid.tolist() == [False, True, True, True, True, False]

@@ -52,6 +52,17 @@ def ambiguous(a, b):
 
 def needs_column(prompts, completions, solution, **kwargs):
     return [0.0] * len(prompts)
+
+def unbounded(prompt, response, answer):
+    return {"+": float("inf"), "-": -float("inf")}.get(response, 0.0)
+
+def bonus(completions, **kwargs):
+    return [1.0] * len(completions)
+
+def graded(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's DAPO style: a shaped score, the verdict in ``acc``."""
+    right = ground_truth == solution_str
+    return {"score": 0.25 if right else -1.0, "acc": right}
 '''
 
 
@@ -151,6 +162,46 @@ def test_weighted_terms_sum_as_trl_does(tmp_path, user_module):
     assert scores.components[2].values == [1.0, 0.0] and math.isnan(scores.components[0].values[1])
     with pytest.raises(ValueError, match=r"rewards\[0\].weight: expected a finite number"):
         get_task("jsonl", path=_jsonl(tmp_path / "d.jsonl", ROWS), rewards=[{"checker": "exact", "weight": "x"}])
+
+
+def test_correct_is_the_answer_checkers_verdict_not_the_total(tmp_path, user_module):
+    """accuracy (and so greedy_acc, pass@k, dynamic sampling's ``accuracy``) is the first term's own
+    verdict: a length penalty does not make a right answer wrong, a format bonus does not make a
+    wrong one right, and verl's ``acc`` decides where the checker returns one."""
+    import torch
+    from creditrl.runtime.rollout import score_rollouts
+
+    path = _jsonl(tmp_path / "d.jsonl", ROWS)
+    problem = Problem("q3", "3")
+    responses = ["3", "it is 4", "a long right answer? no: 3"]
+    for extra, weight in (("user_rewards:length_penalty", 0.5), ("user_rewards:bonus", 1.0)):
+        task = get_task("jsonl", path=path, rewards=[{"checker": extra, "weight": weight}])
+        scores = task.score([problem] * 3, responses)
+        checker = scores.components[0].values
+        assert checker == [1.0, 0.0, 0.0] and scores.correct == [True, False, False]
+        assert (scores.rewards[0] < 1.0) == (weight == 0.5) and (scores.rewards[1] >= 1.0) == (weight == 1.0)
+        rollout = score_rollouts(scores, torch.tensor([1, 7, 26]), 64, (8, 1.0))   # the overlong penalty does not count either
+        assert rollout["correct"].tolist() == [True, False, False]
+    task = get_task("jsonl", path=path, checker="user_rewards:graded")
+    scores = task.score([problem] * 2, ["3", "4"])
+    assert scores.rewards == [0.25, -1.0] and scores.correct == [True, False]
+    # an invalid reward is never correct, whatever else the checker says
+    fn = RewardFunction("user_rewards:no_score")
+    with pytest.warns(UserWarning, match="without a 'score' key"):
+        assert score_terms([(fn, 1.0)], [problem], ["3"]).correct == [False]
+
+
+def test_an_infinite_term_is_invalid_and_the_others_still_count(tmp_path, user_module):
+    """±inf is an invalid reward, as NaN is: as one term of several it gives no reward, so the
+    checker's 1 still counts; +inf and -inf in one row do not stop the step (math.fsum raises on them)."""
+    task = get_task("jsonl", path=_jsonl(tmp_path / "d.jsonl", ROWS), checker="user_rewards:unbounded",
+                    rewards=[{"checker": "user_rewards:unbounded", "weight": 1.0},
+                             {"checker": "exact", "weight": 1.0}])
+    with pytest.warns(UserWarning, match="not a finite float32 reward"):
+        scores = task.score([Problem("q0", "0")] * 2, ["+", "-"])
+    assert scores.rewards == [0.0, 0.0] and all(math.isnan(c) for c in scores.components[0].values)
+    scores = task.score([Problem("q0", "+")], ["+"])      # warned once per checker, above
+    assert scores.rewards == [1.0] and scores.correct == [False]
 
 
 def test_all_terms_missing_is_invalid():

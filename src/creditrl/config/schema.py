@@ -150,7 +150,9 @@ class DynamicSamplingConfig:
                                "round comes back uniform makes no update and says so. Needs rollout.group_size >= 2.")
     signal: str = opt("reward", "What must vary within a group: `reward` (the task's reward, before the overlong "
                                 "penalty: filtering on a shaped score keeps groups that differ only in length, "
-                                "verl-recipe #125), `accuracy` (reward >= 1) or `reward/<name>`, a reward component "
+                                "verl-recipe #125), `accuracy` (the answer checker's verdict: its own reward >= 1, "
+                                "or the `acc` of a verl dict; other reward terms do not count) or `reward/<name>`, "
+                                "a reward component "
                                 "as logged (a term of task.options.rewards, a value the checker returns in a dict, "
                                 "e.g. `reward/acc`).")
     max_rounds: int = opt(4, "Sampling rounds per step, the first included (verl's max_num_gen_batches); each "

@@ -7,7 +7,8 @@ including the stop string; the token that completed it is the last one trained o
 
 The reward trained on is the task's reward plus DAPO's soft overlong penalty when
 ``overlong=(buffer, factor)`` is given (``tasks.rewards.overlong_penalty`` on the sampled token
-counts); correctness and the reward's validity are the task's reward's, before the penalty.
+counts); the reward's validity is the task's reward's, before the penalty, and correctness the
+answer checker's own verdict (``tasks.rewards.verdict``), whatever the other reward terms add.
 ``select_groups`` and ``concat_rollouts`` keep whole groups and join batches (dynamic sampling).
 """
 from __future__ import annotations
@@ -38,7 +39,8 @@ class RolloutBatch:
                     padding and tool-output tokens
     rollout_logp:   [B,L] float32, behaviour log-prob of each sampled token (0 elsewhere)
     rewards:        [B] float32, the reward trained on (the task's reward, plus the overlong penalty)
-    correct:        [B] bool, the task's reward >= 1 (before any penalty)
+    correct:        [B] bool, the answer checker's verdict (``Scores.correct``: its reward >= 1, or verl's
+                    ``acc``; other reward terms and the overlong penalty do not count)
     group:          [B] long, index of the prompt each response answers (0..G-1, in row order)
     stopped:        [B] bool, ended at a stop token/string (False: clipped at max_new_tokens)
     prompt_texts:   [len(problems)] the rendered prompts (chat template included)
@@ -116,6 +118,7 @@ def score_rollouts(scores: Scores, lengths: Tensor, max_new_tokens: int,
     """The RolloutBatch reward fields from the task's ``Scores`` and the sampled token counts
     ``lengths`` [B]: rewards (+ the overlong penalty), invalid, correct, extras, components."""
     task_rewards, invalid = reward_tensor(scores.rewards)
+    correct = task_rewards >= 1.0 if scores.correct is None else torch.tensor(scores.correct, dtype=torch.bool)
     extras = {k: torch.tensor(v, dtype=torch.float64) for k, v in scores.extras.items()}
     components = [(c.name, c.weight, torch.tensor(c.values, dtype=torch.float64)) for c in scores.components]
     rewards = task_rewards
@@ -125,7 +128,7 @@ def score_rollouts(scores: Scores, lengths: Tensor, max_new_tokens: int,
         given = torch.where(invalid, torch.nan, task_rewards.double())
         components = (components or [("task", 1.0, given)]) + [(OVERLONG, 1.0, penalty)]
         rewards = (task_rewards.double() + penalty).float()
-    return dict(rewards=rewards, reward_invalid=invalid, correct=task_rewards >= 1.0, reward_extras=extras,
+    return dict(rewards=rewards, reward_invalid=invalid, correct=correct, reward_extras=extras,
                 task_rewards=None if overlong is None else task_rewards,
                 components=torch.stack([v for _, _, v in components], 1) if components else None,
                 component_names=[n for n, _, _ in components] or None,

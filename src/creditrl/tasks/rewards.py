@@ -68,11 +68,20 @@ class RewardComponent:
 class Scores:
     """Per completion: ``rewards`` (NaN = invalid), ``extras`` (logged values by name, NaN where a
     completion has none) and ``timed_out`` (a call over its time limit); ``components``: each
-    reward term when there are several (empty for a single reward, which is its own component)."""
+    reward term when there are several (empty for a single reward, which is its own component);
+    ``correct``: the answer checker's verdict (``verdict``), None where it is ``rewards`` >= 1."""
     rewards: list[float]
     extras: dict[str, list[float]] = field(default_factory=dict)
     timed_out: list[bool] = field(default_factory=list)
     components: list[RewardComponent] = field(default_factory=list)
+    correct: list[bool] | None = None
+
+
+def verdict(scores: Scores) -> list[bool]:
+    """Whether each completion is correct by one checker's ``scores``: its ``acc`` where it returned
+    verl's dict with one (verl's accuracy), else its reward >= 1; never where the reward is invalid (NaN)."""
+    acc = scores.extras.get("acc") or [math.nan] * len(scores.rewards)
+    return [not math.isnan(r) and (r if math.isnan(a) else a) >= 1.0 for r, a in zip(scores.rewards, acc)]
 
 
 def overlong_penalty(lengths: Sequence[int], limit: int, buffer: int, factor: float) -> list[float]:
@@ -292,8 +301,9 @@ class RewardFunction:
         number = _number(value)
         if number is None:
             return math.nan, extras, f"returned a {type(value).__name__}, not a number"
-        if math.isfinite(number) and abs(number) > FLOAT32_MAX:   # inf once stored as a float32 reward
-            return math.nan, extras, f"returned {number!r}, beyond float32's range (|reward| <= {FLOAT32_MAX:.3g})"
+        if math.isinf(number) or abs(number) > FLOAT32_MAX:   # (a finite one would be inf as a float32 reward)
+            # invalid like NaN: as a term it gives no reward, so the others' still count
+            return math.nan, extras, f"returned {number!r}, not a finite float32 reward (|reward| <= {FLOAT32_MAX:.3g})"
         return number, extras, None
 
     def close(self) -> None:
@@ -323,11 +333,14 @@ def reward_terms(checker: str, rewards: Any, *, convention: str = "auto", tolera
 
 def score_terms(terms: list[tuple[RewardFunction, float]], problems: Sequence[Problem],
                 responses: Sequence[str]) -> Scores:
-    """The weighted sum of the terms' rewards (TRL's nansum; NaN where no term gave one)."""
+    """The weighted sum of the terms' rewards (TRL's nansum; NaN where no term gave one), correct
+    where the first term, the answer checker, says so (``verdict``): a format bonus or a length
+    penalty changes the reward, not what counts as right."""
     parts = [(fn, weight, fn.score(problems, responses)) for fn, weight in terms]
+    correct = verdict(parts[0][2])
     if len(parts) == 1:   # one term: its reward times its weight (NaN stays NaN: invalid)
         fn, weight, scores = parts[0]
-        return Scores([weight * r for r in scores.rewards], scores.extras, scores.timed_out)
+        return Scores([weight * r for r in scores.rewards], scores.extras, scores.timed_out, correct=correct)
     n = len(responses)
     total, extras = [], {}
     for i in range(n):
@@ -339,7 +352,7 @@ def score_terms(terms: list[tuple[RewardFunction, float]], problems: Sequence[Pr
         extras.update({f"{name}/{k}": v for k, v in s.extras.items()})
         components.append(RewardComponent(name, weight, s.rewards))
     timed_out = [any(s.timed_out[i] for _, _, s in parts) for i in range(n)]
-    return Scores(total, extras, timed_out, components)
+    return Scores(total, extras, timed_out, components, correct)
 
 
 def term_keys(functions: Sequence[RewardFunction]) -> list[str]:
