@@ -56,6 +56,11 @@ def needs_column(prompts, completions, solution, **kwargs):
 def unbounded(prompt, response, answer):
     return {"+": float("inf"), "-": -float("inf")}.get(response, 0.0)
 
+def any_of(data_source, solution_str, ground_truth, extra_info=None):
+    """verl style, several accepted answers (a list) or Search-R1's {"target": [...]}"""
+    accepted = ground_truth["target"] if isinstance(ground_truth, dict) else ground_truth
+    return float(solution_str.strip() in accepted)
+
 def bonus(completions, **kwargs):
     return [1.0] * len(completions)
 
@@ -202,6 +207,20 @@ def test_an_infinite_term_is_invalid_and_the_others_still_count(tmp_path, user_m
     assert scores.rewards == [0.0, 0.0] and all(math.isnan(c) for c in scores.components[0].values)
     scores = task.score([Problem("q0", "+")], ["+"])      # warned once per checker, above
     assert scores.rewards == [1.0] and scores.correct == [False]
+
+
+def test_a_list_or_mapping_answer_reaches_a_checker_of_ones_own_as_the_data_holds_it(tmp_path, user_module):
+    rows = [{"prompt": "2+2?", "answer": ["four", "4"]}, {"prompt": "3+3?", "answer": {"target": ["six", "6"]}},
+            {"prompt": "1+1?", "answer": "2"}]
+    path = _jsonl(tmp_path / "d.jsonl", rows)
+    task = get_task("jsonl", path=path, checker="user_rewards:any_of")
+    by_prompt = {p.prompt: p for p in task.train_set() + task.test_set()}
+    assert task.score([by_prompt["2+2?"]] * 2, ["four", "five"]).rewards == [1.0, 0.0]
+    assert task.score([by_prompt["3+3?"]], ["6"]).rewards == [1.0]
+    assert by_prompt["2+2?"].answer == '["four", "4"]'          # its text, for logs and sft targets
+    with pytest.raises(ValueError, match=r"2 answer\(s\) the built-in checker\(s\) \['exact'\] cannot read "
+                                         r"\(row 1: a list; row 2: a dict\)"):
+        get_task("jsonl", path=path)
 
 
 def test_all_terms_missing_is_invalid():

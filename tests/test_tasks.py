@@ -196,6 +196,132 @@ def test_calculator_reward_and_spans():
     assert tool_output_spans("<out>1</out>x<out>2</out>") == [(0, 12), (13, 25)]
 
 
+@given(st.fractions(max_denominator=12).filter(lambda x: abs(x) < 1000),
+       st.fractions(max_denominator=12).filter(lambda x: abs(x) < 1000), st.booleans(), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_numeric_checker_compares_the_stated_values_exactly(gold, said, gold_as_decimal, unicode_minus):
+    """``numeric`` against the exact comparison of the two values, whatever the writing: the gold as
+    a fraction "a/b" (or a decimal where it ends), the reply as "a/b", with the minus of rendered math."""
+    from creditrl.tasks.checkers import check_numeric
+
+    def fraction(x):
+        return f"{x.numerator}/{x.denominator}" if x.denominator != 1 else str(x.numerator)
+
+    terminating = all(p in (2, 5) for p in _prime_factors(gold.denominator))
+    answer = str(gold.numerator / gold.denominator) if gold_as_decimal and terminating else fraction(gold)
+    reply = f"So the value is {fraction(said)}"
+    if unicode_minus:
+        reply = reply.replace("-", "\u2212")
+    assert check_numeric(None, reply, answer) == float(gold == said)
+    if gold.denominator == 1:   # a gold with more text around its one number
+        assert check_numeric(None, reply, f"${gold.numerator}$ apples") == float(gold == said)
+
+
+def _prime_factors(n):
+    out, p = set(), 2
+    while n > 1:
+        while n % p == 0:
+            out.add(p)
+            n //= p
+        p += 1
+    return out
+
+
+@pytest.mark.parametrize("reply, answer, reward", [
+    ("The answer is 1/4", "3/4", 0), ("So there are 4 of them", "3/4", 0), ("0.75", "3/4", 1),
+    ("it is 3/4", "-3/4", 0), ("\u22125", "5", 0), ("\u22125", "-5", 1), ("dated 11/27/2026", "2026", 1),
+    ("1e999999999", "1", 0), ("3/0", "0", 0), ("3/0", "3", 0), ("2.50", "2.5", 1), ("12.0", "12", 1),
+])
+def test_numeric_checker_cases(reply, answer, reward):
+    from creditrl.tasks.checkers import check_numeric
+    assert check_numeric(None, reply, answer) == reward
+    assert check_numeric(None, reply, answer, tolerance=1e-9) == reward
+
+
+def test_numeric_checker_refuses_answers_stating_no_single_number(tmp_path):
+    rows = [{"prompt": "a", "answer": "1:2"}, {"prompt": "b", "answer": "2 or 3"}, {"prompt": "c", "answer": "3/4"}]
+    with pytest.raises(ValueError, match=r"2 answer\(s\) the built-in checker\(s\) \['numeric'\] cannot read "
+                                         r"\(row 1: '1:2' states no single number; row 2: '2 or 3'"):
+        get_task("jsonl", path=_write_jsonl(tmp_path / "d.jsonl", rows), checker="numeric")
+    assert get_task("jsonl", path=_write_jsonl(tmp_path / "d.jsonl", rows), checker="exact")   # text is fine there
+
+
+@pytest.mark.parametrize("name, options, reply, reward", [
+    ("addition", {}, "56.0", 1), ("addition", {}, "\u221256", 0), ("addition", {}, "16 + 40 = 56", 1),
+    ("addition", {}, "56.5", 0),
+    ("multiplication", {"digits": 2}, "answer: 1665", 1), ("multiplication", {"digits": 2}, "ANSWER: **1,665**", 1),
+    ("multiplication", {"digits": 2}, "Answer: 1665 (that is 37 x 45)", 1),
+    ("multiplication", {"digits": 2}, "Answer: 1600. Let me check: 37*45 = 1665", 0),
+    ("multiplication", {"digits": 2}, "37*45 = 1665", 0),     # the scratchpad asks for 'Answer: <number>'
+])
+def test_natural_checkers_read_what_instruct_models_write(name, options, reply, reward):
+    task = get_task(name, format="natural", **options)
+    answer = "56" if name == "addition" else "1665"
+    meta = {"a": 16, "b": 40} if name == "addition" else {"a": 37, "b": 45}
+    assert task.reward(Problem([{"role": "user", "content": "?"}], answer, meta), reply) == reward
+
+
+@pytest.mark.parametrize("reply, reward", [
+    ("<answer>2,001</answer>", 1), ("<answer>2001.0</answer>", 1), ("<answer> 2001 </answer>", 1),
+    ("<answer>2,0,0,1</answer>", 0), ("<answer>2001.5</answer>", 0), ("<answer></answer>", 0),
+])
+def test_calculator_answer_is_read_as_a_number(reply, reward):
+    assert get_task("calculator").reward(Problem("47*38+215=", "2001", {"expr": "47*38+215"}), reply) == reward
+    negative = Problem("1-334=", "-333", {"expr": "1-334"})
+    assert get_task("calculator").reward(negative, "<answer>\u2212333</answer>") == 1
+
+
+def test_calculator_refuses_options_beyond_its_parser():
+    """Every accepted (digits, n_terms) keeps the largest expression (every term 10^d - 1, every
+    operator *) within safe_eval's bound, so generate never meets a value it cannot compute; the others
+    are refused up front, naming n_terms."""
+    from creditrl.tasks.safe_math import MAX_ABS
+
+    for digits in range(1, 5):
+        for n_terms in range(2, 7):
+            largest = "*".join([str(10 ** digits - 1)] * n_terms)
+            if (10 ** digits - 1) ** n_terms <= MAX_ABS:
+                task = get_task("calculator", digits=digits, n_terms=n_terms, test_size=20)
+                assert safe_eval(largest) is not None and len(task.test_set()) == 20
+            else:
+                assert safe_eval(largest) is None
+                with pytest.raises(ValueError, match=rf"n_terms: with digits={digits} a product of {n_terms} terms"):
+                    get_task("calculator", digits=digits, n_terms=n_terms)
+
+
+@pytest.mark.parametrize("reply", [
+    "(3 + 7) * 5", "$(3 + 7) \\times 5$", "$(3 + 7) \\cdot 5 = 50$", "\\((3 + 7) \\times 5\\)",
+    "\\boxed{(3 + 7) * 5}", "(3 + 7) * 5.", "Answer: (3 + 7) * 5", "**Answer:** (3 + 7) * 5", "(3 + 7) \u00b7 5",
+    "(3 + 7) x 5", "(3 + 7) \u00d7 5", "Let me think.\n\n`(3+7)*5 = 50`",
+])
+def test_countdown_natural_checker_reads_latex_and_labels(reply):
+    task = get_task("countdown", format="natural")
+    problem = Problem([{"role": "user", "content": "?"}], "50", {"numbers": [3, 5, 7], "target": 50})
+    assert task.reward(problem, reply) == 1.0
+    assert task.reward(problem, reply.replace("5", "7")) == 0.0      # a wrong expression stays wrong
+
+
+def test_a_small_space_holds_out_half_and_never_trains_on_it():
+    task = get_task("countdown", max_number=2)
+    with pytest.warns(UserWarning, match=r"only about 38 distinct problems, fewer than test_size=200 .* holding out 19"):
+        test = {p.prompt for p in task.test_set()}
+    rng = random.Random(0)
+    assert len(test) == 19 and not any(task.sample(rng).prompt in test for _ in range(300))
+    task.generate = lambda rng: Problem(next(iter(test)), "0")      # nothing left to train on: an error, not a held-out prompt
+    with pytest.raises(ValueError, match=r"100 draws in a row gave only held-out problems.*lower test_size"):
+        task.sample(rng)
+
+
+@pytest.mark.parametrize("name, options, error", [
+    ("addition", {"test_size": True}, r"test_size: expected a positive int, got True"),
+    ("addition", {"seed": 1.5}, r"seed: expected an int, got float 1.5"),
+    ("countdown", {"seed": [1]}, r"seed: expected an int, got list"),
+])
+def test_task_seed_and_test_size_are_checked(name, options, error):
+    with pytest.raises((TypeError, ValueError), match=error):
+        get_task(name, **options)
+
+
 # --- jsonl -------------------------------------------------------------------------------
 
 def _write_jsonl(path, rows):
@@ -361,6 +487,16 @@ def anything(**options):
 def broken(**options):
     return object()
 
+class Moody(Addition):
+    name = "moody"
+
+    def reward(self, problem, response):
+        if response == "none":
+            return None
+        if response == "boom":
+            raise KeyError(response)
+        return super().reward(problem, response)
+
 NOT_CALLABLE = 3
 '''
 
@@ -394,6 +530,18 @@ def test_user_task_by_import_path(user_tasks):
     assert load_config(None, ["task.name=my_tasks:make"]).task.name == "my_tasks:make"
     with pytest.raises(ValueError, match=r"unknown task 'my_tasks'; valid tasks are .* or a user's task as 'package"):
         get_task("my_tasks")
+
+
+def test_a_user_tasks_bad_reward_is_invalid_and_named(user_tasks):
+    """None is no reward (NaN, as for a checker); a raise is an invalid reward with a warning naming the
+    task, not a crash of the run."""
+    from creditrl.tasks.rewards import score_responses
+
+    task = get_task("my_tasks:Moody", digits=1)
+    p = task.test_set()[0]
+    with pytest.warns(UserWarning, match=r"task 'moody': reward\(\) raised KeyError; counting reward 0"):
+        rewards = score_responses(task, [p] * 3, [p.answer, "none", "boom"]).rewards
+    assert rewards[0] == 1.0 and math.isnan(rewards[1]) and math.isnan(rewards[2])
 
 
 def test_user_task_trains(user_tasks, tiny_chat_model_dir, tmp_path):

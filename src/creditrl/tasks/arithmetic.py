@@ -10,6 +10,7 @@ import random
 
 from creditrl.utils.validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask, last_integer
+from creditrl.tasks.checkers import first_number
 
 DIGITS = "0123456789"
 
@@ -98,10 +99,13 @@ class Multiplication(ProceduralTask):
         return f"What is {a} * {b}? Reply with just the number."
 
     def natural_reward(self, problem: Problem, response: str) -> float:
-        """With the scratchpad only the number after the last 'Answer:' counts."""
+        """With the scratchpad only the number right after the last 'Answer:' (any case) counts: the
+        prompt asks for 'Answer: <number>', and a check after it ("Answer: 1600. Check: 37*45 =
+        1665") is not the answer."""
         if self.scratchpad:
-            head, sep, tail = response.rpartition("Answer:")
-            return float(bool(sep) and last_integer(tail) == problem.answer)
+            marker = response.lower().rfind("answer:")
+            stated = first_number(response[marker + len("answer:"):]) if marker >= 0 else None
+            return float(stated is not None and stated == int(problem.answer))
         return float(last_integer(response) == problem.answer)
 
     def natural_target(self, problem: Problem) -> str:

@@ -18,21 +18,24 @@ checker extracts the answer from free text; for pretrained instruct models).
 from __future__ import annotations
 
 import random
-import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from creditrl.utils.validate import check_int
 from creditrl.tasks.chat import check_chat_template
+from creditrl.tasks.checkers import last_number
 
 
 FORMATS = ("auto", "compact", "natural")
-_INTEGER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+")
 
 
 def last_integer(text: str) -> str | None:
-    """The last integer written in ``text`` ("1,234" with valid thousands separators counts as 1234)."""
-    found = _INTEGER.findall(text)
-    return found[-1].replace(",", "") if found else None
+    """The last number written in ``text`` (``checkers.last_number``: "1,234" with valid thousands
+    separators is 1234, "56.0" is 56, a U+2212 minus a minus) as an integer's text, None when it is
+    not an integer ("56.5") or there is none."""
+    value = last_number(text)
+    return None if value is None or value.denominator != 1 else str(value.numerator)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ class ProceduralTask:
 
     def __init__(self, *, seed: int = 0, test_size: int = 200, format: str = "auto", chat_template="auto",
                  system_prompt: str | None = None, **options: Any):
-        if not isinstance(test_size, int) or test_size < 1:
+        check_int("seed", seed)
+        if isinstance(test_size, bool) or not isinstance(test_size, int) or test_size < 1:
             raise ValueError(f"test_size: expected a positive int, got {test_size!r}")
         if format not in FORMATS:
             raise ValueError(f"format: expected one of {list(FORMATS)}, got {format!r}")
@@ -135,6 +139,12 @@ class ProceduralTask:
                 p = self.generate(rng)
                 misses = misses + 1 if p.prompt in problems else 0
                 problems.setdefault(p.prompt, p)
+            if misses >= 1000:   # the space is (nearly) all drawn: hold out half, train on the rest
+                found = len(problems)
+                problems = dict(list(problems.items())[:max(1, found // 2)])
+                warnings.warn(f"{self!r}: these options make only about {found} distinct problems, fewer than "
+                              f"test_size={self.test_size} asks to hold out with some left to train on; holding out "
+                              f"{len(problems)}", stacklevel=2)
             self._test = [self._present(p) for p in problems.values()]
             self._test_prompts = frozenset(problems)
         return list(self._test)
@@ -145,7 +155,8 @@ class ProceduralTask:
             p = self.generate(rng)
             if p.prompt not in self._test_prompts:
                 return self._present(p)
-        return self._present(p)
+        raise ValueError(f"{self!r}: 100 draws in a row gave only held-out problems: the options leave (almost) "
+                         f"nothing to train on; lower test_size (now {self.test_size}) or widen the problem space")
 
     def tool_output(self, response_so_far: str) -> str | None:
         return None

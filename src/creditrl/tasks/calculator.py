@@ -15,7 +15,8 @@ import re
 
 from creditrl.utils.validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask
-from creditrl.tasks.safe_math import format_number, safe_eval
+from creditrl.tasks.checkers import answer_number
+from creditrl.tasks.safe_math import MAX_ABS, format_number, safe_eval
 
 CALL_OPEN, CALL_CLOSE = "<calc>", "</calc>"
 OUT_OPEN, OUT_CLOSE = "<out>", "</out>"
@@ -39,6 +40,12 @@ class Calculator(ProceduralTask):
         for arg, value, low, high in (("max_tool_calls", max_tool_calls, 1, 16), ("digits", digits, 1, 4),
                                       ("n_terms", n_terms, 2, 6)):
             check_int(arg, value, low, high)
+        largest = (10 ** digits - 1) ** n_terms        # every term the largest, every operator '*'
+        if largest > MAX_ABS:
+            fits = max(n for n in range(2, n_terms) if (10 ** digits - 1) ** n <= MAX_ABS)
+            raise ValueError(f"n_terms: with digits={digits} a product of {n_terms} terms can reach {largest:.4g}, "
+                             f"beyond the calculator's limit of 10**15 on every value; expected n_terms <= {fits} "
+                             f"with digits={digits}, got {n_terms}")
         super().__init__(seed=seed, test_size=test_size, format=format, chat_template=chat_template,
                          system_prompt=system_prompt, max_tool_calls=max_tool_calls, digits=digits, n_terms=n_terms)
         self.max_tool_calls, self.digits, self.n_terms = max_tool_calls, digits, n_terms
@@ -64,8 +71,10 @@ class Calculator(ProceduralTask):
         return OUT_OPEN + (TOOL_ERROR if value is None else format_number(value)) + OUT_CLOSE
 
     def compact_reward(self, problem: Problem, response: str) -> float:
+        """The last ``<answer>`` states the value (``checkers.answer_number``: "2,001", "2001.0" and
+        "−333" are numbers too)."""
         answers = _ANSWER.findall(response)
-        return float(bool(answers) and answers[-1].strip() == problem.answer)
+        return float(bool(answers) and answer_number(answers[-1]) == answer_number(problem.answer))
 
     natural_reward = compact_reward  # the tags are the protocol in both formats
 

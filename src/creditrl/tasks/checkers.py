@@ -1,8 +1,10 @@
 """The built-in answer checkers, ``fn(prompt, response, answer) -> float`` (creditrl's convention).
 
 - ``exact``: string equality up to surrounding whitespace;
-- ``numeric``: the last number of the response equals the answer, exactly unless an absolute
-  ``tolerance`` is given; "1,234" counts as 1234 only with separators every 3 digits ("1,2,3" is 3);
+- ``numeric``: the last number of the response (``last_number``: "a/b" is one number, "1,234" counts
+  as 1234 only with separators every 3 digits, "1,2,3" is 3; a U+2212 minus is a minus) equals the
+  number the answer states (``answer_number``: "3/4", "-0.75", "12%"), exactly unless an absolute
+  ``tolerance`` is given;
 - ``math``: math-verify's parse + verify of the last ``MATH_TAIL_CHARS`` characters (LaTeX,
   ``\\boxed{}``, plain expressions), quiet, with math-verify's own 5 s limits where it can use
   them (the main thread; ``tasks/rewards.py`` runs it in a child process's main thread).
@@ -15,32 +17,71 @@ import logging
 import re
 import threading
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 
 BUILTIN_CHECKERS = ("exact", "numeric", "math")
 MATH_TAIL_CHARS = 2000   # math-verify reads this tail of a response: where the final answer is
 MATH_VERIFY_TIMEOUT = 5
-_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
+_UNSIGNED = r"(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?"
+_NUMBER = re.compile(rf"[-+]?{_UNSIGNED}")
+_FRACTION = re.compile(rf"[-+]?{_UNSIGNED}\s*/\s*{_UNSIGNED}")
+# the minus signs of rendered math (U+2212, small and fullwidth hyphen-minus), which models copy
+MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+MAX_EXPONENT = 1000   # |log10| of a number read: "1e999999999" would take minutes to make exact
 
 
 def check_exact(prompt, response: str, answer: str) -> float:
     return float(response.strip() == answer.strip())
 
 
-def last_number(text: str) -> Decimal | None:
-    """The last number written in ``text``, exactly (thousands separators in valid places only)."""
-    found = _NUMBER.findall(text)
+def _exact(token: str) -> Fraction | None:
     try:
-        value = Decimal(found[-1].replace(",", "")) if found else None
+        value = Decimal(token.replace(",", ""))
     except InvalidOperation:
         return None
-    return value if value is not None and value.is_finite() else None
+    return Fraction(value) if value.is_finite() and abs(value.adjusted()) <= MAX_EXPONENT else None
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number written in ``text``, exactly: "a/b" (not a date's "11/27/2026") is the one
+    number a/b; thousands separators count in valid places only; None without one (or for a/0)."""
+    text = text.translate(MINUS_SIGNS)
+    found = list(_NUMBER.finditer(text))
+    if not found:
+        return None
+    last = found[-1]
+    value = _exact(last.group())
+    if len(found) > 1 and value is not None and last.group()[0] not in "+-":
+        head = found[-2]
+        before = text[:head.start()].rstrip()
+        if text[head.end():last.start()].strip() == "/" and not before.endswith("/"):
+            numerator = _exact(head.group())
+            return None if numerator is None or value == 0 else numerator / value
+    return value
+
+
+def first_number(text: str) -> Fraction | None:
+    """The first number written in ``text``, read as ``last_number`` reads one (no fractions)."""
+    found = _NUMBER.search(text.translate(MINUS_SIGNS))
+    return None if found is None else _exact(found.group())
+
+
+def answer_number(answer: str) -> Fraction | None:
+    """The number a gold answer states: the whole answer as one number or fraction (inside $...$
+    or not), else the only number it holds ("12%", "x = 5"); None when it holds none or several
+    ("1:2", "2 or 3": use ``checker=math`` or a function of your own)."""
+    text = answer.translate(MINUS_SIGNS).strip().strip("$").strip()
+    if _NUMBER.fullmatch(text) or _FRACTION.fullmatch(text):
+        return last_number(text)
+    found = _NUMBER.findall(text)
+    return _exact(found[0]) if len(found) == 1 else None
 
 
 def check_numeric(prompt, response: str, answer: str, tolerance: float = 0.0) -> float:
-    got, want = last_number(response), last_number(answer)
+    got, want = last_number(response), answer_number(answer)
     if got is None or want is None:
         return 0.0
-    return float(got == want if tolerance == 0 else abs(got - want) <= Decimal(repr(tolerance)))
+    return float(got == want if tolerance == 0 else abs(got - want) <= Fraction(repr(tolerance)))
 
 
 def check_math(prompt, response: str, answer: str) -> float:

@@ -9,6 +9,7 @@ Many answers are valid, so pass@k is meaningful.
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
 from fractions import Fraction
 
@@ -100,12 +101,31 @@ class Countdown(ProceduralTask):
                 f"expression that equals {problem.meta['target']}. Reply with just the expression.")
 
     def natural_reward(self, problem: Problem, response: str) -> float:
-        """The last non-empty line, without markdown/LaTeX wrapping and any '= target' tail."""
-        lines = [line for line in response.strip().splitlines() if line.strip()]
-        candidate = lines[-1].split("=")[0].strip(" `$*") if lines else ""
-        return self.compact_reward(problem, candidate)
+        """The expression on the last non-empty line (``natural_expression``)."""
+        return self.compact_reward(problem, natural_expression(response))
 
     natural_target = compact_target
 
     def alphabet(self) -> str:
         return "0123456789+-*/(),:="
+
+
+# how instruct models write an expression: LaTeX and unicode operators, math delimiters, a label
+_OPERATORS = (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("×", "*"), ("·", "*"), ("÷", "/"), ("−", "-"))
+_WRAPPING = re.compile(r"\\boxed\{(.*)\}|\\[()\[\]]|\\left|\\right|^[\s*_]*(?:final\s+)?(?:answer|expression)\s*:[*_]*", re.I)
+_SPACED_X = re.compile(r"(?<=[\d)])\s+[xX]\s+(?=[\d(])")
+
+
+def natural_expression(response: str) -> str:
+    """The last non-empty line of a reply as a plain expression: markdown and LaTeX wrapping
+    (``$``, backticks, bold, ``\\boxed{}``, ``\\(..\\)``), an "Answer:" label, a trailing period
+    and any "= target" tail removed; ``\\times``, ``\\cdot``, ×, · and a spaced x read as *,
+    ``\\div`` and ÷ as /."""
+    lines = [line for line in response.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = _WRAPPING.sub(lambda m: m.group(1) or "", lines[-1])
+    for old, new in _OPERATORS:
+        line = line.replace(old, new)
+    line = _SPACED_X.sub(" * ", line)
+    return line.split("=")[0].strip(" `$*.")

@@ -2,8 +2,11 @@
 
 A ``prompt`` is a string (standard) or a list of ``{"role", "content"}`` messages
 (conversational), TRL's conventions; ``chat_template`` / ``system_prompt`` decide how it is
-rendered (``tasks/chat.py``). An ``answer`` is a string or a number. Bad rows are reported
-before training with the file name and up to 10 row numbers.
+rendered (``tasks/chat.py``). An ``answer`` is a string or a number, or for a checker of your
+own (TRL's or verl's convention) any JSON value, passed to it as the data holds it (a list of
+accepted answers, Search-R1's ``{"target": [...]}``). The built-in checkers need a non-empty text
+or a number, and ``numeric`` one number. Bad rows are reported before training with the file
+name and up to 10 row numbers.
 
 Columns are addressed by name or, inside nested columns, by a dotted key
 (``answer_key=reward_model.ground_truth``). A file in verl's RL layout (``prompt`` as messages,
@@ -24,14 +27,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import warnings
 from pathlib import Path
 from typing import Any
 
-from creditrl.utils.validate import check_range
+from creditrl.utils.validate import check_int, check_range
 from creditrl.tasks.base import Problem
 from creditrl.tasks.chat import check_chat_template, check_prompt
+from creditrl.tasks.checkers import answer_number
 from creditrl.tasks.rewards import DEFAULT_TIMEOUT, Scores, reward_terms, score_terms
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -132,18 +137,53 @@ def rows_to_problems(file_name: str, prompts: list, answers: list, rows: list[di
     for row, (prompt, answer) in enumerate(zip(prompts, answers), start=1):
         try:
             prompt = check_prompt(prompt, "prompt")
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                raise ValueError(f"answer: expected a string or a number, got {str(answer)[:40]!r}")
+            if isinstance(answer, bool) or not isinstance(answer, (str, int, float, list, dict)):
+                raise ValueError(f"answer: expected a string, a number, a list or a mapping, got {str(answer)[:40]!r}")
+            if isinstance(answer, float) and not math.isfinite(answer):
+                raise ValueError(f"answer: expected a finite number, got {answer!r}")
             columns = rows[row - 1] if rows else {}
             meta = {"columns": columns, "ground_truth": answer}
             if isinstance(columns.get("data_source"), str):
                 meta["dataset"] = columns["data_source"]
-            problems.append(Problem(prompt, answer if isinstance(answer, str) else repr(answer), meta))
+            problems.append(Problem(prompt, answer_text(answer), meta))
         except ValueError as err:
             bad.append(f"row {row}: {err}")
     if bad:
         raise ValueError(f"path: {file_name} has {len(bad)} invalid row(s); " + "; ".join(bad[:10]))
     return problems
+
+
+def answer_text(answer: str | int | float | list | dict) -> str:
+    """``Problem.answer``: a string as it is, a number as written ("42" for 42.0, a float column's
+    integers), a list or mapping as JSON."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, float):
+        return str(int(answer)) if answer.is_integer() else repr(answer)
+    return str(answer) if isinstance(answer, int) else json.dumps(answer)
+
+
+def check_answers(file_name: str, problems: list[Problem], terms: list) -> None:
+    """Refuse, naming the rows, the answers a built-in checker among ``terms`` cannot read: a list
+    or mapping, an empty text (``exact`` would reward an empty completion, ``numeric`` and ``math``
+    nothing), and for ``numeric`` a text stating no single number (``answer_number``)."""
+    builtin = {fn.builtin for fn, _ in terms if fn.builtin}
+    if not builtin:
+        return
+    bad = []
+    for row, problem in enumerate(problems, start=1):
+        raw = problem.meta["ground_truth"]
+        if isinstance(raw, (list, dict)):
+            bad.append(f"row {row}: a {type(raw).__name__}")
+        elif not problem.answer.strip():
+            bad.append(f"row {row}: an empty answer")
+        elif "numeric" in builtin and answer_number(problem.answer) is None:
+            bad.append(f"row {row}: {problem.answer[:40]!r} states no single number")
+    if bad:
+        raise ValueError(f"path: {file_name} has {len(bad)} answer(s) the built-in checker(s) {sorted(builtin)} "
+                         f"cannot read ({'; '.join(bad[:10])}); fix the rows, or score them with a function of "
+                         f"your own (task.options.checker=package.module:function, which gets the answer as the "
+                         f"data holds it)")
 
 
 def read_problems(file: Path, prompt_key: str, answer_key: str | None) -> list[Problem]:
@@ -204,6 +244,7 @@ class JsonlTask:
             raise FileNotFoundError(f"path: no such file {str(file)!r} (expected a local .jsonl/.json/.parquet file)")
         if file.suffix.lower() not in FORMATS:
             raise ValueError(f"path: expected a file ending in {sorted(FORMATS)}, got {file.name!r}")
+        check_int("seed", seed)
         check_range("test_fraction", test_fraction, 0, 1, low_inclusive=False, high_inclusive=False)
         if test_size is not None and (isinstance(test_size, bool) or not isinstance(test_size, int) or test_size < 1):
             raise ValueError(f"test_size: expected a positive int (held-out prompts) or null, got {test_size!r}")
@@ -227,6 +268,7 @@ class JsonlTask:
         self.dataset_names = sorted({p.meta["dataset"] for p in problems if "dataset" in p.meta})   # data_source
         self._terms = reward_terms(checker, rewards or [], convention=checker_convention, tolerance=tolerance,
                                    timeout=checker_timeout, columns=columns)
+        check_answers(file.name, problems, self._terms)
         self._train, self._test = split_by_prompt(problems, file.name, test_fraction, test_size, seed)
 
     def sample(self, rng: random.Random) -> Problem:

@@ -34,6 +34,7 @@ import json
 import random
 from typing import Any
 
+from creditrl.utils.validate import check_int
 from creditrl.tasks.base import FORMATS, Problem
 from creditrl.tasks.chat import check_chat_template
 from creditrl.tasks.rewards import DEFAULT_TIMEOUT, RewardFunction, Scores
@@ -139,6 +140,7 @@ class ReasoningGymTask:
         rg = import_reasoning_gym()
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
+        check_int("seed", seed, 0)
         if isinstance(test_size, bool) or not isinstance(test_size, int) or test_size < 1:
             raise ValueError(f"test_size: expected a positive int, got {test_size!r}")
         if format not in FORMATS:
@@ -146,6 +148,10 @@ class ReasoningGymTask:
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt: expected a key of {sorted(SYSTEM_PROMPTS)}, your own text or null, "
                              f"got {system_prompt!r}")
+        if isinstance(system_prompt, str) and system_prompt not in SYSTEM_PROMPTS and system_prompt.isidentifier():
+            # one bare word is a mistyped key, not an instruction: sent as text, the model never learns the format
+            raise ValueError(f"system_prompt: {system_prompt!r} is not a key of reasoning-gym's SYSTEM_PROMPTS "
+                             f"{sorted(SYSTEM_PROMPTS)}; expected one of them, your own text (more than one word) or null")
         check_chat_template(chat_template)
         if prefill is not None and (not isinstance(prefill, str) or not prefill):
             raise ValueError(f"prefill: expected a non-empty string or null, got {prefill!r}")

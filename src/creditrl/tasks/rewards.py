@@ -167,6 +167,8 @@ class RewardFunction:
             raise ValueError(f"task.options.checker_timeout: expected a positive number of seconds or null, "
                              f"got {timeout!r}")
         self.name = checker if isinstance(checker, str) else _callable_name(checker)
+        # a built-in checker reads the answer as text (``Problem.answer``)
+        self.builtin = checker if isinstance(checker, str) and checker in BUILTIN_CHECKERS else None
         self.what, self.timeout = what, timeout
         self.path, self.fn = (None, checker) if callable(checker) else self._resolve(checker, tolerance)
         if isinstance(checker, str) and checker in BUILTIN_CHECKERS:
@@ -379,4 +381,22 @@ def score_responses(task, problems: Sequence[Problem], responses: Sequence[str])
     reasoning-gym tasks), else its ``reward`` per response (the built-in generators)."""
     if hasattr(task, "score"):
         return task.score(list(problems), list(responses))
-    return Scores([float(task.reward(p, r)) for p, r in zip(problems, responses)], {}, [False] * len(responses))
+    return Scores([_task_reward(task, p, r) for p, r in zip(problems, responses)], {}, [False] * len(responses))
+
+
+def _task_reward(task, problem: Problem, response: str) -> float:
+    """``task.reward`` as a checker's value is read (``RewardFunction._value``): None, a non-number,
+    a non-finite number or a raise is an invalid reward (NaN), with a warning naming the task (a
+    user's task class must not stop a run on odd model output, nor fail without saying where)."""
+    name = getattr(task, "name", type(task).__name__)
+    try:
+        value = task.reward(problem, response)
+    except Exception as err:  # noqa: BLE001 - as for a checker: a bug on some output must not kill training
+        warnings.warn(f"task {name!r}: reward() raised {type(err).__name__}; counting reward 0 (logged as "
+                      f"reward_invalid_frac)", stacklevel=3)
+        return math.nan
+    reward, _, problem_text = RewardFunction._value(value)
+    if problem_text:
+        warnings.warn(f"task {name!r}: reward() {problem_text.split(',')[0]}; counting reward 0 (logged as "
+                      f"reward_invalid_frac)", stacklevel=3)
+    return reward
