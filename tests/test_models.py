@@ -211,3 +211,45 @@ def test_warm_start_refuses_a_reward_that_is_never_valid(tmp_path, monkeypatch, 
                     cache_dir=str(tmp_path / "cache"), progress=False)
     assert not any((tmp_path / "cache").glob("tiny-*"))
     sys.modules.pop("never_valid", None)
+
+
+def test_weights_the_model_lacks_are_an_error_not_a_random_start(tmp_path):
+    """A checkpoint saved with DDP's 'module.' prefix loads in transformers as a random model (it only
+    logs); load_policy refuses it, naming the missing weights and the likely cause."""
+    from safetensors.torch import save_file
+    from creditrl.runtime.models.files import ModelDirError
+
+    tok = char_tokenizer(ALPHABET)
+    model = tiny_model(tok, SMALL, seed=3)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    state = {f"module.{k}": v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    (tmp_path / "m" / "model.safetensors").unlink()
+    save_file(state, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelDirError, match=r"lacks \d+ weight\(s\) of its config's model, e.g. \[.*'module\.' or "
+                                            r"'_orig_mod\.' prefix"):
+        load_policy(str(tmp_path / "m"), task=None, progress=False)
+
+
+def test_dropout_is_turned_off_but_loras(tmp_path):
+    """Llama's attention dropout is a float attribute, not a module: both kinds, and the config's
+    fields, go to 0, so a train-mode forward (the learner's) is the eval-mode one (the sampler's);
+    LoRA's own dropout is the user's setting and stays."""
+    from creditrl.runtime.models import disable_dropout
+
+    tok = char_tokenizer(ALPHABET)
+    model = tiny_model(tok, SMALL, seed=3)
+    model.config.attention_dropout = 0.25
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.25
+    model.model.extra_dropout = torch.nn.Dropout(0.5)
+    lora_dropout = torch.nn.ModuleDict({"default": torch.nn.Dropout(0.1)})
+    model.model.layers[0].lora_dropout = lora_dropout
+    ids = torch.tensor([tok.encode("1+2=3")])
+    torch.manual_seed(0)
+    assert sorted(disable_dropout(model)) == ["Dropout=0.5", "attention_dropout=0.25"]
+    assert model.config.attention_dropout == 0 and lora_dropout["default"].p == 0.1
+    model.train()
+    train_logits = model(ids).logits
+    model.eval()
+    assert torch.equal(train_logits, model(ids).logits) and disable_dropout(model) == []

@@ -155,3 +155,29 @@ def test_auto_with_low_precision_weights_records_the_dtype_they_compute_in(tmp_p
     assert "stored in bfloat16 (model.dtype)" in choice.text() and "exact" not in choice.text()
     untimed = resolve_precision(load_config(None, []), torch.nn.Linear(2, 2), None, None)[1]
     assert untimed.chosen == "fp32" and "fp32 is exact" in untimed.reason
+
+
+def test_a_models_dropout_is_turned_off_and_the_run_says_so(tiny_chat_model_dir, tmp_path):
+    """The sampler decodes in eval mode and the learner scores in train mode: with the config's
+    dropout on, pi_theta / pi_old would be noise at unchanged weights. The trainer turns it off and
+    says so in the run's notes (the summary)."""
+    import json
+    import shutil
+    from creditrl.config import ConfigError
+    from creditrl.recipe.resolve import resolve_config
+    from creditrl.trainer.loop import Trainer
+
+    model_dir = tmp_path / "dropout-model"
+    shutil.copytree(tiny_chat_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    trainer = Trainer(run_config(model_dir, tmp_path, "dropout", "train.precision=fp32"), progress=False)
+    assert trainer.model.config.attention_dropout == 0
+    assert all(layer.self_attn.attention_dropout == 0 for layer in trainer.model.model.layers)
+    assert any("dropout is off (attention_dropout=0.1 set to 0)" in note for note in trainer.notes)
+    plain = Trainer(run_config(tiny_chat_model_dir, tmp_path, "plain", "train.precision=fp32"), progress=False)
+    assert not any("dropout" in note for note in plain.notes)
+    # and the top-p / rollout-correction combination is refused before any model loads
+    with pytest.raises(ConfigError, match=r"loss.rollout_correction='tis' with rollout.top_p=0.9: top-p sampling is "
+                                          r"itself the difference"):
+        resolve_config(run_config(model_dir, tmp_path, "x", "rollout.top_p=0.9", "loss.rollout_correction=tis"))

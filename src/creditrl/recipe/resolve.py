@@ -94,6 +94,14 @@ def _check_combinations(cfg: Config, loss: dict) -> None:
                           "two halves of its groups, so it needs optim.epochs=1, optim.minibatch_size unset and "
                           f"rollout.prompts_per_step >= 2; got epochs={o.epochs}, minibatch_size={o.minibatch_size}, "
                           f"prompts_per_step={r.prompts_per_step}")
+    correction = loss.get("rollout_correction")
+    if correction is not None and r.top_p < 1:
+        # the sampler's log-probs are of the renormalised nucleus, the learner's of the whole softmax: their
+        # ratio is the nucleus mass (< 1) on every token with no mismatch at all (MIS would drop them all)
+        raise ConfigError(f"loss.rollout_correction={correction!r} with rollout.top_p={r.top_p}: top-p sampling is "
+                          f"itself the difference between the sampler and the learner, so every ratio "
+                          f"pi_old/pi_rollout is the nucleus mass, not a mismatch to correct; set rollout.top_p=1 or "
+                          f"loss.rollout_correction=null")
     try:
         precision_of(cfg)
     except ValueError as err:

@@ -40,7 +40,7 @@ def sample_correctness(model, tokenizer, task, problems, *, n: int, temperature:
 
 def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None, *, n: int = 8,
              ks: list[int] = (1, 4, 8), temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 16,
-             max_tool_tokens: int = 16, seed: int = 0, batch_size: int = 512, stop_strings=(),
+             max_tool_tokens: int = 24, seed: int = 0, batch_size: int = 512, stop_strings=(),
              keep_samples: int = 0) -> dict:
     """Greedy accuracy + pass@k/avg@k (k in ``ks``) + sampled accuracy on ``problems``
     (default: the task's held-out test set), and ``greedy_acc/<dataset>`` for each dataset of a

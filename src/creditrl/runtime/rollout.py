@@ -137,7 +137,7 @@ def score_rollouts(scores: Scores, lengths: Tensor, max_new_tokens: int,
 
 def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, group_size: int,
                       temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 16,
-                      generator: torch.Generator | None = None, max_tool_tokens: int = 16,
+                      generator: torch.Generator | None = None, max_tool_tokens: int = 24,
                       stop_strings: tuple[str, ...] | list[str] = (),
                       overlong: tuple[int, float] | None = None) -> RolloutBatch:
     """Sample ``group_size`` responses for each problem and score them with ``task.reward``

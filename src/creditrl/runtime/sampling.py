@@ -4,7 +4,7 @@ log-probs, stop tokens and strings, tool turns. Training rollouts, evaluation an
 
 Each prompt is prefilled once and its KV cache expanded to its G rows; each step then feeds
 one token per live row (one forward through the cache; finished rows leave the batch and the
-cache, so they cost nothing). Rows whose response just ended with the task's ``tool_stop``
+cache, so they cost nothing). Rows whose response text just ended with the task's ``tool_stop``
 (e.g. ``</calc>``) get the environment's output (``<out>42</out>``) queued as *forced*
 tokens, fed over the next steps with mask 0 and log-prob 0, so single- and multi-turn tasks
 share one batched loop with no per-row forward.
@@ -26,6 +26,7 @@ right-padded, so every response starts at column P and ``position_ids`` = cumsum
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -110,20 +111,12 @@ def sample_next(logits: Tensor, *, temperature: float, top_p: float,
         sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
         logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp)
         logp = torch.log_softmax(logp, dim=-1)
-    cdf = logp.exp().cumsum_(-1)
+    # float64: a float32 running sum near 1 moves in steps of 6e-8, so rarer tokens could never be drawn
+    cdf = logp.double().exp().cumsum_(-1)
     u = 1.0 - torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)   # (0, 1]
-    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1])[:, None]
+    target = (u.to(cdf.device) * cdf[:, -1])[:, None]
     token = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-
-def _tail_matches(generated: Tensor, length: Tensor, pattern: Tensor) -> Tensor:
-    """[N] bool: the last ``len(pattern)`` tokens of each row's generated prefix equal pattern."""
-    m = pattern.numel()
-    if generated.shape[1] < m:
-        return torch.zeros(generated.shape[0], dtype=torch.bool)
-    cols = (length[:, None] - m + torch.arange(m)).clamp(min=0)
-    return (generated.gather(1, cols) == pattern).all(-1) & (length >= m)
 
 
 def select_cache_rows(cache, rows: Tensor):
@@ -141,8 +134,13 @@ def _text_stops(tokenizer, generated: Tensor, rows: Tensor, t: int, stop_strings
     earlier was caught at its own step."""
     if not len(rows):
         return torch.zeros(0, dtype=torch.bool)
-    tails = tokenizer.batch_decode(generated[rows, max(0, t + 1 - window):t + 1].tolist(), skip_special_tokens=True)
+    tails = _tail_texts(tokenizer, generated, rows, t, window)
     return torch.tensor([any(s in text for s in stop_strings) for text in tails], dtype=torch.bool)
+
+
+def _tail_texts(tokenizer, generated: Tensor, rows: Tensor, t: int, window: int) -> list[str]:
+    """The text of the last ``window`` tokens of each of ``rows`` up to column t (one batched decode)."""
+    return tokenizer.batch_decode(generated[rows, max(0, t + 1 - window):t + 1].tolist(), skip_special_tokens=True)
 
 
 @dataclass
@@ -199,22 +197,22 @@ class _Decode:
 @dataclass(frozen=True)
 class _Stops:
     """When a row ends: a stop token, a stop string, or ``max_new`` sampled tokens; and the tool
-    calls it may make (``task.tool_stop`` ids, at most ``calls``)."""
+    calls it may make (text ending with ``task.tool_stop``, at most ``calls``)."""
     ids: Tensor
     strings: tuple[str, ...]
     window: int
     max_new: int
-    tool_stop: Tensor | None
+    tool_stop: str | None
     calls: int
 
 
 def _stops(model, tokenizer, task, stop_strings, max_new_tokens: int) -> _Stops:
     strings = check_stop_strings(stop_strings)
     calls = int(getattr(task, "max_tool_calls", 0) or 0)
-    tool_stop = (torch.tensor(tokenizer(task.tool_stop, add_special_tokens=False)["input_ids"], dtype=torch.long)
-                 if calls and task.tool_stop else None)
-    return _Stops(torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long), strings,
-                  max((len(s) for s in strings), default=0) + 1,   # every token writes >= 1 character
+    tool_stop = task.tool_stop if calls and task.tool_stop else None
+    # every token writes >= 1 character, so this many tokens hold any stop string or tool_stop
+    window = max((len(s) for s in (*strings, tool_stop or "")), default=0) + 1
+    return _Stops(torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long), strings, window,
                   max_new_tokens, tool_stop, calls)
 
 
@@ -228,9 +226,13 @@ def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t:
     state.stopped[live] |= ends
     keep = ~(ends | (state.n_sampled[live] >= stops.max_new)) | state.pending(live)  # queued tokens still fed
     if stops.tool_stop is not None:
-        candidates = torch.zeros(len(state.fed), dtype=torch.bool).index_fill_(0, live[chosen & keep], True)
-        _queue_tool_outputs(tokenizer, task, state.tokens[:, :t + 1], candidates, stops.tool_stop, state.n_calls,
-                            stops.calls, state.forced, state.forced_len, state.forced_pos)
+        # a call is the text ending with tool_stop, as task.tool_output reads it: a BPE tokenizer writes
+        # "</calc>" with more than one token sequence (SmolLM2: "Ġ</" after a space), so ids cannot tell
+        rows = live[chosen & keep]
+        rows = rows[state.n_calls[rows] < stops.calls]
+        calling = [int(b) for b, text in zip(rows, _tail_texts(tokenizer, state.tokens, rows, t, stops.window))
+                   if text.endswith(stops.tool_stop)]
+        _queue_tool_outputs(tokenizer, task, state, calling, t)
         keep |= state.pending(live)
     return keep
 
@@ -238,7 +240,7 @@ def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t:
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int = 1, temperature: float = 1.0,
              top_p: float = 1.0, max_new_tokens: int = 16, generator: torch.Generator | None = None,
-             task=None, max_tool_tokens: int = 16, stop_strings: tuple[str, ...] | list[str] = ()) -> Generation:
+             task=None, max_tool_tokens: int = 24, stop_strings: tuple[str, ...] | list[str] = ()) -> Generation:
     """Decode ``group_size`` responses per prompt (rows i*G .. i*G+G-1 answer prompt i) from
     token-id prompts (``tasks.chat.render_prompt``); see the module docstring. The sampled token
     of every live row comes to the host once per step (stop strings, tool calls and bookkeeping
@@ -280,22 +282,26 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int =
     return state.result(ids, attn, steps)
 
 
-def _queue_tool_outputs(tokenizer, task, generated: Tensor, candidates: Tensor,
-                        stop_ids: Tensor, n_calls: Tensor, max_calls: int, forced: Tensor,
-                        forced_len: Tensor, forced_pos: Tensor) -> None:
-    """Rows that just wrote ``task.tool_stop`` get the tool output queued (mask 0 tokens).
-    Only the rows that triggered a call are decoded: tool calls are events, not tokens."""
-    length = torch.full((generated.shape[0],), generated.shape[1], dtype=torch.long)
-    hit = candidates & _tail_matches(generated, length, stop_ids) & (n_calls < max_calls)
-    for b in torch.nonzero(hit).flatten().tolist():
-        text = tokenizer.decode(generated[b], skip_special_tokens=True)
-        output = task.tool_output(text)
-        n_calls[b] += 1
+def _queue_tool_outputs(tokenizer, task, state: _Decode, rows: list[int], t: int) -> None:
+    """``rows`` just wrote ``task.tool_stop``: each gets its tool output queued (mask 0 tokens).
+    Only the rows that made a call are decoded whole: tool calls are events, not tokens. An
+    output longer than ``max_tool_tokens`` is cut, with a warning (the policy then reads, and the
+    reward scores, a reply without its end)."""
+    cap = state.forced.shape[1]
+    for b in rows:
+        output = task.tool_output(tokenizer.decode(state.tokens[b, :t + 1], skip_special_tokens=True))
+        state.n_calls[b] += 1
         if not output:
             continue
-        out_ids = tokenizer(output, add_special_tokens=False)["input_ids"][:forced.shape[1]]
-        forced[b, :len(out_ids)] = torch.tensor(out_ids, dtype=torch.long)
-        forced_len[b], forced_pos[b] = len(out_ids), 0
+        out_ids = tokenizer(output, add_special_tokens=False)["input_ids"]
+        if len(out_ids) > cap:
+            # one message per cap (Python shows it once): the policy and the reward see the cut text
+            warnings.warn(f"tool outputs longer than max_tool_tokens={cap} tokens are cut, so the policy reads and "
+                          f"the reward scores a reply without its end: raise rollout.max_tool_tokens",
+                          RuntimeWarning, stacklevel=2)
+            out_ids = out_ids[:cap]
+        state.forced[b, :len(out_ids)] = torch.tensor(out_ids, dtype=torch.long)
+        state.forced_len[b], state.forced_pos[b] = len(out_ids), 0
 
 
 def decode_responses(tokenizer, response_ids: Tensor, response_attn: Tensor, stop_strings=()) -> list[str]:

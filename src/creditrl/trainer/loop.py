@@ -39,7 +39,7 @@ from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import (NO_SIGNAL_STEPS, diagnosis_section, learned_nothing, no_signal, plot_run,
                                      streak_warning)
 from creditrl.trainer.report import write_summary
-from creditrl.runtime.models import ModelDirError, tiny_cache_path, warm_start_info
+from creditrl.runtime.models import ModelDirError, disable_dropout, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision, PrecisionChoice
 from creditrl.runtime.dynamic_sampling import sample_varying_groups
@@ -170,6 +170,7 @@ class Trainer:
                                           cfg.model.cache_dir) if cfg.model.name == "builtin:tiny" else None
         self.warm_start_cached = self.tiny_cache is not None and warm_start_info(self.tiny_cache) is not None
         self.model, self.tokenizer = load_configured_policy(cfg, self.task, self.device, show)
+        dropout = disable_dropout(self.model)
         if cfg.rollout.max_new_tokens is None:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
             cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new))
@@ -196,6 +197,9 @@ class Trainer:
         self.no_signal_steps: list[dict] = []   # the current streak of steps without a reward signal
         self.notes = (precision_notes(self.model, cfg) + component_notes(cfg) + idle_setting_notes(loss.loss, cfg)
                       + on_policy_notes(loss.loss, cfg))
+        if dropout:
+            self.notes.append(f"note: the model's dropout is off ({', '.join(dropout)} set to 0): the sampler "
+                              "decodes without it, and with it the ratio of pi_theta to pi_old is noise")
         if self.precision_choice is not None:
             self.notes.append(f"note: {self.precision_choice.text()}")
 

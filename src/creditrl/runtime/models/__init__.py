@@ -143,7 +143,10 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     with _hf_progress(progress):
-        model = _loaded(path, "model", AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype)).to(device)
+        model, info = _loaded(path, "model", AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype),
+                              output_loading_info=True)
+    check_loaded_weights(info, path)
+    model = model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -152,6 +155,47 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
     check_finite_weights(model, spec)
     model.eval()
     return model, tokenizer
+
+
+def disable_dropout(model) -> list[str]:
+    """Turn off the base model's dropout (``nn.Dropout`` modules, modules' float ``*dropout*``
+    attributes such as Llama's ``attention_dropout``, and the config's fields), as TRL's
+    ``disable_dropout`` and verl's actor do; returns what was on, e.g. ``["attention_dropout=0.1"]``.
+    The sampler decodes in eval mode and the learner scores pi_old and pi_theta in train mode (which
+    gradient checkpointing needs): with dropout their ratio is noise at unchanged weights. LoRA's own
+    dropout (``model.lora.dropout``, the user's choice) stays."""
+    was = {}
+    config = getattr(model, "config", None)
+    for key, value in (vars(config) if config is not None else {}).items():
+        if "dropout" in key or key.endswith("pdrop"):
+            if isinstance(value, float) and value > 0:
+                was[key] = value
+                setattr(config, key, 0.0)
+    for name, module in model.named_modules():
+        if "lora_dropout" in name:
+            continue
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            was.setdefault(type(module).__name__, module.p)
+            module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+                was.setdefault(key, value)
+                setattr(module, key, 0.0)
+    return [f"{key}={value:g}" for key, value in was.items()]
+
+
+def check_loaded_weights(info: dict, path: Path) -> None:
+    """ModelDirError when weights the model needs were not in ``path`` (transformers initialises them at
+    random and only logs it): a checkpoint saved with a ``module.`` (DDP) or ``_orig_mod.``
+    (torch.compile) prefix, or missing a tensor, would otherwise train a random model."""
+    missing = sorted(info.get("missing_keys") or ())
+    if not missing:
+        return
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    hint = (f"; the file holds {len(unexpected)} name(s) it does not need, e.g. {unexpected[:2]} (a 'module.' or "
+            f"'_orig_mod.' prefix from DDP or torch.compile?)" if unexpected else "")
+    raise ModelDirError(f"model.name: {str(path)!r} lacks {len(missing)} weight(s) of its config's model, e.g. "
+                        f"{missing[:3]}, which would start at random{hint}")
 
 
 def _loaded(path: Path, part: str, load, **kwargs):

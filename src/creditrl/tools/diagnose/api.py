@@ -178,7 +178,8 @@ def diagnose(model, tokenizer, dataset, reward_funcs, *, reward_weights: Sequenc
     space = choose_space(model, d.params, rows, plan.folds, plan.groups_per_prompt, d.max_memory_gb, d.sketch_dim,
                          key="params", memory_key="max_memory_gb")
     rollout = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-               "max_new_tokens": cfg.rollout.max_new_tokens, "max_tool_tokens": 16, "stop_strings": ()}
+               "max_new_tokens": cfg.rollout.max_new_tokens, "max_tool_tokens": cfg.rollout.max_tool_tokens,
+               "stop_strings": ()}
     setting = {"model": getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__,
                "task": f"dataset of {len(task.problems)} rows", "adam_warmup": d.adam_warmup}
     return diagnose_policy(model, tokenizer, task, plan, space, rollout, setting=setting, run_dir=run_dir,
