@@ -44,13 +44,22 @@ def test_auto_keeps_fp32_where_the_bf16_gradient_disagrees():
 
 def test_auto_takes_the_best_of_the_rounds():
     """A busy machine only adds time: one slow round of bf16 does not decide."""
-    times = iter([9.0, 9.0, 1.0, 5.0, 0.4, 1.0])           # warm-ups, then fp32 1.0 / bf16 5.0, bf16 0.4 / fp32 1.0
+    times = iter([9.0, 9.0, 1.0, 3.0, 0.4, 1.0])           # warm-ups, then fp32 1.0 / bf16 3.0, bf16 0.4 / fp32 1.0
 
     def run(precision):
         t = next(times)
         return Probe(t, 0.0, [torch.ones(3)])
     choice = choose_precision(run, rounds=2)
     assert choice.chosen == "bf16" and choice.seconds["bf16"]["total"] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("bf16, rounds_run", [(6.0, 1), (4.0, 1), (3.9, 3), (1.0, 3), (1 / 4.5, 1), (1 / 4.4, 3)])
+def test_auto_stops_once_the_choice_is_settled(bf16, rounds_run):
+    """Once bf16 is a quarter of fp32's speed or less (a CPU without bf16 units: 6x slower), or four
+    times faster than it needs to be, the next rounds cannot change the choice: they are skipped."""
+    calls = []
+    choice = choose_precision(fake_probe({"fp32": 1.0, "bf16": bf16}, calls=calls), rounds=3)
+    assert len(calls) == 2 + 2 * rounds_run and choice.chosen == ("bf16" if bf16 < 0.9 else "fp32")
 
 
 def test_gradient_cosine_against_a_loop():
