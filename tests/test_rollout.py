@@ -354,3 +354,21 @@ def test_rare_tokens_are_drawn_at_their_probability(monkeypatch):
         monkeypatch.setattr(torch, "rand", lambda *a, value=1.0 - u, **k: torch.tensor([value], dtype=torch.float64))
         token, logp = sample_next(logits, temperature=1.0, top_p=1.0, generator=None)
         assert int(token) == index and float(logp) == pytest.approx(float(probs[index].log()), rel=1e-6)
+
+
+def test_a_stop_string_around_special_tokens_stops_the_row():
+    """Special tokens decode to nothing: a stop string written around two of them spans more tokens
+    than it has characters, and the row still stops there (the reward's text is cut at it, so the
+    tokens trained on must end there too)."""
+    from creditrl.runtime.sampling import decode_responses, generate
+
+    tok = char_tokenizer("abcxyz")
+    ids = lambda text: [tok.convert_tokens_to_ids(c) for c in text]  # noqa: E731
+    script = ids("xa") + [tok.bos_token_id] * 2 + ids("bcccccc")
+    model = ScriptedLM([script], len(tok), tok.eos_token_id)
+    out = generate(model, tok, [ids("z")], max_new_tokens=20, stop_strings=("ab",),
+                   generator=torch.Generator().manual_seed(0))
+    response = out.input_ids[0, out.prompt_len:][out.response_mask[0, out.prompt_len:] > 0]
+    assert bool(out.stopped[0]) and tok.decode(response.tolist(), skip_special_tokens=True) == "xab"
+    assert decode_responses(tok, out.input_ids[:, out.prompt_len:], out.attention_mask[:, out.prompt_len:],
+                            ("ab",)) == ["xab"]

@@ -129,9 +129,8 @@ def select_cache_rows(cache, rows: Tensor):
 
 
 def _text_stops(tokenizer, generated: Tensor, rows: Tensor, t: int, stop_strings, window: int) -> Tensor:
-    """[len(rows)] bool: the row's text ending at column t now contains a stop string. Only
-    the last ``window`` tokens are decoded (one batched call): an occurrence that ended
-    earlier was caught at its own step."""
+    """[len(rows)] bool: the row's text ending at column t now contains a stop string. Only its
+    tail is decoded (``_tail_texts``): an occurrence that ended earlier was caught at its own step."""
     if not len(rows):
         return torch.zeros(0, dtype=torch.bool)
     tails = _tail_texts(tokenizer, generated, rows, t, window)
@@ -139,8 +138,23 @@ def _text_stops(tokenizer, generated: Tensor, rows: Tensor, t: int, stop_strings
 
 
 def _tail_texts(tokenizer, generated: Tensor, rows: Tensor, t: int, window: int) -> list[str]:
-    """The text of the last ``window`` tokens of each of ``rows`` up to column t (one batched decode)."""
-    return tokenizer.batch_decode(generated[rows, max(0, t + 1 - window):t + 1].tolist(), skip_special_tokens=True)
+    """The last ``window`` characters or more of each of ``rows``' text up to column t: its last
+    ``window`` tokens (each writes >= 1 character; one batched decode), more for the rare row whose
+    special tokens decode to nothing in there."""
+    def decode(which: list[int], width: int) -> list[str]:
+        return tokenizer.batch_decode(generated[rows[which], max(0, t + 1 - width):t + 1].tolist(),
+                                      skip_special_tokens=True)
+
+    if not len(rows):
+        return []
+    texts, width = decode(list(range(len(rows))), window), window
+    short = [i for i, text in enumerate(texts) if len(text) < window]
+    while short and width < t + 1:
+        width *= 2
+        for i, text in zip(short, decode(short, width)):
+            texts[i] = text
+        short = [i for i in short if len(texts[i]) < window]
+    return texts
 
 
 @dataclass
