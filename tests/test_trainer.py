@@ -530,3 +530,14 @@ def test_pack_rows_matches_a_loop_over_rows(data):
                 assert attends(where[b, j][1], keys + [where[b, i][1] for i in range(j + 1) if attn[b, p + i]])
         for c, s in prompt_slot.items():
             assert attends(s, [prompt_slot[i] for i in range(c + 1) if attn[rows[0], i]])
+
+
+def test_train_plot_shows_a_reward_that_stayed_zero():
+    """A curve 0 at every step is left out of train.png (approx_kl on-policy), but not the reward's or
+    the accuracy's: a run that never scored must show it."""
+    from creditrl.trainer.report import train_curves
+
+    steps = [{"reward_mean": 0.0, "accuracy": 0.0, "entropy": 2.0 + i, "approx_kl": 0.0} for i in range(3)]
+    assert train_curves(steps) == ["reward_mean", "accuracy", "entropy"]
+    assert train_curves([{"entropy": 1.0}]) == ["entropy"]
+

@@ -13,7 +13,16 @@ from creditrl.utils.plots import figure, save_figure
 
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
                 "power_proxy", "approx_kl", "clip_frac_high", "noise_scale", "filtered_frac")
+OUTCOME_CURVES = ("reward_mean", "accuracy")
 LOG_SCALE = ("noise_scale",)   # B_simple spans orders of magnitude
+
+
+def train_curves(metrics: list[dict]) -> list[str]:
+    """The curves train.png draws: those of ``TRAIN_CURVES`` logged and nonzero at some step (approx_kl
+    is 0 at every on-policy step), and the outcome's whatever their values: a run whose reward stayed
+    0 must show it."""
+    return [k for k in TRAIN_CURVES if any(m.get(k) for m in metrics) or
+            k in OUTCOME_CURVES and any(m.get(k) is not None for m in metrics)]
 
 
 def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path]:
@@ -23,7 +32,7 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
     written = []
     if metrics:
         # curves that are 0 throughout (e.g. approx_kl on-policy) would only take room
-        keys = [k for k in TRAIN_CURVES if any(m.get(k) for m in metrics)]
+        keys = train_curves(metrics)
         cols = 4
         rows = max(1, (len(keys) + cols - 1) // cols)
         fig, axes = figure(cols, rows, width=4, height=3)
