@@ -303,7 +303,7 @@ GOOD = b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
     (GOOD + b'{"prompt": "5+5=", "answer": null}\n', r"row 3: answer: expected a string, a number, a list or a mapping"),
     (GOOD + b'{"prompt": "5+5=", "answer": NaN}\n', r"row 3: answer: expected a finite number, got nan"),
     # the default checker (exact) reads the answer as text: a mapping or an empty text is refused up front
-    (GOOD + b'{"prompt": "5+5=", "answer": {"a": 1}}\n', r"1 answer\(s\) the built-in checker\(s\) \['exact'\] cannot "
+    (GOOD + b'{"prompt": "5+5=", "answer": {"a": 1}}\n', r"1 answer\(s\) the checker\(s\) \['exact'\] cannot "
                                                        r"read \(row 3: a dict\)"),
     (GOOD + b'{"prompt": "5+5=", "answer": " "}\n', r"\(row 3: an empty answer\)"),
     (GOOD + b'{"answer": "1"}\n{"prompt": null, "answer": "1"}\n', r"2 invalid row\(s\); row 3: prompt: .*; row 4"),

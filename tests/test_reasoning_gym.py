@@ -52,6 +52,11 @@ def test_prompts_state_the_answer_format():
     plain = get_task("reasoning_gym", dataset="basic_arithmetic", config=ARITHMETIC, test_size=4, system_prompt="direct")
     q = plain.test_set()[0]
     assert q.prompt == f"{SYSTEM_PROMPTS['direct']}\n\n{q.meta['question']}\n" and plain.system_prompt is None
+    with pytest.raises(ValueError, match=r"system_prompt: 'defualt' is not a key of reasoning-gym's SYSTEM_PROMPTS"):
+        get_task("reasoning_gym", dataset="basic_arithmetic", test_size=4, system_prompt="defualt")
+    # one word of a script without spaces is text, not a mistyped key
+    assert get_task("reasoning_gym", dataset="basic_arithmetic", test_size=4,
+                    system_prompt="请用答案标签回答").instruction == "请用答案标签回答"
     own = get_task("reasoning_gym", dataset="basic_arithmetic", test_size=4, system_prompt="Reply as <answer>N</answer>.")
     assert own.test_set()[0].prompt.startswith("Reply as <answer>N</answer>.\n\n")
 

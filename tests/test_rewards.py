@@ -218,9 +218,13 @@ def test_a_list_or_mapping_answer_reaches_a_checker_of_ones_own_as_the_data_hold
     assert task.score([by_prompt["2+2?"]] * 2, ["four", "five"]).rewards == [1.0, 0.0]
     assert task.score([by_prompt["3+3?"]], ["6"]).rewards == [1.0]
     assert by_prompt["2+2?"].answer == '["four", "4"]'          # its text, for logs and sft targets
-    with pytest.raises(ValueError, match=r"2 answer\(s\) the built-in checker\(s\) \['exact'\] cannot read "
+    with pytest.raises(ValueError, match=r"2 answer\(s\) the checker\(s\) \['exact'\] cannot read "
                                          r"\(row 1: a list; row 2: a dict\)"):
         get_task("jsonl", path=path)
+    # creditrl's own form reads the answer as text too: it would get the list's JSON, where "our" is in '["four", ..]'
+    with pytest.raises(ValueError, match=r"the checker\(s\) \['user_rewards:creditrl_style'\] cannot read .* TRL's or "
+                                         r"verl's form"):
+        get_task("jsonl", path=path, checker="user_rewards:creditrl_style")
 
 
 def test_all_terms_missing_is_invalid():

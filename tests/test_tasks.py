@@ -240,7 +240,7 @@ def test_numeric_checker_cases(reply, answer, reward):
 
 def test_numeric_checker_refuses_answers_stating_no_single_number(tmp_path):
     rows = [{"prompt": "a", "answer": "1:2"}, {"prompt": "b", "answer": "2 or 3"}, {"prompt": "c", "answer": "3/4"}]
-    with pytest.raises(ValueError, match=r"2 answer\(s\) the built-in checker\(s\) \['numeric'\] cannot read "
+    with pytest.raises(ValueError, match=r"2 answer\(s\) the checker\(s\) \['numeric'\] cannot read "
                                          r"\(row 1: '1:2' states no single number; row 2: '2 or 3'"):
         get_task("jsonl", path=_write_jsonl(tmp_path / "d.jsonl", rows), checker="numeric")
     assert get_task("jsonl", path=_write_jsonl(tmp_path / "d.jsonl", rows), checker="exact")   # text is fine there
@@ -252,6 +252,11 @@ def test_numeric_checker_refuses_answers_stating_no_single_number(tmp_path):
     ("multiplication", {"digits": 2}, "answer: 1665", 1), ("multiplication", {"digits": 2}, "ANSWER: **1,665**", 1),
     ("multiplication", {"digits": 2}, "Answer: 1665 (that is 37 x 45)", 1),
     ("multiplication", {"digits": 2}, "Answer: 1600. Let me check: 37*45 = 1665", 0),
+    ("multiplication", {"digits": 2}, "Answer: 37 * 45 = 1665", 1),          # the product restated first
+    ("multiplication", {"digits": 2}, "**Answer:** $37 \\times 45 = 1665$", 1),
+    ("multiplication", {"digits": 2}, "Answer: 37 times 45 is 1665", 1),
+    ("multiplication", {"digits": 2}, "Answer: 37 × 45 = 1600", 0),
+    ("multiplication", {"digits": 2}, "\u0130\u0130 answer: 1665", 1),       # 'İ' lengthens when lowercased
     ("multiplication", {"digits": 2}, "37*45 = 1665", 0),     # the scratchpad asks for 'Answer: <number>'
 ])
 def test_natural_checkers_read_what_instruct_models_write(name, options, reply, reward):
@@ -289,6 +294,32 @@ def test_calculator_refuses_options_beyond_its_parser():
                     get_task("calculator", digits=digits, n_terms=n_terms)
 
 
+@pytest.mark.parametrize("reply", ["\\boxed{3+7} \\times 5", ".5*2", "\\boxed{3+7*5", "(3+7)*5" * 200])
+def test_countdown_natural_checker_writes_no_expression_of_its_own(reply):
+    """What the stripping reads keeps the reply's grouping (a box is a parenthesis) and its literals;
+    a last line too long to be an expression (1,000 characters) is not parsed at all."""
+    task = get_task("countdown", format="natural")
+    problem = Problem([{"role": "user", "content": "?"}], "38", {"numbers": [3, 5, 7], "target": 38})  # 3+7*5
+    problem5 = Problem([{"role": "user", "content": "?"}], "10", {"numbers": [2, 5], "target": 10})   # 5*2
+    assert task.reward(problem, reply) == 0.0 and task.reward(problem5, reply) == 0.0
+
+
+def test_countdown_natural_checker_is_linear_in_the_reply():
+    from creditrl.tasks.countdown import natural_expression
+    assert natural_expression("\\boxed{" * 100) == "\\boxed{" * 100 and natural_expression("x" * 100_000) == ""
+    assert natural_expression("\\boxed{" * 100 + "3+7}") == "\\boxed{" * 99 + "(3+7)"
+
+
+def test_a_training_stream_mostly_held_out_still_trains():
+    """test_size just under the space: the held-out set holds ~95% of the draws' probability, so a
+    training prompt takes ~20 draws; sample() keeps drawing (it gave up after 100 and returned a
+    held-out prompt, ~1 call in 300) and never returns a held-out prompt."""
+    task = get_task("countdown", max_number=3, test_size=170)
+    test = {p.prompt for p in task.test_set()}
+    rng = random.Random(0)
+    assert len(test) == 170 and not any(task.sample(rng).prompt in test for _ in range(3000))
+
+
 @pytest.mark.parametrize("reply", [
     "(3 + 7) * 5", "$(3 + 7) \\times 5$", "$(3 + 7) \\cdot 5 = 50$", "\\((3 + 7) \\times 5\\)",
     "\\boxed{(3 + 7) * 5}", "(3 + 7) * 5.", "Answer: (3 + 7) * 5", "**Answer:** (3 + 7) * 5", "(3 + 7) \u00b7 5",
@@ -308,7 +339,7 @@ def test_a_small_space_holds_out_half_and_never_trains_on_it():
     rng = random.Random(0)
     assert len(test) == 19 and not any(task.sample(rng).prompt in test for _ in range(300))
     task.generate = lambda rng: Problem(next(iter(test)), "0")      # nothing left to train on: an error, not a held-out prompt
-    with pytest.raises(ValueError, match=r"100 draws in a row gave only held-out problems.*lower test_size"):
+    with pytest.raises(ValueError, match=r"10000 draws in a row gave only held-out problems.*lower test_size"):
         task.sample(rng)
 
 

@@ -23,7 +23,8 @@ class LoraSettings:
     """LoRA adapters (peft ``LoraConfig``): only the adapters are trained and checkpointed."""
     r: int = opt(16, "LoRA rank.")
     alpha: float = opt(32.0, "LoRA scaling α (the update is scaled by α/r).")
-    dropout: float = opt(0.0, "Dropout on the LoRA input.")
+    dropout: float = opt(0.0, "Dropout on the LoRA input, in the learner's forward passes only (the sampler "
+                              "decodes without it, so pi_theta / pi_old carries its noise; the run says so).")
     target_modules: list[str] | None = opt(None, "Module names to adapt, e.g. `[q_proj, v_proj]`; null = peft's "
                                                  "default for the architecture.")
 
@@ -246,8 +247,8 @@ class TrainConfig:
                 "none. `auto` times a few decoding steps and a forward+backward of the run's own model at fp32 and "
                 "at bf16 when the run starts (SmolLM2 on a CPU) and keeps bf16 only where it is >= 1.11x "
                 "as fast and its gradient's cosine with fp32's is >= 0.99, else fp32 (~10 s on an idle machine "
-                "with bf16 units; on a CPU without them bf16 runs ~6x slower, which settles the choice after one "
-                "of the two rounds: ~40 s on SmolLM2; longer under load); builtin:tiny runs fp32 untimed (its millisecond steps time too noisily to "
+                "with bf16 units; ~80 s on SmolLM2 on a CPU without them, where bf16 runs ~6x slower; longer "
+                "under load); builtin:tiny runs fp32 untimed (its millisecond steps time too noisily to "
                 "choose by), and weights stored in bf16 (model.dtype=bfloat16) bf16 untimed. The run's "
                 "config.yaml holds the precision chosen, with both timings in a comment above it, and so does its "
                 "summary. A LoRA run "

@@ -21,7 +21,6 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NAMES = ("auto", "fp32", "bf16", "fp16")
 AUTO_MARGIN = 0.10        # bf16 must save at least this share of fp32's probe time...
 AUTO_MIN_COSINE = 0.99    # ...and its gradient must point where fp32's does
-SETTLED = 4.0            # ...and the rounds stop once either side is this far past the margin
 UNTIMED_MODELS = ("builtin:tiny",)   # millisecond steps: a timing too noisy to choose by
 
 
@@ -132,12 +131,8 @@ def choose_precision(run_probe: Callable[[Precision], Probe], *, rounds: int = 2
     ``run_probe(precision)`` decodes a few steps and runs one forward+backward at ``precision``
     (``model_probe``). Each precision runs once untimed (first-call costs: kernel selection,
     allocation), then ``rounds`` >= 1 times interleaved, alternating which goes first; the best
-    time of each is compared (a busy machine only adds time). Rounds stop early once one precision
-    is ``SETTLED`` times past the margin (bf16 at most a quarter as fast as fp32, or four times the
-    speed it needs), which a busy machine's noise does not reach: on a CPU without bf16 units bf16
-    ran 6x slower, each of its rounds ~17 s on SmolLM2."""
+    time of each is compared (a busy machine only adds time)."""
     names = ("fp32", "bf16")
-    needed = 1 / (1 - margin)
     for name in names:
         run_probe(Precision(name))
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
@@ -147,11 +142,13 @@ def choose_precision(run_probe: Callable[[Precision], Probe], *, rounds: int = 2
             result = run_probe(Precision(name))
             times[name].append((result.decode_s, result.train_s))
             grads.setdefault(name, result.grads)          # one gradient per precision is kept
-        seconds = {name: _best(runs) for name, runs in times.items()}
-        speedup = seconds["fp32"]["total"] / seconds["bf16"]["total"] if seconds["bf16"]["total"] > 0 else math.inf
-        if speedup <= 1 / SETTLED or speedup >= SETTLED * needed:
-            break
+    seconds = {}
+    for name, runs in times.items():
+        decode, train = min(runs, key=sum)
+        seconds[name] = {"decode": decode, "forward_backward": train, "total": decode + train}
     cosine = gradient_cosine(grads["fp32"], grads["bf16"])
+    speedup = seconds["fp32"]["total"] / seconds["bf16"]["total"] if seconds["bf16"]["total"] > 0 else math.inf
+    needed = 1 / (1 - margin)
     if not math.isfinite(cosine) or cosine < min_cosine:
         chosen, why = "fp32", f"the bf16 gradient's cosine with fp32's is {cosine:.4f} (< {min_cosine})"
     elif speedup < needed:
@@ -160,11 +157,6 @@ def choose_precision(run_probe: Callable[[Precision], Probe], *, rounds: int = 2
         chosen, why = "bf16", f"bf16 ran {speedup:.2f}x as fast as fp32, gradient cosine {cosine:.4f}"
     rule = f"rule: bf16 when >= {needed:.2f}x as fast with gradient cosine >= {min_cosine}, else fp32"
     return PrecisionChoice(chosen, seconds, cosine, f"{why} ({rule})", probe)
-
-
-def _best(runs: list[tuple[float, float]]) -> dict[str, float]:
-    decode, train = min(runs, key=sum)
-    return {"decode": decode, "forward_backward": train, "total": decode + train}
 
 
 def gradient_cosine(a: list[Tensor | None], b: list[Tensor | None]) -> float:

@@ -27,6 +27,7 @@ right-padded, so every response starts at column P and ``position_ids`` = cumsum
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -112,7 +113,7 @@ def sample_next(logits: Tensor, *, temperature: float, top_p: float,
         logp = torch.full_like(logp, float("-inf")).scatter(-1, order, sorted_logp)
         logp = torch.log_softmax(logp, dim=-1)
     # float64: a float32 running sum near 1 moves in steps of 6e-8, so rarer tokens could never be drawn
-    cdf = logp.double().exp().cumsum_(-1)
+    cdf = logp.exp().cumsum(-1, dtype=torch.float64)
     u = 1.0 - torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)   # (0, 1]
     target = (u.to(cdf.device) * cdf[:, -1])[:, None]
     token = torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
@@ -218,6 +219,7 @@ class _Stops:
     max_new: int
     tool_stop: str | None
     calls: int
+    tool_end_ids: Tensor | None = None   # the ids whose text can end tool_stop (None: any)
 
 
 def _stops(model, tokenizer, task, stop_strings, max_new_tokens: int) -> _Stops:
@@ -227,7 +229,22 @@ def _stops(model, tokenizer, task, stop_strings, max_new_tokens: int) -> _Stops:
     # every token writes >= 1 character, so this many tokens hold any stop string or tool_stop
     window = max((len(s) for s in (*strings, tool_stop or "")), default=0) + 1
     return _Stops(torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long), strings, window,
-                  max_new_tokens, tool_stop, calls)
+                  max_new_tokens, tool_stop, calls,
+                  _ids_ending_with(tokenizer, tool_stop[-1]) if tool_stop and tool_stop[-1].isascii() else None)
+
+
+_ENDING_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ids_ending_with(tokenizer, char: str) -> Tensor:
+    """[K] the token ids whose text ends with ``char`` (special tokens' included), found once per
+    tokenizer (0.4 s over SmolLM2's 49,152): only a row whose last token is one of them can have just
+    written a tool call, so only those rows' tails are decoded at a step."""
+    table = _ENDING_IDS.setdefault(tokenizer, {})
+    if char not in table:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        table[char] = torch.tensor([i for i, text in enumerate(texts) if text.endswith(char)], dtype=torch.long)
+    return table[char]
 
 
 def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t: int, token: Tensor,
@@ -242,7 +259,10 @@ def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t:
     if stops.tool_stop is not None:
         # a call is the text ending with tool_stop, as task.tool_output reads it: a BPE tokenizer writes
         # "</calc>" with more than one token sequence (SmolLM2: "Ġ</" after a space), so ids cannot tell
-        rows = live[chosen & keep]
+        can_end = chosen & keep
+        if stops.tool_end_ids is not None:
+            can_end &= torch.isin(token, stops.tool_end_ids)
+        rows = live[can_end]
         rows = rows[state.n_calls[rows] < stops.calls]
         calling = [int(b) for b, text in zip(rows, _tail_texts(tokenizer, state.tokens, rows, t, stops.window))
                    if text.endswith(stops.tool_stop)]

@@ -7,12 +7,16 @@ tokens and token-level credit matters; only the number after the last ``"="`` is
 from __future__ import annotations
 
 import random
+import re
 
 from creditrl.utils.validate import check_int
 from creditrl.tasks.base import Problem, ProceduralTask, last_integer
 from creditrl.tasks.checkers import first_number
 
 DIGITS = "0123456789"
+_ANSWER_MARKER = re.compile(r"answer:", re.IGNORECASE)
+# "37 * 45 =" (or ×, x, ·, \times, \cdot, "times" ... "is") restated before the answer
+_RESTATED = re.compile(r"^[\s*_$`(]*\d[\d,]*\s*(?:\*|×|x|X|·|\\times|\\cdot|times)\s*\d[\d,]*\s*[)$]*\s*(?:=|is)")
 
 
 def _check_digits(digits: object, high: int) -> None:
@@ -99,12 +103,12 @@ class Multiplication(ProceduralTask):
         return f"What is {a} * {b}? Reply with just the number."
 
     def natural_reward(self, problem: Problem, response: str) -> float:
-        """With the scratchpad only the number right after the last 'Answer:' (any case) counts: the
-        prompt asks for 'Answer: <number>', and a check after it ("Answer: 1600. Check: 37*45 =
-        1665") is not the answer."""
+        """With the scratchpad only the number stated after the last 'Answer:' (any case) counts: the
+        first one, after a restated product ("Answer: 37 × 45 = 1665"); a check after it ("Answer:
+        1600. Check: 37*45 = 1665") is not the answer."""
         if self.scratchpad:
-            marker = response.lower().rfind("answer:")
-            stated = first_number(response[marker + len("answer:"):]) if marker >= 0 else None
+            markers = list(_ANSWER_MARKER.finditer(response))
+            stated = first_number(_RESTATED.sub("", response[markers[-1].end():], count=1)) if markers else None
             return float(stated is not None and stated == int(problem.answer))
         return float(last_integer(response) == problem.answer)
 

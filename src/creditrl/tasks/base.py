@@ -28,6 +28,7 @@ from creditrl.tasks.checkers import last_number
 
 
 FORMATS = ("auto", "compact", "natural")
+SAMPLE_TRIES = 10_000
 
 
 def last_integer(text: str) -> str | None:
@@ -151,12 +152,16 @@ class ProceduralTask:
 
     def sample(self, rng: random.Random) -> Problem:
         self.test_set()
-        for _ in range(100):  # held-out prompts are never trained on
+        # held-out prompts are never trained on: draw until a training one comes. Where the held-out set
+        # holds most of the draws' probability (a test_size just under the space) that takes many draws,
+        # yet with 5% left for training 10,000 misses in a row have probability 0.95^10000 ~ 1e-223
+        for _ in range(SAMPLE_TRIES):
             p = self.generate(rng)
             if p.prompt not in self._test_prompts:
                 return self._present(p)
-        raise ValueError(f"{self!r}: 100 draws in a row gave only held-out problems: the options leave (almost) "
-                         f"nothing to train on; lower test_size (now {self.test_size}) or widen the problem space")
+        raise ValueError(f"{self!r}: {SAMPLE_TRIES} draws in a row gave only held-out problems: the options leave "
+                         f"(almost) nothing to train on; lower test_size (now {self.test_size}) or widen the problem "
+                         f"space")
 
     def tool_output(self, response_so_far: str) -> str | None:
         return None

@@ -112,20 +112,25 @@ class Countdown(ProceduralTask):
 
 # how instruct models write an expression: LaTeX and unicode operators, math delimiters, a label
 _OPERATORS = (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("×", "*"), ("·", "*"), ("÷", "/"), ("−", "-"))
-_WRAPPING = re.compile(r"\\boxed\{(.*)\}|\\[()\[\]]|\\left|\\right|^[\s*_]*(?:final\s+)?(?:answer|expression)\s*:[*_]*", re.I)
+# \boxed{...} keeps its grouping as parentheses; [^{}]* (no nesting in an expression) keeps it linear
+_WRAPPING = re.compile(r"\\boxed\{([^{}]*)\}|\\[()\[\]]|\\left|\\right|"
+                       r"^[\s*_]*(?:final\s+)?(?:answer|expression)\s*:[*_]*", re.I)
+MAX_EXPRESSION_CHARS = 1000   # a longer last line is not an expression (and is not parsed)
 _SPACED_X = re.compile(r"(?<=[\d)])\s+[xX]\s+(?=[\d(])")
 
 
 def natural_expression(response: str) -> str:
     """The last non-empty line of a reply as a plain expression: markdown and LaTeX wrapping
-    (``$``, backticks, bold, ``\\boxed{}``, ``\\(..\\)``), an "Answer:" label, a trailing period
-    and any "= target" tail removed; ``\\times``, ``\\cdot``, ×, · and a spaced x read as *,
+    (``$``, backticks, bold, ``\\(..\\)``), an "Answer:" label, a trailing period and any "= target"
+    tail removed, ``\\boxed{e}`` read as (e); ``\\times``, ``\\cdot``, ×, · and a spaced x read as *,
     ``\\div`` and ÷ as /."""
     lines = [line for line in response.strip().splitlines() if line.strip()]
     if not lines:
         return ""
-    line = _WRAPPING.sub(lambda m: m.group(1) or "", lines[-1])
+    if len(lines[-1]) > MAX_EXPRESSION_CHARS:
+        return ""
+    line = _WRAPPING.sub(lambda m: "" if m.group(1) is None else f"({m.group(1)})", lines[-1])
     for old, new in _OPERATORS:
         line = line.replace(old, new)
     line = _SPACED_X.sub(" * ", line)
-    return line.split("=")[0].strip(" `$*.")
+    return line.split("=")[0].strip(" `$*").removesuffix(".").rstrip()

@@ -3,9 +3,9 @@
 A ``prompt`` is a string (standard) or a list of ``{"role", "content"}`` messages
 (conversational), TRL's conventions; ``chat_template`` / ``system_prompt`` decide how it is
 rendered (``tasks/chat.py``). An ``answer`` is a string or a number, or for a checker of your
-own (TRL's or verl's convention) any JSON value, passed to it as the data holds it (a list of
-accepted answers, Search-R1's ``{"target": [...]}``). The built-in checkers need a non-empty text
-or a number, and ``numeric`` one number. Bad rows are reported before training with the file
+own in TRL's or verl's form any JSON value, passed to it as the data holds it (a list of accepted
+answers, Search-R1's ``{"target": [...]}``). Checkers in creditrl's form read the answer as text: the
+built-ins need a non-empty one, ``numeric`` one number. Bad rows are reported before training with the file
 name and up to 10 row numbers.
 
 Columns are addressed by name or, inside nested columns, by a dotted key
@@ -164,26 +164,29 @@ def answer_text(answer: str | int | float | list | dict) -> str:
 
 
 def check_answers(file_name: str, problems: list[Problem], terms: list) -> None:
-    """Refuse, naming the rows, the answers a built-in checker among ``terms`` cannot read: a list
-    or mapping, an empty text (``exact`` would reward an empty completion, ``numeric`` and ``math``
-    nothing), and for ``numeric`` a text stating no single number (``answer_number``)."""
+    """Refuse, naming the rows, the answers a checker among ``terms`` cannot read: a list or mapping
+    where a checker takes the answer as text (the built-ins, and functions in creditrl's form
+    ``fn(prompt, response, answer)``, which would get its JSON); for the built-ins an empty text
+    (``exact`` would reward an empty completion, ``numeric`` and ``math`` nothing), and for
+    ``numeric`` a text stating no single number (``answer_number``)."""
     builtin = {fn.builtin for fn, _ in terms if fn.builtin}
-    if not builtin:
+    text = sorted({fn.name for fn, _ in terms if fn.convention == "creditrl"})
+    if not text:
         return
     bad = []
     for row, problem in enumerate(problems, start=1):
         raw = problem.meta["ground_truth"]
         if isinstance(raw, (list, dict)):
             bad.append(f"row {row}: a {type(raw).__name__}")
-        elif not problem.answer.strip():
+        elif builtin and not problem.answer.strip():
             bad.append(f"row {row}: an empty answer")
         elif "numeric" in builtin and answer_number(problem.answer) is None:
             bad.append(f"row {row}: {problem.answer[:40]!r} states no single number")
     if bad:
-        raise ValueError(f"path: {file_name} has {len(bad)} answer(s) the built-in checker(s) {sorted(builtin)} "
-                         f"cannot read ({'; '.join(bad[:10])}); fix the rows, or score them with a function of "
-                         f"your own (task.options.checker=package.module:function, which gets the answer as the "
-                         f"data holds it)")
+        raise ValueError(f"path: {file_name} has {len(bad)} answer(s) the checker(s) {text} cannot read "
+                         f"({'; '.join(bad[:10])}); these read the answer as text: fix the rows, or score them with "
+                         f"a function of your own in TRL's or verl's form (task.options.checker=package.module:"
+                         f"function), which gets the answer as the data holds it")
 
 
 def read_problems(file: Path, prompt_key: str, answer_key: str | None) -> list[Problem]:

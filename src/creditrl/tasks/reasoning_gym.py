@@ -148,7 +148,8 @@ class ReasoningGymTask:
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise ValueError(f"system_prompt: expected a key of {sorted(SYSTEM_PROMPTS)}, your own text or null, "
                              f"got {system_prompt!r}")
-        if isinstance(system_prompt, str) and system_prompt not in SYSTEM_PROMPTS and system_prompt.isidentifier():
+        if isinstance(system_prompt, str) and system_prompt not in SYSTEM_PROMPTS and system_prompt.isascii() \
+                and system_prompt.isidentifier():
             # one bare word is a mistyped key, not an instruction: sent as text, the model never learns the format
             raise ValueError(f"system_prompt: {system_prompt!r} is not a key of reasoning-gym's SYSTEM_PROMPTS "
                              f"{sorted(SYSTEM_PROMPTS)}; expected one of them, your own text (more than one word) or null")

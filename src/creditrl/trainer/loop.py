@@ -198,8 +198,13 @@ class Trainer:
         self.notes = (precision_notes(self.model, cfg) + component_notes(cfg) + idle_setting_notes(loss.loss, cfg)
                       + on_policy_notes(loss.loss, cfg))
         if dropout:
-            self.notes.append(f"note: the model's dropout is off ({', '.join(dropout)} set to 0): the sampler "
+            self.notes.append(f"note: the base model's dropout is off ({', '.join(dropout)} set to 0): the sampler "
                               "decodes without it, and with it the ratio of pi_theta to pi_old is noise")
+        lora = cfg.model.lora.settings()
+        if lora is not None and lora.dropout > 0:
+            self.notes.append(f"note: model.lora.dropout={lora.dropout:g} stays on in the learner's forward passes "
+                              "(the sampler decodes without it): pi_theta / pi_old carries its noise, and a clip "
+                              "range acts on it too; 0 keeps the ratio exact at unchanged weights")
         if self.precision_choice is not None:
             self.notes.append(f"note: {self.precision_choice.text()}")
 
