@@ -240,7 +240,10 @@ def _ids_ending_with(tokenizer, char: str) -> Tensor:
     """[K] the token ids whose text ends with ``char`` (special tokens' included), found once per
     tokenizer (0.4 s over SmolLM2's 49,152): only a row whose last token is one of them can have just
     written a tool call, so only those rows' tails are decoded at a step."""
-    table = _ENDING_IDS.setdefault(tokenizer, {})
+    try:
+        table = _ENDING_IDS.setdefault(tokenizer, {})
+    except TypeError:              # a tokenizer that cannot be a weak dict key: found again each call
+        table = {}
     if char not in table:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
         table[char] = torch.tensor([i for i, text in enumerate(texts) if text.endswith(char)], dtype=torch.long)
