@@ -212,7 +212,8 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
     from creditrl.core.estimators import _non_negative_stats
     from creditrl.integrations.energy import energy_from_logp
     from creditrl.integrations.verl import check_actor_stats, group_ids
-    from creditrl.utils.validate import FusedChecks, check_mask, float32_bits, float_mask
+    from creditrl.utils.validate import FusedChecks, check_mask, float32_bits, float_mask, mask_verdict, \
+        times_mask_with_rule
 
     mask, rewards = inputs["response_mask"], inputs["token_level_rewards"]
     energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"])
@@ -240,25 +241,50 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
            "energy": lambda: energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"]),
            "energy, actor stats checked": lambda: check_actor_stats(valid, inputs["old_log_probs"],
                                                                     inputs["sum_pi_squared"])}
+    if mask.dtype == torch.float32:
+        # without energies the rule runs in the broadcast's pass: its cost is that pass over the product alone
+        fns[BROADCAST_RULE] = lambda: mask_verdict("mask", mask, times_mask_with_rule(totals, mask)[1].tolist())
+        fns["product"] = lambda: totals[:, None] * mask
     best = {k: v["best"] for k, v in summarize(interleaved_samples(fns, repeats, settle=1)).items()}
     checked = best.pop("energy, actor stats checked")
     best["plug-in: actor stats on valid tokens"] = max(0.0, checked - best.pop("energy"))
+    if "product" in best:
+        best[BROADCAST_RULE] = max(0.0, best[BROADCAST_RULE] - best.pop("product"))
     return best
+
+
+BROADCAST_RULE = "mask: 0/1 rule in the broadcast's pass"
+
+
+def rule_in_broadcast(name: str, inputs: dict) -> bool:
+    """Whether estimator ``name``'s direct call leaves the mask's rule to its broadcast (a float32
+    mask on a CPU, and nothing before the broadcast reads the mask)."""
+    from creditrl.core.estimators import estimator_result, prepare
+    from creditrl.integrations.energy import energy_from_logp
+
+    energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"]) if name == "otb" else None
+    batch = prepare(name, rewards=inputs["token_level_rewards"], mask=inputs["response_mask"],
+                    group=inputs["group"], energy=energy)
+    estimator_result(name, batch)
+    return batch.mask_pending and "given_mask" not in batch.__dict__
 
 
 def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
     """The checks' cost against the direct and plug-in calls they guard; returns the largest share."""
     costs = check_costs(inputs, repeats)
     print(f"\ninput checks, best ms, on the inputs of T={rows[0]['length']} right-padded "
-          "(the direct call runs the first three, the plug-in all)")
+          "(the direct call runs the mask's, the rewards' and the energy's, with a float32 mask the mask's "
+          "in the broadcast's pass where the estimator reads the mask only there; the plug-in all)")
     for name, ms in costs.items():
         print(f"  {name:<40}{ms:>8.3f}")
-    direct = sum(v for k, v in costs.items() if not k.startswith("plug-in"))
+    direct = sum(v for k, v in costs.items() if not k.startswith("plug-in") and k != BROADCAST_RULE)
     worst = 0.0
     for row in rows:
         if row["length"] != rows[0]["length"] or row["holes"]:
             continue
         own = direct - (costs["energy: finite, >= 0"] if row["name"] != "otb" else 0.0)
+        if BROADCAST_RULE in costs and rule_in_broadcast(row["name"], inputs):
+            own += costs[BROADCAST_RULE] - costs["mask: 0/1 rule"]
         plug = own + costs["plug-in: actor stats on valid tokens"] * (row["name"] == "otb") + \
             costs["plug-in: uids -> group ids"]
         share, plug_share = own / row["ms"]["direct"]["best"], plug / row["ms"]["plugin"]["best"]

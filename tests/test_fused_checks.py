@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import creditrl.utils.fused as fused_module
 import creditrl.utils.validate as validate
-from creditrl import compute_advantages
-from creditrl.core.estimators import ENERGY_TOLERANCE
+from creditrl import compute_advantages, list_estimators, register_estimator
+from creditrl.core.estimators import ENERGY_TOLERANCE, get_estimator
+from creditrl.core.estimators.registry import _REGISTRY
 from creditrl.integrations.energy import checked_energy_from_logp, energy_from_logp
 from creditrl.utils.validate import LOGP_TOLERANCE, check_mask
 
@@ -267,6 +268,25 @@ def test_a_callers_error_raises_as_itself_and_leaves_compiling_on(monkeypatch):
     assert fused_module._EAGER_REASON == []
 
 
+@pytest.mark.filterwarnings("ignore:dynamo_pgo force disabled")
+def test_a_kernel_compiled_on_a_tiny_batch_runs_in_parallel_on_any_batch():
+    """inductor sizes a CPU kernel's parallelism from the shapes it first compiles for, and its graph
+    cache serves that kernel to every later process: the energy compiled on a 3 x 5 batch ran
+    single-threaded, 1.7x slower, on B = 1,024, T = 4,096. ``fused`` compiles with dynamic threads,
+    so the loop is an OpenMP parallel one whatever the first shapes (the cache is off here, so the
+    kernel is generated, not loaded)."""
+    from torch._inductor.utils import run_and_get_code
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    square_sum = fused_module.fused(lambda x: (x * x).sum().reshape(1))
+    with torch._inductor.config.patch(force_disable_caches=True):
+        out, code = run_and_get_code(square_sum, torch.arange(3.0))
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    assert out.tolist() == [5.0]
+    assert code and any("#pragma omp parallel" in source for source in code), code
+
+
 def test_energy_compiles_once_for_every_shape():
     """Inputs go in flat, so B and T do not multiply graphs: a handful of shapes (1 element, then
     many) add at most two graphs per dtype combination."""
@@ -278,6 +298,73 @@ def test_energy_compiles_once_for_every_shape():
         checked_energy_from_logp(-torch.rand(rows, steps), torch.rand(rows, steps) * 0.9 + 0.05,
                                  torch.ones(rows, steps))
     assert counters["stats"]["unique_graphs"] - before <= 2
+
+
+# ----------------------------------------------------------------------------- a float32 mask checked in its broadcast
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=float32_values(SPECIAL), rows=st.integers(1, 3), seed=st.integers(0, 99))
+def test_the_passes_with_the_mask_rule_match_a_loop(energy_path, values, rows, seed):
+    """times_mask_with_rule: the product is per_row * m (one float32 rounding of the exact product,
+    as the loop's float64 product rounded once); row_sums_with_rule: a 0/1 mask's row sums, exact.
+    The statistics of both pass the verdict iff the loop finds only 0 and 1."""
+    mask = torch.tensor(values, dtype=torch.float32).repeat(rows, 1)
+    per_row = torch.randn(rows, generator=torch.Generator().manual_seed(seed))
+    product, stats = validate.times_mask_with_rule(per_row, mask)
+    sums, sum_stats = validate.row_sums_with_rule(mask)
+    want = torch.tensor([[p * m for m in mask[r].tolist()] for r, p in enumerate(per_row.tolist())],
+                        dtype=torch.float32)
+    torch.testing.assert_close(product, want, rtol=0, atol=0, equal_nan=True)
+    for statistics in (stats, sum_stats):
+        if loop_is_0_1(values, torch.float32):
+            validate.mask_verdict("mask", mask, statistics.tolist())
+        else:
+            with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[0"):
+                validate.mask_verdict("mask", mask, statistics.tolist())
+    if loop_is_0_1(values, torch.float32):
+        assert sums.tolist() == [float(sum(v != 0 for v in mask[0].tolist()))] * rows
+
+
+@pytest.mark.parametrize("bad", [0.5, float("nan"), 1.0000001, -1e-30, float("inf"), 2.0 ** -149])
+def test_every_estimator_refuses_a_bad_float32_mask_naming_its_row(energy_path, bad):
+    """Without energies a float32 mask's rule waits for the broadcast (or the estimator's first read
+    of the mask): whichever way each estimator takes, the same error, and -0.0 passes."""
+    gen = torch.Generator().manual_seed(0)
+    group = torch.arange(4).repeat_interleave(4)
+    mask = (torch.rand(16, 7, generator=gen) < 0.7).float()
+    mask[:, 0] = 1
+    rewards = torch.randint(0, 2, (16,), generator=gen).float()
+    energy = torch.rand(16, 7, generator=gen)
+    bad_mask, signed_zero = mask.clone(), mask.clone()
+    bad_mask[5, 3] = bad
+    signed_zero[mask == 0] = -0.0
+    for name in list_estimators():
+        spec = get_estimator(name)
+        given = dict(rewards=rewards, group=group, energy=energy if spec.needs_energy else None,
+                     **({} if spec.k_range is None else {"k": 2}))
+        want = compute_advantages(name, mask=mask, **given)
+        torch.testing.assert_close(compute_advantages(name, mask=signed_zero, **given), want, rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[5\]"):
+            compute_advantages(name, mask=bad_mask, **given)
+
+
+def test_an_estimator_that_reads_the_mask_reads_it_checked():
+    """A third party's estimator reading ``batch.given_mask`` never sees an unchecked float32 mask."""
+    seen = []
+
+    @register_estimator("test_reads_given_mask", overwrite=True)
+    def reads_mask(batch):
+        seen.append(batch.given_mask)
+        return batch.rewards
+    try:
+        mask = torch.ones(4, 3)
+        mask[2, 1] = 0.25
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[2\]"):
+            compute_advantages("test_reads_given_mask", rewards=torch.ones(4), mask=mask, group=torch.zeros(4).long())
+        assert seen == []
+    finally:
+        _REGISTRY.pop("test_reads_given_mask")
 
 
 # ----------------------------------------------------------------------------- verl's plug-in

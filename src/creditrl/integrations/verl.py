@@ -209,7 +209,9 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             batch = build_batch(rewards=token_level_rewards, mask=response_mask,
                                 group=group_ids(index, response_mask.shape[0], response_mask.device), gamma=gamma,
                                 components=components, component_weights=weights)
-            energy = check_actor_stats(batch.valid, old_log_probs, sum_pi_squared)
+            energy = None                 # without the actor's stats, a float32 mask's check waits for the broadcast
+            if old_log_probs is not None or sum_pi_squared is not None:
+                energy = check_actor_stats(batch.valid, old_log_probs, sum_pi_squared)
             if energy is not None:
                 batch = with_energy(batch, energy, rollout_is_weights)
             result = estimator_result(name, batch, **options)

@@ -40,7 +40,11 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
     bad shape or device, out of memory) raises as itself and leaves compiling on. Runs without
     autograd and autocast (fewer graphs, and nothing to record); inputs as ``flat`` gives them."""
     eager = eager or fn
-    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True))
+    # dynamic_threads: a CPU kernel's loops are parallel whatever the sizes it was first compiled
+    # for. Without it inductor sizes the parallelism from the first call's shapes, and its graph cache
+    # hands that kernel to every later call and process: one compiled on a 3 x 5 test batch ran
+    # single-threaded, 2x slower, on B = 1,024, T = 4,096
+    compiled = functools.cache(lambda: torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True}))
 
     @functools.wraps(fn)
     def run(*args):

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from creditrl.utils.blocks import row_blocks
+from creditrl.utils.fused import fused
 
 MAX_ROWS_REPORTED = 10
 
@@ -223,6 +224,46 @@ def mask_stats(mask: Tensor) -> Tensor | None:
     return torch.stack([stats[:, 0].min(), stats[:, 1].max()]).to(torch.float64)
 
 
+def _rule(mask: Tensor) -> Tensor:
+    # each row's max first: inductor vectorises a reduction along the contiguous axis, and the [B]
+    # partials cost nothing; one whole-tensor reduction fused with the product ran 1.5x slower. The
+    # floats, not their bits (inductor casts bits element by element): abs and amax propagate NaN,
+    # so a 0 means every f is +-0.0
+    return (mask - mask * mask).abs().amax(1).amax().reshape(1)
+
+
+def _times_mask_with_rule(per_row: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    return per_row[:, None] * mask, _rule(mask)
+
+
+def _row_sums_with_rule(mask: Tensor) -> tuple[Tensor, Tensor]:
+    return mask.sum(1), _rule(mask)
+
+
+_times_mask_with_rule_fused = fused(_times_mask_with_rule,
+                                    eager=lambda per_row, mask: (per_row[:, None] * mask, mask_stats(mask)))
+_row_sums_with_rule_fused = fused(_row_sums_with_rule, eager=lambda mask: (mask.sum(1), mask_stats(mask)))
+
+
+def times_mask_with_rule(per_row: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """per_row [B] float32 times a float32 mask [B,T] -> (the product [B,T] float32, the mask's 0/1
+    statistics for ``mask_verdict``: all 0 where every value is 0 or 1).
+
+    The product and ``mask_stats``' rule from one read of the mask, compiled where compiling works
+    (2-D with dynamic sizes: one graph, one more where B or T is 1). Compiled, the statistics are
+    [max |f|] of f = m - m*m (0 only where every m is +-0.0 or 1; NaN for NaN and inf, which fails
+    the verdict's == 0); eager, ``mask_stats``' two bit patterns. Where the mask is a product's only
+    [B,T] input this makes its check nearly free: on the 2-core dev CPU at B = 1,024, T = 4,096,
+    0.45 ms over the product alone, where the rule alone takes 1.9 ms. Not read back."""
+    return _times_mask_with_rule_fused(per_row.detach(), mask.detach())
+
+
+def row_sums_with_rule(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """A float32 mask [B,T] -> (its row sums [B] float32, exact for rows under 2^24 tokens, and its
+    0/1 statistics for ``mask_verdict``), from one read of the mask, as ``times_mask_with_rule``."""
+    return _row_sums_with_rule_fused(mask.detach())
+
+
 def float_mask(mask: Tensor) -> Tensor:
     """A 0/1 mask (bool, or checked numbers) as float32 0/1. A bool goes through its uint8 view,
     clamped at 1 (a bool tensor made by viewing other bytes may hold 2..255, which ``bool``
@@ -248,13 +289,14 @@ def integer_mask_verdict(name: str, mask: Tensor, values: list[float]) -> None:
 
 
 def mask_verdict(name: str, mask: Tensor, values: list[float]) -> None:
-    """Raise unless ``values`` (``mask_stats`` of ``mask``) show a 0/1 mask. Where the float test
-    fails, an exact pass decides (it accepts -0.0, the one legal value the bit test rejects)."""
+    """Raise unless ``values`` (``mask_stats`` or ``times_mask_with_rule`` of ``mask``) show a 0/1
+    mask. Where the float test fails, an exact pass decides (it accepts -0.0, the one legal value
+    the bit test rejects)."""
     if not mask.is_floating_point():
         if not (values[0] >= 0 and values[1] <= 1):
             _raise_not_0_1(name, mask)
         return
-    if values[0] == 0 and values[1] == 0:
+    if all(value == 0 for value in values):
         return
     if bool(((mask != 0) & (mask != 1)).any()):
         _raise_not_0_1(name, mask)

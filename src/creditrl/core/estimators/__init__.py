@@ -118,7 +118,8 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     Shapes, dtypes and devices are checked first. Every value check is then one reduction pass
     per tensor, all read back in one host read (``FusedChecks``): the mask's 0/1 rule
     (``mask_stats``; an integer mask is replaced by its float32 copy, checked on the copy's
-    bits, ``integer_mask_copy``), finite rewards (a non-finite value makes its row's sum non-finite, so token
+    bits, ``integer_mask_copy``; a float32 mask's on a CPU, without energies, on its first use, in
+    a second read: see ``AdvantageBatch``), finite rewards (a non-finite value makes its row's sum non-finite, so token
     rewards cost the one sum R needs), energies and IS weights finite and >= 0 (one integer
     min/max pass). Only a failing test takes an exact, slower pass, to name the rows or to accept
     what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
@@ -139,11 +140,16 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     checks = FusedChecks()
     energy_of = _queue_energy_checks(checks, mask, energy, is_weights)
     given = mask
+    # On a CPU, without energies (whose exact pass reads the checked mask), a float32 mask's rule
+    # waits for its first use (AdvantageBatch.given_mask), where a broadcast runs it in the pass it
+    # writes. Not on a GPU: there the pass costs microseconds and a second host read a sync
+    pending = (mask.device.type == "cpu" and mask.dtype == torch.float32 and mask.numel() > 0
+               and energy is None and is_weights is None)
     if mask.dtype != torch.bool and not mask.is_floating_point():   # verl passes int64
         mask, stats = integer_mask_copy(given)   # the copy the estimators multiply by, checked in one pass
         verdict = functools.partial(integer_mask_verdict, "mask", given)
     else:
-        stats, verdict = mask_stats(mask), functools.partial(mask_verdict, "mask", mask)
+        stats, verdict = None if pending else mask_stats(mask), functools.partial(mask_verdict, "mask", mask)
     if stats is not None:
         checks.add(stats, verdict)
     finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
@@ -152,9 +158,10 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
         check_finite("rewards", seq_rewards)             # raises, naming the rows
     elif not results[finite]:
         seq_rewards = _exact_row_totals(token_rewards)
-    return AdvantageBatch(rewards=seq_rewards, given_mask=mask, groups=GroupIndex.from_ids(group),
+    return AdvantageBatch(rewards=seq_rewards, input_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy_of(results, mask), token_rewards=token_rewards, gamma=float(gamma),
-                          components=components, component_weights=component_weights, mask_copy=mask is not given)
+                          components=components, component_weights=component_weights, mask_copy=mask is not given,
+                          mask_pending=pending)
 
 
 def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None = None) -> AdvantageBatch:
@@ -288,9 +295,9 @@ def estimator_result(name: str, batch: AdvantageBatch, **options) -> Tensor:
     spec = get_estimator(name)
     options = spec.resolve_options(options)
     options.pop("gamma", None)                    # already in the batch
-    shape = batch.given_mask.shape
-    if batch.given_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
-        return torch.zeros(shape, dtype=torch.float32, device=batch.given_mask.device)
+    shape = batch.input_mask.shape                # not given_mask: its check may wait for the broadcast
+    if batch.input_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
+        return torch.zeros(shape, dtype=torch.float32, device=batch.input_mask.device)
     if spec.k_range is not None:
         spec.k_range.check(spec.name, batch.groups, options["k"])
     try:
@@ -305,7 +312,7 @@ def estimator_result(name: str, batch: AdvantageBatch, **options) -> Tensor:
         got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "
                          f"{list(shape)}")
-    out = out.to(device=batch.given_mask.device, dtype=torch.float32)
+    out = out.to(device=batch.input_mask.device, dtype=torch.float32)
     # One reduction pass for every estimator, masked_output ones included: a NaN/inf makes its
     # row's sum non-finite. Only a failing test takes the exact pass (a float32 overflow of a
     # finite row's sum, or non-finite values on masked tokens, which are replaced by 0).

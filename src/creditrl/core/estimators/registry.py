@@ -21,7 +21,8 @@ from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, options_of
-from creditrl.utils.validate import float32_bits, float_mask
+from creditrl.utils.validate import (check_mask, float32_bits, float_mask, mask_verdict, row_sums_with_rule,
+                                    times_mask_with_rule)
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,10 @@ class AdvantageBatch:
     so a sequence-level estimator never pays for returns-to-go or the compacted step view.
 
     rewards:       [B]    float32 sequence reward R (Σ_t r_t over every token for token rewards)
-    given_mask:    [B,T]  the mask as the caller gave it (bool, or checked 0/1 floats), or an integer
-                          mask's checked float32 copy (then ``mask_copy`` is True: creditrl's own tensor)
+    input_mask:    [B,T]  the mask as the caller gave it (bool or floats), or an integer mask's checked
+                          float32 copy (then ``mask_copy`` is True: creditrl's own tensor). Read
+                          ``given_mask`` instead: while ``mask_pending``, a float32 mask's 0/1 rule has
+                          not run yet
     groups:        GroupIndex of the group ids
     raw_energy:    [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
                           finite and >= 0, but not necessarily 0 on masked tokens (no copy of
@@ -41,7 +44,14 @@ class AdvantageBatch:
     components:    [B,K]  float64 reward components (one column per reward term, e.g. each of
                           ``task.options.rewards``; NaN where a term gave no reward), or None
     component_weights: [K] float64 each component's weight in the total reward (ones if not given)
-    Derived: ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid tokens per response;
+    A float32 mask on a CPU without energies is checked on first use (``mask_pending``): ``given_mask``
+    and every view derived from it run the 0/1 rule first, but two run it inside their own pass, the
+    broadcast of a [B] result (``times_mask_with_rule``; all a sequence-level estimator does with the
+    mask) and ``lengths`` (``row_sums_with_rule``): 0.45 ms over that pass, where the rule alone
+    takes 1.9 ms, at B = 1,024, T = 4,096 on the 2-core dev CPU. The rule's error comes before any
+    advantage is returned, from whichever view comes first.
+    Derived: ``given_mask`` the checked mask; ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid
+    tokens per response;
     ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
     G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
@@ -49,7 +59,7 @@ class AdvantageBatch:
     """
 
     rewards: Tensor
-    given_mask: Tensor
+    input_mask: Tensor
     groups: GroupIndex
     raw_energy: Tensor | None
     token_rewards: Tensor | None
@@ -57,10 +67,28 @@ class AdvantageBatch:
     components: Tensor | None = None
     component_weights: Tensor | None = None
     mask_copy: bool = False
+    mask_pending: bool = False
 
     @property
     def token_level(self) -> bool:
         return self.token_rewards is not None
+
+    @cached_property
+    def given_mask(self) -> Tensor:
+        """The mask, its 0/1 rule run (here, one pass and a host read, where it is still pending)."""
+        if self.mask_pending:
+            check_mask("mask", self.input_mask)
+        return self.input_mask
+
+    @property
+    def _rule_pending(self) -> bool:
+        return self.mask_pending and "given_mask" not in self.__dict__
+
+    def _checked(self, stats: Tensor) -> None:
+        """Read a pending mask's 0/1 statistics, computed in another view's pass: raise on a bad
+        mask, else mark it checked (``given_mask`` then skips the rule)."""
+        mask_verdict("mask", self.input_mask, stats.tolist())
+        self.__dict__["given_mask"] = self.input_mask
 
     @cached_property
     def valid(self) -> Tensor:
@@ -68,6 +96,10 @@ class AdvantageBatch:
 
     @cached_property
     def lengths(self) -> Tensor:
+        if self._rule_pending:                           # the sums and the rule from one read
+            sums, stats = row_sums_with_rule(self.input_mask)
+            self._checked(stats)
+            return sums.long()
         mask = self.given_mask
         # float32/64 rows sum 0/1 exactly (no converted copy); bool rows would cast element by
         # element, and 16-bit floats round the count (bf16: 4,099 ones sum to 4,096)
@@ -84,13 +116,19 @@ class AdvantageBatch:
 
     @cached_property
     def steps(self) -> StepIndex:
-        return StepIndex.from_mask(self.given_mask, self.valid, self.lengths)
+        lengths = self.lengths                           # first: it checks a pending mask in its own pass
+        return StepIndex.from_mask(self.given_mask, self.valid, lengths)
 
     def broadcast(self, per_row: Tensor) -> Tensor:
         """[B] float32 -> [B,T] float32: the value on each row's valid tokens, exactly 0 elsewhere:
         finite values times the float32 mask (as given, or ``valid``: a bool mask's copy costs what
         a float32 times bool product costs, and leaves ``valid`` and ``lengths`` cheap; ``where``
-        branches per token, 8x slower on a holey mask on a CPU)."""
+        branches per token, 8x slower on a holey mask on a CPU). A float32 mask still to be checked
+        is checked in the same pass."""
+        if self._rule_pending:
+            out, stats = times_mask_with_rule(per_row, self.input_mask)
+            self._checked(stats)
+            return out
         mask = self.given_mask
         return per_row[:, None] * (mask if mask.dtype == torch.float32 else self.valid)
 
@@ -105,7 +143,7 @@ class AdvantageBatch:
         2-3 at B = 1,024, T = 4,096). A float32 mask is the caller's tensor and is never written."""
         if out.dim() != 1:
             return out
-        if not last_use or not self.mask_copy and self.given_mask.dtype == torch.float32:
+        if not last_use or not self.mask_copy and self.input_mask.dtype == torch.float32:
             return self.broadcast(out)
         own = self.given_mask if self.mask_copy else self.__dict__.pop("valid", None)
         return (float_mask(self.given_mask) if own is None else own).mul_(out[:, None])
