@@ -197,19 +197,28 @@ def test_calculator_reward_and_spans():
 
 
 @given(st.fractions(max_denominator=12).filter(lambda x: abs(x) < 1000),
-       st.fractions(max_denominator=12).filter(lambda x: abs(x) < 1000), st.booleans(), st.booleans())
+       st.fractions(max_denominator=12).filter(lambda x: abs(x) < 1000), st.booleans(), st.booleans(),
+       st.sampled_from(["plain", "frac", "dfrac", "boxed"]))
 @settings(max_examples=200, deadline=None)
-def test_numeric_checker_compares_the_stated_values_exactly(gold, said, gold_as_decimal, unicode_minus):
+def test_numeric_checker_compares_the_stated_values_exactly(gold, said, gold_as_decimal, unicode_minus, latex):
     """``numeric`` against the exact comparison of the two values, whatever the writing: the gold as
-    a fraction "a/b" (or a decimal where it ends), the reply as "a/b", with the minus of rendered math."""
+    a fraction "a/b" (or a decimal where it ends), the reply as "a/b" or LaTeX's \\frac{a}{b}, with
+    the minus of rendered math."""
     from creditrl.tasks.checkers import check_numeric
 
-    def fraction(x):
-        return f"{x.numerator}/{x.denominator}" if x.denominator != 1 else str(x.numerator)
+    def fraction(x, form="plain"):
+        if x.denominator == 1:
+            return str(x.numerator)
+        if form == "plain":
+            return f"{x.numerator}/{x.denominator}"
+        sign, body = "-" if x < 0 else "", f"{{{abs(x.numerator)}}}{{{x.denominator}}}"
+        return f"{sign}\\dfrac{body}" if form == "dfrac" else f"{sign}\\frac{body}"
 
     terminating = all(p in (2, 5) for p in _prime_factors(gold.denominator))
     answer = str(gold.numerator / gold.denominator) if gold_as_decimal and terminating else fraction(gold)
-    reply = f"So the value is {fraction(said)}"
+    reply = f"So the value is {fraction(said, latex)}"
+    if latex == "boxed":
+        reply = f"So the value is $\\boxed{{{fraction(said, 'frac')}}}$."
     if unicode_minus:
         reply = reply.replace("-", "\u2212")
     assert check_numeric(None, reply, answer) == float(gold == said)
@@ -231,11 +240,26 @@ def _prime_factors(n):
     ("The answer is 1/4", "3/4", 0), ("So there are 4 of them", "3/4", 0), ("0.75", "3/4", 1),
     ("it is 3/4", "-3/4", 0), ("\u22125", "5", 0), ("\u22125", "-5", 1), ("dated 11/27/2026", "2026", 1),
     ("1e999999999", "1", 0), ("3/0", "0", 0), ("3/0", "3", 0), ("2.50", "2.5", 1), ("12.0", "12", 1),
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1), ("x = -\\frac{3}{4}.", "-3/4", 1), ("\\dfrac{1}{4}", "3/4", 0),
+    ("\\frac12", "0.5", 1), ("0.75", "$\\frac{3}{4}$", 1), ("\\tfrac{6}{8}", "\\dfrac{3}{4}", 1),
+    ("\\frac{1}{0}", "1", 0), ("\\frac{}{}", "1", 0),
 ])
 def test_numeric_checker_cases(reply, answer, reward):
     from creditrl.tasks.checkers import check_numeric
     assert check_numeric(None, reply, answer) == reward
     assert check_numeric(None, reply, answer, tolerance=1e-9) == reward
+
+
+@pytest.mark.parametrize("reply, answer, reward", [
+    ("1000", "1 000", 1), ("1000", "1\\,000", 1), ("$\\boxed{1\\,000}$", "1000", 1), ("$\\boxed{1\\,000}$", "10", 0),
+    ("$\\boxed{2\\,345\\,678}$", "2345678", 1), ("$\\boxed{12\u202f345}$", "12345", 1), ("1~000", "1000", 1),
+    ("$\\boxed{3\\,1000}$", "31000", 0), ("$\\boxed{0.5}$", "1/2", 1), ("1000", "1,000", 1),
+])
+def test_math_checker_reads_thousands_grouped_by_thin_spaces(reply, answer, reward):
+    """math-verify alone reads "1\\,000" (and a gold "1 000") as 1 times 000 = 0: grouped digits are
+    one number; a group that is not 3 digits is not a grouping."""
+    from creditrl.tasks.checkers import check_math
+    assert check_math(None, reply, answer) == reward
 
 
 def test_numeric_checker_refuses_answers_stating_no_single_number(tmp_path):

@@ -173,6 +173,9 @@ def test_evaluate_rejects_bad_k(setup):
     task, tok = setup
     with pytest.raises(ValueError, match="ks"):
         evaluate(tiny_model(tok, SMALL), tok, task, task.test_set()[:2], n=2, ks=[4])
+    for n in (0, -1, 2.0, True):           # n itself is named, not the ks it makes out of range
+        with pytest.raises(ValueError, match=rf"n: expected the number of samples per problem, an int >= 1, got {n!r}"):
+            evaluate(tiny_model(tok, SMALL), tok, task, task.test_set()[:2], n=n, ks=[1])
 
 
 @pytest.mark.slow

@@ -1,10 +1,10 @@
 """The built-in answer checkers, ``fn(prompt, response, answer) -> float`` (creditrl's convention).
 
 - ``exact``: string equality up to surrounding whitespace;
-- ``numeric``: the last number of the response (``last_number``: "a/b" is one number, "1,234" counts
-  as 1234 only with separators every 3 digits, "1,2,3" is 3; a U+2212 minus is a minus) equals the
-  number the answer states (``answer_number``: "3/4", "-0.75", "12%"), exactly unless an absolute
-  ``tolerance`` is given;
+- ``numeric``: the last number of the response (``last_number``: "a/b" and LaTeX's ``\\frac{a}{b}`` are
+  one number, "1,234" counts as 1234 only with separators every 3 digits, "1,2,3" is 3; a U+2212
+  minus is a minus) equals the number the answer states (``answer_number``: "3/4", "\\frac{3}{4}",
+  "-0.75", "12%"), exactly unless an absolute ``tolerance`` is given;
 - ``math``: math-verify's parse + verify of the last ``MATH_TAIL_CHARS`` characters (LaTeX,
   ``\\boxed{}``, plain expressions), quiet, with math-verify's own 5 s limits where it can use
   them (the main thread; ``tasks/rewards.py`` runs it in a child process's main thread).
@@ -28,6 +28,17 @@ _FRACTION = re.compile(rf"[-+]?{_UNSIGNED}\s*/\s*{_UNSIGNED}")
 # the minus signs of rendered math (U+2212, small and fullwidth hyphen-minus), which models copy
 MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 MAX_EXPONENT = 1000   # |log10| of a number read: "1e999999999" would take minutes to make exact
+# \frac{a}{b}, \dfrac and \tfrac, and the digit shorthand \frac12, read as a/b
+# (one way to split each part: linear on a reply of spaces and no closing brace)
+_LATEX_FRACTION = re.compile(r"\\[dt]?frac\s*(?:\{([^{}]*)\}\s*\{([^{}]*)\}|(\d)\s*(\d))")
+
+
+def _plain(text: str) -> str:
+    """``text`` with rendered math's minus signs as "-" and LaTeX fractions as "a/b"."""
+    def as_slash(m: re.Match) -> str:
+        top, bottom = (m[1], m[2]) if m[3] is None else (m[3], m[4])
+        return f"{top.strip()}/{bottom.strip()}"
+    return _LATEX_FRACTION.sub(as_slash, text.translate(MINUS_SIGNS))
 
 
 def check_exact(prompt, response: str, answer: str) -> float:
@@ -44,8 +55,9 @@ def _exact(token: str) -> Fraction | None:
 
 def last_number(text: str) -> Fraction | None:
     """The last number written in ``text``, exactly: "a/b" (not a date's "11/27/2026") is the one
-    number a/b; thousands separators count in valid places only; None without one (or for a/0)."""
-    text = text.translate(MINUS_SIGNS)
+    number a/b, as is ``\\frac{a}{b}``; thousands separators count in valid places only; None without
+    one (or for a/0)."""
+    text = _plain(text)
     found = list(_NUMBER.finditer(text))
     if not found:
         return None
@@ -62,7 +74,7 @@ def last_number(text: str) -> Fraction | None:
 
 def first_number(text: str) -> Fraction | None:
     """The first number written in ``text``, read as ``last_number`` reads one (no fractions)."""
-    found = _NUMBER.search(text.translate(MINUS_SIGNS))
+    found = _NUMBER.search(_plain(text))
     return None if found is None else _exact(found.group())
 
 
@@ -70,7 +82,7 @@ def answer_number(answer: str) -> Fraction | None:
     """The number a gold answer states: the whole answer as one number or fraction (inside $...$
     or not), else the only number it holds ("12%", "x = 5"); None when it holds none or several
     ("1:2", "2 or 3": use ``checker=math`` or a function of your own)."""
-    text = answer.translate(MINUS_SIGNS).strip().strip("$").strip()
+    text = _plain(answer).strip().strip("$").strip()
     if _NUMBER.fullmatch(text) or _FRACTION.fullmatch(text):
         return last_number(text)
     found = _NUMBER.findall(text)
@@ -84,19 +96,33 @@ def check_numeric(prompt, response: str, answer: str, tolerance: float = 0.0) ->
     return float(got == want if tolerance == 0 else abs(got - want) <= Fraction(repr(tolerance)))
 
 
+# digit groups of 3 after a separator: LaTeX's thin spaces and typographic no-break spaces (math-verify
+# reads "1\\,000" as 1 times 000 = 0), and, in a gold answer only, a plain space ("1 000")
+_GROUP_SEPARATOR = r"(?:\\[,; ]|~|[\u00a0\u2009\u202f])"
+_GROUPED = re.compile(rf"(?<![\d.,])\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+(?!\d)")
+_GROUPED_OR_SPACED = re.compile(rf"(?<![\d.,])\d{{1,3}}(?:(?:{_GROUP_SEPARATOR}| )\d{{3}})+(?!\d)")
+
+
+def _ungrouped(text: str, pattern: re.Pattern) -> str:
+    """``text`` with the digit-group separators ``pattern`` finds removed: "1\\,000" -> "1000"."""
+    return pattern.sub(lambda m: re.sub(r"\D", "", m.group()), text)
+
+
 def check_math(prompt, response: str, answer: str) -> float:
-    """math-verify: parse both sides (LaTeX, ``\\boxed{}``, plain expressions) and compare."""
+    """math-verify: parse both sides (LaTeX, ``\\boxed{}``, plain expressions) and compare, with
+    thousands grouped by thin spaces ("1\\,000") read as one number (and by spaces, in the answer)."""
     from math_verify import parse, verify
 
     # math-verify's timeouts use SIGALRM, which only works on the main thread.
     timeout = MATH_VERIFY_TIMEOUT if threading.current_thread() is threading.main_thread() else None
+    answer, response = _ungrouped(answer, _GROUPED_OR_SPACED), _ungrouped(response[-MATH_TAIL_CHARS:], _GROUPED)
     gold = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
     quiet = logging.getLogger("math_verify")
     level, quiet.level = quiet.level, logging.CRITICAL   # it logs the whole response on a timeout
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             return float(verify(parse(gold, parsing_timeout=timeout),
-                                parse(response[-MATH_TAIL_CHARS:], parsing_timeout=timeout), timeout_seconds=timeout))
+                                parse(response, parsing_timeout=timeout), timeout_seconds=timeout))
     except Exception:  # noqa: BLE001 - malformed model output is reward 0, never a crash
         return 0.0
     finally:
