@@ -131,6 +131,17 @@ def test_countdown_generator_is_solvable():
         assert p.prompt == ",".join(map(str, numbers)) + f":{target}="
 
 
+def test_countdown_refuses_a_target_range_its_draws_almost_never_reach():
+    """Generation is rejection sampling: max_number=10000 with max_target=2 took ~0.4 s a problem
+    (minutes for a test set). Options under which fewer than 2 of 2,000 trial draws land are refused,
+    naming both; a narrow range that is still reached often enough is accepted."""
+    with pytest.raises(ValueError, match=r"max_target: with n_numbers=3 and max_number=10000, \d of 2000 random "
+                                         r"expressions came out at or below max_target=2"):
+        get_task("countdown", max_number=10000, max_target=2)
+    task = get_task("countdown", max_number=10000, max_target=10 ** 6, test_size=5)
+    assert all(p.meta["target"] <= 10 ** 6 for p in task.test_set())
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(1, 12), min_size=3, max_size=5), st.data())
 def test_countdown_reward_matches_brute_force(numbers, data):

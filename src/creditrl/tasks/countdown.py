@@ -18,6 +18,9 @@ from creditrl.tasks.base import Problem, ProceduralTask
 from creditrl.tasks.safe_math import literals, safe_eval
 
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+# generation is rejection sampling on the target: options under which fewer than 1 draw in 1,000 lands
+# at or below max_target (max_number=10000, max_target=2: 0.4 s a problem) are refused up front
+TRIAL_DRAWS, MIN_ACCEPTED = 2000, 2
 
 
 def _render(node) -> str:
@@ -58,6 +61,12 @@ class Countdown(ProceduralTask):
                          system_prompt=system_prompt, n_numbers=n_numbers,
                          max_number=max_number, max_target=max_target)
         self.n_numbers, self.max_number, self.max_target = n_numbers, max_number, max_target
+        trial = random.Random(0)
+        accepted = sum(self._draw(trial) is not None for _ in range(TRIAL_DRAWS))
+        if accepted < MIN_ACCEPTED:
+            raise ValueError(f"max_target: with n_numbers={n_numbers} and max_number={max_number}, {accepted} of "
+                             f"{TRIAL_DRAWS} random expressions came out at or below max_target={max_target}, so "
+                             f"each problem would take thousands of draws; raise max_target or lower max_number")
 
     def _random_tree(self, numbers: list[int], rng: random.Random):
         items = [(n, None, None, None) for n in numbers]
@@ -73,12 +82,16 @@ class Countdown(ProceduralTask):
             items.append(node)
         return items[0]
 
+    def _draw(self, rng: random.Random):
+        """(numbers, expression tree) of one random draw, or None where it misses the target range."""
+        numbers = [rng.randint(1, self.max_number) for _ in range(self.n_numbers)]
+        tree = self._random_tree(numbers, rng)
+        return (numbers, tree) if tree is not None and tree[0] <= self.max_target else None
+
     def generate(self, rng: random.Random) -> Problem:
-        while True:  # almost always succeeds in a few tries (a + b is always valid)
-            numbers = [rng.randint(1, self.max_number) for _ in range(self.n_numbers)]
-            tree = self._random_tree(numbers, rng)
-            if tree is not None and tree[0] <= self.max_target:
-                break
+        while (drawn := self._draw(rng)) is None:   # >= 1 in 1,000 draws lands (checked in __init__)
+            pass
+        numbers, tree = drawn
         prompt = ",".join(map(str, numbers)) + f":{tree[0]}="
         return Problem(prompt, str(tree[0]), {"numbers": numbers, "target": tree[0], "solution": _render(tree)})
 
