@@ -213,7 +213,7 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
     from creditrl.integrations.energy import energy_from_logp
     from creditrl.integrations.verl import check_actor_stats, group_ids
     from creditrl.utils.validate import FusedChecks, check_mask, float32_bits, float_mask, mask_verdict, \
-        times_mask_with_rule
+        row_sums_with_rule, times_mask_with_rule
 
     mask, rewards = inputs["response_mask"], inputs["token_level_rewards"]
     energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"])
@@ -241,50 +241,65 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
            "energy": lambda: energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"]),
            "energy, actor stats checked": lambda: check_actor_stats(valid, inputs["old_log_probs"],
                                                                     inputs["sum_pi_squared"])}
-    if mask.dtype == torch.float32:
-        # without energies the rule runs in the broadcast's pass: its cost is that pass over the product alone
+    if inputs["response_mask"].dtype == torch.float32:
+        # without energies the rule runs inside the first pass over the mask, a broadcast's or the row
+        # sums': its cost is that pass over the same pass without the rule
         fns[BROADCAST_RULE] = lambda: mask_verdict("mask", mask, times_mask_with_rule(totals, mask)[1].tolist())
         fns["product"] = lambda: totals[:, None] * mask
+        fns[ROW_SUMS_RULE] = lambda: mask_verdict("mask", mask, row_sums_with_rule(mask)[1].tolist())
+        fns["row sums"] = lambda: mask.sum(1)
     best = {k: v["best"] for k, v in summarize(interleaved_samples(fns, repeats, settle=1)).items()}
     checked = best.pop("energy, actor stats checked")
     best["plug-in: actor stats on valid tokens"] = max(0.0, checked - best.pop("energy"))
-    if "product" in best:
-        best[BROADCAST_RULE] = max(0.0, best[BROADCAST_RULE] - best.pop("product"))
+    for fused, alone in ((BROADCAST_RULE, "product"), (ROW_SUMS_RULE, "row sums")):
+        if alone in best:
+            best[fused] = max(0.0, best[fused] - best.pop(alone))
     return best
 
 
-BROADCAST_RULE = "mask: 0/1 rule in the broadcast's pass"
+BROADCAST_RULE, ROW_SUMS_RULE = "mask: 0/1 rule in a broadcast's pass", "mask: 0/1 rule in the row sums' pass"
 
 
-def rule_in_broadcast(name: str, inputs: dict) -> bool:
-    """Whether estimator ``name``'s direct call leaves the mask's rule to its broadcast (a float32
-    mask on a CPU, and nothing before the broadcast reads the mask)."""
-    from creditrl.core.estimators import estimator_result, prepare
+def fused_rule(name: str, inputs: dict) -> str | None:
+    """Which pass ran the mask's 0/1 rule in estimator ``name``'s direct call: ``BROADCAST_RULE``,
+    ``ROW_SUMS_RULE`` (a float32 mask on a CPU, without energies), or None (the rule's own pass)."""
+    import creditrl.core.estimators.registry as registry
+    from creditrl import compute_advantages
     from creditrl.integrations.energy import energy_from_logp
 
-    energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"]) if name == "otb" else None
-    batch = prepare(name, rewards=inputs["token_level_rewards"], mask=inputs["response_mask"],
-                    group=inputs["group"], energy=energy)
-    estimator_result(name, batch)
-    return batch.mask_pending and "given_mask" not in batch.__dict__
+    ran, originals = [], {key: getattr(registry, key) for key in ("times_mask_with_rule", "row_sums_with_rule")}
+
+    def spy(key: str, label: str):
+        return lambda *args: ran.append(label) or originals[key](*args)
+    try:
+        registry.times_mask_with_rule = spy("times_mask_with_rule", BROADCAST_RULE)
+        registry.row_sums_with_rule = spy("row_sums_with_rule", ROW_SUMS_RULE)
+        energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"]) if name == "otb" else None
+        compute_advantages(name, rewards=inputs["token_level_rewards"], mask=inputs["response_mask"],
+                           group=inputs["group"], energy=energy)
+    finally:
+        registry.times_mask_with_rule, registry.row_sums_with_rule = originals.values()
+    return ran[0] if ran else None
 
 
 def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
     """The checks' cost against the direct and plug-in calls they guard; returns the largest share."""
     costs = check_costs(inputs, repeats)
     print(f"\ninput checks, best ms, on the inputs of T={rows[0]['length']} right-padded "
-          "(the direct call runs the mask's, the rewards' and the energy's, with a float32 mask the mask's "
-          "in the broadcast's pass where the estimator reads the mask only there; the plug-in all)")
+          "(the direct call runs the mask's, the rewards' and the energy's; a float32 mask's without energies "
+          "inside the first pass over the mask; the plug-in all)")
     for name, ms in costs.items():
         print(f"  {name:<40}{ms:>8.3f}")
-    direct = sum(v for k, v in costs.items() if not k.startswith("plug-in") and k != BROADCAST_RULE)
+    direct = sum(v for k, v in costs.items()
+                 if not k.startswith("plug-in") and k not in (BROADCAST_RULE, ROW_SUMS_RULE))
     worst = 0.0
     for row in rows:
         if row["length"] != rows[0]["length"] or row["holes"]:
             continue
         own = direct - (costs["energy: finite, >= 0"] if row["name"] != "otb" else 0.0)
-        if BROADCAST_RULE in costs and rule_in_broadcast(row["name"], inputs):
-            own += costs[BROADCAST_RULE] - costs["mask: 0/1 rule"]
+        fused = fused_rule(row["name"], inputs) if BROADCAST_RULE in costs else None
+        if fused is not None:
+            own += costs[fused] - costs["mask: 0/1 rule"]
         plug = own + costs["plug-in: actor stats on valid tokens"] * (row["name"] == "otb") + \
             costs["plug-in: uids -> group ids"]
         share, plug_share = own / row["ms"]["direct"]["best"], plug / row["ms"]["plugin"]["best"]

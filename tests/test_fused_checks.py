@@ -326,10 +326,21 @@ def test_the_passes_with_the_mask_rule_match_a_loop(energy_path, values, rows, s
         assert sums.tolist() == [float(sum(v != 0 for v in mask[0].tolist()))] * rows
 
 
+@pytest.fixture(params=["deferred", "eager"])
+def mask_check(request, monkeypatch):
+    """Each test runs with the float32 mask's rule deferred to its first use (as for masks of >= 2^20
+    elements; here at any size) and checked in build_batch (smaller masks)."""
+    import creditrl.core.estimators as estimators
+    if request.param == "deferred":
+        monkeypatch.setattr(estimators, "FUSED_RULE_MIN_ELEMENTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("bad", [0.5, float("nan"), 1.0000001, -1e-30, float("inf"), 2.0 ** -149])
-def test_every_estimator_refuses_a_bad_float32_mask_naming_its_row(energy_path, bad):
+def test_every_estimator_refuses_a_bad_float32_mask_naming_its_row(energy_path, mask_check, bad):
     """Without energies a float32 mask's rule waits for the broadcast (or the estimator's first read
     of the mask): whichever way each estimator takes, the same error, and -0.0 passes."""
+    from creditrl.core.estimators import prepare
     gen = torch.Generator().manual_seed(0)
     group = torch.arange(4).repeat_interleave(4)
     mask = (torch.rand(16, 7, generator=gen) < 0.7).float()
@@ -343,13 +354,15 @@ def test_every_estimator_refuses_a_bad_float32_mask_naming_its_row(energy_path, 
         spec = get_estimator(name)
         given = dict(rewards=rewards, group=group, energy=energy if spec.needs_energy else None,
                      **({} if spec.k_range is None else {"k": 2}))
+        assert prepare(name, mask=mask, **{k: v for k, v in given.items() if k != "k"}).mask_pending == (
+            mask_check == "deferred" and given["energy"] is None)
         want = compute_advantages(name, mask=mask, **given)
         torch.testing.assert_close(compute_advantages(name, mask=signed_zero, **given), want, rtol=0, atol=0)
         with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[5\]"):
             compute_advantages(name, mask=bad_mask, **given)
 
 
-def test_an_estimator_that_reads_the_mask_reads_it_checked():
+def test_an_estimator_that_reads_the_mask_reads_it_checked(mask_check):
     """A third party's estimator reading ``batch.given_mask`` never sees an unchecked float32 mask."""
     seen = []
 

@@ -44,12 +44,13 @@ class AdvantageBatch:
     components:    [B,K]  float64 reward components (one column per reward term, e.g. each of
                           ``task.options.rewards``; NaN where a term gave no reward), or None
     component_weights: [K] float64 each component's weight in the total reward (ones if not given)
-    A float32 mask on a CPU without energies is checked on first use (``mask_pending``): ``given_mask``
-    and every view derived from it run the 0/1 rule first, but two run it inside their own pass, the
-    broadcast of a [B] result (``times_mask_with_rule``; all a sequence-level estimator does with the
-    mask) and ``lengths`` (``row_sums_with_rule``): 0.45 ms over that pass, where the rule alone
-    takes 1.9 ms, at B = 1,024, T = 4,096 on the 2-core dev CPU. The rule's error comes before any
-    advantage is returned, from whichever view comes first.
+    A float32 mask of >= 2^20 elements on a CPU without energies is checked on first use
+    (``mask_pending``; ``build_batch`` decides): ``given_mask`` and every view derived from it run
+    the 0/1 rule first, but two run it inside their own pass, the broadcast of a [B] result
+    (``times_mask_with_rule``; all a sequence-level estimator does with the mask) and ``lengths``
+    (``row_sums_with_rule``): 0.45 ms over that pass, where the rule alone takes 1.9 ms, at B = 1,024,
+    T = 4,096 on the 2-core dev CPU. The rule's error comes before any advantage is returned, from
+    whichever view comes first.
     Derived: ``given_mask`` the checked mask; ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid
     tokens per response;
     ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
