@@ -2,6 +2,7 @@
 generate, EOS stop, tool-output masking in the calculator's multi-turn loop."""
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
 from creditrl.tasks import get_task
 from creditrl.tasks.base import Problem
-from creditrl.runtime.sampling import position_ids_from_mask, sample_next
+from creditrl.runtime.sampling import CDF_BLOCK, position_ids_from_mask, sample_next
 from creditrl.runtime.rollout import generate_rollouts
 from creditrl.runtime.scoring import response_stats
 from tolerances import logp_atol
@@ -352,20 +353,56 @@ def test_a_tool_output_cut_at_max_tool_tokens_warns():
 
 
 def test_rare_tokens_are_drawn_at_their_probability(monkeypatch):
-    """The inverse-CDF draw sums probabilities in float64: the last of 49,152 tokens, p ~ 1e-13 after
-    a token holding nearly all the mass, keeps an interval of its own (a float32 running sum near 1
-    moves in steps of 6e-8, so every tail token would have none and could never be drawn)."""
+    """The inverse-CDF draw sums probabilities in float64: each of the tail tokens, p ~ 1e-13 after a
+    token holding nearly all the mass among 49,152, keeps an interval of uniforms of its own, of width
+    p (its ends found by bisection, to ~1e-16; a float32 running sum near 1 moves in steps of 6e-8, so
+    every tail token would have none and could never be drawn). Widths, not positions: any float64
+    summation order shifts the ends by its rounding, as much as ~1e-12 over the row."""
     vocab = 49_152
     logits = torch.zeros(1, vocab)
     logits[0, 0] = 30.0
-    probs = torch.log_softmax(logits, -1)[0].double().exp()          # what sample_next sums, in float64
-    cdf = probs.cumsum(0)
-    for index in (vocab - 1, vocab // 2):
-        # the uniform whose draw lands mid-interval of token ``index`` (sample_next takes u = 1 - rand)
-        u = float((cdf[index] - probs[index] / 2) / cdf[-1])
-        monkeypatch.setattr(torch, "rand", lambda *a, value=1.0 - u, **k: torch.tensor([value], dtype=torch.float64))
-        token, logp = sample_next(logits, temperature=1.0, top_p=1.0, generator=None)
-        assert int(token) == index and float(logp) == pytest.approx(float(probs[index].log()), rel=1e-6)
+    probs = torch.log_softmax(logits, -1)[0].double().exp()
+
+    def draw(value: float) -> int:          # sample_next takes u = 1 - rand: the token falls as value grows
+        monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([value], dtype=torch.float64))
+        return int(sample_next(logits, temperature=1.0, top_p=1.0, generator=None)[0])
+
+    def lowest_value_below(index: int) -> float:   # the least rand value that draws a token < index
+        low, high = 0.0, 1.0 - 2.0 ** -53
+        while True:
+            middle = (low + high) / 2
+            if middle in (low, high):
+                return high
+            low, high = (middle, high) if draw(middle) >= index else (low, middle)
+
+    for index in (vocab - 1, vocab // 2, CDF_BLOCK - 1, CDF_BLOCK):
+        width = (lowest_value_below(index) if index else 1.0) - (lowest_value_below(index + 1) if index + 1 < vocab
+                                                                else 0.0)
+        assert width == pytest.approx(float(probs[index] / probs.sum()), rel=0.01), index
+
+
+@settings(max_examples=60, deadline=None)
+@given(vocab=st.sampled_from([1, 2, 7, 1023, 1024, 1025, 2048, 3001]), seed=st.integers(0, 10_000),
+       zeros=st.floats(0.0, 0.95), scale=st.floats(0.0, 30.0), edge=st.sampled_from([None, 1.0, 1e-300]))
+def test_the_two_level_draw_is_the_one_level_float64_cdf(vocab, seed, zeros, scale, edge):
+    """``inverse_cdf`` (block sums, then a sum inside the block) draws the token where the row's
+    cumulative probability crosses u x its total, as a float64 cumulative sum over the whole row
+    does, to the rounding of float64 sums (4 V eps64 of the total: the two sum in different orders);
+    never a token of probability 0, also at u = 1 and u -> 0 and with most tokens at 0."""
+    from creditrl.runtime.sampling import inverse_cdf
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(16, vocab, generator=gen) * scale
+    logits[torch.rand(16, vocab, generator=gen) < zeros] = -float("inf")
+    logits[torch.arange(16), torch.randint(0, vocab, (16,), generator=gen)] = scale   # >= 1 token per row
+    probs = torch.softmax(logits, -1)
+    u = 1.0 - torch.rand(16, generator=gen, dtype=torch.float64) if edge is None else torch.full((16,), edge,
+                                                                                                dtype=torch.float64)
+    token = inverse_cdf(probs, u)
+    for row in range(16):
+        cdf = list(itertools.accumulate(probs[row].double().tolist()))
+        target, tolerance, t = float(u[row]) * cdf[-1], 4 * vocab * 2.0 ** -52 * cdf[-1], int(token[row])
+        assert probs[row, t] > 0, row
+        assert cdf[t] >= target - tolerance and (t == 0 or cdf[t - 1] < target + tolerance), row
 
 
 def test_a_stop_string_around_special_tokens_stops_the_row():
