@@ -354,12 +354,52 @@ def test_every_estimator_refuses_a_bad_float32_mask_naming_its_row(energy_path, 
         spec = get_estimator(name)
         given = dict(rewards=rewards, group=group, energy=energy if spec.needs_energy else None,
                      **({} if spec.k_range is None else {"k": 2}))
-        assert prepare(name, mask=mask, **{k: v for k, v in given.items() if k != "k"}).mask_pending == (
-            mask_check == "deferred" and given["energy"] is None)
+        assert prepare(name, mask=mask, **{k: v for k, v in given.items() if k != "k"},
+                       defer_mask_check=True).mask_pending == (mask_check == "deferred" and given["energy"] is None)
         want = compute_advantages(name, mask=mask, **given)
         torch.testing.assert_close(compute_advantages(name, mask=signed_zero, **given), want, rtol=0, atol=0)
         with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[5\]"):
             compute_advantages(name, mask=bad_mask, **given)
+
+
+def test_the_public_building_blocks_return_nothing_from_an_unchecked_mask(mask_check):
+    """estimator_output, and prepare + estimator_result, hand back per-row results: the mask is
+    checked before they return, whatever compute_advantages defers."""
+    from creditrl.core.estimators import estimator_output, estimator_result, prepare
+    mask = torch.ones(8, 5)
+    mask[6, 2] = float("nan")
+    given = dict(rewards=torch.arange(8.0), mask=mask, group=torch.arange(8) // 4)
+    for call in (lambda: estimator_output("grpo", **given), lambda: estimator_result("grpo", prepare("grpo", **given))):
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[6\]"):
+            call()
+
+
+def test_a_deferred_check_keeps_the_advantages_differentiable(mask_check):
+    """The fused pass is compiled without autograd: rewards (or a mask) that require grad take the
+    eager product, so the advantages' gradient is the eager one."""
+    rewards = torch.arange(8.0, requires_grad=True)
+    mask = (torch.arange(40).reshape(8, 5) % 3 != 0).float()
+    adv = compute_advantages("dr_grpo", rewards=rewards, mask=mask, group=torch.arange(8) // 4)
+    grad, = torch.autograd.grad((adv * torch.arange(40.0).reshape(8, 5)).sum(), rewards)
+    weights = (torch.arange(40.0).reshape(8, 5) * mask).sum(1)        # d/dr of sum_t w_t (r - mean_g r)
+    want = weights - weights.reshape(2, 4).mean(1).repeat_interleave(4)
+    torch.testing.assert_close(grad, want)
+
+
+def test_a_third_party_estimator_never_returns_from_an_unchecked_mask(mask_check):
+    """A plug-in estimator (masked_output, its [B,T] result read from the token rewards, never from
+    the mask) gets the mask checked before it runs: only built-in estimators defer the check."""
+    @register_estimator("test_token_rewards_as_advantages", token_level=True, masked_output=True, overwrite=True)
+    def token_rewards(batch):
+        return batch.token_rewards
+    try:
+        mask = torch.ones(4, 3)
+        mask[1, 2] = 0.5
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[1\]"):
+            compute_advantages("test_token_rewards_as_advantages", rewards=torch.ones(4, 3), mask=mask,
+                               group=torch.zeros(4).long())
+    finally:
+        _REGISTRY.pop("test_token_rewards_as_advantages")
 
 
 def test_an_estimator_that_reads_the_mask_reads_it_checked(mask_check):

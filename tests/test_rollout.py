@@ -329,6 +329,7 @@ def test_a_tool_call_is_its_text_whatever_the_tokens():
     ("<calc>1</calc>", ">", 14), ("<calc>1</calc>.", ">.", 14), ("<calc>1</calc>.", ".", None),
     ("<calc>1</calc><out>1</out>.", ">.", None), ("no call", "l", None), ("<calc>1</calc>", "", 14),
     ("<calc>1</calc>x", "", None), ("<calc>1</calc>), so", ">), so", 14), ("<calc>1</calc>), so", "), so", None),
+    ("<calc>1</calc><", "><", None),   # the next tag's '<' (e.g. "</calc><calc>"): no output inside it
 ])
 def test_a_call_ends_where_its_last_token_wrote_the_end_of_tool_stop(text, last, end):
     from creditrl.runtime.sampling import call_end

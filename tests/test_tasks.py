@@ -254,6 +254,10 @@ def _prime_factors(n):
     ("\\boxed{\\frac{3}{4}}", "0.75", 1), ("x = -\\frac{3}{4}.", "-3/4", 1), ("\\dfrac{1}{4}", "3/4", 0),
     ("\\frac12", "0.5", 1), ("0.75", "$\\frac{3}{4}$", 1), ("\\tfrac{6}{8}", "\\dfrac{3}{4}", 1),
     ("\\frac{1}{0}", "1", 0), ("\\frac{}{}", "1", 0),
+    # a whole number against a fraction is a mixed number; a fraction of anything but numbers is left alone
+    ("2.5", "2\\frac{1}{2}", 1), ("10.5", "2\\frac{1}{2}", 0), ("21/2", "2\\frac{1}{2}", 0), ("6.25", "$6\\frac{1}{4}$", 1),
+    ("\\frac{x+1}{2}", "1/2", 0), ("\\frac{1}{2x}", "1/2", 0), ("x = \\frac{-1}{2}", "-0.5", 1),
+    ("\\frac{1}{-2}", "-1/2", 1), ("2\\frac{1}{0}", "2", 0),
 ])
 def test_numeric_checker_cases(reply, answer, reward):
     from creditrl.tasks.checkers import check_numeric

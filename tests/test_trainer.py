@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -176,6 +177,8 @@ def test_evaluate_rejects_bad_k(setup):
     for n in (0, -1, 2.0, True):           # n itself is named, not the ks it makes out of range
         with pytest.raises(ValueError, match=rf"n: expected the number of samples per problem, an int >= 1, got {n!r}"):
             evaluate(tiny_model(tok, SMALL), tok, task, task.test_set()[:2], n=n, ks=[1])
+    assert "pass@2" in evaluate(tiny_model(tok, SMALL), tok, task, task.test_set()[:2], n=np.int64(2), ks=[2],
+                                max_new_tokens=2)
 
 
 @pytest.mark.slow

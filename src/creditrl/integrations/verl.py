@@ -53,6 +53,7 @@ from creditrl.core.estimators.registry import get_estimator
 from creditrl.integrations import check_estimator_options, loss_term_fields
 from creditrl.integrations.energy import check_actor_stat_range, checked_energy_from_logp
 from creditrl.core.losses import Fields, PolicyLoss, compose
+from creditrl.utils.imports import is_builtin
 from creditrl.utils.validate import check_choice, check_tensor
 
 PREFIX = "creditrl_"
@@ -208,7 +209,8 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             # are tested against (their one-pass test) and the estimator multiplies by
             batch = build_batch(rewards=token_level_rewards, mask=response_mask,
                                 group=group_ids(index, response_mask.shape[0], response_mask.device), gamma=gamma,
-                                components=components, component_weights=weights)
+                                components=components, component_weights=weights,
+                                defer_mask_check=is_builtin(get_estimator(name).fn))   # on_tokens below checks
             energy = None                 # without the actor's stats, a float32 mask's check waits for the broadcast
             if old_log_probs is not None or sum_pi_squared is not None:
                 energy = check_actor_stats(batch.valid, old_log_probs, sum_pi_squared)

@@ -11,6 +11,8 @@ evaluating never moves the training RNG (periodic eval keeps resume exact).
 """
 from __future__ import annotations
 
+import numbers
+
 import math
 
 import torch
@@ -50,8 +52,9 @@ def evaluate(model, tokenizer, task: Task, problems: list[Problem] | None = None
     problems = task.test_set() if problems is None else problems
     if not problems:
         raise ValueError("problems: expected at least one held-out problem, got none")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ValueError(f"n: expected the number of samples per problem, an int >= 1, got {n!r}")
+    n = int(n)
     bad = [k for k in ks if not 1 <= k <= n]
     if bad:
         raise ValueError(f"ks: every k must be in [1, n={n}], got {bad}")

@@ -279,12 +279,14 @@ def _ids_writing(tokenizer, char: str) -> Tensor:
 def call_end(text: str, last_token_text: str, tool_stop: str) -> int | None:
     """Where the tool call ``text`` just closed ends (the index after its ``tool_stop``), or None: the
     text ends with ``tool_stop``, or its last token wrote the end of ``tool_stop`` and a few characters
-    more, as one merged BPE token (SmolLM2 writes "</calc>." as 'calc', '>.')."""
+    more, as one merged BPE token (SmolLM2 writes "</calc>." as 'calc', '>.'). Not where those
+    characters open the next tag ('><' of "</calc><calc>"): an output there would split the tag."""
     end = text.rfind(tool_stop)
     if end < 0:
         return None
     end += len(tool_stop)
-    return end if len(text) - end < max(len(last_token_text), 1) else None
+    extra = text[end:]
+    return end if not extra or (len(extra) < len(last_token_text) and tool_stop[0] not in extra) else None
 
 
 def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t: int, token: Tensor,

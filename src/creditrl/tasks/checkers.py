@@ -28,16 +28,22 @@ _FRACTION = re.compile(rf"[-+]?{_UNSIGNED}\s*/\s*{_UNSIGNED}")
 # the minus signs of rendered math (U+2212, small and fullwidth hyphen-minus), which models copy
 MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 MAX_EXPONENT = 1000   # |log10| of a number read: "1e999999999" would take minutes to make exact
-# \frac{a}{b}, \dfrac and \tfrac, and the digit shorthand \frac12, read as a/b
-# (one way to split each part: linear on a reply of spaces and no closing brace)
-_LATEX_FRACTION = re.compile(r"\\[dt]?frac\s*(?:\{([^{}]*)\}\s*\{([^{}]*)\}|(\d)\s*(\d))")
+# \frac{a}{b}, \dfrac and \tfrac, and the digit shorthand \frac12, of plain numbers, read as a/b; a
+# whole number written against it is a mixed number ("2\frac{1}{2}" = 5/2, as MATH's answers write
+# it). A fraction of anything else is left as written. \d and \s are disjoint: linear on any text
+_LATEX_FRACTION = re.compile(r"(?<![\d.])(\d+)?\\[dt]?frac\s*(?:\{\s*([-+]?\d+(?:\.\d+)?)\s*\}\s*"
+                             r"\{\s*([-+]?\d+(?:\.\d+)?)\s*\}|(\d)(\d))")
 
 
 def _plain(text: str) -> str:
-    """``text`` with rendered math's minus signs as "-" and LaTeX fractions as "a/b"."""
+    """``text`` with rendered math's minus signs as "-" and LaTeX fractions of numbers as "a/b"."""
     def as_slash(m: re.Match) -> str:
-        top, bottom = (m[1], m[2]) if m[3] is None else (m[3], m[4])
-        return f"{top.strip()}/{bottom.strip()}"
+        top, bottom = (m[2], m[3]) if m[4] is None else (m[4], m[5])
+        try:
+            value = Fraction(Decimal(top)) / Fraction(Decimal(bottom)) + int(m[1] or 0)
+        except (ArithmeticError, ValueError):   # a/0 (then no number), or a whole part past int's digits
+            return f"{m[1] or ''} {top}/0" if Decimal(bottom) == 0 else m.group()
+        return f"{value.numerator}/{value.denominator}"
     return _LATEX_FRACTION.sub(as_slash, text.translate(MINUS_SIGNS))
 
 

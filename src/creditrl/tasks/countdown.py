@@ -61,9 +61,12 @@ class Countdown(ProceduralTask):
                          system_prompt=system_prompt, n_numbers=n_numbers,
                          max_number=max_number, max_target=max_target)
         self.n_numbers, self.max_number, self.max_target = n_numbers, max_number, max_target
-        trial = random.Random(0)
-        accepted = sum(self._draw(trial) is not None for _ in range(TRIAL_DRAWS))
-        if accepted < MIN_ACCEPTED:
+        trial, accepted = random.Random(0), 0
+        for _ in range(TRIAL_DRAWS):
+            accepted += self._draw(trial) is not None
+            if accepted == MIN_ACCEPTED:       # usual options: a few draws
+                break
+        else:
             raise ValueError(f"max_target: with n_numbers={n_numbers} and max_number={max_number}, {accepted} of "
                              f"{TRIAL_DRAWS} random expressions came out at or below max_target={max_target}, so "
                              f"each problem would take thousands of draws; raise max_target or lower max_number")

@@ -111,7 +111,7 @@ def _components(components: Tensor | None, weights: object, num: int,
 
 def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor | None = None,
                 is_weights: Tensor | None = None, gamma: float = 1.0, components: Tensor | None = None,
-                component_weights: object = None) -> AdvantageBatch:
+                component_weights: object = None, defer_mask_check: bool = False) -> AdvantageBatch:
     """Validate raw inputs and build the ``AdvantageBatch`` every estimator consumes.
 
     rewards [B] (outcome) or [B,T] (per token; a reward on a masked token counts at the row's
@@ -124,8 +124,9 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     Shapes, dtypes and devices are checked first. Every value check is then one reduction pass
     per tensor, all read back in one host read (``FusedChecks``): the mask's 0/1 rule
     (``mask_stats``; an integer mask is replaced by its float32 copy, checked on the copy's
-    bits, ``integer_mask_copy``; a float32 mask's of >= ``FUSED_RULE_MIN_ELEMENTS`` on a CPU,
-    without energies, on its first use, in a second read: see ``AdvantageBatch``), finite rewards (a non-finite value makes its row's sum non-finite, so token
+    bits, ``integer_mask_copy``; with ``defer_mask_check``, a float32 mask's of >=
+    ``FUSED_RULE_MIN_ELEMENTS`` on a CPU without energies on its first use, in a second read: see
+    ``AdvantageBatch``; for built-in estimators, whose every use of the mask is tested), finite rewards (a non-finite value makes its row's sum non-finite, so token
     rewards cost the one sum R needs), energies and IS weights finite and >= 0 (one integer
     min/max pass). Only a failing test takes an exact, slower pass, to name the rows or to accept
     what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
@@ -149,8 +150,8 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     # On a CPU, without energies (whose exact pass reads the checked mask), a large float32 mask's
     # rule waits for its first use (AdvantageBatch.given_mask), where a broadcast runs it in the pass
     # it writes. Not on a GPU: there the pass costs microseconds and a second host read a sync
-    pending = (mask.device.type == "cpu" and mask.dtype == torch.float32 and mask.numel() >= FUSED_RULE_MIN_ELEMENTS
-               and energy is None and is_weights is None)
+    pending = (defer_mask_check and mask.device.type == "cpu" and mask.dtype == torch.float32
+               and mask.numel() >= FUSED_RULE_MIN_ELEMENTS and energy is None and is_weights is None)
     if mask.dtype != torch.bool and not mask.is_floating_point():   # verl passes int64
         mask, stats = integer_mask_copy(given)   # the copy the estimators multiply by, checked in one pass
         verdict = functools.partial(integer_mask_verdict, "mask", given)
@@ -222,9 +223,10 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
     """
-    out, batch = estimator_output(name, rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
-                                  components=components, component_weights=component_weights, **options)
-    return batch.on_tokens(out, last_use=True)
+    out, batch = _estimator_output(name, True, rewards=rewards, mask=mask, group=group, energy=energy,
+                                   is_weights=is_weights, components=components, component_weights=component_weights,
+                                   **options)
+    return batch.on_tokens(out, last_use=True)       # checks a deferred mask in the pass it writes
 
 
 def estimator_output(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,
@@ -234,10 +236,22 @@ def estimator_output(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,
     """``compute_advantages`` before the broadcast: the estimator's checked result (``estimator_result``:
     [B] for a sequence-level one, else [B,T]) and the batch it ran on, for callers that use the
     per-row values (e.g. a plug-in's metrics from [B] values and ``batch.lengths``)."""
+    return _estimator_output(name, False, rewards=rewards, mask=mask, group=group, energy=energy,
+                             is_weights=is_weights, components=components, component_weights=component_weights,
+                             **options)
+
+
+def _estimator_output(name: str, defer_mask_check: bool, *, rewards: Tensor, mask: Tensor, group: Tensor,
+                      energy: Tensor | None = None, is_weights: Tensor | None = None,
+                      components: Tensor | None = None, component_weights: object = None,
+                      **options) -> tuple[Tensor, AdvantageBatch]:
+    """``estimator_output``; with ``defer_mask_check`` (the caller broadcasts the result with
+    ``batch.on_tokens``), a built-in estimator's float32 mask may be checked in that pass."""
     spec = get_estimator(name)
     options = spec.resolve_options(options)          # before any work: unknown or mistyped options
     batch = prepare(name, rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
-                    gamma=options.pop("gamma", 1.0), components=components, component_weights=component_weights)
+                    gamma=options.pop("gamma", 1.0), components=components, component_weights=component_weights,
+                    defer_mask_check=defer_mask_check and is_builtin(spec.fn))
     if batch.components is not None:
         check_total(batch)
     return estimator_result(name, batch, **options), batch
@@ -280,13 +294,14 @@ def check_total(batch: AdvantageBatch) -> None:
 
 def prepare(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor | None = None,
             is_weights: Tensor | None = None, gamma: float = 1.0, components: Tensor | None = None,
-            component_weights: object = None) -> AdvantageBatch:
+            component_weights: object = None, defer_mask_check: bool = False) -> AdvantageBatch:
     """``build_batch`` after checking that estimator ``name`` gets the energies it needs."""
     if get_estimator(name).needs_energy and energy is None:
         raise ValueError(f"energy: estimator {name!r} needs per-token energies [B,T] "
                          "(creditrl.token_stats(...).energy), got None")
     return build_batch(rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
-                       gamma=gamma, components=components, component_weights=component_weights)
+                       gamma=gamma, components=components, component_weights=component_weights,
+                       defer_mask_check=defer_mask_check)
 
 
 def estimate(name: str, batch: AdvantageBatch, **options) -> Tensor:

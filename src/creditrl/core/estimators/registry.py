@@ -44,13 +44,14 @@ class AdvantageBatch:
     components:    [B,K]  float64 reward components (one column per reward term, e.g. each of
                           ``task.options.rewards``; NaN where a term gave no reward), or None
     component_weights: [K] float64 each component's weight in the total reward (ones if not given)
-    A float32 mask of >= 2^20 elements on a CPU without energies is checked on first use
-    (``mask_pending``; ``build_batch`` decides): ``given_mask`` and every view derived from it run
-    the 0/1 rule first, but two run it inside their own pass, the broadcast of a [B] result
-    (``times_mask_with_rule``; all a sequence-level estimator does with the mask) and ``lengths``
-    (``row_sums_with_rule``): 0.45 ms over that pass, where the rule alone takes 1.9 ms, at B = 1,024,
-    T = 4,096 on the 2-core dev CPU. The rule's error comes before any advantage is returned, from
-    whichever view comes first.
+    For a built-in estimator, a float32 mask of >= 2^20 elements on a CPU without energies is checked
+    on first use (``mask_pending``; ``build_batch(defer_mask_check=True)`` decides): ``given_mask`` and
+    every view derived from it run the 0/1 rule first, but two run it inside their own pass, the
+    broadcast of a [B] result (``times_mask_with_rule``, without autograd; all a sequence-level
+    estimator does with the mask) and ``lengths`` (``row_sums_with_rule``): 0.45 ms over that pass,
+    where the rule alone takes 1.9 ms, at B = 1,024, T = 4,096 on the 2-core dev CPU. The rule's error
+    comes before any advantage is returned, from whichever view comes first (another bad input's
+    error, found on the way, may come before it).
     Derived: ``given_mask`` the checked mask; ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid
     tokens per response;
     ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
@@ -126,8 +127,8 @@ class AdvantageBatch:
         a float32 times bool product costs, and leaves ``valid`` and ``lengths`` cheap; ``where``
         branches per token, 8x slower on a holey mask on a CPU). A float32 mask still to be checked
         is checked in the same pass."""
-        if self._rule_pending:
-            out, stats = times_mask_with_rule(per_row, self.input_mask)
+        if self._rule_pending and not (per_row.requires_grad or self.input_mask.requires_grad):
+            out, stats = times_mask_with_rule(per_row, self.input_mask)   # compiled: no autograd graph
             self._checked(stats)
             return out
         mask = self.given_mask
