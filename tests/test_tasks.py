@@ -257,7 +257,8 @@ def _prime_factors(n):
     # a whole number against a fraction is a mixed number; a fraction of anything but numbers is left alone
     ("2.5", "2\\frac{1}{2}", 1), ("10.5", "2\\frac{1}{2}", 0), ("21/2", "2\\frac{1}{2}", 0), ("6.25", "$6\\frac{1}{4}$", 1),
     ("\\frac{x+1}{2}", "1/2", 0), ("\\frac{1}{2x}", "1/2", 0), ("x = \\frac{-1}{2}", "-0.5", 1),
-    ("\\frac{1}{-2}", "-1/2", 1), ("2\\frac{1}{0}", "2", 0),
+    ("\\frac{1}{-2}", "-1/2", 1), ("2\\frac{1}{0}", "2", 0), ("x^2\\frac{1}{2}", "5/2", 0), ("is.\\frac{1}{2}", "0.5", 1),
+    ("\\frac{" + "1" * 5000 + "}{3}", "1", 0), ("9" * 4299 + "\\frac{1}{3}", "1/3", 0),   # no int-digit limit error
 ])
 def test_numeric_checker_cases(reply, answer, reward):
     from creditrl.tasks.checkers import check_numeric

@@ -30,8 +30,9 @@ MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 MAX_EXPONENT = 1000   # |log10| of a number read: "1e999999999" would take minutes to make exact
 # \frac{a}{b}, \dfrac and \tfrac, and the digit shorthand \frac12, of plain numbers, read as a/b; a
 # whole number written against it is a mixed number ("2\frac{1}{2}" = 5/2, as MATH's answers write
-# it). A fraction of anything else is left as written. \d and \s are disjoint: linear on any text
-_LATEX_FRACTION = re.compile(r"(?<![\d.])(\d+)?\\[dt]?frac\s*(?:\{\s*([-+]?\d+(?:\.\d+)?)\s*\}\s*"
+# it; not an exponent's or index's digit, x^2\frac{1}{2}). A fraction of anything else is left as
+# written. \d and \s are disjoint: linear on any text
+_LATEX_FRACTION = re.compile(r"(?:(?<![\d.^_])(\d+))?\\[dt]?frac\s*(?:\{\s*([-+]?\d+(?:\.\d+)?)\s*\}\s*"
                              r"\{\s*([-+]?\d+(?:\.\d+)?)\s*\}|(\d)(\d))")
 
 
@@ -39,12 +40,15 @@ def _plain(text: str) -> str:
     """``text`` with rendered math's minus signs as "-" and LaTeX fractions of numbers as "a/b"."""
     def as_slash(m: re.Match) -> str:
         top, bottom = (m[2], m[3]) if m[4] is None else (m[4], m[5])
-        try:
-            value = Fraction(Decimal(top)) / Fraction(Decimal(bottom)) + int(m[1] or 0)
-        except (ArithmeticError, ValueError):   # a/0 (then no number), or a whole part past int's digits
-            return f"{m[1] or ''} {top}/0" if Decimal(bottom) == 0 else m.group()
-        return f"{value.numerator}/{value.denominator}"
-    return _LATEX_FRACTION.sub(as_slash, text.translate(MINUS_SIGNS))
+        if len(m.group()) > 2 * MAX_EXPONENT:    # as _exact: no number (and no minutes of arithmetic)
+            return m.group()
+        gap = " " if m[1] is None and m.start() and text[m.start() - 1] in "0123456789." else ""
+        if Decimal(bottom) == 0:
+            return f"{m[1] or ''}{gap} {top}/0"            # a/0: no number
+        value = Fraction(Decimal(top)) / Fraction(Decimal(bottom)) + int(m[1] or 0)
+        return f"{gap}{value.numerator}/{value.denominator}"
+    text = text.translate(MINUS_SIGNS)
+    return _LATEX_FRACTION.sub(as_slash, text)
 
 
 def check_exact(prompt, response: str, answer: str) -> float:
