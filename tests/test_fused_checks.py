@@ -402,6 +402,24 @@ def test_a_third_party_estimator_never_returns_from_an_unchecked_mask(mask_check
         _REGISTRY.pop("test_token_rewards_as_advantages")
 
 
+def test_a_built_in_token_level_result_that_never_read_the_mask_is_checked_before_it_leaves(mask_check):
+    """Every built-in estimator reads the mask, but one that did not (a [B,T] masked_output result
+    from the token rewards alone) would still get the deferred mask checked in ``on_tokens``."""
+    def token_rewards(batch):
+        return batch.token_rewards
+    token_rewards.__module__ = "creditrl.core.estimators.test_only"     # counts as built-in: may defer
+    register_estimator("test_builtin_token_rewards", token_level=True, masked_output=True,
+                       overwrite=True)(token_rewards)
+    try:
+        mask = torch.ones(4, 3)
+        mask[2, 0] = 2.0
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[2\]"):
+            compute_advantages("test_builtin_token_rewards", rewards=torch.ones(4, 3), mask=mask,
+                               group=torch.zeros(4).long())
+    finally:
+        _REGISTRY.pop("test_builtin_token_rewards")
+
+
 def test_an_estimator_that_reads_the_mask_reads_it_checked(mask_check):
     """A third party's estimator reading ``batch.given_mask`` never sees an unchecked float32 mask."""
     seen = []

@@ -144,6 +144,8 @@ class AdvantageBatch:
         ``broadcast``, without allocating and writing a second [B,T] tensor (on a CPU about 1 ms of
         2-3 at B = 1,024, T = 4,096). A float32 mask is the caller's tensor and is never written."""
         if out.dim() != 1:
+            if self._rule_pending:        # a [B,T] result that never read the mask: checked before it leaves
+                self.given_mask
             return out
         if not last_use or not self.mask_copy and self.input_mask.dtype == torch.float32:
             return self.broadcast(out)
