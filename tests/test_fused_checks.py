@@ -386,38 +386,25 @@ def test_a_deferred_check_keeps_the_advantages_differentiable(mask_check):
     torch.testing.assert_close(grad, want)
 
 
-def test_a_third_party_estimator_never_returns_from_an_unchecked_mask(mask_check):
-    """A plug-in estimator (masked_output, its [B,T] result read from the token rewards, never from
-    the mask) gets the mask checked before it runs: only built-in estimators defer the check."""
-    @register_estimator("test_token_rewards_as_advantages", token_level=True, masked_output=True, overwrite=True)
+@pytest.mark.parametrize("module", ["tests.plugin", "creditrl.core.estimators.test_only"], ids=["plug-in", "built-in"])
+def test_a_token_level_result_that_never_read_the_mask_is_checked_before_it_leaves(mask_check, module):
+    """An estimator whose [B,T] masked_output result comes from the token rewards, never from the
+    mask: a plug-in's mask is checked before it runs (only built-ins defer the check), and a built-in's
+    deferred one in ``on_tokens`` (every built-in reads the mask today; this guards the next)."""
     def token_rewards(batch):
         return batch.token_rewards
+    token_rewards.__module__ = module                # creditrl.* counts as built-in: may defer
+    register_estimator("test_token_rewards_as_advantages", token_level=True, masked_output=True,
+                       overwrite=True)(token_rewards)
     try:
         mask = torch.ones(4, 3)
         mask[1, 2] = 0.5
-        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[1\]"):
+        mask[2, 0] = 2.0
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[1, 2\]"):
             compute_advantages("test_token_rewards_as_advantages", rewards=torch.ones(4, 3), mask=mask,
                                group=torch.zeros(4).long())
     finally:
         _REGISTRY.pop("test_token_rewards_as_advantages")
-
-
-def test_a_built_in_token_level_result_that_never_read_the_mask_is_checked_before_it_leaves(mask_check):
-    """Every built-in estimator reads the mask, but one that did not (a [B,T] masked_output result
-    from the token rewards alone) would still get the deferred mask checked in ``on_tokens``."""
-    def token_rewards(batch):
-        return batch.token_rewards
-    token_rewards.__module__ = "creditrl.core.estimators.test_only"     # counts as built-in: may defer
-    register_estimator("test_builtin_token_rewards", token_level=True, masked_output=True,
-                       overwrite=True)(token_rewards)
-    try:
-        mask = torch.ones(4, 3)
-        mask[2, 0] = 2.0
-        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[2\]"):
-            compute_advantages("test_builtin_token_rewards", rewards=torch.ones(4, 3), mask=mask,
-                               group=torch.zeros(4).long())
-    finally:
-        _REGISTRY.pop("test_builtin_token_rewards")
 
 
 def test_an_estimator_that_reads_the_mask_reads_it_checked(mask_check):
