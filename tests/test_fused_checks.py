@@ -374,6 +374,24 @@ def test_the_public_building_blocks_return_nothing_from_an_unchecked_mask(mask_c
             call()
 
 
+@pytest.mark.parametrize("case", ["estimator's own error", "k out of range", "components off the rewards"])
+def test_a_bad_masks_error_comes_before_another_inputs(mask_check, case):
+    """With the mask's rule deferred, another input's error found first (an estimator's own, the K
+    range, gdpo's components) still comes after the mask's, as when build_batch checks it up front."""
+    mask = torch.ones(8, 5)
+    mask[3, 1] = float("nan")
+    rewards, group = (torch.arange(8) % 2).float(), torch.arange(8) // 4
+    given = {"estimator's own error": dict(name="passk_chen", rewards=rewards * 0.5, k=2),
+             "k out of range": dict(name="maxk_bon", rewards=rewards, k=5),
+             "components off the rewards": dict(name="gdpo", rewards=rewards,
+                                                components=torch.full((8, 1), 3.0, dtype=torch.float64))}[case]
+    with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[3\]"):
+        compute_advantages(mask=mask, group=group, **given)
+    mask[3, 1] = 1.0                     # the other error is still there once the mask is good
+    with pytest.raises(ValueError, match=r"passk_chen|k=5|components"):
+        compute_advantages(mask=mask, group=group, **given)
+
+
 def test_a_deferred_check_keeps_the_advantages_differentiable(mask_check):
     """The fused pass is compiled without autograd: rewards (or a mask) that require grad take the
     eager product, so the advantages' gradient is the eager one."""

@@ -253,8 +253,19 @@ def _estimator_output(name: str, defer_mask_check: bool, *, rewards: Tensor, mas
                     gamma=options.pop("gamma", 1.0), components=components, component_weights=component_weights,
                     defer_mask_check=defer_mask_check and is_builtin(spec.fn))
     if batch.components is not None:
-        check_total(batch)
+        _mask_error_first(batch, check_total, batch)
     return estimator_result(name, batch, **options), batch
+
+
+def _mask_error_first(batch: AdvantageBatch, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)``; where it raises, a pending mask's own error comes first (the one
+    ``build_batch`` gives when it checks the mask up front): only the error path pays for the pass."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as err:      # noqa: BLE001 (any failure: the bad mask is the first thing to report)
+        failure = err
+    batch.check_pending_mask()
+    raise failure
 
 
 def check_total(batch: AdvantageBatch) -> None:
@@ -319,6 +330,12 @@ def estimator_result(name: str, batch: AdvantageBatch, **options) -> Tensor:
     shape = batch.input_mask.shape                # not given_mask: its check may wait for the broadcast
     if batch.input_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
         return torch.zeros(shape, dtype=torch.float32, device=batch.input_mask.device)
+    return _mask_error_first(batch, _checked_result, name, spec, batch, options)
+
+
+def _checked_result(name: str, spec: EstimatorSpec, batch: AdvantageBatch, options: dict) -> Tensor:
+    """``estimator_result`` on a non-empty batch, with ``options`` resolved."""
+    shape = batch.input_mask.shape
     if spec.k_range is not None:
         spec.k_range.check(spec.name, batch.groups, options["k"])
     try:
