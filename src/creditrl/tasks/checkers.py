@@ -2,7 +2,7 @@
 
 - ``exact``: string equality up to surrounding whitespace;
 - ``numeric``: the last number of the response (``last_number``: "a/b" and LaTeX's ``\\frac{a}{b}`` are
-  one number, "1,234" counts as 1234 only with separators every 3 digits, "1,2,3" is 3; a U+2212
+  one number, a whole number before a fraction a mixed number ("2 \\frac{1}{2}" is 5/2), "1,234" counts as 1234 only with separators every 3 digits, "1,2,3" is 3; a U+2212
   minus is a minus) equals the number the answer states (``answer_number``: "3/4", "\\frac{3}{4}",
   "-0.75", "12%"), exactly unless an absolute ``tolerance`` is given;
 - ``math``: math-verify's parse + verify of the last ``MATH_TAIL_CHARS`` characters (LaTeX,
@@ -30,9 +30,10 @@ MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
 MAX_EXPONENT = 1000   # |log10| of a number read: "1e999999999" would take minutes to make exact
 # \frac{a}{b}, \dfrac and \tfrac, and the digit shorthand \frac12, of plain numbers, read as a/b; a
 # whole number written against it is a mixed number ("2\frac{1}{2}" = 5/2, as MATH's answers write
-# it; not an exponent's or index's digit, x^2\frac{1}{2}). A fraction of anything else is left as
-# written. \d and \s are disjoint: linear on any text
-_LATEX_FRACTION = re.compile(r"(?:(?<![\d.^_])(\d+))?\\[dt]?frac\s*(?:\{\s*([-+]?\d+(?:\.\d+)?)\s*\}\s*"
+# it; math mode ignores spaces, so "2 \frac{1}{2}" and "2\,\frac{1}{2}" too; not an exponent's or
+# index's digit, x^2\frac{1}{2}). A fraction of anything else is left as written. \d, the gap's
+# characters and \s are disjoint: linear on any text
+_LATEX_FRACTION = re.compile(r"(?:(?<![\d.^_])(\d+)(?:[ \t~]|\\[,;:! ])*)?\\[dt]?frac\s*(?:\{\s*([-+]?\d+(?:\.\d+)?)\s*\}\s*"
                              r"\{\s*([-+]?\d+(?:\.\d+)?)\s*\}|(\d)(\d))")
 
 
