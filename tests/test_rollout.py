@@ -16,7 +16,7 @@ from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_m
 from creditrl.tasks import get_task
 from creditrl.tasks.base import Problem
 from creditrl.runtime.sampling import CDF_BLOCK, position_ids_from_mask, sample_next
-from creditrl.runtime.rollout import generate_rollouts
+from creditrl.runtime.rollout import generate_rollouts, sample_metrics
 from creditrl.runtime.scoring import response_stats
 from tolerances import logp_atol
 
@@ -166,6 +166,7 @@ def test_tool_outputs_have_mask_zero():
         # tool tokens carry no behaviour log-prob; sampled ones do (prob ~1 here)
         assert torch.all(batch.rollout_logp[b, p:][cols][mask == 0] == 0)
     assert batch.num_tokens == 4 * (sum(char_mask) + 1)
+    assert batch.tool_calls.tolist() == [2] * 4 and batch.tool_calls_unanswered.tolist() == [0] * 4
 
 
 def test_tool_calls_stop_at_budget():
@@ -175,6 +176,17 @@ def test_tool_calls_stop_at_budget():
     batch = generate_rollouts(ScriptedModel(tok, script), tok, task, [Problem("1+2=", "3")], group_size=1,
                               max_new_tokens=len(script) + 1)
     assert batch.response_texts == ["<calc>1+2</calc><out>3</out><calc>2*3</calc><answer>3</answer>"]
+    # the second call, past the budget, is written without an answer: the metrics say so
+    metrics = sample_metrics(batch)
+    assert (metrics["tool_calls"], metrics["tool_calls_unanswered"]) == (1.0, 1.0)
+
+
+def test_a_task_without_a_tool_logs_no_tool_metrics():
+    task = get_task("addition", digits=1)
+    tok = char_tokenizer(task.alphabet())
+    batch = generate_rollouts(ScriptedModel(tok, "12"), tok, task, [Problem("5+7=", "12")], group_size=2,
+                              max_new_tokens=4)
+    assert batch.tool_calls is None and not {"tool_calls", "tool_calls_unanswered"} & set(sample_metrics(batch))
 
 
 def test_eos_stops_row_and_pads_after():
@@ -323,6 +335,7 @@ def test_a_tool_call_is_its_text_whatever_the_tokens():
                    generator=torch.Generator().manual_seed(0))
     texts = decode_responses(tok, out.input_ids[:, out.prompt_len:], out.attention_mask[:, out.prompt_len:])
     assert texts == [c + "<out>12</out>" + answer for c in calls]
+    assert out.tool_calls.tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize("text, last, end", [

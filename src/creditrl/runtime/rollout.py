@@ -53,6 +53,11 @@ class RolloutBatch:
     components:     [B,K] float64, each reward term's values (NaN where a term gave none), the
                     ``component_names`` and ``component_weights``, when there are several terms
                     (``task.options.rewards``, or the task's reward and ``overlong``); None for one
+    tool_calls:     [B] long, the tool calls the task answered, for a task with a tool (``max_tool_calls``
+                    > 0); None otherwise
+    tool_calls_unanswered: [B] long, times the response wrote ``task.tool_stop`` without an answer (past
+                    ``max_tool_calls``, or closed inside a token that opens the next tag, '</calc><');
+                    None for a task without a tool
     """
 
     input_ids: Tensor
@@ -73,6 +78,8 @@ class RolloutBatch:
     reward_extras: dict[str, Tensor] | None = None
     task_rewards: Tensor | None = None
     components: Tensor | None = None
+    tool_calls: Tensor | None = None
+    tool_calls_unanswered: Tensor | None = None
     component_names: list[str] | None = None
     component_weights: list[float] | None = None
 
@@ -162,17 +169,21 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     flat = [q for q in problems for _ in range(group_size)]
     scores = score_responses(task, flat, texts)
     lengths = out.response_mask[:, p:].sum(1).long()
+    tools = {}
+    if int(getattr(task, "max_tool_calls", 0) or 0) and task.tool_stop:
+        written = torch.tensor([text.count(task.tool_stop) for text in texts], dtype=torch.long)
+        tools = dict(tool_calls=out.tool_calls, tool_calls_unanswered=(written - out.tool_calls).clamp(min=0))
     return RolloutBatch(
         input_ids=out.input_ids, attention_mask=out.attention_mask,
         position_ids=position_ids_from_mask(out.attention_mask), response_mask=out.response_mask,
         rollout_logp=out.rollout_logp, group=torch.arange(len(problems)).repeat_interleave(group_size),
         response_texts=texts, problems=flat, prompt_len=p, stopped=out.stopped,
         prompt_texts=tokenizer.batch_decode(prompt_ids), reward_timeouts=torch.tensor(scores.timed_out, dtype=torch.bool),
-        **score_rollouts(scores, lengths, max_new_tokens, overlong))
+        **tools, **score_rollouts(scores, lengths, max_new_tokens, overlong))
 
 
 ROW_TENSORS = ("rewards", "group", "correct", "stopped", "reward_invalid", "reward_timeouts", "task_rewards",
-               "components")
+               "components", "tool_calls", "tool_calls_unanswered")
 TOKEN_TENSORS = ("input_ids", "attention_mask", "response_mask", "rollout_logp")
 
 
@@ -228,15 +239,19 @@ def zero_spread_frac(rewards: Tensor, group: Tensor) -> float:
 
 def sample_metrics(batch: RolloutBatch) -> dict[str, float]:
     """What a batch sampled: the rewards trained on (mean, std, the share of invalid ones and of groups
-    whose rewards are all equal), accuracy, sampled tokens per response, the share clipped at the cap."""
+    whose rewards are all equal), accuracy, sampled tokens per response, the share clipped at the cap;
+    for a task with a tool, the tool calls per response answered and written without an answer."""
     invalid = batch.reward_invalid
     p = batch.prompt_len
+    tools = {} if batch.tool_calls is None else dict(
+        tool_calls=float(batch.tool_calls.float().mean()),
+        tool_calls_unanswered=float(batch.tool_calls_unanswered.float().mean()))
     return dict(reward_mean=float(batch.rewards.mean()), reward_std=float(batch.rewards.std(unbiased=False)),
                 zero_spread_frac=zero_spread_frac(batch.rewards, batch.group),
                 accuracy=float(batch.correct.float().mean()),
                 response_len=float(batch.response_mask[:, p:].sum(-1).float().mean()),
                 clipped_frac=float(1.0 - batch.stopped.float().mean()),
-                reward_invalid_frac=0.0 if invalid is None else float(invalid.float().mean()))
+                reward_invalid_frac=0.0 if invalid is None else float(invalid.float().mean()), **tools)
 
 
 def dataset_names(task) -> list[str]:

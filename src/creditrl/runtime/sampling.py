@@ -41,7 +41,8 @@ class Generation:
 
     input_ids, attention_mask: [N,L] long; response_mask: [N,L] float, 1 on sampled tokens;
     rollout_logp: [N,L] float32 behaviour log-prob of sampled tokens (0 elsewhere);
-    stopped: [N] bool, the row ended at a stop token/string (False: clipped at max_new_tokens)."""
+    stopped: [N] bool, the row ended at a stop token/string (False: clipped at max_new_tokens);
+    tool_calls: [N] long, the tool calls the task answered (``task.tool_output`` ran; 0 without a tool)."""
 
     input_ids: Tensor
     attention_mask: Tensor
@@ -49,6 +50,7 @@ class Generation:
     rollout_logp: Tensor
     stopped: Tensor
     prompt_len: int
+    tool_calls: Tensor
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -232,7 +234,8 @@ class _Decode:
         attention_mask = torch.cat([attn, (torch.arange(steps) < self.fed[:, None]).long()], dim=1)
         rollout_logp = torch.cat([torch.zeros(n, prompt_len), self.logps[:, :steps]], dim=1)
         response_mask = torch.cat([torch.zeros(n, prompt_len), self.sampled[:, :steps]], dim=1)
-        return Generation(input_ids, attention_mask, response_mask, rollout_logp, self.stopped, prompt_len)
+        return Generation(input_ids, attention_mask, response_mask, rollout_logp, self.stopped, prompt_len,
+                          self.n_calls.clone())
 
 
 @dataclass(frozen=True)
