@@ -265,6 +265,35 @@ def test_maxrl_reweights_successes_by_inverse_pass_rate(values, scale):
     torch.testing.assert_close(scaled, adv, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_maxrl_is_the_gradient_of_the_order_n_minus_1_truncation(size):
+    """Exact enumeration of every N-tuple of a 3-armed softmax bandit (arm 0 succeeds): (1/N) E[Σ_i A_i
+    ∇log π(y_i)] is ∇J_{N-1}, J_n = -Σ_{k<=n} (1-p)^k / k (the docstring's claim), not ∇J_N."""
+    import itertools
+    theta = torch.tensor([-0.7, 0.4, 0.1], dtype=torch.float64, requires_grad=True)
+    probs = torch.softmax(theta, 0)
+
+    def truncation_grad(n):
+        value = -sum((1 - probs[0]) ** k / k for k in range(1, n + 1))
+        return torch.autograd.grad(value, theta, retain_graph=True)[0] if n else torch.zeros(3, dtype=torch.float64)
+    tuples = list(itertools.product(range(3), repeat=size))
+    rewards = torch.tensor([float(arm == 0) for t in tuples for arm in t])
+    adv = compute_advantages("maxrl", rewards=rewards, mask=torch.ones(len(rewards), 1),
+                             group=torch.arange(len(tuples)).repeat_interleave(size))[:, 0].double()
+    p = probs.detach()
+    expected = torch.zeros(3, dtype=torch.float64)
+    for i, arms in enumerate(tuples):
+        weight = float(torch.prod(p[list(arms)]))
+        for j, arm in enumerate(arms):
+            score = -p.clone()
+            score[arm] += 1                              # ∇_θ log softmax(θ)[arm]
+            expected += weight * float(adv[i * size + j]) * score
+    expected /= size
+    # float32 advantages: relative rounding ~1e-7 of each term
+    torch.testing.assert_close(expected, truncation_grad(size - 1), rtol=1e-6, atol=1e-7)
+    assert float((expected - truncation_grad(size)).abs().max()) > 1e-3
+
+
 @settings(max_examples=40, deadline=None)
 @given(rewards_st, st.integers(0, 5), st.floats(-3.0, 3.0))
 def test_shrinkage_leave_one_out_baseline_ignores_the_own_reward(values, which, delta):
@@ -347,9 +376,9 @@ def test_degenerate_batches_give_zero_not_nan():
         assert torch.equal(compute_advantages(name, **batch), torch.zeros(6, 3)), name
     zero = dict(batch, rewards=torch.zeros(6))
     assert torch.equal(compute_advantages("maxrl", **zero), torch.zeros(6, 3))
-    signed = dict(batch, rewards=torch.tensor([-1.0, 1.0, 0.0, 2.0, 0.0, 1.0]))       # first group: mean 0
-    adv = compute_advantages("maxrl", **signed)
-    assert torch.equal(adv[:3], torch.zeros(3, 3)) and torch.isfinite(adv).all()
+    signed = dict(batch, rewards=torch.tensor([0.0, 1.0, 0.0, 2.0, -1.0, 1.0]))       # ±1 rewards: refused
+    with pytest.raises(ValueError, match=r"rewards: maxrl needs rewards >= 0 .* got -1 in row 4 \(1 negative"):
+        compute_advantages("maxrl", **signed)
     one_token = dict(rewards=torch.tensor([0.0, 1.0]), mask=torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
                      group=torch.zeros(2, dtype=torch.long))
     assert torch.equal(compute_advantages("reinforce_plus_plus", **one_token), torch.zeros(2, 2))
