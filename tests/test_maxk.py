@@ -272,13 +272,20 @@ def test_maxpo_properties(seed, k, shift, scale):
 
 
 @pytest.mark.parametrize("name,k,expect", [
-    ("maxpo", 3, "7 (N=3, K=3)"), ("maxpo", 0, "2 (N=4, K=0)"), ("pkpo", 1, "2 (N=4, K=1)"),
-    ("pkpo", 4, "7 (N=3, K=4)"), ("maxk_bon", 4, "7 (N=3, K=4)"), ("passk_chen", 4, "7 (N=3, K=4)")])
+    ("maxpo", 3, "group id 7 (N=3, K=3)"), ("maxpo", 0, "any group; expected 1 <= k"),
+    ("pkpo", 1, "any group; expected 2 <= k"), ("ei", 1, "any group; expected 2 <= k"),
+    ("pkpo", 4, "group id 7 (N=3, K=4)"), ("maxk_bon", 4, "group id 7 (N=3, K=4)"),
+    ("passk_chen", 4, "group id 7 (N=3, K=4)")])
 def test_k_out_of_range_names_group(name, k, expect):
+    """A k too large for some group names the first; one no group size allows is refused on any
+    batch, a batch of singletons (which get 0) included."""
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
     group = torch.tensor([2, 2, 2, 2, 7, 7, 7])
-    with pytest.raises(ValueError, match=re.escape(f"{name}: k={k} is out of range for group id {expect}")):
+    with pytest.raises(ValueError, match=re.escape(f"{name}: k={k} is out of range for {expect}")):
         advantages(name, rewards, group, k=k)
+    if "any group" in expect:
+        with pytest.raises(ValueError, match=re.escape(f"{name}: k={k} is out of range for {expect}")):
+            advantages(name, rewards, torch.arange(7), k=k)
 
 
 def test_maxk_errors():

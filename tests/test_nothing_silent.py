@@ -362,7 +362,7 @@ def test_policy_loss_rejects_a_bad_max_len(max_len):
                                         ("1e-6", ValueError)])
 def test_estimators_reject_a_bad_eps(estimator, options, eps, error):
     from creditrl import compute_advantages
-    with pytest.raises(error, match=r"eps: expected"):
+    with pytest.raises(error, match=rf"{estimator}.eps: expected"):
         compute_advantages(estimator, rewards=torch.ones(4), mask=torch.ones(4, 2), group=torch.zeros(4, dtype=torch.long),
                            eps=eps, **options)
 
@@ -1408,7 +1408,7 @@ def test_eps_must_be_finite_in_float32(name, options):
     from creditrl import compute_advantages
     args = dict(rewards=torch.tensor([1.0, 0, 1, 0]), **AUDIT, **options)
     for eps in (1e300, 3.5e38):                                # finite in Python, inf in float32
-        with pytest.raises(ValueError, match=r"eps: expected a value in \(0, 3.40282e\+38\] \(finite in float32\), "
+        with pytest.raises(ValueError, match=rf"{name}.eps: expected a value in \(0, 3.40282e\+38\], "
                                              rf"got {re.escape(repr(eps))}"):
             compute_advantages(name, eps=eps, **args)
     assert torch.isfinite(compute_advantages(name, eps=3.4e38, **args)).all()   # the largest float32 is accepted

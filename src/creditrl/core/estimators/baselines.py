@@ -117,7 +117,7 @@ def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the std befor
     count in the batch std. ``eps`` must be > 0.
     """
     r = batch.rewards.to(torch.float64)
-    check_positive_float32("eps", eps)
+    check_positive_float32("grpo.eps", eps)
     if scale == "none":
         return drop_singletons(centred(batch), batch.groups)
     std = group_std(r, batch.groups) if scale == "group" else r.std(unbiased=True).nan_to_num(0.0)

@@ -70,7 +70,7 @@ def cancels(components: Tensor, weights: Tensor, groups: GroupIndex) -> bool:
 def gdpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to each std before dividing (> 0; TRL uses "
                                                          "1e-4)"] = 1e-6) -> Tensor:
     """GDPO (arXiv 2601.05242): A = Σ_k w_k z_k / (std_B + eps), z_k each reward component's group z-score, [B]."""
-    check_positive_float32("eps", eps)
+    check_positive_float32("gdpo.eps", eps)
     components, weights = batch.components, batch.component_weights
     if components is None:
         components = batch.rewards.to(torch.float64)[:, None]

@@ -221,10 +221,11 @@ def max_at_k(scores: Tensor, k: int) -> Tensor:
 # ----------------------------------------------------------------------------- estimators
 
 
-def _finish(adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: float = 1e-6) -> Tensor:
-    """Shared tail: optional division by the group reward std (+ ``eps`` > 0), singletons -> 0, float32."""
-    check_choice("normalize", normalize, ("none", "std"))
-    check_positive_float32("eps", eps)  # checked even when unused: a typo never passes silently
+def _finish(name: str, adv: Tensor, batch: AdvantageBatch, normalize: str = "none", eps: float = 1e-6) -> Tensor:
+    """Shared tail of estimator ``name``: optional division by the group reward std (+ ``eps`` > 0),
+    singletons -> 0, float32."""
+    check_choice(f"{name}.normalize", normalize, ("none", "std"))
+    check_positive_float32(f"{name}.eps", eps)  # checked even when unused: a typo never passes silently
     if normalize == "std":
         adv = adv / (group_std(batch.rewards.to(torch.float64), batch.groups) + eps)
     return drop_singletons(adv, batch.groups).to(torch.float32)
@@ -237,7 +238,7 @@ def maxpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Ep
     1 <= K <= N-1 per group. ``normalize="std"`` divides by the group's reward std (N-1) + eps
     (GRPO-style heuristic; keeps the centring). Singleton groups: 0.
     """
-    return _finish(_maxk_stats(batch.rewards, batch.groups, k).advantage, batch, normalize, eps)
+    return _finish("maxpo", _maxk_stats(batch.rewards, batch.groups, k).advantage, batch, normalize, eps)
 
 
 @register_estimator("ei", k_range=KRange(2))
@@ -248,7 +249,7 @@ def ei(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps =
     baseline, MaxPO eq. 6/11); ``pkpo`` is (K/N)·EI. Non-negative, not centred. 2 <= K <= N.
     ``normalize="std"`` as in ``maxpo``. Singletons: 0.
     """
-    return _finish(_maxk_stats(batch.rewards, batch.groups, k).ei, batch, normalize, eps)
+    return _finish("ei", _maxk_stats(batch.rewards, batch.groups, k).ei, batch, normalize, eps)
 
 
 @register_estimator("pkpo", k_range=KRange(2))
@@ -258,7 +259,7 @@ def pkpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps
     Non-negative (not centred). 2 <= K <= N. ``normalize="std"`` as in ``maxpo``. Singletons: 0.
     """
     stats = _maxk_stats(batch.rewards, batch.groups, k)
-    return _finish(k / stats.sizes.to(torch.float64) * stats.ei, batch, normalize, eps)
+    return _finish("pkpo", k / stats.sizes.to(torch.float64) * stats.ei, batch, normalize, eps)
 
 
 @register_estimator("maxk_bon", k_range=KRange(1))
@@ -268,8 +269,8 @@ def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     s = k / stats.sizes.to(torch.float64) * stats.mu
     s = torch.where(stats.sizes == 1, torch.zeros_like(s), s)  # mu is nan when K > N = 1
-    check_positive_float32("eps", eps)
-    return _finish((s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch)
+    check_positive_float32("maxk_bon.eps", eps)
+    return _finish("maxk_bon", (s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch)
 
 
 @register_estimator("passk_chen", k_range=KRange(1))
@@ -282,7 +283,7 @@ def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
 
     Rewards must be 0/1 per group; 1 <= K <= N. All-correct / all-wrong groups give 0. Singletons: 0.
     """
-    check_positive_float32("eps", eps)
+    check_positive_float32("passk_chen.eps", eps)
     groups = batch.groups
     r = batch.rewards.to(torch.float64)
     nonbinary = groups.sum(((r != 0) & (r != 1)).to(torch.int64)) > 0
@@ -296,4 +297,4 @@ def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     rho = 1.0 - fail_all
     sigma = (rho * (1.0 - rho)).clamp(min=0).sqrt()
     adv = torch.where(r > 0, 1.0 - rho, 1.0 - rho - binom_ratio(n - c - 1, k - 1, n - 1, k - 1))
-    return _finish(adv / (sigma + eps), batch)
+    return _finish("passk_chen", adv / (sigma + eps), batch)

@@ -198,7 +198,10 @@ class KRange:
         return self.low <= k <= group_size - self.below
 
     def check(self, name: str, groups: GroupIndex, k: int) -> None:
-        """Raise naming the first group (singletons aside: they get 0) whose size N rules out ``k``."""
+        """Raise if no group size allows ``k`` (below the range's low end), else naming the first group
+        (singletons aside: they get 0) whose size N rules out ``k``."""
+        if k < self.low:
+            raise ValueError(f"{name}: k={k} is out of range for any group; expected {self.text()}")
         sizes = groups.sizes
         bad = ((k < self.low) | (k > sizes - self.below)) & (sizes > 1)
         if bool(bad.any()):

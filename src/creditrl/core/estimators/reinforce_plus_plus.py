@@ -63,7 +63,7 @@ def whiten_tokens(values: Tensor, valid: Tensor, eps: float) -> Tensor:
 @register_estimator("reinforce_plus_plus", token_level=True, batch_level=True, masked_output=True)
 def reinforce_plus_plus(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tensor:
     """REINFORCE++ (Hu et al. 2025): the returns-to-go G_t whitened over the batch's valid tokens, [B,T]."""
-    check_positive_float32("eps", eps)
+    check_positive_float32("reinforce_plus_plus.eps", eps)
     if batch.constant_returns:                       # G_t = R on every valid token: row statistics
         return whiten_rows(batch.rewards, batch.lengths, eps)
     return whiten_tokens(batch.returns, batch.valid, eps)
@@ -72,5 +72,5 @@ def reinforce_plus_plus(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tens
 @register_estimator("reinforce_plus_plus_baseline", batch_level=True)
 def reinforce_plus_plus_baseline(batch: AdvantageBatch, *, eps: WhitenEps = 1e-8) -> Tensor:
     """REINFORCE++-baseline (Hu et al. 2025): R - mean_g R, then whitened over the batch's valid tokens, [B]."""
-    check_positive_float32("eps", eps)
+    check_positive_float32("reinforce_plus_plus_baseline.eps", eps)
     return whiten_rows(drop_singletons(centred(batch), batch.groups), batch.lengths, eps)
