@@ -1373,7 +1373,8 @@ AUDIT = dict(mask=torch.ones(4, 3), group=torch.tensor([0, 0, 1, 1]))
     dict(rewards=torch.tensor([1.0, 0, 1, 0]), energy=torch.full((4, 3), 3e38))])              # NaN advantages
 def test_masked_output_estimators_refuse_non_finite_advantages(inputs):
     from creditrl import compute_advantages
-    with pytest.raises(ValueError, match=r"estimator 'otb' returned non-finite advantages in rows \["):
+    with pytest.raises(ValueError, match=r"estimator 'otb' returned non-finite advantages in rows \[.*\] from finite "
+                                         r"inputs: a sum beyond float32's range .* rescale the rewards or energies"):
         compute_advantages("otb", **AUDIT, **inputs)
 
 
@@ -1439,6 +1440,9 @@ def test_gdpo_rewards_must_be_the_weighted_sum_of_the_components(seed):
     with pytest.raises(ValueError, match=r"rewards: .*components.* e.g. row 0: rewards 100, components·weights 0"):
         compute_advantages("gdpo", rewards=torch.tensor([100.0, 0, 1, 0]), mask=m, group=AUDIT["group"],
                            components=torch.tensor([[0.0], [1], [1], [0]]))
+    # an estimator that reads R, not the components, ignores them, as documented
+    without = {k: v for k, v in args.items() if not k.startswith("component")}
+    assert torch.equal(compute_advantages("grpo", rewards=off, **args), compute_advantages("grpo", rewards=off, **without))
 
 
 @pytest.mark.parametrize("name, kwargs, error, message", [

@@ -213,13 +213,15 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     """Advantages [B,T] float32 from the estimator ``name`` (see ``list_estimators()``).
 
     rewards: [B] outcome reward, or [B,T] token rewards (returns-to-go with option ``gamma``,
-    default 1). Sequence-level estimators use each row's total R = sum_t r_t; for token-level
+    default 1), read as float32 (a float64 reward is rounded: differences below float32's spacing at
+    the rewards' magnitude, e.g. 1 around 1e8, are lost; the group statistics then run in float64). Sequence-level estimators use each row's total R = sum_t r_t; for token-level
     returns a reward on a masked token counts at the row's nearest preceding valid token.
     mask: [B,T] bool/0-1. group: [B] int ids (any order, any sizes). energy: [B,T] w_t from
     ``token_stats`` (needed by ``ogb``, ``otb``, ``otb_isolated``); is_weights: [B,T] truncated
     IS weights rho_bar_t. components: [B,K] each reward term's own values (NaN where a term gave
-    none) and component_weights [K] their weights in the total (ones by default), read by ``gdpo``;
-    others ignore them. Estimator options (``k``, ``eps``, ``normalize``) are keywords.
+    none) and component_weights [K] their weights in the total (ones by default), read by ``gdpo``
+    (which needs rewards = their weighted sum, ``check_total``); others ignore them (their shape and
+    values are still checked). Estimator options (``k``, ``eps``, ``normalize``) are keywords.
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
     """
@@ -252,8 +254,8 @@ def _estimator_output(name: str, defer_mask_check: bool, *, rewards: Tensor, mas
     batch = prepare(name, rewards=rewards, mask=mask, group=group, energy=energy, is_weights=is_weights,
                     gamma=options.pop("gamma", 1.0), components=components, component_weights=component_weights,
                     defer_mask_check=defer_mask_check and is_builtin(spec.fn))
-    if batch.components is not None:
-        _mask_error_first(batch, check_total, batch)
+    if batch.components is not None and spec.reward_components:
+        _mask_error_first(batch, check_total, batch, spec.name)
     return estimator_result(name, batch, **options), batch
 
 
@@ -268,7 +270,7 @@ def _mask_error_first(batch: AdvantageBatch, fn: Callable, *args, **kwargs):
     raise failure
 
 
-def check_total(batch: AdvantageBatch) -> None:
+def check_total(batch: AdvantageBatch, name: str = "gdpo") -> None:
     """Raise ValueError unless each row's reward R is the weighted sum of its components: R_i =
     Σ_k w_k C_ik over the terms that gave a reward (NaN = none; the reward pipeline's and TRL's
     nansum), within float32 rounding. Rows where no term gave a reward are not compared (their R
@@ -280,8 +282,8 @@ def check_total(batch: AdvantageBatch) -> None:
     of it; token rewards [B,T] add their own float32 row sum, T·eps32·Σ_t |r_t|. The sum is taken in
     float64, whose rounding is 2^29 times smaller.
 
-    ``compute_advantages`` checks it, as gdpo reads the components and not R (a wrong R would be
-    ignored silently); verl's plug-in calls ``prepare``/``estimate`` without it, because verl's own
+    ``compute_advantages`` checks it for an estimator ``name`` that reads the components and not R
+    (``reward_components``: gdpo; a wrong R would be ignored silently); verl's plug-in calls ``prepare``/``estimate`` without it, because verl's own
     gdpo reads ``algorithm.gdpo_reward_keys`` as the components and the score need not be their sum."""
     components, weights = batch.components, batch.component_weights
     terms = components * weights                                     # [B,K] float64, NaN = no reward
@@ -298,7 +300,7 @@ def check_total(batch: AdvantageBatch) -> None:
         row = int(torch.nonzero(off)[0, 0])
         raise ValueError(
             f"rewards: expected each row's reward to be the weighted sum of its components (Σ_k w_k C_k over the "
-            f"terms that gave a reward; gdpo reads components, not rewards), but {int(off.sum())} row(s) differ, "
+            f"terms that gave a reward; {name} reads components, not rewards), but {int(off.sum())} row(s) differ, "
             f"e.g. row {row}: rewards {float(batch.rewards[row]):.9g}, components·weights {float(total[row]):.9g}; "
             f"pass rewards=nansum(components * component_weights)")
 
@@ -369,7 +371,10 @@ def _finite_on_valid_tokens(name: str, out: Tensor, batch: AdvantageBatch) -> Te
     if out.dim() == 2:
         bad &= batch.mask
     if bool(bad.any()):
-        raise ValueError(f"estimator {name!r} returned non-finite advantages in rows {bad_rows(bad)}")
+        # every input was checked finite: a built-in's NaN/inf is a float32 overflow of its sums
+        cause = (" from finite inputs: a sum beyond float32's range (about 3.4e38); rescale the rewards or energies"
+                 if is_builtin(get_estimator(name).fn) else "")
+        raise ValueError(f"estimator {name!r} returned non-finite advantages in rows {bad_rows(bad)}{cause}")
     return torch.where(batch.mask, out, 0.0) if out.dim() == 2 else out
 
 
