@@ -58,7 +58,7 @@ def test_bias_correction_equals_trls_ratio_weighted_k3():
 @given(seed=st.integers(0, 2**16), vocab=st.integers(2, 7), off_policy=st.booleans())
 def test_corrected_kl_gradients_are_unbiased_by_exact_enumeration(seed, vocab, off_policy):
     """With y ~ π_old (π_old = π_θ on-policy), Σ_y π_old(y)·∇penalty(y) against ∇KL(π_θ‖π_ref):
-    equal for k3 with the ratio weight (on and off policy), for k3+/k1+ on-policy; plain k3's
+    equal for k3 with the ratio weight and k3+/k1+ with it (on and off policy), for k3+/k1+ on-policy; plain k3's
     expected gradient is not ∇KL: it is the forward KL's, ∇KL(π_ref‖π_θ), which it equals (a check that
     holds everywhere, where "differs from ∇KL" fails near the points where the two KLs' gradients cross)."""
     g = torch.Generator().manual_seed(seed)
@@ -82,6 +82,9 @@ def test_corrected_kl_gradients_are_unbiased_by_exact_enumeration(seed, vocab, o
         return total
 
     torch.testing.assert_close(expected(kl_bias_correction=True), true_grad, rtol=1e-10, atol=1e-12)
+    for straight_through in ("k3+", "k1+"):     # both corrections: the ratio weights k2's gradient
+        torch.testing.assert_close(expected(kl_estimator=straight_through, kl_bias_correction=True), true_grad,
+                                   rtol=1e-10, atol=1e-12)
     if not off_policy:
         torch.testing.assert_close(expected(kl_estimator="k3+"), true_grad, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(expected(kl_estimator="k1+"), true_grad, rtol=1e-10, atol=1e-12)

@@ -116,11 +116,12 @@ def grad_rtol(mask, dtype=torch.float32) -> float:
 def reference_kl(logp, old, ref_logp, estimator, bias_correction):
     x = (ref_logp.double() - logp.double()).clamp(-20, 20)
     value = {"k1": -x, "k2": 0.5 * x * x, "k3": torch.expm1(x) - x}[estimator.rstrip("+")]
-    if estimator.endswith("+"):      # straight-through: k2's gradient (verl's kl_penalty "k3+")
-        value = 0.5 * x * x - (0.5 * x * x).detach() + value.detach()
-    if bias_correction:              # TRL's use_bias_correction_kl: times coef_1 = exp(logp − old)
-        value = value * torch.exp((logp.double() - old.double()).clamp(-20, 20))
-    return value
+    ratio = torch.exp((logp.double() - old.double()).clamp(-20, 20))   # TRL's coef_1
+    if not estimator.endswith("+"):
+        return value * ratio if bias_correction else value       # TRL's use_bias_correction_kl
+    # straight-through (verl's "k3+"): k2's gradient, weighted by the ratio's value under the correction
+    weight = ratio.detach() if bias_correction else 1.0
+    return weight * (0.5 * x * x - (0.5 * x * x).detach()) + (weight * value).detach()
 
 
 def reference_delta_l(tok, keep, alpha, max_len):

@@ -12,7 +12,8 @@ gradient where it binds to the ratio surrogates; the REINFORCE-form ones, CISPO 
 the ratio's value and keep ∇z_bt there: ``LossState.score_route``). The term rewrites the state's
 log-ratio, so whatever surrogate follows sees s_b: the PPO clip by default (verl's and TRL's
 ``gspo`` / ``importance_sampling_level="sequence"``), or CISPO, SAPO, ... (TRL composes the
-sequence ratio with every ``loss_type`` the same way). The mean runs over the kept tokens (verl:
+sequence ratio with every ``loss_type`` the same way; its KL bias correction then weighs the KL by
+the sequence ratio, creditrl's by the token ratio, ``kl.py``). The mean runs over the kept tokens (verl:
 ``response_mask``). GSPO's paper aggregates with ``seq-mean-token-mean``; verl and TRL let the
 aggregation be chosen, as here.
 """

@@ -8,8 +8,15 @@ gradient of the forward KL); two corrections make it one:
     "k1+", "k3+" (verl's straight-through estimator): the value of k1/k3, the gradient of
                k2 = ½x², (log π_θ − log π_ref)·∇log π_θ, unbiased for ∇KL(π_θ‖π_ref) on-policy;
     kl_bias_correction (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2): the penalty times the
-               token ratio r_t = π_θ/π_old, with its gradient: for k3, r·(log π_θ − log π_ref)·∇log π_θ,
-               the importance-weighted ∇KL, unbiased off-policy too (samples from π_old).
+               token ratio r_t = π_θ/π_old, with its gradient: ∇(r·k) = r·(∇k + k·∇log π_θ), whose
+               expectation under π_old is E_π[∇k + k·∇log π_θ] = ∇E_π[k] = ∇KL for k1, k2, k3 (their
+               values are unbiased for KL), unbiased off-policy too (samples from π_old).
+Both together ("k1+"/"k3+" with kl_bias_correction): the value r·k, the gradient of the
+straight-through term weighted by r without its gradient, r·(log π_θ − log π_ref)·∇log π_θ, the
+importance-weighted ∇KL. Multiplying the straight-through term by r with its gradient would add
+r·k·∇log π_θ, whose expectation E_π[k·∇log π_θ] is not 0: biased even on-policy. The ratio is
+always the token's, also under ``gspo`` (TRL's sequence level broadcasts the sequence ratio onto the
+per-token KL, which its docs say is not unbiased).
 """
 from __future__ import annotations
 
@@ -48,13 +55,16 @@ class KLOptions:
 def kl_penalty(state: LossState, options: KLOptions) -> torch.Tensor:
     """β-free per-token penalty [B,T] (module docstring), on the graph of ``state.logp``."""
     x = state.ref_logp - state.logp
-    penalty = kl_estimate(x, options.kl_estimator.rstrip("+"))
-    if options.kl_estimator.endswith("+"):                      # straight-through: k2's gradient
-        k2 = 0.5 * x.square()
-        penalty = k2 - k2.detach() + penalty.detach()
-    if options.kl_bias_correction:
-        penalty = penalty * clamp_log_ratio(state.logp - state.old_logp).exp()
-    return penalty
+    value = kl_estimate(x, options.kl_estimator.rstrip("+"))
+    ratio = clamp_log_ratio(state.logp - state.old_logp).exp() if options.kl_bias_correction else None
+    if not options.kl_estimator.endswith("+"):
+        return value if ratio is None else value * ratio
+    k2 = 0.5 * x.square()
+    straight_through = k2 - k2.detach()                          # 0 in value, k2's gradient
+    if ratio is None:
+        return straight_through + value.detach()
+    # the weight without its gradient: r's own gradient would add the biased r·k·∇log π (docstring)
+    return ratio.detach() * straight_through + (ratio * value).detach()
 
 
 @register_loss_term("kl", options=KLOptions, stage="penalty", flat=True, needs=("ref_logp",),
