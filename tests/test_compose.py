@@ -46,6 +46,15 @@ def test_spellings_agree_for_any_options(low, high, lam, stapo, agg):
     assert compose(a.to_config()).chosen == a.chosen
 
 
+def test_a_trace_without_clamp_round_trips_through_yaml():
+    """trace.adv_clamp is finite in every spelling (no clamp in effect: -1e30): the saved config reads back."""
+    import yaml
+    nested = compose({"trace": {"enabled": True, "lam": 0.5, "adv_clamp": -1e30}})
+    assert nested.chosen == compose(trace=TraceOptions(lam=0.5, adv_clamp=-1e30)).chosen == \
+        compose(Fields({"trace_lam": 0.5, "trace_adv_clamp": -1e30}.get)).chosen
+    assert compose(yaml.safe_load(yaml.safe_dump(nested.to_config()))).chosen == nested.chosen
+
+
 def test_an_optional_builtin_term_by_name_is_its_section():
     listed = compose({"terms": [{"path": "cispo"}]})
     assert listed.chosen == compose({"cispo": {"enabled": True}}).chosen == compose(terms=[{"path": "cispo"}]).chosen

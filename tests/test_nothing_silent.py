@@ -1357,9 +1357,11 @@ def test_stapo_refuses_a_negative_entropy_and_trace_a_positive_clamp():
         creditrl.policy_loss(logp, logp.detach(), adv, mask, entropy=entropy, stapo=True)
     entropy[1, 2] = -1e-6                                     # rounding of an entropy of 0: accepted
     creditrl.policy_loss(logp, logp.detach(), adv, mask, entropy=entropy, stapo=True)
-    with pytest.raises(ValueError, match=r"^trace.adv_clamp: expected a float <= 0"):
+    with pytest.raises(ValueError, match=r"^trace.adv_clamp: expected a finite float <= 0"):
         creditrl.TraceOptions(adv_clamp=0.5)
-    creditrl.TraceOptions(adv_clamp=-math.inf)                # no clamp
+    with pytest.raises(ValueError, match=r"^trace.adv_clamp: expected a finite float <= 0 .*-1e30: no clamp"):
+        creditrl.TraceOptions(adv_clamp=-math.inf)            # the config could not read it back
+    creditrl.TraceOptions(adv_clamp=-1e30)                    # no clamp in effect
 
 
 # ----------------------------------------------------------------------------- audit: estimators

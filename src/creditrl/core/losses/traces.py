@@ -62,16 +62,19 @@ class TraceOptions:
     floor: float = field(default=0.0, metadata={"help": "ε of eq. 17-18: the smallest weight of a past token"})
     update: Literal[TRACE_UPDATES] = field(default="trace", metadata={
         "help": "trace: the ε-trace of the log-ratio (Algorithm 1); weight: the ε-weight (Algorithm 2)"})
-    adv_clamp: float = field(default=-0.1, metadata={"help": "negative advantages are clamped from below here (§4.2); <= 0, -inf = no clamp"})
+    adv_clamp: float = field(default=-0.1, metadata={
+        "help": "negative advantages are clamped from below here (§4.2); finite, <= 0 (e.g. -1e30: no clamp in effect)"})
 
     def __post_init__(self):
         check_trace_args(self.lam, self.gamma, self.style, self.floor)
         check_choice("trace.update", self.update, TRACE_UPDATES)
         if isinstance(self.adv_clamp, bool) or not isinstance(self.adv_clamp, (int, float)) \
-                or math.isnan(self.adv_clamp) or self.adv_clamp > 0:
-            # a clamp above 0 would lift every negative advantage to +clamp and flip its token's sign
-            raise ValueError(f"trace.adv_clamp: expected a float <= 0 (the floor of the negative advantages; "
-                             f"-inf = no clamp), got {self.adv_clamp!r}")
+                or not math.isfinite(self.adv_clamp) or self.adv_clamp > 0:
+            # a clamp above 0 would lift every negative advantage to +clamp and flip its token's sign.
+            # Finite, as every front end's float option (config, TRL and verl fields) reads it: -inf
+            # would not survive the run's config.yaml
+            raise ValueError(f"trace.adv_clamp: expected a finite float <= 0 (the floor of the negative advantages; "
+                             f"-1e30: no clamp in effect), got {self.adv_clamp!r}")
 
 
 def check_trace_args(lam: float, gamma: float, style: str, floor: float) -> None:
