@@ -292,6 +292,18 @@ def test_dppo_passes_no_gradient_outside_its_trust_region_and_the_cispo_like_one
     torch.testing.assert_close(grad, -adv * r * inside * mask.double() / mask.sum(), rtol=1e-10, atol=1e-14)
 
 
+@pytest.mark.parametrize("logp, old", [(5e-4, -1e-3), (-1e-3, 5e-4), (5e-4, 2e-4), (0.0, -1e-3)])
+def test_dppo_kl_reads_log_probs_rounded_above_0_as_0(logp, old):
+    """A log-prob within the accepted rounding above 0 (LOGP_TOLERANCE) is a probability of 1 to the
+    Bernoulli KL: the token stays inside a trust region it is 1e-3 from (it fell outside on a NaN KL)."""
+    x = torch.tensor([[logp, -0.5]], dtype=torch.float64, requires_grad=True)
+    loss, metrics = policy_loss(x, torch.tensor([[old, -0.5]], dtype=torch.float64), torch.ones(1, dtype=torch.float64),
+                                torch.ones(1, 2, dtype=torch.bool), dppo_kl=True, clip_low=0.05, clip_high=0.05)
+    (grad,) = torch.autograd.grad(loss, x)
+    ratio = math.exp(logp - old)                               # the ratio itself is the loss's, unclamped
+    assert metrics["clip_frac_high"] == 0 and grad[0, 0].item() == pytest.approx(-min(ratio, DPPO_DEFAULT_CAP) / 2)
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**16), ratio=st.floats(0.01, 1.0), coef=st.floats(0.0, 2.0))
 def test_kl_cov_penalises_exactly_the_top_k_covariance_tokens(seed, ratio, coef):

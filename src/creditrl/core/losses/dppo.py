@@ -45,7 +45,10 @@ def tv_region(logp: Tensor, old_logp: Tensor, advantages: Tensor, bounds: ClipOp
 
 def kl_region(logp: Tensor, old_logp: Tensor, advantages: Tensor, bounds: ClipOptions) -> Tensor:
     """DPPO-Binary-KL trust region [B,T] bool: the Bernoulli KL(q‖p) of the sampled token within δ,
-    or the probability moving against the advantage's direction."""
+    or the probability moving against the advantage's direction. Log-probs are read at most 0: the
+    rounding above 0 that the loss accepts (``LOGP_TOLERANCE``) would make 1 - p < 0 and the KL NaN,
+    putting the token outside the region."""
+    logp, old_logp = logp.clamp(max=0.0), old_logp.clamp(max=0.0)
     p, q = logp.exp(), old_logp.exp()
     binary_kl = q * (old_logp - logp) + (1 - q) * torch.log((1 - q + BINARY_KL_EPS) / (1 - p + BINARY_KL_EPS))
     return torch.where(advantages > 0, (binary_kl <= bounds.high) | (p <= q), (binary_kl <= bounds.clip_low) | (p >= q))
