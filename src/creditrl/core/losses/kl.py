@@ -1,7 +1,8 @@
 """KL penalty to a frozen reference policy (a loss term).
 
 ℓ_t ← ℓ_t + β·k(x_t) with x_t = log π_ref(y_t) − log π_θ(y_t) at samples of π_θ, an estimate of
-KL(π_θ‖π_ref) (Schulman's k1/k2/k3, ``diagnostics.kl_estimate``; k3 clamps x to ±20).
+KL(π_θ‖π_ref) (Schulman's k1/k2/k3, ``diagnostics.kl_estimate``; k3 clamps x to ±20, and its value
+is not capped: verl's ``kl_penalty`` caps k3 at 10, where its gradient is then 0).
 
 The gradient of k1 or k3 is not an estimate of ∇KL (E_π[∇k3] = E_π[(1 − e^x)∇log π] is the
 gradient of the forward KL); two corrections make it one:
