@@ -500,3 +500,33 @@ def test_group_ids_match_a_loop_over_uids(uids, blocks, numeric):
 def test_group_ids_refuse_missing_uids():
     with pytest.raises(ValueError, match=r"None/NaN at rows \[1\]"):
         group_ids(np.array([1.0, float("nan"), 2.0]), 3, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("bad", [None, 0.5, float("nan"), 1.0000001, -1e-30, 2.0 ** -149])
+def test_the_plugins_float32_mask_is_checked_in_the_energys_pass(energy_path, mask_check, bad):
+    """verl's creditrl_otb with a float32 mask: deferred (masks >= 2^20 elements; here any), its rule
+    runs in the actor stats' energy pass, and a bad mask's error comes before a bad actor stat's; a
+    good mask, -0.0 on masked tokens included, gives the advantages of the same mask as bool."""
+    from verl.trainer.ppo import core_algos
+    gen = torch.Generator().manual_seed(3)
+    mask = (torch.rand(8, 5, generator=gen) < 0.7).float()
+    mask[:, 0] = 1
+    mask[mask == 0] = -0.0
+    logp = -torch.rand(8, 5, generator=gen) * 2 * mask
+    sum_p2 = (0.2 + 0.7 * torch.rand(8, 5, generator=gen)) * mask
+    rewards = torch.zeros(8, 5)
+    rewards[:, 0] = torch.randint(0, 2, (8,), generator=gen).float()
+    fn = core_algos.get_adv_estimator_fn("creditrl_otb")
+
+    def call(m, old_log_probs=logp):
+        return fn(token_level_rewards=rewards, response_mask=m, index=np.array([f"u{i // 4}" for i in range(8)],
+                  dtype=object), config=None, old_log_probs=old_log_probs, sum_pi_squared=sum_p2)[0]
+    if bad is None:
+        torch.testing.assert_close(call(mask), call(mask != 0), rtol=0, atol=0)
+        return
+    bad_mask, bad_logp = mask.clone(), logp.clone()
+    bad_mask[5, 3], bad_logp[2, 0] = bad, 0.5            # a bad mask and a log-prob above 0
+    with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[5\]"):
+        call(bad_mask, bad_logp)
+    with pytest.raises(ValueError, match=r"old_log_probs: expected values <= 0"):
+        call(mask, bad_logp)

@@ -9,6 +9,8 @@ twins give the same results up to the exp's last bit, several passes slower).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -53,8 +55,21 @@ def _energy_and_ranges_in_place(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> 
     return _energy_in_place(logp, sum_p2), torch.stack([top, low, high])
 
 
+def _energy_ranges_and_rule(logp: Tensor, sum_p2: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``_energy_and_ranges`` with ``valid`` = ``mask``, a float32 mask not yet checked, and its 0/1
+    rule as a fourth statistic, max |m - m*m| (0 iff every m is +-0.0 or 1; ``mask_verdict``)."""
+    energy, ranges = _energy_and_ranges(logp, sum_p2, mask)
+    return energy, torch.cat([ranges, (mask - mask * mask).abs().amax().reshape(1)])
+
+
+def _energy_ranges_and_rule_in_place(logp: Tensor, sum_p2: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    energy, ranges = _energy_and_ranges_in_place(logp, sum_p2, mask)
+    return energy, torch.cat([ranges, torch.addcmul(mask, mask, mask, value=-1).abs_().amax().reshape(1)])
+
+
 _energy_fused = fused(_energy, eager=_energy_in_place)
 _energy_and_ranges_fused = fused(_energy_and_ranges, eager=_energy_and_ranges_in_place)
+_energy_ranges_and_rule_fused = fused(_energy_ranges_and_rule, eager=_energy_ranges_and_rule_in_place)
 
 
 def _check_shapes(logp: Tensor, sum_p2: Tensor) -> None:
@@ -75,20 +90,29 @@ def energy_from_logp(logp: Tensor, sum_p2: Tensor) -> Tensor:
     return _energy_fused(flat(logp, torch.float32), flat(sum_p2, torch.float32)).view(logp.shape)
 
 
-def checked_energy_from_logp(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> Tensor:
+def checked_energy_from_logp(logp: Tensor, sum_p2: Tensor, valid: Tensor,
+                             mask_rule: Callable[[Tensor], None] | None = None) -> Tensor:
     """``energy_from_logp``, after checking on the tokens where ``valid`` [B,T] != 0 that ``logp`` <= 0
     and ``sum_p2`` in (0, 1], each within ``LOGP_TOLERANCE`` and as float32 values (the energy's
     precision); raises ValueError naming the argument (as verl names it) otherwise (e.g.
     probabilities passed as log-probs would give wrong energies silently). The range comes from the
-    energy's own pass: one host read, no extra pass."""
+    energy's own pass: one host read, no extra pass. ``mask_rule``: ``valid`` is a float32 mask not
+    yet checked; the same pass computes its 0/1 statistics, handed to ``mask_rule`` (which raises on
+    a bad mask) before the ranges are read (``AdvantageBatch.accept_mask_stats``)."""
     _check_shapes(logp, sum_p2)
     if valid.shape != logp.shape:
         raise ValueError(f"valid: expected logp's shape {list(logp.shape)}, got {list(valid.shape)}")
     if logp.numel() == 0:
+        if mask_rule is not None:
+            mask_rule(torch.zeros(1))
         return energy_from_logp(logp, sum_p2)
-    energy, ranges = _energy_and_ranges_fused(flat(logp, torch.float32), flat(sum_p2, torch.float32),
-                                               flat(valid))
-    logp_max, p2_min, p2_max = ranges.tolist()
+    inputs = flat(logp, torch.float32), flat(sum_p2, torch.float32), flat(valid)
+    if mask_rule is None:
+        energy, ranges = _energy_and_ranges_fused(*inputs)
+    else:
+        energy, ranges = _energy_ranges_and_rule_fused(*inputs)
+        mask_rule(ranges[3:])
+    logp_max, p2_min, p2_max = ranges[:3].tolist()
     # comparisons false for NaN: a NaN on a valid token fails
     if not logp_max <= LOGP_HIGH:
         check_actor_stat_range("old_log_probs", logp, valid)

@@ -102,12 +102,14 @@ def _block_ids(index: np.ndarray) -> np.ndarray | None:
     return np.cumsum(starts) - 1
 
 
-def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None,
-                      sum_pi_squared: Tensor | None) -> Tensor | None:
+def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None,
+                      mask_rule: Callable[[Tensor], None] | None = None) -> Tensor | None:
     """The energy from the actor's per-token stats (``checked_energy_from_logp``: ``old_log_probs``
     <= 0 and ``sum_pi_squared`` in (0, 1] on the response tokens, tested in the energy's own pass),
     or None without both. One of them alone (an estimator that needs neither) is range-checked
-    token by token. verl pads both with 0 off the response, where nothing is tested."""
+    token by token. verl pads both with 0 off the response, where nothing is tested. ``mask_rule``
+    (with both): ``response_mask`` is a float32 mask whose 0/1 rule runs in the same pass
+    (``checked_energy_from_logp``)."""
     given = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
     for name, x in given.items():
         if x is not None and (not isinstance(x, Tensor) or x.shape != response_mask.shape):
@@ -115,7 +117,10 @@ def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None,
             raise ValueError(f"{name}: expected a tensor of response_mask's shape {list(response_mask.shape)}, "
                              f"got {got}")
     if old_log_probs is not None and sum_pi_squared is not None:
-        return checked_energy_from_logp(old_log_probs, sum_pi_squared, response_mask)
+        return checked_energy_from_logp(old_log_probs, sum_pi_squared, response_mask, mask_rule)
+    if mask_rule is not None:
+        raise ValueError("mask_rule: expected None without both old_log_probs and sum_pi_squared (no energy pass "
+                         "to run the rule in)")
     for name, x in given.items():
         if x is not None:
             check_actor_stat_range(name, x, response_mask)
@@ -212,7 +217,10 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                                 components=components, component_weights=weights,
                                 defer_mask_check=is_builtin(get_estimator(name).fn))   # on_tokens below checks
             energy = None                 # without the actor's stats, a float32 mask's check waits for the broadcast
-            if old_log_probs is not None or sum_pi_squared is not None:
+            if old_log_probs is not None and sum_pi_squared is not None and batch.rule_pending:
+                # a float32 mask (the valid tokens' weights as they are) is checked in the energy's pass
+                energy = check_actor_stats(batch.input_mask, old_log_probs, sum_pi_squared, batch.accept_mask_stats)
+            elif old_log_probs is not None or sum_pi_squared is not None:
                 energy = check_actor_stats(batch.valid, old_log_probs, sum_pi_squared)
             if energy is not None:
                 batch = with_energy(batch, energy, rollout_is_weights)

@@ -243,6 +243,25 @@ _times_mask_with_rule_fused = fused(_times_mask_with_rule,
 _row_sums_with_rule_fused = fused(_row_sums_with_rule, eager=lambda mask: (mask.sum(1), mask_stats(mask)))
 
 
+def _non_negative_range_and_rule(values: Tensor, mask: Tensor) -> Tensor:
+    # per-row reductions first, as ``_rule``: three whole-tensor reductions of the flat tensors ran 1.4x slower
+    return torch.stack([values.amin(1).amin(), values.amax(1).amax(), _rule(mask)[0]])
+
+
+_non_negative_range_and_rule_fused = fused(_non_negative_range_and_rule, eager=lambda values, mask: torch.stack(
+    [*torch.aminmax(values), (mask - mask * mask).abs().amax()]))
+
+
+def non_negative_range_and_rule(values: Tensor, mask: Tensor) -> Tensor:
+    """float32 ``values`` [B,T] and a float32 ``mask`` [B,T] -> [3]: values' min and max (NaN where one
+    is NaN: every value finite and >= 0 iff min >= 0 and max < inf) and the mask's 0/1 rule
+    (``times_mask_with_rule``'s: 0 iff every m is +-0.0 or 1), from one read of both, compiled
+    where compiling works (2-D, contiguous, as ``times_mask_with_rule``). An energy's check and the
+    mask's in one pass: on the 2-core dev CPU at B = 1,024, T = 4,096, 2.2 ms, where the two alone
+    take 1.0 ms (an integer min/max) and 2.8 ms (``mask_stats``). Not read back."""
+    return _non_negative_range_and_rule_fused(values.detach().contiguous(), mask.detach().contiguous())
+
+
 def times_mask_with_rule(per_row: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """per_row [B] float32 times a float32 mask [B,T] -> (the product [B,T] float32, the mask's 0/1
     statistics for ``mask_verdict``: all 0 where every value is 0 or 1).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -16,7 +17,7 @@ from torch import Tensor
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name
 from creditrl.utils.validate import (FLOAT32_MAX, INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
                                     check_mask_dtype, check_tensor, float32_bits, integer_mask_copy,
-                                    integer_mask_verdict, mask_stats, mask_verdict)
+                                    integer_mask_verdict, mask_stats, mask_verdict, non_negative_range_and_rule)
 
 # The fused passes compile on their first use in a process (seconds: 5.9 s on the dev CPU with a warm
 # inductor cache, 15 s cold, where nothing else had compiled) and save ~1.5 ms a call at 4M elements:
@@ -145,18 +146,20 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     token_rewards = rewards.to(torch.float32) if rewards.dim() == 2 else None
     seq_rewards = rewards.to(torch.float32) if token_rewards is None else token_rewards.sum(1)
     checks = FusedChecks()
-    energy_of = _queue_energy_checks(checks, mask, energy, is_weights)
+    # On a CPU a large float32 mask's rule runs inside another pass over it: with energies, the
+    # energies' check (one compiled read of both); without, it waits for the mask's first use
+    # (AdvantageBatch.given_mask), where a broadcast runs it in the pass it writes. Not on a GPU:
+    # there the pass costs microseconds, and a second host read a sync
+    large = mask.device.type == "cpu" and mask.dtype == torch.float32 and mask.numel() >= FUSED_RULE_MIN_ELEMENTS
+    energy_of, rule = _queue_energy_checks(checks, mask, energy, is_weights, with_mask_rule=large and energy is not None)
     given = mask
-    # On a CPU, without energies (whose exact pass reads the checked mask), a large float32 mask's
-    # rule waits for its first use (AdvantageBatch.given_mask), where a broadcast runs it in the pass
-    # it writes. Not on a GPU: there the pass costs microseconds and a second host read a sync
-    pending = (defer_mask_check and mask.device.type == "cpu" and mask.dtype == torch.float32
-               and mask.numel() >= FUSED_RULE_MIN_ELEMENTS and energy is None and is_weights is None)
+    pending = defer_mask_check and large and energy is None and is_weights is None
     if mask.dtype != torch.bool and not mask.is_floating_point():   # verl passes int64
         mask, stats = integer_mask_copy(given)   # the copy the estimators multiply by, checked in one pass
         verdict = functools.partial(integer_mask_verdict, "mask", given)
     else:
-        stats, verdict = None if pending else mask_stats(mask), functools.partial(mask_verdict, "mask", mask)
+        stats = rule if rule is not None else None if pending else mask_stats(mask)
+        verdict = functools.partial(mask_verdict, "mask", mask)
     if stats is not None:
         checks.add(stats, verdict)
     finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
@@ -178,7 +181,7 @@ def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None
     mask = batch.given_mask
     _check_device(mask.device, energy=energy, is_weights=is_weights)
     checks = FusedChecks()
-    energy_of = _queue_energy_checks(checks, mask, energy, is_weights)
+    energy_of, _ = _queue_energy_checks(checks, mask, energy, is_weights)
     out = dataclasses.replace(batch, raw_energy=energy_of(checks.run(), mask))
     # views already derived from the mask (e.g. ``valid``) carry over; only ``energy`` depends on the energies
     out.__dict__.update({key: value for key, value in batch.__dict__.items() if key != "energy" and
@@ -186,16 +189,23 @@ def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None
     return out
 
 
-def _queue_energy_checks(checks: FusedChecks, mask: Tensor, energy: Tensor | None,
-                         is_weights: Tensor | None) -> Callable[[list, Tensor], Tensor | None]:
+def _queue_energy_checks(checks: FusedChecks, mask: Tensor, energy: Tensor | None, is_weights: Tensor | None,
+                         with_mask_rule: bool = False) -> tuple[Callable[[list, Tensor], Tensor | None], Tensor | None]:
     """Queue the checks of energy and is_weights [B,T] (finite and >= 0: one integer min/max pass
     each, shapes checked now); returns ``energy_of(results, mask)``, the checked float32 energies
-    (times is_weights², None without energies) once ``checks`` have run."""
+    (times is_weights², None without energies) once ``checks`` have run, and, ``with_mask_rule``
+    (a float32 mask, energies given), the mask's 0/1 statistics from the energy's pass
+    (``non_negative_range_and_rule``; the caller queues their verdict), else None."""
     inputs = {name: _token_tensor(name, x, mask) for name, x in (("energy", energy), ("is_weights", is_weights))
               if x is not None}
     originals = {"energy": getattr(energy, "dtype", None), "is_weights": getattr(is_weights, "dtype", None)}
-    good = {name: checks.add(_non_negative_stats(x), lambda v: v[0] >= 0 and v[1] < INF_FLOAT32_BITS)
-            for name, x in inputs.items()}
+    good, rule = {}, None
+    for name, x in inputs.items():
+        if name == "energy" and with_mask_rule:
+            stats = non_negative_range_and_rule(x, mask)
+            good[name], rule = checks.add(stats[:2], lambda v: v[0] >= 0 and v[1] < math.inf), stats[2:]
+        else:
+            good[name] = checks.add(_non_negative_stats(x), lambda v: v[0] >= 0 and v[1] < INF_FLOAT32_BITS)
 
     def energy_of(results: list, checked_mask: Tensor) -> Tensor | None:
         checked = {name: x if results[good[name]] else _valid_non_negative(name, x, checked_mask, originals[name])
@@ -204,7 +214,7 @@ def _queue_energy_checks(checks: FusedChecks, mask: Tensor, energy: Tensor | Non
         if out is not None and "is_weights" in checked:  # masked tokens are zeroed where an estimator reads them
             out = out * checked["is_weights"].square()
         return out
-    return energy_of
+    return energy_of, rule
 
 
 def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tensor,

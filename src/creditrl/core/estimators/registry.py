@@ -83,17 +83,19 @@ class AdvantageBatch:
         return self.input_mask
 
     @property
-    def _rule_pending(self) -> bool:
+    def rule_pending(self) -> bool:
+        """True while the mask's 0/1 rule has not run: a pass over ``input_mask`` may run it, then hand
+        its statistics to ``accept_mask_stats`` (``times_mask_with_rule``'s, ``mask_stats``')."""
         return self.mask_pending and "given_mask" not in self.__dict__
 
     def check_pending_mask(self) -> None:
         """Run a pending mask's 0/1 rule now (one pass; raises on a bad mask). Called before another
         input's error is raised, so a bad mask's error comes first whether or not its check waited."""
-        if self._rule_pending:
+        if self.rule_pending:
             self.given_mask
 
-    def _checked(self, stats: Tensor) -> None:
-        """Read a pending mask's 0/1 statistics, computed in another view's pass: raise on a bad
+    def accept_mask_stats(self, stats: Tensor) -> None:
+        """Read a pending mask's 0/1 statistics, computed in another pass over it: raise on a bad
         mask, else mark it checked (``given_mask`` then skips the rule)."""
         mask_verdict("mask", self.input_mask, stats.tolist())
         self.__dict__["given_mask"] = self.input_mask
@@ -104,9 +106,9 @@ class AdvantageBatch:
 
     @cached_property
     def lengths(self) -> Tensor:
-        if self._rule_pending:                           # the sums and the rule from one read
+        if self.rule_pending:                           # the sums and the rule from one read
             sums, stats = row_sums_with_rule(self.input_mask)
-            self._checked(stats)
+            self.accept_mask_stats(stats)
             return sums.long()
         mask = self.given_mask
         # float32/64 rows sum 0/1 exactly (no converted copy); bool rows would cast element by
@@ -133,9 +135,9 @@ class AdvantageBatch:
         a float32 times bool product costs, and leaves ``valid`` and ``lengths`` cheap; ``where``
         branches per token, 8x slower on a holey mask on a CPU). A float32 mask still to be checked
         is checked in the same pass."""
-        if self._rule_pending and not (per_row.requires_grad or self.input_mask.requires_grad):
+        if self.rule_pending and not (per_row.requires_grad or self.input_mask.requires_grad):
             out, stats = times_mask_with_rule(per_row, self.input_mask)   # compiled: no autograd graph
-            self._checked(stats)
+            self.accept_mask_stats(stats)
             return out
         mask = self.given_mask
         return per_row[:, None] * (mask if mask.dtype == torch.float32 else self.valid)
@@ -150,7 +152,7 @@ class AdvantageBatch:
         ``broadcast``, without allocating and writing a second [B,T] tensor (on a CPU about 1 ms of
         2-3 at B = 1,024, T = 4,096). A float32 mask is the caller's tensor and is never written."""
         if out.dim() != 1:
-            if self._rule_pending:        # a [B,T] result that never read the mask: checked before it leaves
+            if self.rule_pending:        # a [B,T] result that never read the mask: checked before it leaves
                 self.given_mask
             return out
         if not last_use or not self.mask_copy and self.input_mask.dtype == torch.float32:
