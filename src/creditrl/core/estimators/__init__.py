@@ -125,11 +125,12 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     Shapes, dtypes and devices are checked first. Every value check is then one reduction pass
     per tensor, all read back in one host read (``FusedChecks``): the mask's 0/1 rule
     (``mask_stats``; an integer mask is replaced by its float32 copy, checked on the copy's
-    bits, ``integer_mask_copy``; with ``defer_mask_check``, a float32 mask's of >=
-    ``FUSED_RULE_MIN_ELEMENTS`` on a CPU without energies on its first use, in a second read: see
-    ``AdvantageBatch``; for built-in estimators, whose every use of the mask is tested), finite rewards (a non-finite value makes its row's sum non-finite, so token
-    rewards cost the one sum R needs), energies and IS weights finite and >= 0 (one integer
-    min/max pass). Only a failing test takes an exact, slower pass, to name the rows or to accept
+    bits, ``integer_mask_copy``; a float32 mask of >= ``FUSED_RULE_MIN_ELEMENTS`` on a CPU in
+    another pass over it: with energies, the energies' check, ``non_negative_range_and_rule``;
+    without, and with ``defer_mask_check`` (built-in estimators, whose every use of the mask is
+    tested), its first use, in a second read: see ``AdvantageBatch``), finite rewards (a
+    non-finite value makes its row's sum non-finite, so token rewards cost the one sum R needs),
+    energies and IS weights finite and >= 0 (one integer min/max pass). Only a failing test takes an exact, slower pass, to name the rows or to accept
     what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
     overflow of the row sums).
     """
