@@ -213,7 +213,7 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
     from creditrl.integrations.energy import energy_from_logp
     from creditrl.integrations.verl import check_actor_stats, group_ids
     from creditrl.utils.validate import FusedChecks, check_mask, float32_bits, float_mask, mask_verdict, \
-        row_sums_with_rule, times_mask_with_rule
+        non_negative_range_and_rule, row_sums_with_rule, times_mask_with_rule
 
     mask, rewards = inputs["response_mask"], inputs["token_level_rewards"]
     energy = energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"])
@@ -248,16 +248,24 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
         fns["product"] = lambda: totals[:, None] * mask
         fns[ROW_SUMS_RULE] = lambda: mask_verdict("mask", mask, row_sums_with_rule(mask)[1].tolist())
         fns["row sums"] = lambda: mask.sum(1)
+        # with energies, the direct call's rule runs in the energies' check, the plug-in's in the actor stats' pass
+        fns[ENERGY_RULE] = lambda: one_read(non_negative_range_and_rule(energy, mask))
+        fns[PLUGIN_RULE] = lambda: check_actor_stats(mask, inputs["old_log_probs"], inputs["sum_pi_squared"],
+                                                     lambda stats: mask_verdict("mask", mask, stats.tolist()))
     best = {k: v["best"] for k, v in summarize(interleaved_samples(fns, repeats, settle=1)).items()}
     checked = best.pop("energy, actor stats checked")
     best["plug-in: actor stats on valid tokens"] = max(0.0, checked - best.pop("energy"))
     for fused, alone in ((BROADCAST_RULE, "product"), (ROW_SUMS_RULE, "row sums")):
         if alone in best:
             best[fused] = max(0.0, best[fused] - best.pop(alone))
+    if ENERGY_RULE in best:   # each fused pass over the same pass without the rule
+        best[ENERGY_RULE] = max(0.0, best[ENERGY_RULE] - best["energy: finite, >= 0"])
+        best[PLUGIN_RULE] = max(0.0, best[PLUGIN_RULE] - checked)
     return best
 
 
 BROADCAST_RULE, ROW_SUMS_RULE = "mask: 0/1 rule in a broadcast's pass", "mask: 0/1 rule in the row sums' pass"
+ENERGY_RULE, PLUGIN_RULE = "mask: 0/1 rule in the energy check's pass", "plug-in: mask rule in the actor stats' pass"
 
 
 def fused_rule(name: str, inputs: dict) -> str | None:
@@ -286,22 +294,28 @@ def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
     """The checks' cost against the direct and plug-in calls they guard; returns the largest share."""
     costs = check_costs(inputs, repeats)
     print(f"\ninput checks, best ms, on the inputs of T={rows[0]['length']} right-padded "
-          "(the direct call runs the mask's, the rewards' and the energy's; a float32 mask's without energies "
-          "inside the first pass over the mask; the plug-in all)")
+          "(the direct call runs the mask's, the rewards' and the energy's; a float32 mask's inside another pass "
+          "over it: the energy check's, else the first use's; the plug-in all, a float32 mask's in the actor "
+          "stats' pass)")
     for name, ms in costs.items():
-        print(f"  {name:<40}{ms:>8.3f}")
-    direct = sum(v for k, v in costs.items()
-                 if not k.startswith("plug-in") and k not in (BROADCAST_RULE, ROW_SUMS_RULE))
+        print(f"  {name:<44}{ms:>8.3f}")
+    rule, rewards, energy = costs["mask: 0/1 rule"], costs["rewards: finite"], costs["energy: finite, >= 0"]
+    from creditrl.core.estimators import FUSED_RULE_MIN_ELEMENTS
+    uids, actor = costs["plug-in: uids -> group ids"], costs["plug-in: actor stats on valid tokens"]
+    # the passes that run a float32 mask's rule inside them, for masks of >= FUSED_RULE_MIN_ELEMENTS
+    float32 = ENERGY_RULE in costs and inputs["response_mask"].numel() >= FUSED_RULE_MIN_ELEMENTS
     worst = 0.0
     for row in rows:
         if row["length"] != rows[0]["length"] or row["holes"]:
             continue
-        own = direct - (costs["energy: finite, >= 0"] if row["name"] != "otb" else 0.0)
-        fused = fused_rule(row["name"], inputs) if BROADCAST_RULE in costs else None
-        if fused is not None:
-            own += costs[fused] - costs["mask: 0/1 rule"]
-        plug = own + costs["plug-in: actor stats on valid tokens"] * (row["name"] == "otb") + \
-            costs["plug-in: uids -> group ids"]
+        if row["name"] == "otb":
+            own = rewards + energy + (costs[ENERGY_RULE] if float32 else rule)
+            # the plug-in checks the energy from the actor's stats (with_energy), and those stats
+            plug = rewards + energy + actor + uids + (costs[PLUGIN_RULE] if float32 else rule)
+        else:
+            fused = fused_rule(row["name"], inputs) if float32 else None
+            own = rewards + (rule if fused is None else costs[fused])
+            plug = own + uids
         share, plug_share = own / row["ms"]["direct"]["best"], plug / row["ms"]["plugin"]["best"]
         worst = max(worst, share, plug_share)
         print(f"  {row['name']:<8} validation {own:6.2f} ms = {share:6.1%} of the direct call "
