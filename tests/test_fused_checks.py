@@ -374,7 +374,8 @@ def test_the_public_building_blocks_return_nothing_from_an_unchecked_mask(mask_c
             call()
 
 
-@pytest.mark.parametrize("case", ["estimator's own error", "k out of range", "components off the rewards"])
+@pytest.mark.parametrize("case", ["estimator's own error", "k out of range", "components off the rewards",
+                                  "non-finite rewards", "token rewards beyond float32"])
 def test_a_bad_masks_error_comes_before_another_inputs(mask_check, case):
     """With the mask's rule deferred, another input's error found first (an estimator's own, the K
     range, gdpo's components) still comes after the mask's, as when build_batch checks it up front."""
@@ -384,11 +385,13 @@ def test_a_bad_masks_error_comes_before_another_inputs(mask_check, case):
     given = {"estimator's own error": dict(name="passk_chen", rewards=rewards * 0.5, k=2),
              "k out of range": dict(name="maxk_bon", rewards=rewards, k=5),
              "components off the rewards": dict(name="gdpo", rewards=rewards,
-                                                components=torch.full((8, 1), 3.0, dtype=torch.float64))}[case]
+                                                components=torch.full((8, 1), 3.0, dtype=torch.float64)),
+             "non-finite rewards": dict(name="grpo", rewards=torch.where(rewards > 0, float("nan"), 0.0)),
+             "token rewards beyond float32": dict(name="grpo", rewards=torch.full((8, 5), 3e38))}[case]
     with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[3\]"):
         compute_advantages(mask=mask, group=group, **given)
     mask[3, 1] = 1.0                     # the other error is still there once the mask is good
-    with pytest.raises(ValueError, match=r"passk_chen|k=5|components"):
+    with pytest.raises(ValueError, match=r"passk_chen|k=5|components|rewards"):
         compute_advantages(mask=mask, group=group, **given)
 
 
@@ -530,3 +533,8 @@ def test_the_plugins_float32_mask_is_checked_in_the_energys_pass(energy_path, ma
         call(bad_mask, bad_logp)
     with pytest.raises(ValueError, match=r"old_log_probs: expected values <= 0"):
         call(mask, bad_logp)
+    for wrong in (logp[:, :4], logp.long()):              # shape and dtype errors come after the mask's too
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[5\]"):
+            call(bad_mask, wrong)
+    with pytest.raises(ValueError, match=r"old_log_probs: expected a floating-point tensor, got dtype torch.int64"):
+        call(mask, logp.long())

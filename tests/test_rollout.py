@@ -181,6 +181,21 @@ def test_tool_calls_stop_at_budget():
     assert (metrics["tool_calls"], metrics["tool_calls_unanswered"]) == (1.0, 1.0)
 
 
+def test_a_call_the_task_gives_no_output_counts_as_unanswered():
+    """tool_calls counts the calls answered with an output: one the task declines (None) is written
+    but unanswered, and still spends the budget."""
+    class Picky(type(get_task("calculator"))):
+        def tool_output(self, response_so_far):
+            return None if response_so_far.endswith("<calc>9</calc>") else super().tool_output(response_so_far)
+    task = Picky(max_tool_calls=2)
+    tok = char_tokenizer(task.alphabet())
+    script = "<calc>9</calc><calc>1+2</calc><answer>3</answer>"
+    batch = generate_rollouts(ScriptedModel(tok, script), tok, task, [Problem("1+2=", "3")], group_size=1,
+                              max_new_tokens=len(script) + 1)
+    assert batch.response_texts == ["<calc>9</calc><calc>1+2</calc><out>3</out><answer>3</answer>"]
+    assert batch.tool_calls.tolist() == [1] and batch.tool_calls_unanswered.tolist() == [1]
+
+
 def test_a_task_without_a_tool_logs_no_tool_metrics():
     task = get_task("addition", digits=1)
     tok = char_tokenizer(task.alphabet())

@@ -116,6 +116,8 @@ def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_p
             got = list(x.shape) if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(f"{name}: expected a tensor of response_mask's shape {list(response_mask.shape)}, "
                              f"got {got}")
+        if x is not None and not x.is_floating_point():
+            raise ValueError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
     if old_log_probs is not None and sum_pi_squared is not None:
         return checked_energy_from_logp(old_log_probs, sum_pi_squared, response_mask, mask_rule)
     if mask_rule is not None:
@@ -219,7 +221,8 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             energy = None                 # without the actor's stats, a float32 mask's check waits for the broadcast
             if old_log_probs is not None and sum_pi_squared is not None and batch.rule_pending:
                 # a float32 mask (the valid tokens' weights as they are) is checked in the energy's pass
-                energy = check_actor_stats(batch.input_mask, old_log_probs, sum_pi_squared, batch.accept_mask_stats)
+                energy = batch.mask_error_first(check_actor_stats, batch.input_mask, old_log_probs, sum_pi_squared,
+                                                batch.accept_mask_stats)
             elif old_log_probs is not None or sum_pi_squared is not None:
                 energy = check_actor_stats(batch.valid, old_log_probs, sum_pi_squared)
             if energy is not None:

@@ -53,11 +53,11 @@ class RolloutBatch:
     components:     [B,K] float64, each reward term's values (NaN where a term gave none), the
                     ``component_names`` and ``component_weights``, when there are several terms
                     (``task.options.rewards``, or the task's reward and ``overlong``); None for one
-    tool_calls:     [B] long, the tool calls the task answered, for a task with a tool (``max_tool_calls``
-                    > 0); None otherwise
-    tool_calls_unanswered: [B] long, times the response wrote ``task.tool_stop`` without an answer (past
-                    ``max_tool_calls``, or closed inside a token that opens the next tag, '</calc><');
-                    None for a task without a tool
+    tool_calls:     [B] long, the tool calls the task answered with an output, for a task with a tool
+                    (``max_tool_calls`` > 0); None otherwise
+    tool_calls_unanswered: [B] long, times the response wrote ``task.tool_stop`` without an output (past
+                    ``max_tool_calls``, a call the task could not read, one closed inside a token that
+                    opens the next tag, '</calc><', or at the ``max_new_tokens`` cap); None without a tool
     """
 
     input_ids: Tensor

@@ -42,7 +42,7 @@ class Generation:
     input_ids, attention_mask: [N,L] long; response_mask: [N,L] float, 1 on sampled tokens;
     rollout_logp: [N,L] float32 behaviour log-prob of sampled tokens (0 elsewhere);
     stopped: [N] bool, the row ended at a stop token/string (False: clipped at max_new_tokens);
-    tool_calls: [N] long, the tool calls the task answered (``task.tool_output`` ran; 0 without a tool)."""
+    tool_calls: [N] long, the tool calls the task answered with an output (0 without a tool)."""
 
     input_ids: Tensor
     attention_mask: Tensor
@@ -190,13 +190,15 @@ def _tail_texts(tokenizer, generated: Tensor, rows: Tensor, t: int, window: int)
 class _Decode:
     """Bookkeeping of one batched decode, a row per response (CPU tensors): the tokens written,
     which the policy chose (1) or the environment forced (0), their log-probs, the columns fed,
-    sampled-token and tool-call counts, whether each row stopped, and queued tool-output tokens."""
+    sampled-token and tool-call counts (the calls made, against the budget, and those the task
+    answered with an output), whether each row stopped, and queued tool-output tokens."""
     tokens: Tensor
     sampled: Tensor
     logps: Tensor
     fed: Tensor
     n_sampled: Tensor
     n_calls: Tensor
+    n_answered: Tensor
     stopped: Tensor
     forced: Tensor
     forced_len: Tensor
@@ -206,7 +208,7 @@ class _Decode:
     def empty(cls, n: int, max_steps: int, max_tool_tokens: int, pad: int) -> "_Decode":
         zeros = lambda: torch.zeros(n, dtype=torch.long)  # noqa: E731
         return cls(torch.full((n, max_steps), pad, dtype=torch.long), torch.zeros(n, max_steps),
-                   torch.zeros(n, max_steps), zeros(), zeros(), zeros(), torch.zeros(n, dtype=torch.bool),
+                   torch.zeros(n, max_steps), zeros(), zeros(), zeros(), zeros(), torch.zeros(n, dtype=torch.bool),
                    torch.full((n, max_tool_tokens), pad, dtype=torch.long), zeros(), zeros())
 
     def write(self, live: Tensor, t: int, token: Tensor, logp: Tensor) -> tuple[Tensor, Tensor]:
@@ -235,7 +237,7 @@ class _Decode:
         rollout_logp = torch.cat([torch.zeros(n, prompt_len), self.logps[:, :steps]], dim=1)
         response_mask = torch.cat([torch.zeros(n, prompt_len), self.sampled[:, :steps]], dim=1)
         return Generation(input_ids, attention_mask, response_mask, rollout_logp, self.stopped, prompt_len,
-                          self.n_calls.clone())
+                          self.n_answered.clone())
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,7 @@ def _queue_tool_outputs(tokenizer, task, state: _Decode, rows: list[int], t: int
         state.n_calls[b] += 1
         if not output:
             continue
+        state.n_answered[b] += 1
         out_ids = tokenizer(output, add_special_tokens=False)["input_ids"]
         if len(out_ids) > cap:
             # one message per cap (Python shows it once): the policy and the reward see the cut text

@@ -46,8 +46,11 @@ def _plain(text: str) -> str:
         gap = " " if m[1] is None and m.start() and text[m.start() - 1] in "0123456789." else ""
         if Decimal(bottom) == 0:
             return f"{m[1] or ''}{gap} {top}/0"            # a/0: no number
-        value = Fraction(Decimal(top)) / Fraction(Decimal(bottom)) + int(m[1] or 0)
-        return f"{gap}{value.numerator}/{value.denominator}"
+        # a mixed number's fraction is unsigned: before a signed one, the whole number stays its own
+        mixed = m[1] is not None and top[0] not in "+-" and bottom[0] not in "+-"
+        value = Fraction(Decimal(top)) / Fraction(Decimal(bottom)) + (int(m[1]) if mixed else 0)
+        lead = f"{m[1]} " if m[1] is not None and not mixed else gap
+        return f"{lead}{value.numerator}/{value.denominator}"
     text = text.translate(MINUS_SIGNS)
     return _LATEX_FRACTION.sub(as_slash, text)
 

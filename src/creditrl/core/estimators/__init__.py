@@ -16,7 +16,7 @@ from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name
 from creditrl.utils.validate import (FLOAT32_MAX, INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
-                                    check_mask_dtype, check_tensor, float32_bits, integer_mask_copy,
+                                    check_mask, check_mask_dtype, check_tensor, float32_bits, integer_mask_copy,
                                     integer_mask_verdict, mask_stats, mask_verdict, non_negative_range_and_rule)
 
 # The fused passes compile on their first use in a process (seconds: 5.9 s on the dev CPU with a warm
@@ -165,6 +165,9 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
         checks.add(stats, verdict)
     finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
     results = checks.run()                       # the one host read; a bad mask raises here
+    if not results[finite] and pending:          # a bad mask's error before the rewards', as when checked here
+        check_mask("mask", mask)
+        pending = False
     if not results[finite] and token_rewards is None:
         check_finite("rewards", seq_rewards)             # raises, naming the rows
     elif not results[finite]:
@@ -266,19 +269,9 @@ def _estimator_output(name: str, defer_mask_check: bool, *, rewards: Tensor, mas
                     gamma=options.pop("gamma", 1.0), components=components, component_weights=component_weights,
                     defer_mask_check=defer_mask_check and is_builtin(spec.fn))
     if batch.components is not None and spec.reward_components:
-        _mask_error_first(batch, check_total, batch, spec.name)
+        batch.mask_error_first(check_total, batch, spec.name)
     return estimator_result(name, batch, **options), batch
 
-
-def _mask_error_first(batch: AdvantageBatch, fn: Callable, *args, **kwargs):
-    """``fn(*args, **kwargs)``; where it raises, a pending mask's own error comes first (the one
-    ``build_batch`` gives when it checks the mask up front): only the error path pays for the pass."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as err:      # noqa: BLE001 (any failure: the bad mask is the first thing to report)
-        failure = err
-    batch.check_pending_mask()
-    raise failure
 
 
 def check_total(batch: AdvantageBatch, name: str = "gdpo") -> None:
@@ -343,7 +336,7 @@ def estimator_result(name: str, batch: AdvantageBatch, **options) -> Tensor:
     shape = batch.input_mask.shape                # not given_mask: its check may wait for the broadcast
     if batch.input_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
         return torch.zeros(shape, dtype=torch.float32, device=batch.input_mask.device)
-    return _mask_error_first(batch, _checked_result, name, spec, batch, options)
+    return batch.mask_error_first(_checked_result, name, spec, batch, options)
 
 
 def _checked_result(name: str, spec: EstimatorSpec, batch: AdvantageBatch, options: dict) -> Tensor:

@@ -94,6 +94,16 @@ class AdvantageBatch:
         if self.rule_pending:
             self.given_mask
 
+    def mask_error_first(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)``; where it raises, a pending mask's own error comes first (the one
+        ``build_batch`` gives when it checks the mask up front): only the error path pays for the pass."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:      # noqa: BLE001 (any failure: the bad mask is the first thing to report)
+            failure = err
+        self.check_pending_mask()
+        raise failure
+
     def accept_mask_stats(self, stats: Tensor) -> None:
         """Read a pending mask's 0/1 statistics, computed in another pass over it: raise on a bad
         mask, else mark it checked (``given_mask`` then skips the rule)."""

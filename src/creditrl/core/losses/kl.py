@@ -10,8 +10,9 @@ gradient of the forward KL); two corrections make it one:
                k2 = ½x², (log π_θ − log π_ref)·∇log π_θ, unbiased for ∇KL(π_θ‖π_ref) on-policy;
     kl_bias_correction (TRL's ``use_bias_correction_kl``, DeepSeek-V3.2): the penalty times the
                token ratio r_t = π_θ/π_old, with its gradient: ∇(r·k) = r·(∇k + k·∇log π_θ), whose
-               expectation under π_old is E_π[∇k + k·∇log π_θ] = ∇E_π[k] = ∇KL for k1, k2, k3 (their
-               values are unbiased for KL), unbiased off-policy too (samples from π_old).
+               expectation under π_old is E_π[∇k + k·∇log π_θ] = ∇E_π[k]: ∇KL for k1 and k3, whose
+               values are unbiased for KL, off-policy too (samples from π_old); not for k2, whose
+               value E_π[½x²] is not KL (k2 with the correction is the gradient of that, biased).
 Both together ("k1+"/"k3+" with kl_bias_correction): the value r·k, the gradient of the
 straight-through term weighted by r without its gradient, r·(log π_θ − log π_ref)·∇log π_θ, the
 importance-weighted ∇KL. Multiplying the straight-through term by r with its gradient would add
@@ -42,8 +43,9 @@ class KLOptions:
     kl_estimator: Literal[KL_PENALTIES] = field(default="k3", metadata={
         "help": "KL estimator: k1, k2, k3, or k1+/k3+ (their value, k2's gradient: verl's unbiased KL gradient)"})
     kl_bias_correction: bool = field(default=False, metadata={
-        "help": "multiply the penalty by the ratio π_θ/π_old, with its gradient (TRL's use_bias_correction_kl): "
-                "the unbiased KL gradient off-policy too"})
+        "help": "multiply the penalty by the ratio π_θ/π_old (TRL's use_bias_correction_kl): with its gradient for "
+                "k1/k3, the unbiased KL gradient off-policy too; for k1+/k3+ its value weighs k2's gradient, unbiased "
+                "too; k2 stays biased"})
 
     def __post_init__(self):
         check_range("kl_coef", self.kl_coef, 0.0)
