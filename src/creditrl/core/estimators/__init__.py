@@ -155,27 +155,35 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     energy_of, rule = _queue_energy_checks(checks, mask, energy, is_weights, with_mask_rule=large and energy is not None)
     given = mask
     pending = defer_mask_check and large and energy is None and is_weights is None
-    if mask.dtype != torch.bool and not mask.is_floating_point():   # verl passes int64
-        mask, stats = integer_mask_copy(given)   # the copy the estimators multiply by, checked in one pass
-        verdict = functools.partial(integer_mask_verdict, "mask", given)
-    else:
-        stats = rule if rule is not None else None if pending else mask_stats(mask)
-        verdict = functools.partial(mask_verdict, "mask", mask)
-    if stats is not None:
-        checks.add(stats, verdict)
+    mask = _queue_mask_check(checks, given, rule, pending)
     finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
     results = checks.run()                       # the one host read; a bad mask raises here
-    if not results[finite] and pending:          # a bad mask's error before the rewards', as when checked here
-        check_mask("mask", mask)
-        pending = False
-    if not results[finite] and token_rewards is None:
-        check_finite("rewards", seq_rewards)             # raises, naming the rows
-    elif not results[finite]:
+    if not results[finite]:
+        if pending:                              # a bad mask's error before the rewards', as when checked here
+            check_mask("mask", mask)
+            pending = False
+        if token_rewards is None:
+            check_finite("rewards", seq_rewards)  # raises, naming the rows
         seq_rewards = _exact_row_totals(token_rewards)
     return AdvantageBatch(rewards=seq_rewards, input_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy_of(results, mask), token_rewards=token_rewards, gamma=float(gamma),
                           components=components, component_weights=component_weights, mask_copy=mask is not given,
                           mask_pending=pending)
+
+
+def _queue_mask_check(checks: FusedChecks, mask: Tensor, rule: Tensor | None, pending: bool) -> Tensor:
+    """Queue the mask's 0/1 check: its statistics from ``rule`` (the energies' pass) where given, none
+    while ``pending`` (``AdvantageBatch.given_mask``), else its own pass. Returns the mask the
+    estimators read: an integer mask's float32 copy (checked in one pass over it), else the mask."""
+    if mask.dtype != torch.bool and not mask.is_floating_point():   # verl passes int64
+        copy, stats = integer_mask_copy(mask)
+        verdict = functools.partial(integer_mask_verdict, "mask", mask)
+    else:
+        copy, stats = mask, rule if rule is not None else None if pending else mask_stats(mask)
+        verdict = functools.partial(mask_verdict, "mask", mask)
+    if stats is not None:
+        checks.add(stats, verdict)
+    return copy
 
 
 def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None = None) -> AdvantageBatch:
