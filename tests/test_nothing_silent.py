@@ -189,6 +189,18 @@ def test_group_size_one_is_an_error_that_says_why(estimator):
     resolve_config(load_config(None, ["rollout.group_size=1", "algorithm.estimator=reinforce"]))  # learns from one
 
 
+@pytest.mark.parametrize("estimator, options", [("maxrl", []), ("passk_chen", ["algorithm.options.k=2"])])
+def test_an_estimator_that_refuses_negative_rewards_refuses_the_overlong_penalty_at_config_time(estimator, options):
+    """maxrl (rewards >= 0) and passk_chen (0/1 rewards) would raise at the first batch the overlong
+    penalty touched, after the model loaded: the config says so first."""
+    base = [f"algorithm.estimator={estimator}", *options, "rollout.max_new_tokens=16"]
+    with pytest.raises(ConfigError, match=rf"rollout.overlong.buffer=4: the overlong penalty makes rewards negative "
+                                          rf"\(down to -1\), which estimator '{estimator}' refuses"):
+        resolve_config(load_config(None, [*base, "rollout.overlong.buffer=4"]))
+    resolve_config(load_config(None, base))
+    resolve_config(load_config(None, ["algorithm.estimator=grpo", "rollout.max_new_tokens=16", "rollout.overlong.buffer=4"]))
+
+
 # ----------------------------------------------------------------------------- rewards
 
 @pytest.fixture

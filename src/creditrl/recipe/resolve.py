@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from creditrl.config import Config, ConfigError
-from creditrl.core.estimators import check_group_size
+from creditrl.core.estimators import check_group_size, compute_advantages
 from creditrl.core.estimators.labels import label_options
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import compose
@@ -64,6 +64,17 @@ def _check_estimator(cfg: Config, options: dict) -> None:
         raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "
                           f"every token (it compares responses within a group), so nothing would be learned; use "
                           f"rollout.group_size >= 2 or algorithm.estimator=reinforce")
+    overlong = cfg.rollout.overlong
+    if overlong.buffer:             # its penalty makes rewards negative: refused by maxrl, passk_chen (0/1)
+        rewards = (torch.arange(g) % 2).float()
+        rewards[0] = -overlong.penalty
+        try:
+            compute_advantages(name, rewards=rewards, mask=torch.ones(g, 2), group=torch.zeros(g, dtype=torch.long),
+                               energy=torch.ones(g, 2), **options)
+        except ValueError as err:
+            raise ConfigError(f"rollout.overlong.buffer={overlong.buffer}: the overlong penalty makes rewards "
+                              f"negative (down to -{overlong.penalty:g}), which estimator {name!r} refuses ({err}); "
+                              f"set rollout.overlong.buffer=0 or choose another estimator") from None
 
 
 def _check_task(cfg: Config) -> None:
