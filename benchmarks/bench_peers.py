@@ -292,6 +292,8 @@ def fused_rule(name: str, inputs: dict) -> str | None:
 
 def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
     """The checks' cost against the direct and plug-in calls they guard; returns the largest share."""
+    from creditrl.core.estimators import FUSED_RULE_MIN_ELEMENTS
+
     costs = check_costs(inputs, repeats)
     print(f"\ninput checks, best ms, on the inputs of T={rows[0]['length']} right-padded "
           "(the direct call runs the mask's, the rewards' and the energy's; a float32 mask's inside another pass "
@@ -300,7 +302,6 @@ def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
     for name, ms in costs.items():
         print(f"  {name:<44}{ms:>8.3f}")
     rule, rewards, energy = costs["mask: 0/1 rule"], costs["rewards: finite"], costs["energy: finite, >= 0"]
-    from creditrl.core.estimators import FUSED_RULE_MIN_ELEMENTS
     uids, actor = costs["plug-in: uids -> group ids"], costs["plug-in: actor stats on valid tokens"]
     # the passes that run a float32 mask's rule inside them, for masks of >= FUSED_RULE_MIN_ELEMENTS
     float32 = ENERGY_RULE in costs and inputs["response_mask"].numel() >= FUSED_RULE_MIN_ELEMENTS

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from creditrl.utils.fused import flat, fused
-from creditrl.utils.validate import LOGP_TOLERANCE
+from creditrl.utils.validate import LOGP_TOLERANCE, mask_rule
 
 # what each statistic must be on the response tokens (float32 bounds, as the check compares float32 values)
 EXPECTED = {"old_log_probs": "<= 0 (log-probabilities)",
@@ -59,7 +59,7 @@ def _energy_ranges_and_rule(logp: Tensor, sum_p2: Tensor, mask: Tensor) -> tuple
     """``_energy_and_ranges`` with ``valid`` = ``mask``, a float32 mask not yet checked, and its 0/1
     rule as a fourth statistic, max |m - m*m| (0 iff every m is +-0.0 or 1; ``mask_verdict``)."""
     energy, ranges = _energy_and_ranges(logp, sum_p2, mask)
-    return energy, torch.cat([ranges, (mask - mask * mask).abs().amax().reshape(1)])
+    return energy, torch.cat([ranges, mask_rule(mask)])
 
 
 def _energy_ranges_and_rule_in_place(logp: Tensor, sum_p2: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -170,7 +170,7 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     scores = score_responses(task, flat, texts)
     lengths = out.response_mask[:, p:].sum(1).long()
     tools = {}
-    if int(getattr(task, "max_tool_calls", 0) or 0) and task.tool_stop:
+    if out.tool_calls is not None:
         written = torch.tensor([text.count(task.tool_stop) for text in texts], dtype=torch.long)
         tools = dict(tool_calls=out.tool_calls, tool_calls_unanswered=(written - out.tool_calls).clamp(min=0))
     return RolloutBatch(

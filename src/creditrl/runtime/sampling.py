@@ -42,7 +42,8 @@ class Generation:
     input_ids, attention_mask: [N,L] long; response_mask: [N,L] float, 1 on sampled tokens;
     rollout_logp: [N,L] float32 behaviour log-prob of sampled tokens (0 elsewhere);
     stopped: [N] bool, the row ended at a stop token/string (False: clipped at max_new_tokens);
-    tool_calls: [N] long, the tool calls the task answered with an output (0 without a tool)."""
+    tool_calls: [N] long, the tool calls the task answered with an output; None for a task without a
+    tool (no ``max_tool_calls`` or ``tool_stop``)."""
 
     input_ids: Tensor
     attention_mask: Tensor
@@ -50,7 +51,7 @@ class Generation:
     rollout_logp: Tensor
     stopped: Tensor
     prompt_len: int
-    tool_calls: Tensor
+    tool_calls: Tensor | None
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -230,14 +231,14 @@ class _Decode:
         """[len(live)] bool: queued tool-output tokens still to feed."""
         return self.forced_pos[live] < self.forced_len[live]
 
-    def result(self, ids: Tensor, attn: Tensor, steps: int) -> Generation:
+    def result(self, ids: Tensor, attn: Tensor, steps: int, tool: bool) -> Generation:
         n, prompt_len = ids.shape
         input_ids = torch.cat([ids, self.tokens[:, :steps]], dim=1)
         attention_mask = torch.cat([attn, (torch.arange(steps) < self.fed[:, None]).long()], dim=1)
         rollout_logp = torch.cat([torch.zeros(n, prompt_len), self.logps[:, :steps]], dim=1)
         response_mask = torch.cat([torch.zeros(n, prompt_len), self.sampled[:, :steps]], dim=1)
         return Generation(input_ids, attention_mask, response_mask, rollout_logp, self.stopped, prompt_len,
-                          self.n_answered.clone())
+                          self.n_answered.clone() if tool else None)
 
 
 @dataclass(frozen=True)
@@ -362,7 +363,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int =
             out = model(input_ids=state.tokens[live, t:t + 1].to(device), attention_mask=step_attn,
                         position_ids=(next_pos[live] + t)[:, None].to(device), past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
-    return state.result(ids, attn, steps)
+    return state.result(ids, attn, steps, tool=stops.tool_stop is not None)
 
 
 def _queue_tool_outputs(tokenizer, task, state: _Decode, rows: list[int], t: int) -> None:

@@ -2,8 +2,8 @@
 
 - ``exact``: string equality up to surrounding whitespace;
 - ``numeric``: the last number of the response (``last_number``: "a/b" and LaTeX's ``\\frac{a}{b}`` are
-  one number, a whole number before a fraction a mixed number ("2 \\frac{1}{2}" is 5/2), "1,234" counts as 1234 only with separators every 3 digits, "1,2,3" is 3; a U+2212
-  minus is a minus) equals the number the answer states (``answer_number``: "3/4", "\\frac{3}{4}",
+  one number, a whole number before a fraction a mixed number ("2 \\frac{1}{2}" is 5/2), "1,234"
+  counts as 1234 only with separators every 3 digits, "1,2,3" is 3; a U+2212 minus is a minus) equals the number the answer states (``answer_number``: "3/4", "\\frac{3}{4}",
   "-0.75", "12%"), exactly unless an absolute ``tolerance`` is given;
 - ``math``: math-verify's parse + verify of the last ``MATH_TAIL_CHARS`` characters (LaTeX,
   ``\\boxed{}``, plain expressions), quiet, with math-verify's own 5 s limits where it can use

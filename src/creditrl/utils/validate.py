@@ -222,20 +222,22 @@ def mask_stats(mask: Tensor) -> Tensor | None:
     return torch.stack([stats[:, 0].min(), stats[:, 1].max()]).to(torch.float64)
 
 
-def _rule(mask: Tensor) -> Tensor:
+def mask_rule(mask: Tensor) -> Tensor:
+    """The 0/1 rule of a float mask [N] or [B,T] as fused passes compute it, [1]: max |m - m*m|, 0 iff
+    every m is +-0.0 or 1 (``mask_verdict`` reads it)."""
     # each row's max first: inductor vectorises a reduction along the contiguous axis, and the [B]
     # partials cost nothing; one whole-tensor reduction fused with the product ran 1.5x slower. The
     # floats, not their bits (inductor casts bits element by element): abs and amax propagate NaN,
     # so a 0 means every f is +-0.0
-    return (mask - mask * mask).abs().amax(1).amax().reshape(1)
+    return (mask - mask * mask).abs().amax(-1).amax().reshape(1)
 
 
 def _times_mask_with_rule(per_row: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    return per_row[:, None] * mask, _rule(mask)
+    return per_row[:, None] * mask, mask_rule(mask)
 
 
 def _row_sums_with_rule(mask: Tensor) -> tuple[Tensor, Tensor]:
-    return mask.sum(1), _rule(mask)
+    return mask.sum(1), mask_rule(mask)
 
 
 _times_mask_with_rule_fused = fused(_times_mask_with_rule,
@@ -244,12 +246,12 @@ _row_sums_with_rule_fused = fused(_row_sums_with_rule, eager=lambda mask: (mask.
 
 
 def _non_negative_range_and_rule(values: Tensor, mask: Tensor) -> Tensor:
-    # per-row reductions first, as ``_rule``: three whole-tensor reductions of the flat tensors ran 1.4x slower
-    return torch.stack([values.amin(1).amin(), values.amax(1).amax(), _rule(mask)[0]])
+    # per-row reductions first, as ``mask_rule``: three whole-tensor reductions of the flat tensors ran 1.4x slower
+    return torch.stack([values.amin(1).amin(), values.amax(1).amax(), mask_rule(mask)[0]])
 
 
-_non_negative_range_and_rule_fused = fused(_non_negative_range_and_rule, eager=lambda values, mask: torch.stack(
-    [*torch.aminmax(values), (mask - mask * mask).abs().amax()]))
+_non_negative_range_and_rule_fused = fused(_non_negative_range_and_rule, eager=lambda values, mask: torch.cat(
+    [torch.stack(torch.aminmax(values)), mask_rule(mask)]))
 
 
 def non_negative_range_and_rule(values: Tensor, mask: Tensor) -> Tensor:

@@ -130,7 +130,8 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     without, and with ``defer_mask_check`` (built-in estimators, whose every use of the mask is
     tested), its first use, in a second read: see ``AdvantageBatch``), finite rewards (a
     non-finite value makes its row's sum non-finite, so token rewards cost the one sum R needs),
-    energies and IS weights finite and >= 0 (one integer min/max pass). Only a failing test takes an exact, slower pass, to name the rows or to accept
+    energies and IS weights finite and >= 0 (one integer min/max pass). Only a failing test takes
+    an exact, slower pass, to name the rows or to accept
     what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
     overflow of the row sums).
     """
@@ -236,8 +237,9 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
 
     rewards: [B] outcome reward, or [B,T] token rewards (returns-to-go with option ``gamma``,
     default 1), read as float32 (a float64 reward is rounded: differences below float32's spacing at
-    the rewards' magnitude, e.g. 1 around 1e8, are lost; the group statistics then run in float64). Sequence-level estimators use each row's total R = sum_t r_t; for token-level
-    returns a reward on a masked token counts at the row's nearest preceding valid token.
+    the rewards' magnitude, e.g. 1 around 1e8, are lost; the group statistics then run in float64).
+    Sequence-level estimators use each row's total R = sum_t r_t; for token-level returns a reward
+    on a masked token counts at the row's nearest preceding valid token.
     mask: [B,T] bool/0-1. group: [B] int ids (any order, any sizes). energy: [B,T] w_t from
     ``token_stats`` (needed by ``ogb``, ``otb``, ``otb_isolated``); is_weights: [B,T] truncated
     IS weights rho_bar_t. components: [B,K] each reward term's own values (NaN where a term gave

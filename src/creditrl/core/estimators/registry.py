@@ -215,7 +215,7 @@ class KRange:
         if k < self.low:
             raise ValueError(f"{name}: k={k} is out of range for any group; expected {self.text()}")
         sizes = groups.sizes
-        bad = ((k < self.low) | (k > sizes - self.below)) & (sizes > 1)
+        bad = (k > sizes - self.below) & (sizes > 1)
         if bool(bad.any()):
             first = int(torch.nonzero(bad)[0, 0])
             raise ValueError(f"{name}: k={k} is out of range for group id {groups.ids[first].item()} "
