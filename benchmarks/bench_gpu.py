@@ -25,7 +25,8 @@
    ``--max-len`` tokens (the tokenizer's EOS id lies outside the model's vocabulary, so it is
    never sampled), GRPO, token-mean loss, clip 0.2/0.28, no KL, one optimizer step per batch.
    Precision: TRL ``bf16=True`` (fp32 weights, bf16 autocast); creditrl with fp32 weights
-   (fp32 sampling, bf16-autocast update) and with ``model.dtype=bfloat16`` weights.
+   (fp32 sampling, bf16-autocast update) and with ``model.dtype=bfloat16`` weights. creditrl's
+   arms also report the rollout's (sampling + rewards) share of the step.
 
 Times are medians of CUDA-synchronised wall-clock repeats after a warm-up; peak memory is
 ``torch.cuda.max_memory_allocated`` above what was allocated before the call (CPU: not measured).
@@ -175,7 +176,7 @@ def bench_token_stats(device, lengths: list[int], vocab: int, repeats: int, tf, 
         tokens = torch.randint(0, vocab, (1, length), device=device)
         print(f"\ntoken_stats chunk sweep at T={length} (chunk_size = tokens per chunk; default here "
               f"{default_chunk_size(vocab, device)})")
-        for elements in (1 << 22, 1 << 24, 1 << 25, 1 << 26, 1 << 27):
+        for elements in (1 << 22, 1 << 24, 1 << 25, 1 << 26, 1 << 27, 1 << 28):
             chunk = max(1, elements // vocab)
             with torch.no_grad():
                 fwd = guarded(lambda: methods["creditrl"](logits, tokens, chunk), device, repeats)
@@ -287,17 +288,20 @@ def bench_creditrl(args, device, dtype_name: str) -> dict:
                              "optim.lr=1e-6", f"model.dtype={dtype_name}"])
     learner = Learner(model, cfg)
     gen, rng = torch.Generator().manual_seed(0), random.Random(0)
-    times, tokens = [], []
+    times, sampling, tokens = [], [], []
     for _ in range(args.warmup + args.steps):
         start = time.perf_counter()
         problems = [task.sample(rng) for _ in range(args.prompts)]
         batch = generate_rollouts(model, tok, task, problems, group_size=args.group, max_new_tokens=args.max_len,
                                   generator=gen, temperature=1.0)
+        sync(device)        # the step's split: sampling (with scoring) | update
+        sampling.append(time.perf_counter() - start)
         learner.update(batch, gen)
         sync(device)
         times.append(time.perf_counter() - start)
         tokens.append(batch.num_tokens)
-    return summarize(times[args.warmup:], tokens[args.warmup:], args)
+    return {**summarize(times[args.warmup:], tokens[args.warmup:], args),
+            "sampling_share": sum(sampling[args.warmup:]) / sum(times[args.warmup:])}
 
 
 def bench_trl(args, device, weights_dtype: str = "float32") -> dict:
@@ -373,7 +377,8 @@ def bench_trainers(args, device) -> dict:
                 torch.cuda.empty_cache()
         r = results[name]
         print(f"{name:<50}{r['steps_per_s']:>9.3f}{r['tokens_per_s']:>11.0f}{r['mean_len']:>10.1f}   "
-              + " ".join(f"{t:.2f}" for t in r["step_s"]))
+              + " ".join(f"{t:.2f}" for t in r["step_s"])
+              + (f"   (sampling {r['sampling_share']:.0%})" if "sampling_share" in r else ""))
     trl = next((v for k, v in results.items() if k.startswith("TRL") and "error" not in v), None)
     for name, r in results.items():
         if trl is not None and not name.startswith("TRL") and "error" not in r:
