@@ -682,6 +682,32 @@ def test_a_runs_weights_are_as_readable_as_its_other_files(tmp_path):
     assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in files} == {f.name: 0o666 & ~mask for f in files}
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077, 0o002])
+def test_atomic_directory_modes_follow_the_umask_without_setting_it(tmp_path, monkeypatch, umask):
+    """A completed directory and its files have the modes a plain mkdir / open give under the
+    umask (mkdtemp's 0700 and safetensors' 0600 are not kept), read from a probe file: the umask
+    is process-wide, so setting it to read it would race with other threads' file creation."""
+    import stat
+    from creditrl.utils.io import atomic_directory
+    old = os.umask(umask)
+    try:
+        plain = tmp_path / "plain"
+        plain.mkdir()
+        (plain / "f").write_text("x")
+        want_dir, want_file = (stat.S_IMODE(p.stat().st_mode) for p in (plain, plain / "f"))
+        monkeypatch.setattr(os, "umask", lambda *a: pytest.fail("os.umask was called"))
+        with atomic_directory(tmp_path / "out") as tmp:
+            (tmp / "weights").write_text("w")
+            os.chmod(tmp / "weights", 0o600)
+        monkeypatch.undo()
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert stat.S_IMODE(out.stat().st_mode) == want_dir == 0o777 & ~umask
+    assert stat.S_IMODE((out / "weights").stat().st_mode) == want_file == 0o666 & ~umask
+    assert [p.name for p in out.iterdir()] == ["weights"]             # no probe file left behind
+
+
 def test_a_set_precision_is_in_the_summary_too(tmp_path):
     """An explicit train.precision is recorded in the summary beside the config (only auto's choice was)."""
     run = _finished_run(tmp_path, "train.precision=fp32")

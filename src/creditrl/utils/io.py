@@ -6,7 +6,9 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,10 +38,11 @@ def atomic_directory(path: Path, *, replace: bool = False, complete_marker: str 
     is kept and ours is dropped; any other rename failure is raised."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-{path.name}-"))
-    os.chmod(tmp, 0o755)
+    file_mode = plain_file_mode(tmp)
+    os.chmod(tmp, file_mode | (file_mode & 0o444) >> 2)   # as a plain mkdir would make it (mkdtemp: 0700)
     try:
         yield tmp
-        plain_modes(tmp)
+        plain_modes(tmp, file_mode)
         if replace and path.exists():
             shutil.rmtree(path)
         try:
@@ -51,14 +54,24 @@ def atomic_directory(path: Path, *, replace: bool = False, complete_marker: str 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def plain_modes(folder: Path) -> None:
-    """Every file in ``folder`` readable as a plain ``open`` under the umask would make it
+def plain_file_mode(folder: Path) -> int:
+    """The mode a plain ``open(..., "w")`` gives a new file in ``folder``, read from a probe file:
+    reading the umask by setting it would race with other threads (the umask is process-wide)."""
+    probe = Path(folder) / f".mode-{uuid.uuid4().hex}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        return stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def plain_modes(folder: Path, mode: int | None = None) -> None:
+    """Every file in ``folder`` given ``mode``, by default what a plain ``open`` would make
     (safetensors writes its files 0600, so a shared run directory's weights were private)."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mode = plain_file_mode(folder) if mode is None else mode
     for file in folder.rglob("*"):
         if file.is_file() and not file.is_symlink():
-            os.chmod(file, 0o666 & ~mask)
+            os.chmod(file, mode)
 
 
 MANIFEST = "manifest.json"
