@@ -169,6 +169,39 @@ def test_batch_level_estimators_use_the_whole_batch(tiny_rollouts, rewards):
         assert float(got.grads[1, labels.index("shrinkage")].abs().max()) > 0
 
 
+def test_gdpo_rows_see_the_reward_components_the_trainer_passes(tiny_rollouts):
+    """gdpo scores each reward component's group z-score; measured without the components (diagnose,
+    the in-training diagnosis) it would be GDPO of the summed reward, another estimator. Every path
+    that builds advantages for a gradient row (the whole batch, one group, diagnose's per-prompt rows
+    and its training steps) gives the trainer's advantages."""
+    from dataclasses import replace
+
+    from creditrl.runtime.group_gradients import batch_advantages, group_advantages
+    from types import SimpleNamespace
+
+    from creditrl.tools.diagnose.measure import rows_of, step_advantages
+
+    _, _, batch = tiny_rollouts
+    task = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    overlong = torch.tensor([-1.0, 0.0, 0.0, 0.0, -0.1, -0.9], dtype=torch.float64)
+    batch = replace(batch, rewards=(task + 2 * overlong).float(), components=torch.stack([task, overlong], 1),
+                    component_names=["task", "overlong"], component_weights=[1.0, 2.0])
+    mask = batch.response_mask[:, batch.prompt_len:] > 0
+    trained = compute_advantages("gdpo", rewards=batch.rewards, mask=mask, group=batch.group,
+                                 components=batch.components, component_weights=batch.component_weights)
+    summed = compute_advantages("gdpo", rewards=batch.rewards, mask=mask, group=batch.group)
+    assert float((trained - summed).abs().max()) > 0.1                     # the components matter here
+    rows = {"gdpo": ("gdpo", {})}
+    torch.testing.assert_close(batch_advantages(batch, rows)["gdpo"], trained)
+    group_level = group_advantages(batch, slice(3, 6), mask[3:6].float(), rows)[0]
+    one_group = compute_advantages("gdpo", rewards=batch.rewards[3:6], mask=mask[3:6], group=batch.group[3:6],
+                                   components=batch.components[3:6], component_weights=[1.0, 2.0])
+    torch.testing.assert_close(group_level, one_group)
+    assert torch.equal(rows_of(batch, slice(3, 6), 1).components, batch.components[3:6])
+    plan = SimpleNamespace(rows=rows, group_size=3, groups_per_prompt=1, batch=2)   # one step of both prompts
+    torch.testing.assert_close(step_advantages(batch, plan)["gdpo"], trained)
+
+
 def test_batch_level_with_energies_is_refused(tiny_rollouts):
     from creditrl.core.estimators.registry import register_estimator
     from creditrl.runtime.group_gradients import batch_advantages

@@ -98,8 +98,17 @@ def batch_advantages(batch: RolloutBatch, estimators: Estimators) -> dict[str, T
             raise ValueError(f"estimators: {label!r} is batch-level and needs energies, which group_gradients "
                              f"computes group by group; expected a batch-level estimator without energies or a "
                              f"group-level one with them, got {name!r}")
-        out[label] = compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group, **options)
+        out[label] = compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group,
+                                        **reward_parts(batch, name, slice(None)), **options)
     return out
+
+
+def reward_parts(batch: RolloutBatch, name: str, rows) -> dict:
+    """The reward components of ``rows`` for an estimator that reads them (gdpo), as the trainer
+    passes them; {} otherwise. Without them gdpo would score the summed reward, another estimator."""
+    if batch.components is None or not get_estimator(name).reward_components:
+        return {}
+    return dict(components=batch.components[rows], component_weights=batch.component_weights)
 
 
 def group_advantages(batch: RolloutBatch, rows: slice, energy: Tensor, estimators: Estimators,
@@ -110,7 +119,7 @@ def group_advantages(batch: RolloutBatch, rows: slice, energy: Tensor, estimator
     wide = batch_wide or {}
     return torch.stack([wide[label][rows].to(mask.device) if label in wide else
                         compute_advantages(name, rewards=batch.rewards[rows], mask=mask, group=batch.group[rows],
-                                           energy=energy, **options)
+                                           energy=energy, **reward_parts(batch, name, rows), **options)
                         for label, (name, options) in estimators.items()])
 
 

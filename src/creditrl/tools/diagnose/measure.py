@@ -32,7 +32,8 @@ from creditrl.core.estimators import compute_advantages
 from creditrl.core.gradients import CountSketch, GradientMoments, GradientStats, Interval, gradient_quality
 from creditrl.core.gradients import signal_interval
 from creditrl.runtime.gradient_space import GradientSpace, LARGE_MODEL_PARAMS
-from creditrl.runtime.group_gradients import GroupDraws, batch_advantages, batch_level_labels, group_gradients
+from creditrl.runtime.group_gradients import (GroupDraws, batch_advantages, batch_level_labels, group_gradients,
+                                             reward_parts)
 from creditrl.runtime.rollout import RolloutBatch, generate_rollouts
 from creditrl.tools.diagnose.plan import ADAM, GRPO, REF, Plan
 from creditrl.utils.durations import format_duration
@@ -113,7 +114,7 @@ def rows_of(batch: RolloutBatch, rows: slice, prompt: int) -> RolloutBatch:
                                                          "response_mask", "rollout_logp")}
     rest = {k: getattr(batch, k)[rows] for k in ("rewards", "group", "correct", "stopped") if getattr(batch, k) is not None}
     optional = {k: None if getattr(batch, k) is None else getattr(batch, k)[rows]
-                for k in ("reward_invalid", "reward_timeouts")}
+                for k in ("reward_invalid", "reward_timeouts", "components")}
     return replace(batch, **cut, **rest, **optional, response_texts=batch.response_texts[rows],
                    problems=batch.problems[rows], prompt_len=batch.prompt_len - first,
                    prompt_texts=batch.prompt_texts[prompt:prompt + 1], reward_extras=None)
@@ -144,8 +145,8 @@ def step_advantages(batch: RolloutBatch, plan: Plan) -> dict[str, Tensor]:
            for label in labels}
     for s in torch.unique(row_step).tolist():      # a few steps per round
         idx = torch.nonzero(row_step == s).flatten()
-        sub = replace(batch, rewards=batch.rewards[idx], group=batch.group[idx],
-                      response_mask=batch.response_mask[idx])
+        sub = replace(batch, rewards=batch.rewards[idx], group=batch.group[idx], response_mask=batch.response_mask[idx],
+                      components=None if batch.components is None else batch.components[idx])
         for label, adv in batch_advantages(sub, {k: plan.rows[k] for k in labels}).items():
             out[label][idx] = adv.to(out[label].device)
     return out
@@ -190,7 +191,7 @@ class ModelSource:
         for label, (name, options) in self.plan.estimators.items():
             start = time.perf_counter()
             compute_advantages(name, rewards=batch.rewards, mask=mask, group=batch.group, energy=mask.float(),
-                               **options)
+                               **reward_parts(batch, name, slice(None)), **options)
             out[label] = time.perf_counter() - start
         return out
 
