@@ -279,6 +279,24 @@ def test_noise_scale_smoother_and_errors():
         NoiseScale(decay=1.0)
 
 
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_a_non_finite_step_leaves_the_noise_scale_as_it_was(bad):
+    """An fp16 overflow step (inf gradients, which the scaler skips) is counted and left out of the
+    averages, in memory and through a checkpoint; folded in, B_simple stayed NaN for good."""
+    s = NoiseScale(decay=0.5)
+    s.update(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]), 2, 2)
+    before = (s.trace, s.grad_sq, s.value, s.steps)
+    assert math.isfinite(before[2])
+    s.update(torch.tensor([bad, 0.0]), torch.tensor([1.0, 1.0]), 2, 2)
+    assert (s.trace, s.grad_sq, s.value, s.steps) == before and s.skipped == 1
+    assert s.metrics()["noise_skipped_steps"] == 1.0 and not math.isfinite(s.metrics()["noise_trace_sigma"])
+    restored = NoiseScale(decay=0.5)
+    restored.load_state_dict(s.state_dict())
+    assert restored.skipped == 1 and restored.value == s.value
+    s.update(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 1.0]), 2, 2)
+    assert math.isfinite(s.value) and s.steps == 2
+
+
 # ---------------------------------------------------------------- count sketch
 
 

@@ -55,7 +55,9 @@ def noise_scale_terms(g_a: Vector, g_b: Vector, n_a: float, n_b: float) -> tuple
 class NoiseScale:
     """Exponential moving averages of tr Sigma and ||G||^2 and their ratio B_simple (module docstring).
 
-    ``update`` returns the smoothed B_simple, NaN while the averaged ||G||^2 is not positive."""
+    ``update`` returns the smoothed B_simple, NaN while the averaged ||G||^2 is not positive. A step
+    whose estimates are not finite (an fp16 overflow, which the scaler then skips) leaves the averages
+    as they were and is counted in ``skipped``: folded in, it would make B_simple NaN for good."""
 
     def __init__(self, decay: float = 0.9):
         check_range("decay", decay, 0.0, 1.0, high_inclusive=False)
@@ -63,6 +65,7 @@ class NoiseScale:
         self.trace = 0.0
         self.grad_sq = 0.0
         self.steps = 0
+        self.skipped = 0
         self.last = (math.nan, math.nan)      # this step's unsmoothed (tr Sigma, ||G||^2)
 
     def update(self, g_a: Vector, g_b: Vector, n_a: float, n_b: float) -> float:
@@ -70,26 +73,32 @@ class NoiseScale:
 
     def add(self, trace: float, grad_sq: float) -> float:
         """Fold one step's unbiased (tr Sigma, ||G||^2) into the averages; returns B_simple."""
+        self.last = (trace, grad_sq)
+        if not (math.isfinite(trace) and math.isfinite(grad_sq)):
+            self.skipped += 1
+            return self.value
         self.trace = self.decay * self.trace + (1 - self.decay) * trace
         self.grad_sq = self.decay * self.grad_sq + (1 - self.decay) * grad_sq
         self.steps += 1
-        self.last = (trace, grad_sq)
         return self.value
 
     def metrics(self) -> dict[str, float]:
         """The smoothed B_simple and this step's raw estimates, for a trainer's log."""
-        return {"noise_scale": self.value, "noise_trace_sigma": self.last[0], "noise_grad_sq": self.last[1]}
+        return {"noise_scale": self.value, "noise_trace_sigma": self.last[0], "noise_grad_sq": self.last[1],
+                "noise_skipped_steps": float(self.skipped)}
 
     @property
     def value(self) -> float:
         return self.trace / self.grad_sq if self.grad_sq > 0 else math.nan
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "trace": self.trace, "grad_sq": self.grad_sq, "steps": self.steps}
+        return {"decay": self.decay, "trace": self.trace, "grad_sq": self.grad_sq, "steps": self.steps,
+                "skipped": self.skipped}
 
     def load_state_dict(self, state: dict) -> None:
         self.decay, self.trace, self.grad_sq, self.steps = (float(state["decay"]), float(state["trace"]),
                                                             float(state["grad_sq"]), int(state["steps"]))
+        self.skipped = int(state.get("skipped", 0))     # checkpoints written before the count
 
 
 def prompt_noise_scale(stats: GradientStats, name: str, batch: float) -> dict[str, Interval]:
