@@ -279,6 +279,43 @@ def test_noise_scale_smoother_and_errors():
         NoiseScale(decay=1.0)
 
 
+def test_a_row_pointing_backwards_has_no_matched_signal_efficiency():
+    """V/c² matches signal only for c > 0: a quiet row whose mean gradient is −0.8 × the true one
+    (c < 0) gets an undefined matched variance and efficiency, so it cannot be labelled better (its
+    finite V/c² had made it 7× "more efficient" than an unbiased row); the cosine still flags it.
+    An exact negative multiple of the baseline is not efficiency 1 either."""
+    import types
+
+    from creditrl.tools.diagnose.recommend import label_rows
+    gen = torch.Generator().manual_seed(0)
+    n, D = 400, 8
+    mu = torch.full((D,), 0.5, dtype=torch.float64)
+    ref = mu + torch.randn(n, D, generator=gen, dtype=torch.float64)
+    cfg = mu + torch.randn(n, D, generator=gen, dtype=torch.float64)
+    flip = -0.8 * mu + 0.3 * torch.randn(n, D, generator=gen, dtype=torch.float64)
+    names = ("reference", "cfg", "flip", "minus_cfg")
+    stats = moments_from_draws(names, torch.stack([ref, cfg, flip, -cfg], 1), folds=16)
+    vs_ref, vs_cfg = gradient_quality(stats, "reference"), gradient_quality(stats, "reference", "cfg")
+    assert vs_ref["flip"].scale.high < 0                              # resolved: it points backwards
+    for row in ("flip", "minus_cfg"):
+        assert math.isnan(vs_cfg[row].efficiency.value) and math.isnan(vs_cfg[row].matched_variance.value)
+        assert math.isnan(vs_cfg[row].efficiency.p_value(1.0))
+    assert vs_cfg["cfg"].efficiency.exact and vs_cfg["cfg"].efficiency.value == 1.0
+    table = [{"row": r, "ranked": True, "efficiency_vs_configured": vs_cfg[r].efficiency,
+              "adam_vs_configured": None, "cosine_raw": vs_ref[r].cosine} for r in names[1:]]
+    plan = types.SimpleNamespace(configured="cfg", adam_decides=False, ranked=lambda row: True)
+    labels = label_rows(table, plan)
+    assert labels["better"] == [] and "flip" in labels["biased"]
+    from creditrl.tools.diagnose.plan import REF
+    from creditrl.tools.diagnose.recommend import BACKWARD, undefined_reason
+    from creditrl.tools.diagnose.report import undefined_notes
+    stats = moments_from_draws((REF, "flip"), torch.stack([ref, flip], 1), folds=16)
+    meas = types.SimpleNamespace(stats=stats, nonzero={"flip": n})
+    assert undefined_reason(meas, plan, "flip", gradient_quality(stats, REF)["flip"]) == BACKWARD
+    note = "".join(undefined_notes([{"row": "flip", "undefined": BACKWARD}], 1e4, 400))
+    assert "points away" in note and "prompts would resolve" not in note     # more prompts cannot fix a sign
+
+
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_a_non_finite_step_leaves_the_noise_scale_as_it_was(bad):
     """An fp16 overflow step (inf gradients, which the scaler skips) is counted and left out of the
@@ -345,8 +382,9 @@ def test_an_exact_multiple_is_added_without_a_gradient():
 @given(c=st.floats(-4.0, 4.0).filter(lambda c: abs(c) > 1e-3), seed=st.integers(0, 2 ** 16))
 def test_exact_multiples_are_identities_whatever_the_signal(c, seed):
     """A row whose every draw is c × the reference's (here through a float32 path, as rloo's row and the
-    reference are in diagnose) has c, cos = sign(c), efficiency 1 and raw ratio c² exactly (se 0), even
-    on draws of mean 0, where every estimate is undefined; a row 1e-3 away per element is estimated."""
+    reference are in diagnose) has c, cos = sign(c), efficiency 1 (c > 0; undefined for c < 0: a
+    backward step matches no signal) and raw ratio c² exactly (se 0), even on draws of mean 0, where
+    every estimate is undefined; a row 1e-3 away per element is estimated."""
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(16, 1, 6, generator=gen, dtype=torch.float64)               # mean 0: no signal
     near = base * (1 + 1e-3 * torch.randn(16, 1, 6, generator=gen, dtype=torch.float64))
@@ -359,10 +397,12 @@ def test_exact_multiples_are_identities_whatever_the_signal(c, seed):
             want = {(0, 1): 1 / c, (1, 0): c}.get((e, f), 1.0 if e == f else math.nan)
             assert factors[e][f] == pytest.approx(want, rel=1e-6, nan_ok=True), (e, f)
     q = gradient_quality(stats, "ref")["mult"]
-    assert (q.scale.value, q.cosine.value, q.efficiency.value) == (pytest.approx(c, rel=1e-6), math.copysign(1, c), 1.0)
+    assert (q.scale.value, q.cosine.value) == (pytest.approx(c, rel=1e-6), math.copysign(1, c))
     assert q.raw_ratio.value == pytest.approx(c * c, rel=1e-6)
-    assert all(iv.exact and iv.low == iv.high == iv.value for iv in (q.scale, q.cosine, q.efficiency, q.raw_ratio))
-    assert gradient_quality(stats, "ref", "mult")["ref"].efficiency.exact
+    assert all(iv.exact and iv.low == iv.high == iv.value for iv in (q.scale, q.cosine, q.raw_ratio))
+    inverse = gradient_quality(stats, "ref", "mult")["ref"].efficiency
+    for efficiency in (q.efficiency, inverse):
+        assert (efficiency.exact and efficiency.value == 1.0) if c > 0 else math.isnan(efficiency.value)
     assert not any(iv.exact for iv in (gradient_quality(stats, "ref")["near"].efficiency,
                                        gradient_quality(stats, "ref")["other"].scale))
 

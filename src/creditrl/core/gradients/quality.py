@@ -20,7 +20,8 @@ biased upward by V/n), E[g_e g_f^T] from the draws themselves. Ratios are ratios
 delete-one-fold jackknife over the K folds of units (t with K - 1 df; variance, matched variance,
 efficiency and raw ratio on the log scale, scale and cosine on the linear scale), every ratio
 recomputed in each replicate from the same folds. NaN where a denominator's estimate is not positive
-(too few draws to see the mean gradient above the noise).
+(too few draws to see the mean gradient above the noise), and V/c² and efficiency NaN where c <= 0
+(the mean step points away from the reference's: no rescaling matches that signal).
 
 Exact relations: where every draw of e is a multiple of f's (rloo's row against the reference,
 dr_grpo = (N−1)/N · rloo), c, cos, efficiency and raw ratio between them are identities, not
@@ -122,7 +123,9 @@ def _statistics(second: Tensor, signal: Tensor, r: int, b: int, weight: Tensor |
     scale = torch.where(ref_norm > 0, ref / ref_norm, nan)
     defined = (own > 0) & (ref_norm > 0)
     cosine = torch.where(defined, ref / (own * ref_norm).clamp(min=0).sqrt(), nan)
-    matched = variance / scale.square()
+    # V/c² is a matched-signal variance only for c > 0: with c <= 0 the estimator's mean step points
+    # away from the reference's (a positive rescaling, which Adam undoes, cannot align it)
+    matched = torch.where(scale > 0, variance / scale.square(), nan)
     return {"variance": variance, "scale": scale, "cosine": cosine, "matched_variance": matched,
             "efficiency": matched[:, b:b + 1] / matched, "raw_ratio": variance / variance[:, b:b + 1],
             "signal": own}
@@ -201,7 +204,8 @@ def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: st
         if math.isfinite(c := factor[e][r]):
             fields.update(scale=_exact(c, K), cosine=_exact(math.copysign(1.0, c), K))
         if math.isfinite(c := factor[e][b]):
-            fields.update(efficiency=_exact(1.0, K, log=True), raw_ratio=_exact(c * c, K, log=True))
+            efficiency = _exact(1.0, K, log=True) if c > 0 else Interval(math.nan, math.nan, math.nan, K)
+            fields.update(efficiency=efficiency, raw_ratio=_exact(c * c, K, log=True))
         out[name] = EstimatorQuality(name, reference, baseline or reference, signal=float(values["signal"][0, e]),
                                      **fields)
     return out

@@ -56,9 +56,16 @@ def undefined_reason(meas: Measurement, plan: Plan, label: str, q: EstimatorQual
         return "its gradient was 0 on every group"
     if not math.isfinite(q.cosine.value):
         return "its own mean gradient is not resolved above the noise (cross-fitted ‖μ̂‖² ≤ 0), so no cosine"
+    if q.scale.value <= 0:
+        return BACKWARD
     if not all(iv.defined for iv in (q.efficiency, q.scale, q.cosine)):
         return "a delete-one-fold replicate leaves a mean gradient unresolved (interval undefined): more prompts"
     return None
+
+
+# not a matter of sample size: the report gives this reason without the prompts the trend needs
+BACKWARD = ("its mean gradient points away from the reference's (scale c ≤ 0), so no rescaling matches "
+            "that signal: no matched-signal variance or efficiency")
 
 
 def rows(meas: Measurement, plan: Plan) -> list[dict]:

@@ -84,8 +84,8 @@ def undefined_notes(rows: list[dict], needed: float, prompts: int) -> list[str]:
             "the trend cannot say how many prompts would resolve it: the signal's estimate is not positive; a task "
             "where the model is more often partly right (more informative groups) helps more than prompts")
     return ["**Undefined values** (never guessed):\n"] + [
-        f"- {', '.join(f'`{x}`' for x in which[:6])}{' …' if len(which) > 6 else ''}: undefined because {why}; "
-        f"{need}." for why, which in reasons.items()] + [""]
+        f"- {', '.join(f'`{x}`' for x in which[:6])}{' …' if len(which) > 6 else ''}: undefined because {why}"
+        + ("." if "points away" in why else f"; {need}.") for why, which in reasons.items()] + [""]
 
 
 def noise_section(noise: dict, group_size: int) -> list[str]:
