@@ -82,7 +82,7 @@ def test_moments_refuse_bad_input():
     one_unit = moments_from_draws(("a",), torch.ones(3, 1, 2), units=[0, 0, 0])
     with pytest.raises(ValueError, match="stats: expected draws from at least 2 independent units"):
         gradient_quality(one_unit, reference="a")
-    with pytest.raises(ValueError, match=r"name: expected one of the measured estimators \['a'\], got 'rloo'"):
+    with pytest.raises(ValueError, match=r"reference: expected one of the measured estimators \['a'\], got 'rloo'"):
         gradient_quality(moments_from_draws(("a",), torch.ones(3, 1, 2)))
 
 
@@ -277,6 +277,37 @@ def test_noise_scale_smoother_and_errors():
         noise_scale_terms(torch.ones(2), torch.ones(3), 1, 1)
     with pytest.raises(ValueError, match=r"decay: expected a value in \[0, 1\)"):
         NoiseScale(decay=1.0)
+
+
+def test_bad_names_probabilities_and_empty_batches_are_named():
+    """Every name lookup names its argument; exact_quality refuses names of the wrong length and
+    probabilities that are negative or do not sum to 1 (it had dropped estimators and returned a
+    negative variance); adding no draws is a no-op (it raised an IndexError)."""
+    from creditrl.core.gradients.window import StepWindow
+    grads = torch.randn(4, 2, 3, dtype=torch.float64)
+    probs = torch.full((4,), 0.25, dtype=torch.float64)
+    assert set(exact_quality(("a", "b"), grads, probs, reference="a")) == {"a", "b"}
+    with pytest.raises(ValueError, match=r"names: expected one name per estimator of grads \[M, E, D\] \(2\), got 1"):
+        exact_quality(("a",), grads, probs, reference="a")
+    with pytest.raises(ValueError, match=r"probs: expected non-negative probabilities summing to 1 .* sum 3"):
+        exact_quality(("a", "b"), grads, 3 * probs, reference="a")
+    with pytest.raises(ValueError, match=r"probs: .* got min -0.5"):
+        exact_quality(("a", "b"), grads, torch.tensor([-0.5, 0.5, 0.5, 0.5], dtype=torch.float64), reference="a")
+    with pytest.raises(ValueError, match=r"reference: expected one of the measured estimators \['a', 'b'\], got 'x'"):
+        exact_quality(("a", "b"), grads, probs, reference="x")
+    with pytest.raises(ValueError, match=r"baseline: expected one of"):
+        exact_quality(("a", "b"), grads, probs, reference="a", baseline="x")
+    window = StepWindow(("a", "b"), size=2)
+    window.add(torch.randn(3, 2, 3))
+    with pytest.raises(ValueError, match=r"reference: expected one of the measured estimators"):
+        window.quality(reference="x")
+    moments = GradientMoments(("a", "b"), dim=3, folds=2)
+    moments.add_many(torch.zeros(0, 2, 3))
+    assert float(moments.stats().draws.sum()) == 0
+    with pytest.raises(ValueError, match=r"names: expected one of the measured estimators"):
+        moments.stats(names=["a", "x"])
+    with pytest.raises(ValueError, match=r"reference: expected one of"):
+        gradient_quality(moments_from_draws(("a", "b"), grads, folds=2), "x")
 
 
 def test_a_row_pointing_backwards_has_no_matched_signal_efficiency():

@@ -72,10 +72,15 @@ class GradientStats:
         return GradientStats((*self.names, name), self.draws, self.same_unit, grow(self.second), grow(self.within),
                              grow(self.cross))
 
-    def index(self, name: str) -> int:
-        if name not in self.names:
-            raise ValueError(f"name: expected one of the measured estimators {list(self.names)}, got {name!r}")
-        return self.names.index(name)
+    def index(self, name: str, argument: str = "name") -> int:
+        return name_index(self.names, name, argument)
+
+
+def name_index(names: Sequence[str], name: str, argument: str = "name") -> int:
+    """The position of ``name`` in ``names``; a ValueError naming ``argument`` when it is not there."""
+    if name not in names:
+        raise ValueError(f"{argument}: expected one of the measured estimators {list(names)}, got {name!r}")
+    return list(names).index(name)
 
 
 class GradientMoments:
@@ -127,6 +132,10 @@ class GradientMoments:
         check_tensor("grads", grads, shape=[None, len(self.names), self.dim], floating=True)
         check_finite("grads", grads)
         self._close()
+        if grads.shape[0] == 0:
+            if units is not None and len(units) != 0:
+                raise ValueError(f"units: expected one id per draw (0), got {len(units)}")
+            return
         ids = list(range(grads.shape[0])) if units is None else list(units)
         if len(ids) != grads.shape[0]:
             raise ValueError(f"units: expected one id per draw ({grads.shape[0]}), got {len(ids)}")
@@ -167,7 +176,7 @@ class GradientMoments:
         """The statistics so far (closes the open unit; more draws may follow in new units), of the
         estimators ``names`` only when given (their cross Gram alone is computed: K·E' vectors)."""
         self._close()
-        pick = list(range(len(self.names))) if names is None else [self.names.index(n) for n in names]
+        pick = list(range(len(self.names))) if names is None else [name_index(self.names, n, "names") for n in names]
         index = torch.tensor(pick)
         flat = self._sums[:, index].reshape(-1, self.dim)
         K, E = self.folds, len(pick)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from creditrl.core.gradients.moments import GradientStats
+from creditrl.core.gradients.moments import GradientStats, name_index
 from creditrl.utils.stats import t_quantile, t_sf
 from creditrl.utils.validate import check_tensor
 
@@ -183,8 +183,8 @@ def gradient_quality(stats: GradientStats, reference: str = "rloo", baseline: st
     equals the per-draw V when the draws of a unit are independent, and adds their covariance when
     they are not (a batch-level estimator's groups share the batch's statistics: the unit is the
     batch, and V_u is the variance a step of that batch feels, per group)."""
-    r = stats.index(reference)
-    b = stats.index(baseline or reference)
+    r = stats.index(reference, "reference")
+    b = stats.index(baseline or reference, "baseline")
     pairs = float(stats.draws.sum() ** 2 - stats.same_unit.sum())
     if not pairs > 0:
         raise ValueError("stats: expected draws from at least 2 independent units (the mean gradient is "
@@ -241,14 +241,22 @@ def signal_interval(stats: GradientStats, name: str) -> Interval:
 def exact_quality(names: tuple[str, ...] | list[str], grads: Tensor, probs: Tensor, reference: str = "rloo",
                   baseline: str | None = None) -> dict[str, EstimatorQuality]:
     """Population values (no sampling) from every outcome of a draw: grads [M, E, D] with
-    probabilities probs [M] (e.g. every outcome of a group on an enumerable policy)."""
+    probabilities probs [M] (e.g. every outcome of a group on an enumerable policy): non-negative,
+    summing to 1 within M rounding steps of their dtype."""
     check_tensor("grads", grads, ndim=3)
-    check_tensor("probs", probs, shape=[grads.shape[0]])
+    check_tensor("probs", probs, shape=[grads.shape[0]], floating=True)
     names = tuple(names)
+    if len(names) != grads.shape[1]:
+        raise ValueError(f"names: expected one name per estimator of grads [M, E, D] ({grads.shape[1]}), "
+                         f"got {len(names)}: {list(names)}")
+    total, tol = float(probs.double().sum()), grads.shape[0] * torch.finfo(probs.dtype).eps
+    if not bool((probs >= 0).all()) or not abs(total - 1) <= tol:
+        raise ValueError(f"probs: expected non-negative probabilities summing to 1 (within {tol:.1g}), got "
+                         f"min {float(probs.min()):.6g} and sum {total:.10g}")
     g, p = grads.to(torch.float64), probs.to(torch.float64)
     mean = torch.einsum("m,med->ed", p, g)
     second = torch.einsum("m,med,mfd->ef", p, g, g)
-    r, b = names.index(reference), names.index(baseline or reference)
+    r, b = name_index(names, reference, "reference"), name_index(names, baseline or reference, "baseline")
     values = _statistics(second[None], (mean @ mean.T)[None], r, b)
     out = {}
     for e, name in enumerate(names):

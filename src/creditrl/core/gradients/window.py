@@ -8,8 +8,15 @@ group its own independent unit. Per step s the window keeps only E×E sums:
     P_s = F F^T - Q_s            F = sum_k g_k: products of pairs of *different* groups of the step
     pairs_s = n_s^2 - n_s
 
-so E[g g^T] ~ sum Q / sum n and <mu_e, mu_f> ~ sum P / sum pairs (unbiased within each step; over
-the window, for the window's average policy). Every quality statistic of ``quality`` follows; its
+Per step, Q_s / n_s and P_s / pairs_s estimate E[g g^T] and <mu_e, mu_f> under that step's policy
+without bias; the window averages both with the same weights n_s / sum n:
+
+    E[g g^T] ~ sum_s Q_s / sum n,   <mu_e, mu_f> ~ sum_s P_s / (n_s - 1) / sum n
+
+so V = E[g g^T] - <mu, mu> estimates the n-weighted average of the steps' own variances even where
+the mean gradient moves between steps of different sizes (pooling P over sum pairs weighted the
+signal by n_s(n_s - 1) instead, which biased V by sum_s (n_s/N - n_s(n_s-1)/sum pairs) ||mu_s||^2,
+2x in a window of 2- and 12-group steps). Every quality statistic of ``quality`` follows; its
 intervals are delete-one-step jackknife t-intervals (the steps are the resampling units), so they
 need at least 2 steps in the window. Cross products between different steps are not used: the
 policy moves between them.
@@ -24,6 +31,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from creditrl.core.gradients.moments import name_index
 from creditrl.core.gradients.quality import STATISTICS, LOG_SCALE, EstimatorQuality, Interval, _interval, _statistics
 from creditrl.utils.validate import check_finite, check_int, check_tensor
 
@@ -65,18 +73,18 @@ class StepWindow:
         """(E[g g^T], <mu, mu^T>) [K+1, E, E]: the whole window (row 0) and each delete-one-step replicate."""
         K = len(self.steps)
         keep = torch.cat([torch.ones(1, K, dtype=torch.float64), 1 - torch.eye(K, dtype=torch.float64)])
-        n = keep @ torch.tensor([float(s.groups) for s in self.steps], dtype=torch.float64)
-        pairs = keep @ torch.tensor([float(s.groups * (s.groups - 1)) for s in self.steps], dtype=torch.float64)
+        groups = torch.tensor([float(s.groups) for s in self.steps], dtype=torch.float64)
+        n = keep @ groups
         second = torch.einsum("rk,kef->ref", keep, torch.stack([s.second for s in self.steps]))
-        signal = torch.einsum("rk,kef->ref", keep, torch.stack([s.pairs for s in self.steps]))
-        return second / n[:, None, None].clamp(min=1), signal / pairs[:, None, None].clamp(min=1)
+        signal = torch.einsum("rk,kef->ref", keep / (groups - 1), torch.stack([s.pairs for s in self.steps]))
+        return second / n[:, None, None].clamp(min=1), signal / n[:, None, None].clamp(min=1)
 
     def quality(self, reference: str, baseline: str | None = None) -> dict[str, EstimatorQuality]:
         """Every estimator's quality against ``reference`` (scale, cosine) and ``baseline`` (efficiency),
         as ``quality.gradient_quality`` but over the window's steps."""
         if not self.steps:
             raise ValueError("window: expected at least one diagnosed step, got none")
-        r, b = self.names.index(reference), self.names.index(baseline or reference)
+        r, b = name_index(self.names, reference, "reference"), name_index(self.names, baseline or reference, "baseline")
         values = _statistics(*self._replicates(), r, b)
         out = {}
         for e, name in enumerate(self.names):
@@ -91,7 +99,7 @@ class StepWindow:
         resolved above 0), with its delete-one-step jackknife interval on the log scale."""
         if not self.steps:
             return Interval(math.nan, math.nan, math.nan, 0)
-        e = self.names.index(name)
+        e = name_index(self.names, name)
         second, signal = self._replicates()
         grad_sq = signal[:, e, e]
         ratio = torch.where(grad_sq > 0, (second[:, e, e] - grad_sq) / grad_sq, torch.full_like(grad_sq, math.nan))
