@@ -174,7 +174,11 @@ def test_bad_values_name_the_key(override, message):
     (["algorithm.estimator=pkpo", "algorithm.options.k=9"], r"algorithm.options.k: pkpo needs 2 <= k <= rollout.group_size"),
     (["algorithm.estimator=maxk_bon", "algorithm.options.k=2", "algorithm.options.normalize=std"],
      "algorithm.options: unknown option(s) ['normalize']"),
-    (["loss.stapo.enabled=true", "optim.micro_batch_size=4"], "STAPO's silencing threshold is a quantile"),
+    (["loss.stapo.enabled=true", "optim.micro_batch_size=4"], "optim.micro_batch_size: ['stapo'] choose their tokens"),
+    (["loss.top_entropy.enabled=true", "optim.micro_batch_size=4"], "['top_entropy'] choose their tokens from the whole"),
+    (["loss.kl_cov.enabled=true", "optim.micro_batch_size=8"], "['kl_cov'] choose their tokens from the whole mini-batch "
+     "(64 responses"),
+    (["loss.clip_cov.enabled=true", "optim.micro_batch_size=8"], "['clip_cov'] choose their tokens"),
     (["logging.grad_noise_scale=true", "optim.epochs=2"], "logging.grad_noise_scale: measured on the on-policy"),
     (["train.precision=fp16", "train.device=cpu"], "train.precision: fp16 needs CUDA"),
     (["optim.minibatch_size=7"], "optim.minibatch_size: expected a divisor of the 64 responses per step "

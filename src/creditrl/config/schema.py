@@ -216,7 +216,8 @@ class OptimConfig:
     micro_batch_size: int | None = opt(None, "Responses per forward/backward inside one optimizer step (gradient "
                                              "accumulation; the gradient equals the whole mini-batch's). Costs one "
                                              "extra no-grad forward for the old log-probs. Not combinable with "
-                                             "STAPO (its threshold is a quantile over the whole mini-batch). "
+                                             "terms that choose tokens from the whole mini-batch (stapo, "
+                                             "top_entropy, kl_cov, clip_cov: a quantile or a top-k). "
                                              "null = the mini-batch.")
 
 

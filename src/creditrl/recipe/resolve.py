@@ -96,10 +96,12 @@ def _check_combinations(cfg: Config, loss: dict) -> None:
     o, r = cfg.optim, cfg.rollout
     batch = r.prompts_per_step * r.group_size
     minibatch = min(o.minibatch_size or batch, batch)
-    if loss.get("stapo", {}).get("enabled") and o.micro_batch_size is not None and o.micro_batch_size < minibatch:
-        raise ConfigError(f"optim.micro_batch_size: STAPO's silencing threshold is a quantile over the whole "
-                          f"mini-batch ({minibatch} responses), which a micro-batch of {o.micro_batch_size} cannot "
-                          f"see; drop optim.micro_batch_size or loss.stapo.enabled")
+    wide = [term.name for term, options in compose(loss).terms if term.batch_wide and term.active(options)]
+    if wide and o.micro_batch_size is not None and o.micro_batch_size < minibatch:
+        raise ConfigError(f"optim.micro_batch_size: {wide} choose their tokens from the whole mini-batch "
+                          f"({minibatch} responses: a quantile, a top-k), which a micro-batch of {o.micro_batch_size} "
+                          f"cannot see, so accumulating micro-batches would change the gradient; drop "
+                          f"optim.micro_batch_size or those terms")
     if cfg.logging.grad_noise_scale and (o.epochs != 1 or minibatch < batch or r.prompts_per_step < 2):
         raise ConfigError("logging.grad_noise_scale: measured on the on-policy gradient of the whole batch from "
                           "two halves of its groups, so it needs optim.epochs=1, optim.minibatch_size unset and "

@@ -101,7 +101,7 @@ def largest(values: Tensor, keep: Tensor, k: int) -> Tensor:
     return chosen.view_as(values)
 
 
-@register_loss_term("clip_cov", options=ClipCovOptions, stage="surrogate")
+@register_loss_term("clip_cov", options=ClipCovOptions, stage="surrogate", batch_wide=True)
 def clip_cov(state: LossState, options: ClipCovOptions) -> LossState:
     """Clip-Cov: the clip surrogate with k random tokens of covariance in (lb, ub) detached (Cui et al.).
 
@@ -118,7 +118,7 @@ def clip_cov(state: LossState, options: ClipCovOptions) -> LossState:
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(**metrics)
 
 
-@register_loss_term("kl_cov", options=KLCovOptions, stage="surrogate")
+@register_loss_term("kl_cov", options=KLCovOptions, stage="surrogate", batch_wide=True)
 def kl_cov(state: LossState, options: KLCovOptions) -> LossState:
     """KL-Cov: ℓ_t = −A_t·r_t + ppo_kl_coef·|z_t| on the k tokens of largest covariance (Cui et al.).
 

@@ -110,7 +110,8 @@ class TopEntropyOptions:
         check_range("quantile", self.quantile, 0.0, 1.0, low_inclusive=False)
 
 
-@register_loss_term("top_entropy", options=TopEntropyOptions, stage="keep", needs=("entropy",))
+@register_loss_term("top_entropy", options=TopEntropyOptions, stage="keep", needs=("entropy",),
+                    batch_wide=True)
 @torch.no_grad()
 def top_entropy(state: LossState, options: TopEntropyOptions) -> LossState:
     """High-entropy token mask: the surrogate counts only where H_t ≥ quantile_{1−ρ}(H) (Beyond 80/20).

@@ -157,7 +157,7 @@ def spurious_token_mask(logp: Tensor, entropy: Tensor, advantages: Tensor, mask:
     return silence_keep_mask(logp, entropy, adv, valid, opts)
 
 
-@register_loss_term("stapo", options=StapoOptions, stage="keep", needs=("entropy",))
+@register_loss_term("stapo", options=StapoOptions, stage="keep", needs=("entropy",), batch_wide=True)
 @torch.no_grad()
 def stapo(state: LossState, options: StapoOptions) -> LossState:
     """STAPO: drop spurious tokens (S2T mask, §3.3) from the loss, renormalised over the kept ones (eq. 1).

@@ -137,7 +137,8 @@ class LossTerm:
     frozen options dataclass; ``needs`` names the inputs (``ref_logp``, ``rollout_logp``,
     ``entropy``, ``truncated``) it requires while ``active`` (the entropy reaches the state only
     when a term of the loss needs it); ``differentiates``: inputs it takes on the caller's graph
-    (the entropy of an entropy bonus); ``doc`` is fn's first docstring line."""
+    (the entropy of an entropy bonus); ``doc`` is fn's first docstring line; ``batch_wide``: its
+    selection reads every token of the batch (``register_loss_term``)."""
 
     name: str
     fn: Callable[[LossState, Any], LossState]
@@ -148,6 +149,7 @@ class LossTerm:
     needs: tuple[str, ...] = ()
     when: Callable[[Any], bool] | None = None
     differentiates: tuple[str, ...] = ()
+    batch_wide: bool = False
 
     def active(self, options: Any) -> bool:
         """Whether ``options`` make the term change the loss (a flat term may only log metrics)."""
@@ -196,14 +198,16 @@ def _check_options_class(name: str, options: type, flat: bool) -> None:
 
 def register_loss_term(name: str, *, options: type, stage: str, flat: bool = False,
                        needs: Sequence[str] = (), when: Callable[[Any], bool] | None = None,
-                       differentiates: Sequence[str] = (), overwrite: bool = False):
+                       differentiates: Sequence[str] = (), batch_wide: bool = False, overwrite: bool = False):
     """Decorator: register ``fn(state: LossState, options) -> LossState`` as loss term ``name``.
 
     ``options``: a frozen dataclass, every field with a default (``metadata["help"]`` documents
     it); ``stage``: one of ``STAGES`` (a non-flat term of an ``EXCLUSIVE_STAGES`` stage replaces
     the flat one there when chosen); ``flat``: its fields sit directly under ``loss.`` (and the
     term is always on); ``needs``: inputs required while ``when(options)`` is true (default:
-    always); ``differentiates``: needed inputs it takes with their gradient (only ``entropy``).
+    always); ``differentiates``: needed inputs it takes with their gradient (only ``entropy``);
+    ``batch_wide``: which tokens it keeps or penalises depends on every token it is given (a
+    quantile, a top-k), so micro-batches would change the gradient (a trainer refuses them).
     Re-registering a name raises unless ``overwrite=True`` or it is the same function.
     """
     if stage not in STAGES:
@@ -230,7 +234,7 @@ def register_loss_term(name: str, *, options: type, stage: str, flat: bool = Fal
             raise ValueError(f"loss term {name!r} is already registered to {old.fn!r}; pass overwrite=True")
         lines = (fn.__doc__ or "").strip().splitlines()
         _REGISTRY[name] = LossTerm(name, fn, options, stage, flat, lines[0] if lines else "", tuple(needs), when,
-                                   tuple(differentiates))
+                                   tuple(differentiates), batch_wide)
         return fn
 
     return decorator
