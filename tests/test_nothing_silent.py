@@ -708,6 +708,26 @@ def test_atomic_directory_modes_follow_the_umask_without_setting_it(tmp_path, mo
     assert [p.name for p in out.iterdir()] == ["weights"]             # no probe file left behind
 
 
+def test_a_checkpoint_carries_the_loss_scale_and_the_warning_streaks(tmp_path):
+    """fp16's GradScaler state (its backed-off scale and growth tracker) and the streak counters
+    behind the skipped-step stop and the no-signal warning come back on resume: restarted at 2^16
+    and 0, a resumed run would skip updates the run did not make, or stop later than it would have."""
+    from creditrl.trainer import checkpoint as ckpt
+    from creditrl.trainer.loop import Trainer
+    cfg = load_config(None, TINY + [f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}",
+                                    "train.run_name=r", "train.steps=1"])
+    trainer = Trainer(cfg, tmp_path / "r", progress=False)
+    trainer.learner.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)     # what fp16 on CUDA builds
+    trainer.learner.scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    trainer.skipped_streak, trainer.clipped_streak, trainer.no_signal_steps = 2, 1, [{"step": 1}]
+    trainer.save()
+    resumed = Trainer(cfg, tmp_path / "r", progress=False)
+    resumed.learner.scaler = torch.amp.GradScaler("cpu")
+    resumed.load_state(*ckpt.load_latest(tmp_path / "r"))
+    assert resumed.learner.scaler.get_scale() == 1024.0
+    assert (resumed.skipped_streak, resumed.clipped_streak, resumed.no_signal_steps) == (2, 1, [{"step": 1}])
+
+
 def test_a_set_precision_is_in_the_summary_too(tmp_path):
     """An explicit train.precision is recorded in the summary beside the config (only auto's choice was)."""
     run = _finished_run(tmp_path, "train.precision=fp32")

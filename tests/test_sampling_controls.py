@@ -186,6 +186,60 @@ def test_dynamic_sampling_keeps_the_varying_groups_in_order(base4, script, max_r
         assert out.batch is None
 
 
+def test_a_partial_dynamic_batch_is_split_into_near_equal_minibatches(policy):
+    """Dynamic sampling may keep 3 of 4 groups (12 responses); optim.minibatch_size=8, which divides
+    the full 16, does not divide 12: two optimizer steps of 6, not 8 and a remainder of 4 that would
+    take a full step of its own (the case check_minibatch refuses for full batches)."""
+    from creditrl.recipe.resolve import resolve_config
+    from creditrl.trainer.update import Learner
+    task, tok, model = policy
+    cfg = resolve_config(load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4",
+                                            "rollout.max_new_tokens=4", "optim.minibatch_size=8"]))
+    learner = Learner(model, cfg)
+    batch = rollouts(policy, prompts=4, group_size=4)
+    batch.rewards = (torch.arange(16) % 3 == 0).float()
+    sizes, accumulate = [], learner.accumulate
+    learner.accumulate = lambda b, chunks, *a, **k: (sizes.append(sum(len(c) for c in chunks)),
+                                                     accumulate(b, chunks, *a, **k))[1]
+    learner.update(select_groups(batch, torch.tensor([True, True, True, False])), torch.Generator().manual_seed(0))
+    learner.update(batch, torch.Generator().manual_seed(0))
+    assert sizes == [6, 6, 8, 8]
+
+
+@pytest.mark.parametrize("fail", [(), (1,), (1, 2)], ids=["none", "first", "both"])
+def test_a_skipped_minibatch_leaves_the_logged_metrics_of_the_applied_ones(policy, fail):
+    """Two optimizer steps; the loss refuses its inputs (NonFiniteError) on the steps ``fail``. The
+    logged metrics are the applied steps' (they were divided by every step: kept_frac 0.5 where no
+    token was dropped); with none applied, the skipped steps' own values: a NaN loss and grad_norm."""
+    from creditrl.recipe.resolve import resolve_config
+    from creditrl.trainer.update import Learner
+    from creditrl.utils.validate import NonFiniteError
+    task, tok, model = policy
+    cfg = resolve_config(load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4",
+                                            "rollout.max_new_tokens=4", "optim.minibatch_size=8"]))
+    learner = Learner(model, cfg)
+    batch = rollouts(policy, prompts=4, group_size=4)
+    batch.rewards = (torch.arange(16) % 3 == 0).float()
+    loss, calls = learner.loss, []
+
+    class Failing:
+        def __getattr__(self, k):
+            return getattr(loss, k)
+
+        def __call__(self, *a, **k):
+            calls.append(1)
+            if len(calls) in fail:
+                raise NonFiniteError("logp: NaN (simulated)")
+            return loss(*a, **k)
+    learner.loss = Failing()
+    m = learner.update(batch, torch.Generator().manual_seed(0)).metrics
+    assert m["skipped_updates"] == len(fail)
+    if len(fail) < 2:
+        assert m["kept_frac"] == 1.0 and math.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+    else:
+        assert math.isnan(m["loss"]) and math.isnan(m["grad_norm"]) and "kept_frac" not in m
+
+
 def test_the_signal_is_the_unshaped_reward_unless_a_component_is_named(policy):
     base = rollouts(policy, prompts=2, seed=4, overlong=(4, 1.0))
     base.task_rewards = torch.tensor([1.0, 1.0, 0.0, 1.0])
@@ -293,7 +347,8 @@ def test_train_with_dynamic_sampling_trains_on_varying_groups_only(tmp_path, mon
 @pytest.mark.slow
 def test_a_step_whose_every_round_is_uniform_makes_no_update_and_says_so(tmp_path, capsys):
     from creditrl.trainer.loop import Trainer
-    cfg = load_config(None, TRAIN + [f"train.output_dir={tmp_path}", "train.run_name=uniform"])
+    cfg = load_config(None, TRAIN + [f"train.output_dir={tmp_path}", "train.run_name=uniform", "optim.warmup_steps=4",
+                                     "optim.lr=1e-3"])
     trainer = Trainer(cfg, tmp_path / "uniform", progress=False)
     trainer.task.reward = lambda problem, response: 1.0          # every response scores the same
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -302,6 +357,8 @@ def test_a_step_whose_every_round_is_uniform_makes_no_update_and_says_so(tmp_pat
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["kept_groups"] for m in metrics] == [0, 0] and all(m["filtered_frac"] == 1.0 for m in metrics)
     assert all(m["refill_rounds"] == 2 and m["refill_tokens"] > 0 for m in metrics)
+    # the schedule counts steps, updated or not: warmup is 1/4, 2/4 of optim.lr at steps 1, 2
+    assert [m["lr"] for m in metrics] == [pytest.approx(1e-3 / 4), pytest.approx(2e-3 / 4)]
     err = capsys.readouterr()
     assert "step 1 made no update: dynamic sampling kept no group in 3 round(s)" in err.out + err.err
     summary = json.loads((run / "summary.json").read_text())

@@ -248,7 +248,8 @@ class Trainer:
         return trainer
 
     def load_state(self, weights: dict, state: dict) -> None:
-        """A checkpoint's weights, optimizer, scheduler, RNG and counters; the learning-rate
+        """A checkpoint's weights, optimizer, scheduler, fp16 loss scale, RNG, counters and warning
+        streaks; the learning-rate
         schedule then follows this run's config (a resumed run's edited optim.* keys)."""
         ckpt.load_trainable_state(self.model, weights)
         if state.get("optimizer") is not None:
@@ -259,6 +260,11 @@ class Trainer:
             self.learner.noise.load_state_dict(state["noise_scale"])
         if self.learner.entropy_control is not None and state.get("entropy_control") is not None:
             self.learner.entropy_control = EntropyControl(**state["entropy_control"])
+        if self.learner.scaler is not None and state.get("grad_scaler") is not None:
+            self.learner.scaler.load_state_dict(state["grad_scaler"])
+        streaks = state.get("streaks") or {}             # checkpoints written before them: from 0
+        self.clipped_streak, self.skipped_streak = streaks.get("clipped", 0), streaks.get("skipped", 0)
+        self.no_signal_steps = list(streaks.get("no_signal", []))
         ckpt.set_rng_state(state["rng"], self.generator, self.task_rng)
         self.step, self.tokens_total, self.elapsed = state["step"], state["tokens_total"], state["elapsed"]
 
@@ -290,7 +296,11 @@ class Trainer:
                  "tokens_total": self.tokens_total, "elapsed": self.elapsed, "config": config_to_dict(self.cfg),
                  "noise_scale": None if self.learner.noise is None else self.learner.noise.state_dict(),
                  "entropy_control": None if self.learner.entropy_control is None else
-                 dataclasses.asdict(self.learner.entropy_control)}
+                 dataclasses.asdict(self.learner.entropy_control),
+                 # fp16's loss scale: a resumed run restarting at 2^16 would skip updates the run did not
+                 "grad_scaler": None if self.learner.scaler is None else self.learner.scaler.state_dict(),
+                 "streaks": {"clipped": self.clipped_streak, "skipped": self.skipped_streak,
+                             "no_signal": self.no_signal_steps}}
         return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
                                     self.cfg.train.keep_last)
 
@@ -339,7 +349,8 @@ class Trainer:
         diagnosed = {} if batch is None else self.diagnose(batch)
         t_update = time.perf_counter()
         if batch is None:
-            metrics, samples = {"skipped_updates": 0}, completion_records(everything, count)
+            metrics, samples = ({"skipped_updates": 0, "lr": self.learner.step_schedule()},
+                                completion_records(everything, count))
         else:
             update = self.learner.update(batch, self.generator)
             metrics, samples = update.metrics, completion_records(batch, count, update.advantages)

@@ -149,6 +149,12 @@ def optimizer_step(optimizer, params: list[Tensor], max_grad_norm: float, finite
     return float(grad_norm), not ok
 
 
+def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the optimizer steps that reported it."""
+    keys = dict.fromkeys(k for step in steps for k in step)
+    return {k: sum(step[k] for step in steps if k in step) / sum(k in step for step in steps) for k in keys}
+
+
 def lr_lambda(cfg: Config):
     """Warmup then constant or cosine (to ``min_lr_ratio``), as a factor of ``optim.lr`` per step."""
     warmup, total, floor = cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio
@@ -253,10 +259,12 @@ class Learner:
         adv = advantages(self.estimator, self.estimator_options, self.needs_energy, batch, old,
                          self.loss.rollout_correction)
         ref_logp = self.reference_logp(batch)
-        sums, steps, skipped = {}, 0, 0
+        applied, rejected = [], []       # each optimizer step's metrics, by whether it changed the weights
         for _ in range(cfg.optim.epochs):
             order = torch.arange(batch.size) if single_pass else torch.randperm(batch.size, generator=generator)
-            for rows in order.to(batch.mask.device).split(mb):
+            # near-equal mini-batches: a dynamic-sampling batch that kept fewer groups need not divide
+            # minibatch_size, and a remainder of a few responses must not take a full optimizer step
+            for rows in order.to(batch.mask.device).tensor_split(math.ceil(batch.size / mb)):
                 chunks = first if single_pass else micro_batches(rows, micro, None)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.apply_entropy_control()
@@ -265,17 +273,23 @@ class Learner:
                 grad_norm, skip = optimizer_step(self.optimizer, self.params, cfg.optim.max_grad_norm,
                                                  all(math.isfinite(v) for v in metrics.values()), self.scaler)
                 self.observe_entropy(metrics, skip)
-                for k, v in {**metrics, "grad_norm": grad_norm}.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                steps, skipped = steps + 1, skipped + skip
+                raised = set(metrics) == {"loss"}            # the loss refused its inputs: no gradient made
+                (rejected if skip else applied).append({**metrics, "grad_norm": math.nan if raised else grad_norm})
+        lr = self.step_schedule()
+        out = mean_metrics(applied or rejected)     # the updates made; only when none was, the skipped ones
+        out.update(batch_metrics(rollout, batch, old, adv), skipped_updates=len(rejected), lr=lr,
+                   adam_variance=adam_moment_variance(self.optimizer), **(self.noise.metrics() if self.noise else {}))
+        return Update(out, adv)
+
+    def step_schedule(self) -> float:
+        """Advance the learning-rate schedule by one training step, updated or not (a step whose
+        dynamic sampling kept no group too: the schedule counts ``train.steps``); returns the lr
+        the step had."""
         lr = self.optimizer.param_groups[0]["lr"]
         with warnings.catch_warnings():        # a skipped update is not the misuse torch warns about
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
             self.scheduler.step()
-        out = {k: v / steps for k, v in sums.items()}
-        out.update(batch_metrics(rollout, batch, old, adv), skipped_updates=skipped, lr=lr,
-                   adam_variance=adam_moment_variance(self.optimizer), **(self.noise.metrics() if self.noise else {}))
-        return Update(out, adv)
+        return lr
 
     def accumulate(self, batch: Batch, chunks: list[Tensor], live: list, old: TokenStats, adv: Tensor,
                    ref_logp: Tensor | None, halves: int | None) -> dict[str, float]:
