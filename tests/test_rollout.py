@@ -169,6 +169,26 @@ def test_tool_outputs_have_mask_zero():
     assert batch.tool_calls.tolist() == [2] * 4 and batch.tool_calls_unanswered.tolist() == [0] * 4
 
 
+def test_a_stop_string_in_a_tool_output_ends_the_row_there():
+    """The calculator answers "<out>3</out>"; with the stop string "3</" the row ends inside that
+    forced output, the rest of it dropped: the last trained token is the policy's "</calc>" end, the
+    text the reward reads stops at the stop string, and no token sampled after the output is kept
+    (the row had gone on to its next sampled token and trained it as the stop)."""
+    task = get_task("calculator", max_tool_calls=2)
+    tok = char_tokenizer(task.alphabet())
+    script = "<calc>1+2</calc><answer>3</answer>"
+    model = ScriptedModel(tok, script)
+    batch = generate_rollouts(model, tok, task, [Problem("1+2=", "3")], group_size=2, max_new_tokens=len(script) + 1,
+                              max_tool_tokens=16, generator=torch.Generator().manual_seed(0), stop_strings=("3</",))
+    p = batch.prompt_len
+    for b in range(2):
+        cols = batch.attention_mask[b, p:].bool()
+        ids, mask = batch.input_ids[b, p:][cols], batch.response_mask[b, p:][cols]
+        assert tok.decode(ids) == "<calc>1+2</calc><out>3</" and bool(batch.stopped[b])
+        assert mask.tolist() == [1] * len("<calc>1+2</calc>") + [0] * len("<out>3</")
+    assert batch.response_texts == ["<calc>1+2</calc><out>3</"] * 2
+
+
 def test_tool_calls_stop_at_budget():
     task = get_task("calculator", max_tool_calls=1)
     tok = char_tokenizer(task.alphabet())

@@ -12,7 +12,9 @@ share one batched loop with no per-row forward.
 
 A row ends (``stopped``) at any token of ``stop_token_ids`` (the tokenizer's EOS and every id
 of the model's ``generation_config.eos_token_id``) or once its text contains one of
-``stop_strings``; the token that ends it is the policy's action and is trained on. A row that
+``stop_strings``; the token that ends it is the policy's action and is trained on (a stop string
+that a tool's output writes ends the row inside that output, the rest dropped: the last trained
+token is then the policy's call). A row that
 reaches ``max_new_tokens`` sampled tokens first is *clipped* (``stopped`` False).
 
 Sampling runs on the model's device: only one uniform number per row comes from the (CPU,
@@ -301,7 +303,10 @@ def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t:
     queues tool outputs of rows that just called a tool)."""
     ends = chosen & torch.isin(token, stops.ids)
     if stops.strings:
-        ends |= chosen & _text_stops(tokenizer, state.tokens, live, t, stops.strings, stops.window)
+        # a tool's output that writes a stop string ends the row there, the rest of it dropped: the
+        # reward's text is cut at it, and no token sampled after it is trained as the stop
+        ends |= _text_stops(tokenizer, state.tokens, live, t, stops.strings, stops.window)
+        state.forced_len[live[ends]] = state.forced_pos[live[ends]]
     state.stopped[live] |= ends
     keep = ~(ends | (state.n_sampled[live] >= stops.max_new)) | state.pending(live)  # queued tokens still fed
     if stops.tool_stop is not None:
