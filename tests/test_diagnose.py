@@ -701,3 +701,20 @@ def test_a_rounds_reward_counts_cover_its_measured_prompts_only():
     invalid = torch.tensor([0, 1, 0, 0,  1, 1, 0, 0,  1, 1, 1, 1], dtype=torch.bool)    # 3 prompts x 4 responses
     note_round(SimpleNamespace(), SimpleNamespace(reward_invalid=invalid), out, measured=2, count=3)
     assert (out.responses, out.invalid) == (8, 3)
+
+
+@pytest.mark.parametrize("prompts, step, sizes", [(24, 16, [8, 16]), (24, 64, [24]), (32, 16, [16]), (10, 8, [2, 8])])
+def test_batch_level_rows_say_when_their_steps_are_smaller_than_trainings(prompts, step, sizes):
+    """A round of ``prompts`` cut into training steps of ``step`` prompts: the steps measured and the
+    report's note. Only a multiple of the step gives steps as in training; otherwise the note says
+    the batch statistics came from fewer prompts (it had said "as in training" for every size)."""
+    from types import SimpleNamespace
+
+    from creditrl.tools.diagnose.report import batch_level_notes
+    from creditrl.tools.diagnose.run import step_sizes
+    plan = SimpleNamespace(prompts=prompts, groups_per_prompt=2, batch=step)
+    assert step_sizes(plan) == sizes
+    note = "".join(batch_level_notes({"batch_level": ["shrinkage"], "step": step, "step_sizes": sizes,
+                                      "prompts_per_round": prompts}))
+    assert ("as in training" in note) == (sizes == [step])
+    assert ("**not" in note) == (sizes != [step])

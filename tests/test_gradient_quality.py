@@ -310,6 +310,30 @@ def test_bad_names_probabilities_and_empty_batches_are_named():
         gradient_quality(moments_from_draws(("a", "b"), grads, folds=2), "x")
 
 
+def test_t_quantile_beyond_the_table_is_the_t_the_p_values_use():
+    """Above 30 df the interval's quantile was the normal 1.96 while p-values used the exact t: with
+    32 folds an interval could exclude the null at p = 0.054."""
+    from creditrl.utils.stats import t_ppf, t_quantile, t_sf
+    for df in (30, 31, 45, 200):
+        q = t_quantile(df)
+        assert q > 1.96 and 2 * t_sf(q, df) == pytest.approx(0.05, abs=2e-3 if df == 30 else 1e-8)
+    assert t_quantile(31) == pytest.approx(t_ppf(0.975, 31)) == pytest.approx(2.0395, abs=1e-4)
+
+
+def test_adam_warmup_second_moment_is_unbiased():
+    """E[v̂] = μ² + σ²/B per coordinate (Adam's v̂ of a step of B groups) from n warm-up draws, in
+    expectation over 10,000 warm-ups (5 standard errors, 0.006 here); ḡ² in place of μ̂² overstated it
+    by σ²(1 − 1/B)/n = 0.015."""
+    from creditrl.tools.diagnose.adam import from_sums
+    gen = torch.Generator().manual_seed(0)
+    n, B, reps, mu, sigma = 16, 32, 10_000, 0.5, 0.5
+    g = mu + sigma * torch.randn(reps, n, generator=gen, dtype=torch.float64)
+    v = from_sums([g.sum(1)], [g.square().sum(1)], n, B)[0]
+    target = mu ** 2 + sigma ** 2 / B
+    # μ̂² ~ N(μ², (2μσ)²/n) is negative 2% of the time here: the clamp at 0 adds ~0.001, under the bound
+    assert abs(float(v.mean()) - target) < 5 * float(v.std()) / reps ** 0.5
+
+
 def test_a_row_pointing_backwards_has_no_matched_signal_efficiency():
     """V/c² matches signal only for c > 0: a quiet row whose mean gradient is −0.8 × the true one
     (c < 0) gets an undefined matched variance and efficiency, so it cannot be labelled better (its

@@ -261,3 +261,21 @@ def test_off_policy_rows_see_the_ratios_against_the_behaviour_policy(tiny_rollou
     with pytest.raises(ValueError, match="batch: off_policy needs the behaviour log-probs in batch.rollout_logp"):
         group_gradients(model, dataclasses.replace(batch, rollout_logp=None), specs, temperature=1.0, losses=losses,
                         off_policy=True)
+
+
+def test_a_non_finite_cotangent_is_an_error_not_a_zero_gradient():
+    """A row whose cotangent holds a NaN (a custom estimator's or loss term's) was classified "zero"
+    (NaN > 0 is False) and measured as an exact 0 gradient; it is refused, naming the row."""
+    import types
+
+    from creditrl.runtime.group_gradients import _group_draw
+    w = torch.nn.Parameter(torch.tensor([0.3, -0.2, 0.5]))
+    logp = (torch.tensor([[1.0, 2.0, 0.5], [0.1, -1.0, 2.0]]) @ w).reshape(2, 1).expand(2, 2)
+    good = torch.tensor([[0.5, 0.5], [-0.5, -0.5]])
+    bad = good.clone()
+    bad[0, 1] = float("nan")
+    stats = types.SimpleNamespace(logp=logp)
+    grads, _, _ = _group_draw(stats, torch.stack([good, good]), [w], None, None, dedupe=False)
+    assert bool(torch.isfinite(grads).all()) and float(grads.abs().max()) > 0
+    with pytest.raises(ValueError, match=r"cotangents\[1\]"):
+        _group_draw(stats, torch.stack([good, bad]), [w], None, None, dedupe=False)

@@ -708,15 +708,20 @@ def test_atomic_directory_modes_follow_the_umask_without_setting_it(tmp_path, mo
     assert [p.name for p in out.iterdir()] == ["weights"]             # no probe file left behind
 
 
-def test_a_checkpoint_carries_the_loss_scale_and_the_warning_streaks(tmp_path):
-    """fp16's GradScaler state (its backed-off scale and growth tracker) and the streak counters
-    behind the skipped-step stop and the no-signal warning come back on resume: restarted at 2^16
-    and 0, a resumed run would skip updates the run did not make, or stop later than it would have."""
+def test_a_checkpoint_carries_the_loss_scale_the_warning_streaks_and_the_diagnosis(tmp_path):
+    """fp16's GradScaler state (its backed-off scale and growth tracker), the streak counters behind
+    the skipped-step stop and the no-signal warning, and the in-training diagnosis window come back
+    on resume: restarted at 2^16, 0 and empty, a resumed run would skip updates the run did not make,
+    stop later than it would have, and log other diagnose/* numbers."""
     from creditrl.trainer import checkpoint as ckpt
     from creditrl.trainer.loop import Trainer
     cfg = load_config(None, TINY + [f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}",
-                                    "train.run_name=r", "train.steps=1"])
+                                    "train.run_name=r", "train.steps=1", "logging.diagnose_every=1"])
     trainer = Trainer(cfg, tmp_path / "r", progress=False)
+    window = trainer.diagnosis.window
+    for seed in range(3):         # the in-training diagnosis window goes on from where it was
+        window.add(torch.randn(4, len(window.names), trainer.diagnosis.space.dim,
+                               generator=torch.Generator().manual_seed(seed)))
     trainer.learner.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)     # what fp16 on CUDA builds
     trainer.learner.scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     trainer.skipped_streak, trainer.clipped_streak, trainer.no_signal_steps = 2, 1, [{"step": 1}]
@@ -726,6 +731,12 @@ def test_a_checkpoint_carries_the_loss_scale_and_the_warning_streaks(tmp_path):
     resumed.load_state(*ckpt.load_latest(tmp_path / "r"))
     assert resumed.learner.scaler.get_scale() == 1024.0
     assert (resumed.skipped_streak, resumed.clipped_streak, resumed.no_signal_steps) == (2, 1, [{"step": 1}])
+    assert resumed.diagnosis.metrics() == trainer.diagnosis.metrics() and len(resumed.diagnosis.window.steps) == 3
+    other = Trainer(load_config(None, TINY + [f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}",
+                                              "train.run_name=r", "logging.diagnose_every=1",
+                                              "logging.diagnose_estimators=[grpo]"]), tmp_path / "r", progress=False)
+    other.load_state(*ckpt.load_latest(tmp_path / "r"))          # other rows: the window starts empty, said
+    assert not other.diagnosis.window.steps and any("diagnosis window starts empty" in n for n in other.notes)
 
 
 def test_a_set_precision_is_in_the_summary_too(tmp_path):

@@ -40,6 +40,7 @@ from creditrl.core.losses import PolicyLoss
 from creditrl.core.token_stats import TokenStats
 from creditrl.runtime.rollout import RolloutBatch
 from creditrl.runtime.scoring import response_stats
+from creditrl.utils.validate import check_finite
 
 Estimators = Mapping[str, tuple[str, dict]]   # label -> (registered estimator name, its options)
 Losses = Mapping[str, "PolicyLoss | None"]     # label -> the policy loss whose gradient that row measures
@@ -106,7 +107,7 @@ def batch_advantages(batch: RolloutBatch, estimators: Estimators) -> dict[str, T
 def reward_parts(batch: RolloutBatch, name: str, rows) -> dict:
     """The reward components of ``rows`` for an estimator that reads them (gdpo), as the trainer
     passes them; {} otherwise. Without them gdpo would score the summed reward, another estimator."""
-    if batch.components is None or not get_estimator(name).reward_components:
+    if not get_estimator(name).reward_components or batch.components is None:
         return {}
     return dict(components=batch.components[rows], component_weights=batch.component_weights)
 
@@ -306,6 +307,7 @@ def _group_draw(stats: TokenStats, cotangents: Tensor, params: list[Tensor], ske
     """One group's gradient of every row ([E, D], preconditioned or None) and the backward passes run."""
     plan, earlier = [], []                      # per row: ("zero",) / ("backward", i) / ("scaled", j, α)
     for e, c in enumerate(cotangents):
+        check_finite(f"cotangents[{e}]", c)      # a NaN would read as 0 below (NaN > 0 is False)
         if not bool(c.abs().max() > 0):
             plan.append(("zero",))
             continue

@@ -21,7 +21,7 @@ from creditrl.core.gradients import CountSketch, Interval
 from creditrl.core.gradients.window import StepWindow
 from creditrl.core.losses import PolicyLoss
 from creditrl.runtime.gradient_space import LARGE_MODEL_PARAMS, choose_space
-from creditrl.runtime.group_gradients import group_gradients
+from creditrl.runtime.group_gradients import batch_level_labels, group_gradients
 from creditrl.runtime.rollout import RolloutBatch
 
 REF = "reference"
@@ -68,6 +68,14 @@ class StepDiagnosis:
         self.seconds.append(time.perf_counter() - start)
         return {**self.metrics(), "time_diagnose": self.seconds[-1]}
 
+    def state_dict(self) -> dict:
+        """The window and the timings, for a checkpoint: a resumed run's ``diagnose/*`` go on from them."""
+        return {"window": self.window.state_dict(), "seconds": list(self.seconds)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.window.load_state_dict(state["window"])
+        self.seconds = list(state["seconds"])
+
     def quality(self) -> tuple[dict, Interval]:
         return self.window.quality(REF, self.configured), self.window.noise_scale(self.configured)
 
@@ -109,6 +117,11 @@ class StepDiagnosis:
                 q = quality[label]
                 lines.append(f"| `{label}` | {q.efficiency} | {q.cosine.clamped(-1.0, 1.0)} |")
         lines += ["", f"B_simple of `{self.configured}`: {noise} groups."]
+        shared = [label for label in batch_level_labels(self.rows) if label != REF]
+        if shared:
+            lines += [f"{', '.join(f'`{x}`' for x in shared)} read statistics of the whole step, which its groups "
+                      f"share; each group still counts as an independent unit here, so the covariance this adds "
+                      f"between a step's groups is left out of their variance."]
         cost = sum(self.seconds) / len(self.seconds)
         ratio = f", {cost / plain_step_s:.2f}× a plain step ({plain_step_s:.1f} s)" if plain_step_s else ""
         return lines + [f"Cost: {cost:.1f} s per diagnosed step{ratio}.", ""]

@@ -262,6 +262,11 @@ class Trainer:
             self.learner.entropy_control = EntropyControl(**state["entropy_control"])
         if self.learner.scaler is not None and state.get("grad_scaler") is not None:
             self.learner.scaler.load_state_dict(state["grad_scaler"])
+        if self.diagnosis is not None:
+            try:
+                self.diagnosis.load_state_dict(state["diagnosis"])
+            except (KeyError, TypeError, ValueError) as err:   # older checkpoint, diagnosis off then, other rows
+                self.notes.append(f"note: the in-training diagnosis window starts empty on resume ({err!s:.120})")
         streaks = state.get("streaks") or {}             # checkpoints written before them: from 0
         self.clipped_streak, self.skipped_streak = streaks.get("clipped", 0), streaks.get("skipped", 0)
         self.no_signal_steps = list(streaks.get("no_signal", []))
@@ -300,7 +305,8 @@ class Trainer:
                  # fp16's loss scale: a resumed run restarting at 2^16 would skip updates the run did not
                  "grad_scaler": None if self.learner.scaler is None else self.learner.scaler.state_dict(),
                  "streaks": {"clipped": self.clipped_streak, "skipped": self.skipped_streak,
-                             "no_signal": self.no_signal_steps}}
+                             "no_signal": self.no_signal_steps},
+                 "diagnosis": None if self.diagnosis is None else self.diagnosis.state_dict()}
         return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
                                     self.cfg.train.keep_last)
 

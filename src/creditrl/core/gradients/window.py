@@ -69,6 +69,15 @@ class StepWindow:
         check_tensor("grads", grads, shape=[None, len(self.names), None])
         self.steps.append(step_moments(grads))
 
+    def state_dict(self) -> dict:
+        return {"names": list(self.names), "steps": [(s.groups, s.second, s.pairs) for s in self.steps]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["names"]) != list(self.names):
+            raise ValueError(f"state: expected a window of the estimators {list(self.names)}, got {state['names']}")
+        self.steps.clear()
+        self.steps.extend(StepMoments(int(n), second, pairs) for n, second, pairs in state["steps"])
+
     def _replicates(self) -> tuple[Tensor, Tensor]:
         """(E[g g^T], <mu, mu^T>) [K+1, E, E]: the whole window (row 0) and each delete-one-step replicate."""
         K = len(self.steps)

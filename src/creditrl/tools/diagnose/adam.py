@@ -5,7 +5,8 @@ parameter, from a warm-up at the current policy (a run's checkpoint instead:
 The warm-up samples ``diagnose.adam_warmup`` groups (distinct prompts, one batched generate call)
 and takes each one's gradient g under the configured estimator and loss. A training step's gradient
 is the mean of B = rollout.prompts_per_step such groups, so the value Adam's v̂ settles to at this
-policy (β₂ → 1) is E[ĝ_step²] = μ² + σ²/B per coordinate, estimated as (1 − 1/B)·ḡ² + mean(g²)/B.
+policy (β₂ → 1) is E[ĝ_step²] = μ² + σ²/B per coordinate, estimated without bias from n groups as
+(1 − 1/B)·μ̂² + mean(g²)/B, with μ̂² = (n·ḡ² − mean(g²))/(n − 1) (ḡ² alone is μ² + σ²/n).
 Adam's ε is left out (the draws' scale is not the trainer's); v̂ is floored at ``FLOOR`` × its mean so
 that a coordinate the warm-up never saw does not take over the preconditioned gradient.
 """
@@ -42,8 +43,18 @@ def from_warmup(model, tokenizer, task, plan: Plan, space: GradientSpace, rollou
             x = piece.view(space.params[i].shape).to(dtype)
             first[i] += x
             second[i] += x * x
-    b, count = plan.batch, max(len(problems), 1)
-    return [(1 - 1 / b) * (s1 / count) ** 2 + s2 / (count * b) for s1, s2 in zip(first, second)]
+    return from_sums(first, second, len(problems), plan.batch)
+
+
+def from_sums(first: list[Tensor], second: list[Tensor], n: int, batch: int) -> list[Tensor]:
+    """v̂ = (1 − 1/B)·μ̂² + mean(g²)/B from Σg and Σg² of n draws (module docstring); μ̂² is
+    clamped at 0 (v̂ stays positive where n < B), and is ḡ² where n = 1."""
+    out = []
+    for s1, s2 in zip(first, second):
+        mean, mean_sq = s1 / max(n, 1), s2 / max(n, 1)
+        mu_sq = ((n * mean.square() - mean_sq) / (n - 1)).clamp(min=0) if n > 1 else mean.square()
+        out.append((1 - 1 / batch) * mu_sq + mean_sq / batch)
+    return out
 
 
 def factors(vhat: list[Tensor]) -> list[Tensor]:

@@ -151,10 +151,15 @@ def batch_level_notes(setting: dict) -> list[str]:
     labels = setting.get("batch_level") or []
     if not labels:
         return []
+    step, sizes = setting.get("step"), setting.get("step_sizes") or [setting.get("step")]
+    where = (f"over steps of {step} prompts of a round (one group each), as in training" if sizes == [step] else
+             f"over steps of {' and '.join(map(str, sizes))} prompts of a round (one group each), **not the {step} of a "
+             f"training step**: the {setting.get('prompts_per_round')} prompts of a round are not a multiple of "
+             f"rollout.prompts_per_step, so their batch statistics come from fewer prompts than a training step's "
+             f"(a multiple of {step} for diagnose.prompts matches training)")
     return [(f"Batch-level estimators ({', '.join(f'`{x}`' for x in labels)}) read statistics of the whole step: "
-            f"their advantages are computed over steps of {setting.get('step')} prompts of a round (one group each), "
-            "as in training. A step's groups then share its statistics; the variance above is per group given them "
-            "and leaves out the covariance they add between a step's groups (the `grad-variance` experiment "
+             f"their advantages are computed {where}. A step's groups then share its statistics; the variance "
+             "above is per group given them and leaves out the covariance they add between a step's groups (the `grad-variance` experiment "
             "measures the variance of a step's sum for these estimators).\n")]
 
 

@@ -9,12 +9,15 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from creditrl.runtime.gradient_space import GradientSpace
 from creditrl.runtime.group_gradients import batch_level_labels
 from creditrl.tools.diagnose import adam
 from creditrl.tools.diagnose import recommend as rc
 from creditrl.tools.diagnose import report
-from creditrl.tools.diagnose.measure import Accumulator, Measurement, ModelSource, make_sketch, measure, status
+from creditrl.tools.diagnose.measure import (Accumulator, Measurement, ModelSource, make_sketch, measure, status,
+                                             step_ids)
 from creditrl.tools.diagnose.plan import Plan
 from creditrl.utils.durations import format_duration
 from creditrl.utils.rundir import RunLock, check_new_run, clear_run, mark_run
@@ -69,6 +72,13 @@ def diagnose_policy(model, tokenizer, task, plan: Plan, space: GradientSpace, ro
     return result
 
 
+def step_sizes(plan: Plan) -> list[int]:
+    """The distinct numbers of prompts in the training steps a round is cut into (``step_ids``):
+    [plan.batch] unless the round's prompts are not a multiple of it."""
+    groups = torch.bincount(step_ids(plan.prompts, plan.groups_per_prompt, max(1, plan.batch)))
+    return sorted({int(n) for n in groups[groups > 0]})
+
+
 def assemble(meas: Measurement, plan: Plan, space: GradientSpace, rollout: dict, setting: dict, timing: dict) -> dict:
     """The whole result: ``summarize``'s verdicts, the setting, the measurement's record, the timings."""
     groups, sampled = max(len(meas.groups), 1), max(meas.sampled_groups, 1)
@@ -81,7 +91,8 @@ def assemble(meas: Measurement, plan: Plan, space: GradientSpace, rollout: dict,
                         "temperature": rollout["temperature"], "configured": plan.configured,
                         "target_width": plan.target_width, "budget_min": plan.budget_s / 60,
                         "losses": [{"name": x.name, "text": x.text, "notes": list(x.notes)} for x in plan.losses],
-                        "batch_level": batch_level_labels(plan.estimators), "step": plan.batch},
+                        "batch_level": batch_level_labels(plan.estimators), "step": plan.batch,
+                        "step_sizes": step_sizes(plan)},
             "measurement": {"stop": meas.stop, "exhausted": meas.exhausted, "rounds": meas.rounds,
                             "sampled_groups": meas.sampled_groups, "responses": meas.responses,
                             "invalid": meas.invalid, "backward": meas.backward, "checker": meas.checker},
