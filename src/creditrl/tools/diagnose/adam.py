@@ -47,12 +47,13 @@ def from_warmup(model, tokenizer, task, plan: Plan, space: GradientSpace, rollou
 
 
 def from_sums(first: list[Tensor], second: list[Tensor], n: int, batch: int) -> list[Tensor]:
-    """v̂ = (1 − 1/B)·μ̂² + mean(g²)/B from Σg and Σg² of n draws (module docstring); μ̂² is
-    clamped at 0 (v̂ stays positive where n < B), and is ḡ² where n = 1."""
+    """v̂ = (1 − 1/B)·μ̂² + mean(g²)/B from Σg and Σg² of n draws (module docstring), unbiased; μ̂²
+    is ḡ² where n = 1. A coordinate's v̂ can come out ≤ 0 where n < B: ``factors`` floors it, as it
+    does a coordinate the warm-up never saw (a clamp here would bias v̂ up where μ² ≪ σ²/n)."""
     out = []
     for s1, s2 in zip(first, second):
         mean, mean_sq = s1 / max(n, 1), s2 / max(n, 1)
-        mu_sq = ((n * mean.square() - mean_sq) / (n - 1)).clamp(min=0) if n > 1 else mean.square()
+        mu_sq = (n * mean.square() - mean_sq) / (n - 1) if n > 1 else mean.square()
         out.append((1 - 1 / batch) * mu_sq + mean_sq / batch)
     return out
 
