@@ -186,18 +186,22 @@ def test_dynamic_sampling_keeps_the_varying_groups_in_order(base4, script, max_r
         assert out.batch is None
 
 
+def two_minibatch_learner(policy):
+    """A Learner of 4 prompts x 4 responses with optim.minibatch_size=8, and a batch for it."""
+    from creditrl.recipe.resolve import resolve_config
+    from creditrl.trainer.update import Learner
+    cfg = resolve_config(load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4",
+                                            "rollout.max_new_tokens=4", "optim.minibatch_size=8"]))
+    batch = rollouts(policy, prompts=4, group_size=4)
+    batch.rewards = (torch.arange(16) % 3 == 0).float()
+    return Learner(policy[2], cfg), batch
+
+
 def test_a_partial_dynamic_batch_is_split_into_near_equal_minibatches(policy):
     """Dynamic sampling may keep 3 of 4 groups (12 responses); optim.minibatch_size=8, which divides
     the full 16, does not divide 12: two optimizer steps of 6, not 8 and a remainder of 4 that would
     take a full step of its own (the case check_minibatch refuses for full batches)."""
-    from creditrl.recipe.resolve import resolve_config
-    from creditrl.trainer.update import Learner
-    task, tok, model = policy
-    cfg = resolve_config(load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4",
-                                            "rollout.max_new_tokens=4", "optim.minibatch_size=8"]))
-    learner = Learner(model, cfg)
-    batch = rollouts(policy, prompts=4, group_size=4)
-    batch.rewards = (torch.arange(16) % 3 == 0).float()
+    learner, batch = two_minibatch_learner(policy)
     sizes, accumulate = [], learner.accumulate
     learner.accumulate = lambda b, chunks, *a, **k: (sizes.append(sum(len(c) for c in chunks)),
                                                      accumulate(b, chunks, *a, **k))[1]
@@ -211,15 +215,8 @@ def test_a_skipped_minibatch_leaves_the_logged_metrics_of_the_applied_ones(polic
     """Two optimizer steps; the loss refuses its inputs (NonFiniteError) on the steps ``fail``. The
     logged metrics are the applied steps' (they were divided by every step: kept_frac 0.5 where no
     token was dropped); with none applied, the skipped steps' own values: a NaN loss and grad_norm."""
-    from creditrl.recipe.resolve import resolve_config
-    from creditrl.trainer.update import Learner
     from creditrl.utils.validate import NonFiniteError
-    task, tok, model = policy
-    cfg = resolve_config(load_config(None, ["rollout.group_size=4", "rollout.prompts_per_step=4",
-                                            "rollout.max_new_tokens=4", "optim.minibatch_size=8"]))
-    learner = Learner(model, cfg)
-    batch = rollouts(policy, prompts=4, group_size=4)
-    batch.rewards = (torch.arange(16) % 3 == 0).float()
+    learner, batch = two_minibatch_learner(policy)
     loss, calls = learner.loss, []
 
     class Failing:
