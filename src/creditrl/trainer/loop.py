@@ -248,9 +248,9 @@ class Trainer:
         return trainer
 
     def load_state(self, weights: dict, state: dict) -> None:
-        """A checkpoint's weights, optimizer, scheduler, fp16 loss scale, RNG, counters and warning
-        streaks; the learning-rate
-        schedule then follows this run's config (a resumed run's edited optim.* keys)."""
+        """A checkpoint's weights, optimizer, scheduler, fp16 loss scale, diagnosis window, RNG,
+        counters and warning streaks; the learning-rate schedule then follows this run's config (a
+        resumed run's edited optim.* keys)."""
         ckpt.load_trainable_state(self.model, weights)
         if state.get("optimizer") is not None:
             self.learner.optimizer.load_state_dict(state["optimizer"])
