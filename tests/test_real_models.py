@@ -288,7 +288,7 @@ def test_micro_batches_give_the_whole_batch_gradient(chat_model_dir, agg, extra)
 
 
 def test_micro_batches_refuse_stapo():
-    with pytest.raises(ConfigError, match="optim.micro_batch_size: STAPO"):
+    with pytest.raises(ConfigError, match=r"optim.micro_batch_size: \[.stapo.\] choose their tokens from the whole mini-batch"):
         resolve_config(load_config(None, ["optim.micro_batch_size=4", "loss.stapo.enabled=true"]))
 
 
