@@ -15,7 +15,7 @@ from creditrl.config import Config, ConfigError
 from creditrl.core.estimators import check_group_size, compute_advantages
 from creditrl.core.estimators.labels import label_options
 from creditrl.core.estimators.registry import get_estimator
-from creditrl.core.losses import compose
+from creditrl.core.losses import PolicyLoss, compose
 from creditrl.runtime.precision import UNTIMED_MODELS, Precision
 from creditrl.tasks import task_options
 from creditrl.utils.options import OptionError
@@ -91,12 +91,12 @@ def _check_task(cfg: Config) -> None:
                           f"{sorted(declared)}")
 
 
-def _check_combinations(cfg: Config, loss: dict) -> None:
+def _check_combinations(cfg: Config, loss: PolicyLoss) -> None:
     """Settings that are each valid but do not work together."""
     o, r = cfg.optim, cfg.rollout
     batch = r.prompts_per_step * r.group_size
     minibatch = min(o.minibatch_size or batch, batch)
-    wide = [term.name for term, options in compose(loss).terms if term.batch_wide and term.active(options)]
+    wide = [term.name for term, options in loss.terms if term.batch_wide and term.active(options)]
     if wide and o.micro_batch_size is not None and o.micro_batch_size < minibatch:
         raise ConfigError(f"optim.micro_batch_size: {wide} choose their tokens from the whole mini-batch "
                           f"({minibatch} responses: a quantile, a top-k), which a micro-batch of {o.micro_batch_size} "
@@ -107,7 +107,7 @@ def _check_combinations(cfg: Config, loss: dict) -> None:
                           "two halves of its groups, so it needs optim.epochs=1, optim.minibatch_size unset and "
                           f"rollout.prompts_per_step >= 2; got epochs={o.epochs}, minibatch_size={o.minibatch_size}, "
                           f"prompts_per_step={r.prompts_per_step}")
-    correction = loss.get("rollout_correction")
+    correction = getattr(loss.options_of("rollout_correction"), "rollout_correction", None)
     if correction is not None and r.top_p < 1:
         # the sampler's log-probs are of the renormalised nucleus, the learner's of the whole softmax: their
         # ratio is the nucleus mass (< 1) on every token with no mismatch at all (MIS would drop them all)
@@ -143,9 +143,10 @@ def resolve_config(cfg: Config) -> Config:
     _, options, _ = estimator_from_config(cfg)
     _check_estimator(cfg, options)
     _check_task(cfg)
-    loss = resolve_loss(cfg.loss)
+    loss = compose_loss(cfg.loss)
     _check_combinations(cfg, loss)
-    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options), loss=loss)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options),
+                               loss=loss.to_config())
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -156,8 +157,13 @@ def resolve_loss(loss: dict, max_len: int | None = None) -> dict:
     (``clip_low``, ``agg``, ``kl_coef``, ...), each optional built-in term as a section with
     ``enabled``, and ``terms``: the user's terms by import path. Terms that cannot combine (two
     surrogates) are refused here, naming the keys."""
+    return compose_loss(loss, max_len).to_config()
+
+
+def compose_loss(loss: dict, max_len: int | None = None) -> PolicyLoss:
+    """``resolve_loss`` before it is written back as a section: the composed ``PolicyLoss``."""
     try:
-        return compose(dict(loss or {}), max_len=max_len, where="loss").to_config()
+        return compose(dict(loss or {}), max_len=max_len, where="loss")
     except OptionError:
         raise
     except ValueError as err:            # terms that cannot combine (two surrogates, a term given twice)
