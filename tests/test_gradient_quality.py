@@ -366,8 +366,13 @@ def test_a_row_pointing_backwards_has_no_matched_signal_efficiency():
     stats = moments_from_draws((REF, "flip"), torch.stack([ref, flip], 1), folds=16)
     meas = types.SimpleNamespace(stats=stats, nonzero={"flip": n})
     assert undefined_reason(meas, plan, "flip", gradient_quality(stats, REF)["flip"]) == BACKWARD
-    note = "".join(undefined_notes([{"row": "flip", "undefined": BACKWARD}], 1e4, 400))
-    assert "points away" in note and "prompts would resolve" not in note     # more prompts cannot fix a sign
+    unresolved = "its gradient was 0 on every group"
+    note = "\n".join(undefined_notes([{"row": "flip", "undefined": BACKWARD, "undefined_by_sample_size": False},
+                                    {"row": "zero", "undefined": unresolved, "undefined_by_sample_size": True}],
+                                   1e4, 400))
+    flip_line, zero_line = (line for line in note.splitlines() if line.startswith("- "))
+    assert "points away" in flip_line and "prompts would resolve" not in flip_line  # more prompts cannot fix a sign
+    assert unresolved in zero_line and "10,000 prompts would resolve" in zero_line
 
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])

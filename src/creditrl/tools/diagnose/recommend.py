@@ -75,6 +75,7 @@ def rows(meas: Measurement, plan: Plan) -> list[dict]:
     out = []
     for label, (estimator, loss) in plan.row_parts.items():
         q = vs_ref[label]
+        undefined = undefined_reason(meas, plan, label, q)
         out.append({"row": label, "estimator": estimator, "loss": loss, "ranked": plan.ranked(label),
                     "efficiency_vs_configured": vs_cfg[label].efficiency,
                     "efficiency_vs_rloo": q.efficiency,
@@ -84,7 +85,9 @@ def rows(meas: Measurement, plan: Plan) -> list[dict]:
                     "nonzero_fraction": meas.nonzero.get(label, 0) / max(len(meas.groups), 1),
                     "needs_energy": get_estimator(name_of(estimator)).needs_energy,
                     "advantage_ms_per_group": row_cost(meas, plan, label),
-                    "undefined": undefined_reason(meas, plan, label, q)})
+                    "undefined": undefined,
+                    # whether more prompts could define it (the report then gives the trend's count)
+                    "undefined_by_sample_size": undefined is not None and undefined != BACKWARD})
     return out
 
 

@@ -73,10 +73,11 @@ def table(rows: list[dict], labels: dict, several_losses: bool) -> str:
 
 def undefined_notes(rows: list[dict], needed: float, prompts: int) -> list[str]:
     """One line per distinct reason a number is undefined, with the prompts the trend needs."""
-    reasons = {}
+    reasons, by_size = {}, {}
     for r in rows:
         if r["undefined"]:
             reasons.setdefault(r["undefined"], []).append(r["row"])
+            by_size[r["undefined"]] = r["undefined_by_sample_size"]
     if not reasons:
         return []
     need = (f"the trend (standard errors shrink as 1/√prompts) says about {needed:,.0f} prompts would resolve it "
@@ -85,7 +86,7 @@ def undefined_notes(rows: list[dict], needed: float, prompts: int) -> list[str]:
             "where the model is more often partly right (more informative groups) helps more than prompts")
     return ["**Undefined values** (never guessed):\n"] + [
         f"- {', '.join(f'`{x}`' for x in which[:6])}{' …' if len(which) > 6 else ''}: undefined because {why}"
-        + ("." if "points away" in why else f"; {need}.") for why, which in reasons.items()] + [""]
+        + (f"; {need}." if by_size[why] else ".") for why, which in reasons.items()] + [""]
 
 
 def noise_section(noise: dict, group_size: int) -> list[str]:
