@@ -23,6 +23,10 @@ any device and no [N,V] logits cross to the host. Per decoding step the sampled 
 their log-probs ([live rows] each) come back to the host, two copies and the step's one host
 sync: the stop, tool and bookkeeping logic runs there (tests/test_device.py counts them).
 
+On a CPU with float32 weights the linear layers multiply by weights packed once per call
+(``creditrl.runtime.packed``): a decoding step's few rows otherwise pay the weights' reordering
+inside every product.
+
 Layout: prompts are left-padded to a common length P, responses follow from column P and are
 right-padded, so every response starts at column P and ``position_ids`` = cumsum(attention_mask)
 - 1 matches what the cache saw during generation.
@@ -35,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from creditrl.runtime.packed import packed_linears
 
 
 @dataclass
@@ -329,11 +335,14 @@ def _continuing(state: _Decode, stops: _Stops, tokenizer, task, live: Tensor, t:
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int = 1, temperature: float = 1.0,
              top_p: float = 1.0, max_new_tokens: int = 16, generator: torch.Generator | None = None,
-             task=None, max_tool_tokens: int = 24, stop_strings: tuple[str, ...] | list[str] = ()) -> Generation:
+             task=None, max_tool_tokens: int = 24, stop_strings: tuple[str, ...] | list[str] = (),
+             packed_weights: bool = True) -> Generation:
     """Decode ``group_size`` responses per prompt (rows i*G .. i*G+G-1 answer prompt i) from
     token-id prompts (``tasks.chat.render_prompt``); see the module docstring. The sampled token
     of every live row comes to the host once per step (stop strings, tool calls and bookkeeping
-    need it): one small device-to-host copy per decoding step, never the logits."""
+    need it): one small device-to-host copy per decoding step, never the logits.
+    ``packed_weights``: on a CPU, linear layers use weights packed once for the call
+    (``creditrl.runtime.packed``)."""
     device = next(model.parameters()).device
     prompt_tokens, prompt_attn = pad_prompts(prompt_ids, tokenizer.pad_token_id)
     expand = torch.arange(len(prompt_ids)).repeat_interleave(group_size)
@@ -345,7 +354,7 @@ def generate(model, tokenizer, prompt_ids: list[list[int]], *, group_size: int =
     steps = 0
     # inference mode inside only: what leaves it is built from ordinary tensors, so the training
     # forward can save it for backward
-    with torch.inference_mode():
+    with torch.inference_mode(), packed_linears(model, len(expand), packed_weights):
         out = model(input_ids=prompt_tokens.to(device), attention_mask=prompt_attn.to(device),
                     position_ids=position_ids_from_mask(prompt_attn).to(device), use_cache=True, logits_to_keep=1)
         cache = select_cache_rows(out.past_key_values, expand.to(device))

@@ -1,0 +1,120 @@
+"""``creditrl.runtime.packed``: linear layers with weights packed once for a sampling call give the
+plain layers' products up to float32 rounding, and leave the model exactly as it was."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from creditrl.runtime.packed import PACK_MIN_ELEMENTS, can_pack, packed_linears
+from tolerances import sum_rtol
+
+pytestmark = pytest.mark.skipif(not can_pack(nn.Linear(2, 2)), reason="this torch build has no oneDNN packed linear")
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(24, 40), nn.Linear(40, 7, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def products_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, net: Net) -> None:
+    """Each output of the two layers is a dot product over 24 then 40 terms: within that chain's
+    rounding of the magnitudes it sums (|x| |W| propagated through both layers)."""
+    bound = torch.relu(x.abs() @ net.up.weight.abs().t() + net.up.bias.abs()) @ net.down.weight.abs().t()
+    assert bool(((got - want).abs() <= sum_rtol(24 + 40 + 2) * bound).all())
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (16, 24), (80, 24), (2, 5, 24), (16, 1, 24), (0, 24)])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_packed_products_equal_the_plain_ones_up_to_rounding(shape, rows):
+    net = Net()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    want = net(x)
+    with torch.inference_mode(), packed_linears(net, rows, min_elements=0) as packed:
+        got = net(x)
+        assert packed == 2
+    assert got.shape == want.shape
+    products_close(got, want, x, net)
+    assert "forward" not in net.up.__dict__ and torch.equal(net(x), want)     # restored exactly
+
+
+def test_weights_are_packed_on_entry_and_left_as_they_were():
+    net, x = Net(), torch.randn(4, 24)
+    with torch.no_grad():
+        net.up.weight.mul_(-2.0)              # changed between two sampling calls, as an optimizer step does
+    want = net(x)
+    with torch.no_grad(), packed_linears(net, 4, min_elements=0):
+        got = net(x)
+    products_close(got, want, x, net)
+    assert net.up.weight.requires_grad and isinstance(net.up.weight, nn.Parameter)
+
+
+def test_what_is_not_packed():
+    class MyLinear(nn.Linear):
+        pass
+
+    net = Net()
+    net.up = MyLinear(24, 40)                          # a subclass: its own forward may differ
+    net.down.forward = lambda x: x[..., :7] * 0        # a forward already replaced (an accelerate hook)
+    with torch.no_grad(), packed_linears(net, 4, min_elements=0) as packed:
+        assert packed == 0
+    with torch.no_grad(), packed_linears(Net(), 4, enabled=False) as packed:
+        assert packed == 0
+    with torch.no_grad(), packed_linears(Net().double(), 4, min_elements=0) as packed:   # only float32 weights
+        assert packed == 0
+    assert not can_pack(nn.Module())                                     # no parameters at all
+
+
+def test_only_layers_large_enough_to_earn_the_call_are_packed():
+    """By default a weight of <= PACK_MIN_ELEMENTS elements keeps the plain product (oneDNN's call costs
+    more than a small product saves): the built-in tiny model's layers (128 x 512 at most)."""
+    net = Net()
+    net.down = nn.Linear(40, PACK_MIN_ELEMENTS // 40 + 1)
+    with torch.no_grad(), packed_linears(net, 4) as packed:
+        assert packed == 1 and "forward" in net.down.__dict__ and "forward" not in net.up.__dict__
+
+
+def test_autocast_takes_the_plain_path():
+    """Under bf16 autocast the product is autocast's (bf16), bit for bit, not the packed float32 one."""
+    net, x = Net(), torch.randn(5, 24)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = net(x)
+        with packed_linears(net, 5, min_elements=0) as packed:
+            got = net(x)
+    assert packed == 2 and got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_an_error_inside_restores_the_layers():
+    net = Net()
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), packed_linears(net, 4, min_elements=0):
+        raise RuntimeError("boom")
+    assert not any("forward" in m.__dict__ for m in net.modules())
+
+
+def test_generate_packed_and_plain_agree_on_builtin_tiny():
+    """The sampler with and without packing: the same behaviour log-probs of the same tokens, up to the
+    rounding of two forwards (checked on the tokens both drew: a draw may flip where two tokens' CDF
+    boundary falls within that rounding)."""
+    from creditrl.runtime.models.tiny import TinyModelConfig, char_tokenizer, tiny_model
+    from creditrl.runtime.sampling import generate
+    from tolerances import logp_atol
+
+    tok = char_tokenizer("0123456789+=")
+    # wider than builtin:tiny, so that its MLP weights (256 x 1,024) are packed
+    model = tiny_model(tok, TinyModelConfig(hidden_size=256, intermediate_size=1024, num_layers=2), seed=0).eval()
+    prompts = [tok.encode("12+34="), tok.encode("7+5=")]
+    with torch.no_grad(), packed_linears(model, 8) as packed:
+        assert packed == 2 * 3                                   # gate, up, down of both layers
+    runs = [generate(model, tok, prompts, group_size=4, temperature=1.0, max_new_tokens=8,
+                     generator=torch.Generator().manual_seed(3), packed_weights=packed) for packed in (True, False)]
+    same = (runs[0].input_ids == runs[1].input_ids).all(1)
+    assert int(same.sum()) >= 6                                  # nearly every row draws the same tokens
+    with torch.no_grad():
+        scale = float(model(input_ids=runs[1].input_ids, attention_mask=runs[1].attention_mask).logits.abs().max())
+    diff = (runs[0].rollout_logp[same] - runs[1].rollout_logp[same]).abs().max()
+    assert float(diff) <= logp_atol(model, runs[0].input_ids.shape[1], scale)
