@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from creditrl.runtime.packed import PACK_MIN_ELEMENTS, can_pack, packed_linears
 from tolerances import sum_rtol
@@ -80,13 +81,114 @@ def test_only_layers_large_enough_to_earn_the_call_are_packed():
 
 
 def test_autocast_takes_the_plain_path():
-    """Under bf16 autocast the product is autocast's (bf16), bit for bit, not the packed float32 one."""
+    """Under bf16 autocast the product is autocast's (bf16), bit for bit, not the packed float32 one:
+    entered under autocast nothing is packed (the copies would go unused); autocast switched on inside
+    a block runs the plain layers."""
     net, x = Net(), torch.randn(5, 24)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = net(x)
         with packed_linears(net, 5, min_elements=0) as packed:
+            assert packed == 0
+    with torch.no_grad(), packed_linears(net, 5, min_elements=0) as packed:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
             got = net(x)
     assert packed == 2 and got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_a_strided_bias_is_read_as_its_values():
+    """oneDNN reads the bias as contiguous whatever its strides: a bias that is a view with a stride
+    (a fused projection's bias split per head) is packed as a contiguous copy."""
+    net, x = Net(), torch.randn(6, 24)
+    with torch.no_grad():
+        net.up.bias = nn.Parameter(torch.randn(80)[::2])
+        net.down.bias = nn.Parameter(torch.randn(7, 1).expand(7, 3)[:, 0])
+    want = net(x)
+    with torch.no_grad(), packed_linears(net, 6, min_elements=0) as packed:
+        got = net(x)
+    bound = torch.relu(x.abs() @ net.up.weight.abs().t() + net.up.bias.abs()) @ net.down.weight.abs().t() \
+        + net.down.bias.abs()
+    assert packed == 2 and bool(((got - want).abs() <= sum_rtol(24 + 40 + 3) * bound).all())
+
+
+def test_weights_from_hooks_or_changed_inside_keep_the_plain_product():
+    """A weight a pre-hook recomputes (weight_norm, prune) is not packed; a weight changed inside the
+    block (in place, or replaced) sends its layer back to the plain product: never a stale copy."""
+    net, x = Net(), torch.randn(4, 24)
+    torch.nn.utils.weight_norm(net.up)                              # weight = g v / |v|, before each call
+    prune.random_unstructured(net.down, "weight", amount=0.5)
+    with torch.no_grad(), packed_linears(net, 4, min_elements=0) as packed:
+        assert packed == 0
+    net = Net()
+    with torch.no_grad(), packed_linears(net, 4, min_elements=0) as packed:
+        net.up.weight.mul_(3.0)
+        net.down.weight = nn.Parameter(net.down.weight * -1.0)
+        got = net(x)
+    assert packed == 2 and torch.equal(got, net(x))
+
+
+def test_gradients_flow_through_the_plain_product():
+    """With a gradient needed, the layer is the plain one (oneDNN's packed op has no backward)."""
+    net, x = Net(), torch.randn(4, 24, requires_grad=True)
+    net(x).square().sum().backward()
+    want = [net.up.weight.grad.clone(), x.grad.clone()]
+    net.zero_grad(), x.grad.zero_()
+    with packed_linears(net, 4, min_elements=0) as packed:
+        net(x).square().sum().backward()
+    assert packed == 2 and torch.equal(net.up.weight.grad, want[0]) and torch.equal(x.grad, want[1])
+
+
+def test_compiling_traces_the_plain_product():
+    """A compiled model's graph holds the plain linear, not the packed op (inductor has no lowering of
+    it); the result is the plain one."""
+    seen = []
+
+    def backend(gm, inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    net, x = Net(), torch.randn(4, 24)
+    compiled = torch.compile(net, backend=backend, dynamic=False)
+    with torch.no_grad(), packed_linears(net, 4, min_elements=0) as packed:
+        got = compiled(x)
+    assert packed == 2 and torch.equal(got, net(x)) and seen and not any("mkldnn" in t for t in seen)
+
+
+def test_a_lower_float32_matmul_precision_packs_nothing():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        with torch.no_grad(), packed_linears(Net(), 4, min_elements=0) as packed:
+            assert packed == 0
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_a_merged_peft_adapter_keeps_its_base_plain():
+    """peft unmerges a merged adapter in place inside a forward under ``disable_adapter``: its base
+    layer is not packed, and the result is the base model's."""
+    peft = pytest.importorskip("peft")
+    net, x = Net(), torch.randn(4, 24)
+    base = net(x)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["up"], init_lora_weights=False), net)
+    model.up.merge()
+    model.up.enable_adapters(False)      # its next forward unmerges the base weight in place, then uses it
+    with torch.no_grad(), packed_linears(model, 4, min_elements=0) as packed:
+        assert "forward" not in model.up.base_layer.__dict__
+        got = model(x)
+    assert packed == 1 + 2               # down, and the adapter's own A and B
+    assert not model.up.merged_adapters
+    products_close(got, base, x, Net())
+
+
+def test_exit_removes_only_its_own_forwards():
+    """A forward set by someone else inside the block (a hook, another thread's block) stays."""
+    net = Net()
+    mine = lambda x: x[..., :40] * 0                                      # noqa: E731
+    with torch.no_grad(), packed_linears(net, 4, min_elements=0) as packed:
+        net.up.forward = mine
+        with packed_linears(net, 4, min_elements=0) as inner:             # both already replaced
+            assert inner == 0
+    assert packed == 2 and net.up.__dict__["forward"] is mine and "forward" not in net.down.__dict__
 
 
 def test_an_error_inside_restores_the_layers():
