@@ -146,7 +146,7 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
                       temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 16,
                       generator: torch.Generator | None = None, max_tool_tokens: int = 24,
                       stop_strings: tuple[str, ...] | list[str] = (),
-                      overlong: tuple[int, float] | None = None, packed_weights: bool = True) -> RolloutBatch:
+                      overlong: tuple[int, float] | None = None) -> RolloutBatch:
     """Sample ``group_size`` responses for each problem and score them with ``task.reward``
     (plus DAPO's soft overlong penalty for ``overlong=(buffer, factor)``).
 
@@ -161,7 +161,7 @@ def generate_rollouts(model, tokenizer, task: Task, problems: list[Problem], *, 
     try:
         out = generate(model, tokenizer, prompt_ids, group_size=group_size, temperature=temperature, top_p=top_p,
                        max_new_tokens=max_new_tokens, generator=generator, task=task,
-                       max_tool_tokens=max_tool_tokens, stop_strings=stop_strings, packed_weights=packed_weights)
+                       max_tool_tokens=max_tool_tokens, stop_strings=stop_strings)
     finally:
         model.train(was_training)
     p = out.prompt_len
