@@ -178,12 +178,15 @@ def loop_energy(logp: list[float], sum_p2: list[float]) -> list[float]:
             else float("nan") for lp, s in zip(logp, sum_p2)]
 
 
-@pytest.fixture(params=["compiled", "eager"])
+@pytest.fixture(params=["standalone", "dynamo", "eager"])
 def energy_path(request, monkeypatch):
-    """Each test runs through the compiled kernel and through the eager fallback (compiling failed)."""
+    """Each test runs through the kernel compiled without dynamo (a CPU's contiguous tensors), through
+    ``torch.compile`` (every other call) and through the eager fallback (compiling failed)."""
     if request.param == "eager":
         monkeypatch.setattr(fused_module, "_EAGER_REASON", ["forced by the test"])
     else:
+        if request.param == "dynamo":
+            monkeypatch.setattr(fused_module, "signature", lambda args: None)
         checked_energy_from_logp(-torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3))
         if fused_module._EAGER_REASON:
             pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]}): the eager case covers it")
@@ -236,13 +239,15 @@ def test_energy_refuses_bad_arguments_and_takes_empty_batches():
 
 
 def compile_that_raises(monkeypatch, message: str) -> None:
-    """``torch.compile`` replaced by one whose compiled calls raise RuntimeError(message), compiling on."""
-    def broken(fn, **kwargs):
+    """``torch.compile`` and the compiler of standalone graphs replaced by ones whose compiled calls
+    raise RuntimeError(message), compiling on."""
+    def broken(fn, *args, **kwargs):
         def call(*args):
             raise RuntimeError(message)
         return call
     monkeypatch.setattr(fused_module, "_EAGER_REASON", [])
     monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(fused_module, "_standalone", broken)
 
 
 def test_a_failed_compilation_falls_back_to_eager_once_and_says_so(monkeypatch):
@@ -289,15 +294,76 @@ def test_a_kernel_compiled_on_a_tiny_batch_runs_in_parallel_on_any_batch():
 
 def test_energy_compiles_once_for_every_shape():
     """Inputs go in flat, so B and T do not multiply graphs: a handful of shapes (1 element, then
-    many) add at most two graphs per dtype combination."""
+    many) add at most two graphs per dtype combination, and no dynamo graph."""
     from torch._dynamo.utils import counters
+    from creditrl.integrations import energy
     if fused_module._EAGER_REASON:
         pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
-    before = counters["stats"]["unique_graphs"]
+    kernels = (energy._energy_and_ranges_fused, energy._energy_ranges_and_rule_fused)
+    before, dynamo_before = [set(kernel.graphs) for kernel in kernels], counters["stats"]["unique_graphs"]
     for rows, steps in [(1, 1), (1, 5), (3, 1), (4, 7), (2, 300), (9, 33)]:
         checked_energy_from_logp(-torch.rand(rows, steps), torch.rand(rows, steps) * 0.9 + 0.05,
                                  torch.ones(rows, steps))
-    assert counters["stats"]["unique_graphs"] - before <= 2
+    assert all(len(set(kernel.graphs) - seen) <= 2 and not kernel.standalone_failed
+               for kernel, seen in zip(kernels, before))
+    assert counters["stats"]["unique_graphs"] == dynamo_before
+
+
+def test_one_standalone_graph_per_pattern_of_sizes_gives_the_eager_values():
+    """A symbolic trace takes sizes 0 and 1 as constants and equal sizes as one symbol; the graphs are
+    keyed by that pattern, so a graph traced where B == T, or B == 1, never serves a call where it is
+    not so. Each call equals the eager function; non-contiguous inputs go through torch.compile."""
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+
+    def scaled_rows(per_row, x):
+        return per_row[:, None] * x, (x * x).sum(-1).sum().reshape(1)
+    kernel = fused_module.fused(scaled_rows)
+    gen = torch.Generator().manual_seed(0)
+    for rows, steps in [(4, 4), (3, 5), (5, 3), (1, 6), (6, 1), (1, 1), (4, 4), (7, 7), (0, 3)]:
+        per_row, x = torch.randn(rows, generator=gen), torch.randn(rows, steps, generator=gen)
+        for got, want in zip(kernel(per_row, x), scaled_rows(per_row, x)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # six patterns: (4, 4) and (7, 7) share one, as do (3, 5) and (5, 3)
+    assert len(kernel.graphs) == 6 and not kernel.standalone_failed
+    x = torch.randn(6, 4, generator=gen)
+    for got, want in zip(kernel(x[0], x.t()), scaled_rows(x[0], x.t())):      # x.t(): [4, 6], not contiguous
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert len(kernel.graphs) == 6
+    offset = torch.randn(5 * 3 + 1, generator=gen)[1:].view(5, 3)              # contiguous, storage offset 1
+    for got, want in zip(kernel(offset[:, 0].contiguous(), offset), scaled_rows(offset[:, 0].contiguous(), offset)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_a_graph_that_cannot_compile_standalone_goes_through_torch_compile(monkeypatch):
+    """A trace or compile without dynamo that fails where torch.compile succeeds: the call's result is
+    torch.compile's, with no warning, and that function skips the standalone path from then on."""
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+
+    def untraceable(fn, args):
+        raise RuntimeError("data-dependent control flow")
+    monkeypatch.setattr(fused_module, "_standalone", untraceable)
+    double = fused_module.fused(lambda x: 2 * x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(double(torch.arange(3.0)), torch.tensor([0.0, 2.0, 4.0]))
+        assert torch.equal(double(torch.arange(4.0)), torch.tensor([0.0, 2.0, 4.0, 6.0]))
+    assert double.standalone_failed == ["RuntimeError: data-dependent control flow"] and not double.graphs
+    assert fused_module._EAGER_REASON == []
+
+
+def test_a_fused_function_inside_torch_compile_is_traced_by_it():
+    """Under an outer torch.compile (a user's compiled step) the function joins dynamo's graph: the
+    compiled function gives the eager values, with no warning, and adds no standalone graph."""
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    square = fused_module.fused(lambda x: x * x)
+    outer = torch.compile(lambda x: square(x + 1) - 1, dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert torch.equal(outer(torch.arange(3.0)), torch.tensor([0.0, 3.0, 8.0]))
+    assert not square.graphs
 
 
 # ----------------------------------------------------------------------------- a float32 mask checked in its broadcast
