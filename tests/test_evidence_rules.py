@@ -173,6 +173,21 @@ def test_adam_moment_variance_matches_a_loop_over_the_moments():
     assert adam_moment_variance(opt) == pytest.approx(expected, abs=16 * EPS32 * scale)
 
 
+def test_adam_moment_variance_is_negative_where_the_gradients_mean_moved_recently():
+    """v̂ − m̂² is not a variance: β1 < β2 average over different horizons. 100 zero gradients then
+    10 ones: by hand m̂ = (1 − 0.9^10)/(1 − 0.9^110), v̂ = (1 − 0.999^10)/(1 − 0.999^110), so the proxy
+    is v̂ − m̂² = −0.3287 (as documented), logged as it is."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([p], lr=0.0, betas=(0.9, 0.999))
+    for step in range(110):
+        p.grad = torch.full((2,), 0.0 if step < 100 else 1.0)
+        opt.step()
+    m_hat, v_hat = (1 - 0.9 ** 10) / (1 - 0.9 ** 110), (1 - 0.999 ** 10) / (1 - 0.999 ** 110)
+    expected = 2 * (v_hat - m_hat ** 2)
+    assert expected < -0.6
+    assert adam_moment_variance(opt) == pytest.approx(expected, abs=16 * EPS32 * 2 * (v_hat + m_hat ** 2))
+
+
 @pytest.mark.parametrize("numel", [7, 1024, 3 * 1024 + 5, 1_000_003])
 def test_sum_of_squares_in_float32_rows_matches_float64(numel):
     """adam_moment_variance's float32 reductions stay within 1e-6 of float64 on large tensors

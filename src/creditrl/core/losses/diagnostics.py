@@ -123,7 +123,10 @@ def adam_moment_variance(optimizer: torch.optim.Optimizer) -> float:
 
     m̂ = m / (1 − β1^t) and v̂ = v / (1 − β2^t) are the bias-corrected running first and second
     moments of each coordinate's gradient, so v̂ − m̂² estimates its variance over recent steps;
-    the sum runs over every parameter with Adam state. 0.0 before the first step.
+    the sum runs over every parameter with Adam state. 0.0 before the first step. Not a variance:
+    m̂ and v̂ average over different horizons (β1 < β2), so where the gradient's mean moved in the
+    last few steps m̂² can exceed v̂ and the proxy is negative (gradients 0 for 100 steps, then 1 for
+    10, with β = (0.9, 0.999): v̂ − m̂² = −0.33 per coordinate); it is logged as it is.
 
     Logged every step, so it runs as two reductions per tensor, Σv / c₂ − ‖m‖² / c₁² with
     c = 1 − β^t, on the moments' device: one host read per device in all (not three per tensor:
