@@ -335,6 +335,47 @@ def test_one_standalone_graph_per_pattern_of_sizes_gives_the_eager_values():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
+def test_a_graph_serves_only_the_sizes_its_trace_assumed():
+    """A fused function that branches on a size (not 0, 1 or equality, which the key holds): each
+    call equals the eager function, the calls on either side of the branch with a graph of their own."""
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+
+    def head_or_all(x):
+        return (x[:4] if x.shape[0] > 4 else 2 * x).sum().reshape(1)
+    kernel = fused_module.fused(head_or_all)
+    for n in (10, 3, 2, 10, 5):
+        x = torch.arange(float(n))
+        assert torch.equal(kernel(x), head_or_all(x)), n
+    assert [len(served) for served in kernel.graphs.values()] == [2] and not kernel.standalone_failed
+
+
+def test_inductors_size_choices_hold_from_its_graph_cache_too():
+    """inductor compiles a float32 sum over more than 4,096 values with cascade summation and one over
+    fewer without: a graph compiled on 100 values must not serve 2^20 (its plain loop loses ~100x the
+    accuracy there). The condition is a guard of the graph, kept when inductor's on-disk graph cache
+    serves the kernel: a second fused function, same code, hits that cache on 100 values and still
+    compiles a second graph for 2^20."""
+    from torch._dynamo.utils import counters
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+
+    def total(x):
+        return x.sum().reshape(1)
+    small, large = torch.ones(100), torch.ones(1 << 20)
+    fused_module.fused(total)(small)                  # compiled, into the graph cache
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    kernel = fused_module.fused(total)
+    assert kernel(small).item() == 100.0
+    if counters["inductor"]["fxgraph_cache_hit"] == hits:
+        pytest.skip("inductor's graph cache is off here: the cold compile is covered above")
+    assert kernel(large).item() == float(1 << 20)
+    (served,) = kernel.graphs.values()
+    assert len(served) == 2
+    assert [holds((small,)) for holds, _ in served] == [True, False]
+    assert [holds((large,)) for holds, _ in served] == [False, True]
+
+
 def test_a_graph_that_cannot_compile_standalone_goes_through_torch_compile(monkeypatch):
     """A trace or compile without dynamo that fails where torch.compile succeeds: the call's result is
     torch.compile's, with no warning, and that function skips the standalone path from then on."""

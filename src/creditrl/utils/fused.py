@@ -8,10 +8,11 @@ and each input dtype compile once more). Where compiling fails (no C++ compiler 
 on a GPU) it runs as it is, with one warning per process naming the reason.
 
 On a CPU a graph is traced once per ``signature`` and compiled without dynamo
-(``torch._inductor.standalone_compile``, as vLLM compiles its graphs): a call then costs ~25 us
-over its kernel, where ``torch.compile``'s guards cost ~100 us, a third of the 0/1 rule's whole
-cost at B = 1,024, T = 4,096. Other devices, and calls with dynamo disabled, go through
-``torch.compile``; under an outer ``torch.compile`` the function joins the caller's graph.
+(``torch._inductor.standalone_compile``, as vLLM compiles its graphs); the size conditions the
+trace and inductor assumed are checked by a compiled expression: a call then costs ~25 us over its
+kernel, where ``torch.compile``'s guards cost ~100 us, a third of the 0/1 rule's whole cost at
+B = 1,024, T = 4,096. Other devices, and calls with dynamo disabled, go through ``torch.compile``;
+under an outer ``torch.compile`` the function joins the caller's graph.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 _EAGER_REASON: list[str] = []   # why compiling was given up, once per process
@@ -31,6 +33,7 @@ _log = logging.getLogger(__name__)
 # that kernel to every later call and process: one compiled on a 3 x 5 test batch ran
 # single-threaded, 2x slower, on B = 1,024, T = 4,096
 _OPTIONS = {"cpp.dynamic_threads": True}
+MAX_GRAPHS_PER_SIGNATURE = 8   # as dynamo's recompile limit; past it the function goes through torch.compile
 
 
 def _reason(error: Exception) -> str:
@@ -62,13 +65,64 @@ def signature(args: tuple) -> tuple | None:
     return tuple(key)
 
 
-def _standalone(fn: Callable, args: tuple) -> Callable:
-    """``fn`` traced symbolically on ``args`` and compiled by inductor, without dynamo's guards (the
-    caller keys it by ``signature``). Returns a tuple where ``fn`` does, as the eager call."""
+def _standalone(fn: Callable, args: tuple) -> tuple[Callable[[tuple], bool], Callable]:
+    """``fn`` traced symbolically on ``args`` and compiled by inductor without dynamo: (``holds(args)``,
+    whether the graph serves a call, ``run(*args)``, a tuple where ``fn`` returns one). The caller
+    keys graphs by ``signature``; ``holds`` checks the rest, the size conditions the trace and the
+    compile assumed: a branch of ``fn`` on a size, or inductor's own choices (a float32 sum over more
+    than 4,096 values takes cascade summation, which a graph compiled on fewer lacks)."""
     graph = make_fx(lambda *xs: fn(*xs), tracing_mode="symbolic")(*args)   # a lambda: no annotation globals
-    compiled = torch._inductor.standalone_compile(graph, list(args), dynamic_shapes="from_graph",
+    inputs = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    placeholders = [node.meta["val"] for node in inputs]
+    # each size symbol becomes a graph input, as dynamo lifts them: inductor's graph cache then keys
+    # its kernels by the size conditions they were compiled under and, on a hit, restores them
+    symbols: dict = {}
+    for i, x in enumerate(placeholders):
+        for d, size in enumerate(x.shape):
+            if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                symbols.setdefault(size.node.expr, (i, d, size))
+    with graph.graph.inserting_before(inputs[0]):
+        for k, (_, _, size) in enumerate(symbols.values()):
+            graph.graph.placeholder(f"size{k}").meta["val"] = size
+    graph.recompile()
+    # "from_graph" compiles in the fake mode it finds on the outputs' example values: the trace's, so
+    # inductor's size conditions become guards in the trace's shape environment
+    for node in pytree.tree_leaves(graph.graph.output_node().args[0]):
+        node.meta["example_value"] = node.meta["val"]
+    where = [(i, d) for i, d, _ in symbols.values()]
+
+    def sizes(xs: tuple) -> list[int]:
+        return [xs[i].shape[d] for i, d in where]
+    compiled = torch._inductor.standalone_compile(graph, sizes(args) + list(args), dynamic_shapes="from_graph",
                                                   options={"config_patches": _OPTIONS})
-    return lambda *xs: (out if isinstance(out := compiled(*xs), torch.Tensor) else tuple(out))
+    shape_env = placeholders[0].fake_mode.shape_env
+    # compiled once: the shape environment's own evaluation then costs microseconds (it evals the text)
+    code = compile(shape_env.produce_guards_expression(placeholders) or "True", "<fused guards>", "eval")
+
+    def holds(xs: tuple) -> bool:
+        return bool(shape_env.evaluate_guards_expression(code, xs))
+
+    def run(*xs):
+        out = compiled(*sizes(xs), *xs)
+        return out if isinstance(out, torch.Tensor) else tuple(out)
+    return holds, run
+
+
+def _graph_for(graphs: dict[tuple, list], fn: Callable, args: tuple) -> Callable | None:
+    """The standalone graph of ``fn`` that serves ``args`` (compiled now where none in ``graphs``
+    does), or None where ``args`` go through ``torch.compile`` (``signature``)."""
+    key = signature(args)
+    if key is None:
+        return None
+    served = graphs.get(key, [])
+    for holds, run in served:
+        if holds(args):
+            return run
+    if len(served) == MAX_GRAPHS_PER_SIGNATURE:
+        raise RuntimeError(f"more than {MAX_GRAPHS_PER_SIGNATURE} graphs for one signature")
+    holds, run = _standalone(fn, args)
+    graphs.setdefault(key, []).append((holds, run))
+    return run
 
 
 def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
@@ -82,18 +136,11 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
     graphs, and nothing to record); inputs as ``flat`` gives them."""
     eager = eager or fn
     compiled = functools.cache(lambda: torch.compile(fn, dynamic=True, options=_OPTIONS))
-    graphs: dict[tuple, Callable] = {}
+    graphs: dict[tuple, list[tuple[Callable, Callable]]] = {}
     standalone_failed: list[str] = []
 
     def standalone_graph(args: tuple) -> Callable | None:
-        if standalone_failed or torch._dynamo.config.disable:
-            return None
-        key = signature(args)
-        if key is None:
-            return None
-        if key not in graphs:
-            graphs[key] = _standalone(fn, args)
-        return graphs[key]
+        return None if standalone_failed or torch._dynamo.config.disable else _graph_for(graphs, fn, args)
 
     @functools.wraps(fn)
     def run(*args):
