@@ -4,6 +4,7 @@ decides: the loops here are the reference, over values chosen to hit every edge 
 either sign, infinities, denormals, rounding, values just past each bound)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -374,6 +375,60 @@ def test_inductors_size_choices_hold_from_its_graph_cache_too():
     assert len(served) == 2
     assert [holds((small,)) for holds, _ in served] == [True, False]
     assert [holds((large,)) for holds, _ in served] == [False, True]
+
+
+def test_first_calls_from_two_threads_compile_once_each_and_stay_compiled():
+    """Tracing and inductor share process-wide state: two threads making their first calls at once
+    (an audit saw every such run fall back to eager for the whole process, with a false "torch.compile
+    failed" warning) compile under dynamo's lock. Each call equals the eager function; no warning."""
+    import threading
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+
+    def scaled_rows(per_row, x):
+        return per_row[:, None] * x, (x - x * x).abs().amax(-1).amax().reshape(1)
+    kernels = [fused_module.fused(scaled_rows) for _ in range(2)]
+    wrong, errors, start = [], [], threading.Barrier(4)
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        start.wait()
+        try:
+            for rows, steps in [(3, 5), (4, 4), (1, 9), (6, 2)] * 3:
+                per_row, x = torch.randn(rows, generator=gen), torch.rand(rows, steps, generator=gen)
+                for kernel in kernels:
+                    got, want = kernel(per_row, x), scaled_rows(per_row, x)
+                    wrong.extend((seed, rows, steps) for a, b in zip(got, want) if not torch.equal(a, b))
+        except Exception as error:   # noqa: BLE001 (any failure of a thread fails the test below)
+            errors.append(repr(error))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors and not wrong and fused_module._EAGER_REASON == []
+    assert all(kernel.graphs and not kernel.standalone_failed for kernel in kernels)
+
+
+@pytest.mark.parametrize("switch", ["TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE", "force_eager"])
+def test_a_user_who_switches_compiling_off_gets_no_compiled_graph(monkeypatch, switch):
+    """TORCHDYNAMO_DISABLE=1, dynamo's config.disable (TORCH_COMPILE_DISABLE=1) and
+    torch.compiler.set_stance("force_eager") make torch.compile run functions as they are: the fused
+    function then compiles nothing either, and gives the eager values."""
+    import torch._dynamo
+    double = fused_module.fused(lambda x: 2 * x)
+    stance = contextlib.nullcontext()
+    if switch == "TORCHDYNAMO_DISABLE":
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    elif switch == "TORCH_COMPILE_DISABLE":
+        stance = torch._dynamo.config.patch(disable=True)
+    else:
+        stance = torch.compiler.set_stance("force_eager")
+    with stance:
+        assert torch.equal(double(torch.arange(3.0)), torch.tensor([0.0, 2.0, 4.0]))
+    assert not double.graphs
 
 
 def test_a_graph_that_cannot_compile_standalone_goes_through_torch_compile(monkeypatch):
