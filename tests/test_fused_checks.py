@@ -179,10 +179,19 @@ def loop_energy(logp: list[float], sum_p2: list[float]) -> list[float]:
             else float("nan") for lp, s in zip(logp, sum_p2)]
 
 
+def fused_kernels() -> list:
+    """Every fused function creditrl defines (utils.validate, integrations.energy, the TRL hook's sums)."""
+    from creditrl.integrations import energy, trl
+    return [validate._times_mask_with_rule_fused, validate._row_sums_with_rule_fused,
+            validate._non_negative_range_and_rule_fused, energy._energy_fused, energy._energy_and_ranges_fused,
+            energy._energy_ranges_and_rule_fused, trl._energy_sums]
+
+
 @pytest.fixture(params=["standalone", "dynamo", "eager"])
 def energy_path(request, monkeypatch):
     """Each test runs through the kernel compiled without dynamo (a CPU's contiguous tensors), through
-    ``torch.compile`` (every other call) and through the eager fallback (compiling failed)."""
+    ``torch.compile`` (every other call) and through the eager fallback (compiling failed). On the
+    standalone path no kernel may have fallen back to torch.compile, which would test that path twice."""
     if request.param == "eager":
         monkeypatch.setattr(fused_module, "_EAGER_REASON", ["forced by the test"])
     else:
@@ -191,7 +200,9 @@ def energy_path(request, monkeypatch):
         checked_energy_from_logp(-torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3))
         if fused_module._EAGER_REASON:
             pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]}): the eager case covers it")
-    return request.param
+    yield request.param
+    if request.param == "standalone":
+        assert not [kernel.standalone_failed for kernel in fused_kernels() if kernel.standalone_failed]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
