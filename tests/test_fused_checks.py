@@ -187,6 +187,12 @@ def fused_kernels() -> list:
             energy._energy_ranges_and_rule_fused, trl._energy_sums]
 
 
+def skip_where_compiling_fails() -> None:
+    """Skip a test of the compiled paths where compiling failed in this process (the eager cases run)."""
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+
+
 @pytest.fixture(params=["standalone", "dynamo", "eager"])
 def energy_path(request, monkeypatch):
     """Each test runs through the kernel compiled without dynamo (a CPU's contiguous tensors), through
@@ -293,13 +299,11 @@ def test_a_kernel_compiled_on_a_tiny_batch_runs_in_parallel_on_any_batch():
     so the loop is an OpenMP parallel one whatever the first shapes (the cache is off here, so the
     kernel is generated, not loaded)."""
     from torch._inductor.utils import run_and_get_code
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
     square_sum = fused_module.fused(lambda x: (x * x).sum().reshape(1))
     with torch._inductor.config.patch(force_disable_caches=True):
         out, code = run_and_get_code(square_sum, torch.arange(3.0))
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
     assert out.tolist() == [5.0]
     assert code and any("#pragma omp parallel" in source for source in code), code
 
@@ -309,8 +313,7 @@ def test_energy_compiles_once_for_every_shape():
     many) add at most two graphs per dtype combination, and no dynamo graph."""
     from torch._dynamo.utils import counters
     from creditrl.integrations import energy
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
     kernels = (energy._energy_and_ranges_fused, energy._energy_ranges_and_rule_fused)
     before, dynamo_before = [set(kernel.graphs) for kernel in kernels], counters["stats"]["unique_graphs"]
     for rows, steps in [(1, 1), (1, 5), (3, 1), (4, 7), (2, 300), (9, 33)]:
@@ -325,8 +328,7 @@ def test_one_standalone_graph_per_pattern_of_sizes_gives_the_eager_values():
     """A symbolic trace takes sizes 0 and 1 as constants and equal sizes as one symbol; the graphs are
     keyed by that pattern, so a graph traced where B == T, or B == 1, never serves a call where it is
     not so. Each call equals the eager function; non-contiguous inputs go through torch.compile."""
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
 
     def scaled_rows(per_row, x):
         return per_row[:, None] * x, (x * x).sum(-1).sum().reshape(1)
@@ -350,8 +352,7 @@ def test_one_standalone_graph_per_pattern_of_sizes_gives_the_eager_values():
 def test_a_graph_serves_only_the_sizes_its_trace_assumed():
     """A fused function that branches on a size (not 0, 1 or equality, which the key holds): each
     call equals the eager function, the calls on either side of the branch with a graph of their own."""
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
 
     def head_or_all(x):
         return (x[:4] if x.shape[0] > 4 else 2 * x).sum().reshape(1)
@@ -369,8 +370,7 @@ def test_inductors_size_choices_hold_from_its_graph_cache_too():
     serves the kernel: a second fused function, same code, hits that cache on 100 values and still
     compiles a second graph for 2^20."""
     from torch._dynamo.utils import counters
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
 
     def total(x):
         return x.sum().reshape(1)
@@ -393,8 +393,7 @@ def test_first_calls_from_two_threads_compile_once_each_and_stay_compiled():
     (an audit saw every such run fall back to eager for the whole process, with a false "torch.compile
     failed" warning) compile under dynamo's lock. Each call equals the eager function; no warning."""
     import threading
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
 
     def scaled_rows(per_row, x):
         return per_row[:, None] * x, (x - x * x).abs().amax(-1).amax().reshape(1)
@@ -445,8 +444,7 @@ def test_a_user_who_switches_compiling_off_gets_no_compiled_graph(monkeypatch, s
 def test_a_graph_that_cannot_compile_standalone_goes_through_torch_compile(monkeypatch):
     """A trace or compile without dynamo that fails where torch.compile succeeds: the call's result is
     torch.compile's, with no warning, and that function skips the standalone path from then on."""
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
 
     def untraceable(fn, args):
         raise RuntimeError("data-dependent control flow")
@@ -463,8 +461,7 @@ def test_a_graph_that_cannot_compile_standalone_goes_through_torch_compile(monke
 def test_a_fused_function_inside_torch_compile_is_traced_by_it():
     """Under an outer torch.compile (a user's compiled step) the function joins dynamo's graph: the
     compiled function gives the eager values, with no warning, and adds no standalone graph."""
-    if fused_module._EAGER_REASON:
-        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    skip_where_compiling_fails()
     square = fused_module.fused(lambda x: x * x)
     outer = torch.compile(lambda x: square(x + 1) - 1, dynamic=False)
     with warnings.catch_warnings():
