@@ -1598,3 +1598,26 @@ def test_ctrl_c_says_where_the_run_stands_and_how_to_continue(tmp_path, capsys, 
         err = capsys.readouterr().err
         assert f"interrupted at step 3 of 5; {says.format(run=tmp_path / name)}" in err
         assert err.rstrip().endswith("creditrl train: interrupted") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("token_level", [False, True])
+def test_finite_rewards_whose_float32_total_overflows_are_accepted(token_level):
+    """The rewards' finiteness test reads one float32 total: finite rewards whose total overflows
+    fail it, and the exact pass must then accept them (each row's R fits float32), giving what the
+    same batch gives scaled down by 2^100 (exact in float32), scaled back."""
+    from creditrl import compute_advantages
+    big = torch.tensor([3e38, 2e38, 1e38, 3e38])
+    scale = 2.0 ** 100
+    mask = torch.ones(4, 3)
+    group = torch.tensor([0, 0, 1, 1])
+
+    def rewards(values):
+        if not token_level:
+            return values
+        return torch.zeros(4, 3).index_put_((torch.arange(4), torch.full((4,), 2)), values)
+    got = compute_advantages("dr_grpo", rewards=rewards(big), mask=mask, group=group)
+    want = compute_advantages("dr_grpo", rewards=rewards(big / scale), mask=mask, group=group) * scale
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    r = big.double()                                   # the float32 rewards, centred in float64, rounded once
+    assert got[0, 0] == ((r[0] - r[1]) / 2).float()

@@ -176,38 +176,46 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
     standalone_failed: list[str] = []
 
     def standalone_graph(args: tuple) -> Callable | None:
-        return None if standalone_failed or _compiling_off() else _graph_for(graphs, fn, args)
+        return None if standalone_failed or _compiling_off() else _graph_for(graphs, off_the_tape(fn), args)
+
+    def off_the_tape(call: Callable) -> Callable:
+        # no autograd graph and no autocast for what dispatches op by op (a trace, torch.compile's
+        # graphs, the eager twin); a standalone graph's kernels dispatch nothing, and its inputs
+        # require no grad (``signature``), so it runs without the two contexts (~40 us a call)
+        def guarded(*args):
+            device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+            with torch.no_grad(), torch.autocast(device, enabled=False) if device in ("cpu", "cuda") \
+                    else contextlib.nullcontext():
+                return call(*args)
+        return guarded
 
     @functools.wraps(fn)
     def run(*args):
-        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-        with torch.no_grad(), torch.autocast(device, enabled=False) if device in ("cpu", "cuda") \
-                else contextlib.nullcontext():
-            if _EAGER_REASON:
-                return eager(*args)
-            if torch.compiler.is_compiling():   # a user's compiled step: fn joins its graph
-                return fn(*args)
-            standalone_error = None
-            try:
-                graph = standalone_graph(args)
-                if graph is not None:
-                    return graph(*args)
-            except Exception as error:   # noqa: BLE001 (traced or compiled: torch.compile is the judge below)
-                standalone_error = error
-            try:
-                result = compiled()(*args)
-            except Exception as error:   # noqa: BLE001 (the compiler stack's failures vary by backend)
-                failure = error
-            else:
-                if standalone_error is not None:   # torch.compile ran it: the standalone graph's own failure
-                    standalone_failed.append(_reason(standalone_error))
-                    _log.info("creditrl: %s compiles through torch.compile from now on (%s)", fn.__name__,
-                              standalone_failed[0])
-                return result
-            result = eager(*args)        # outside the except: a caller's own error raises here, unchained
-            warnings.warn(f"creditrl: torch.compile failed ({_reason(failure)}); fused tensor code runs eagerly "
-                          "(the same results up to rounding, slower)", RuntimeWarning, stacklevel=2)
-            _EAGER_REASON.append(_reason(failure))
+        if _EAGER_REASON:
+            return off_the_tape(eager)(*args)
+        if torch.compiler.is_compiling():   # a user's compiled step: fn joins its graph
+            return off_the_tape(fn)(*args)
+        standalone_error = None
+        try:
+            graph = standalone_graph(args)
+            if graph is not None:
+                return graph(*args)
+        except Exception as error:   # noqa: BLE001 (traced or compiled: torch.compile is the judge below)
+            standalone_error = error
+        try:
+            result = off_the_tape(compiled())(*args)
+        except Exception as error:   # noqa: BLE001 (the compiler stack's failures vary by backend)
+            failure = error
+        else:
+            if standalone_error is not None:   # torch.compile ran it: the standalone graph's own failure
+                standalone_failed.append(_reason(standalone_error))
+                _log.info("creditrl: %s compiles through torch.compile from now on (%s)", fn.__name__,
+                          standalone_failed[0])
             return result
+        result = off_the_tape(eager)(*args)   # outside the except: a caller's own error raises here, unchained
+        warnings.warn(f"creditrl: torch.compile failed ({_reason(failure)}); fused tensor code runs eagerly "
+                      "(the same results up to rounding, slower)", RuntimeWarning, stacklevel=2)
+        _EAGER_REASON.append(_reason(failure))
+        return result
     run.graphs, run.standalone_failed = graphs, standalone_failed   # for tests and diagnostics
     return run

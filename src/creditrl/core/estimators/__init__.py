@@ -68,9 +68,14 @@ def _valid_non_negative(name: str, x: Tensor, mask: Tensor, original: torch.dtyp
     return x.clamp_(min=0)
 
 
-def _exact_row_totals(rewards: Tensor) -> Tensor:
-    """[B] float32 row sums of token rewards whose float32 sums were not all finite: raises naming
-    the rows with NaN/inf, or sums again in float64 (a float32 overflow of finite values)."""
+def _exact_totals(totals: Tensor, token_rewards: Tensor | None) -> Tensor:
+    """[B] float32 rewards R whose float32 sum was not finite: raises naming the rows with NaN/inf
+    (in ``token_rewards`` [B,T] where given, else in ``totals``), or returns R (token rewards summed
+    again in float64: a float32 overflow of finite values)."""
+    if token_rewards is None:
+        check_finite("rewards", totals)
+        return totals
+    rewards = token_rewards
     check_finite("rewards", rewards)
     totals = rewards.to(torch.float64).sum(1)
     if not bool(torch.isfinite(totals.float()).all()):
@@ -129,7 +134,8 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     another pass over it: with energies, the energies' check, ``non_negative_range_and_rule``;
     without, and with ``defer_mask_check`` (built-in estimators, whose every use of the mask is
     tested), its first use, in a second read: see ``AdvantageBatch``), finite rewards (a
-    non-finite value makes its row's sum non-finite, so token rewards cost the one sum R needs),
+    non-finite value makes its row's sum R and the sum of R non-finite: token rewards cost the one
+    sum R needs),
     energies and IS weights finite and >= 0 (one integer min/max pass). Only a failing test takes
     an exact, slower pass, to name the rows or to accept
     what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
@@ -157,15 +163,14 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     given = mask
     pending = defer_mask_check and large and energy is None and is_weights is None
     mask = _queue_mask_check(checks, given, rule, pending)
-    finite = checks.add(torch.isfinite(seq_rewards).all(), lambda values: values[0] == 1)
+    # a NaN/inf makes the total non-finite (as does a float32 overflow of finite rewards: the exact pass decides)
+    finite = checks.add(seq_rewards.sum(), lambda values: math.isfinite(values[0]))
     results = checks.run()                       # the one host read; a bad mask raises here
     if not results[finite]:
         if pending:                              # a bad mask's error before the rewards', as when checked here
             check_mask("mask", mask)
             pending = False
-        if token_rewards is None:
-            check_finite("rewards", seq_rewards)  # raises, naming the rows
-        seq_rewards = _exact_row_totals(token_rewards)
+        seq_rewards = _exact_totals(seq_rewards, token_rewards)
     return AdvantageBatch(rewards=seq_rewards, input_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy_of(results, mask), token_rewards=token_rewards, gamma=float(gamma),
                           components=components, component_weights=component_weights, mask_copy=mask is not given,
@@ -280,7 +285,8 @@ def _estimator_output(name: str, defer_mask_check: bool, *, rewards: Tensor, mas
                     defer_mask_check=defer_mask_check and is_builtin(spec.fn))
     if batch.components is not None and spec.reward_components:
         batch.mask_error_first(check_total, batch, spec.name)
-    return estimator_result(name, batch, **options), batch
+    options.pop("gamma", None)                        # already in the batch
+    return _result(name, spec, batch, options), batch
 
 
 
@@ -343,6 +349,11 @@ def estimator_result(name: str, batch: AdvantageBatch, **options) -> Tensor:
     spec = get_estimator(name)
     options = spec.resolve_options(options)
     options.pop("gamma", None)                    # already in the batch
+    return _result(name, spec, batch, options)
+
+
+def _result(name: str, spec: EstimatorSpec, batch: AdvantageBatch, options: dict) -> Tensor:
+    """``estimator_result`` with ``options`` resolved (``gamma`` taken out)."""
     shape = batch.input_mask.shape                # not given_mask: its check may wait for the broadcast
     if batch.input_mask.numel() == 0:             # B = 0 or T = 0: no token has an advantage
         return torch.zeros(shape, dtype=torch.float32, device=batch.input_mask.device)
@@ -367,10 +378,10 @@ def _checked_result(name: str, spec: EstimatorSpec, batch: AdvantageBatch, optio
         raise ValueError(f"estimator {name!r} returned {got}; expected shape [B] or [B,T] = "
                          f"{list(shape)}")
     out = out.to(device=batch.input_mask.device, dtype=torch.float32)
-    # One reduction pass for every estimator, masked_output ones included: a NaN/inf makes its
-    # row's sum non-finite. Only a failing test takes the exact pass (a float32 overflow of a
-    # finite row's sum, or non-finite values on masked tokens, which are replaced by 0).
-    if not bool(torch.isfinite(out.sum(-1)).all()):
+    # One reduction pass for every estimator, masked_output ones included: a NaN/inf makes the
+    # sum non-finite. Only a failing test takes the exact pass (a float32 overflow of a sum of
+    # finite values, or non-finite values on masked tokens, which are replaced by 0).
+    if not math.isfinite(out.sum().item()):
         return _finite_on_valid_tokens(name, out, batch)
     if out.dim() == 1 or spec.masked_output:
         return out                                # [B], or [B,T] already exactly 0 on masked tokens

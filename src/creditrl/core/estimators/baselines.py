@@ -71,21 +71,23 @@ def group_weighted_baseline(values: Tensor, weights: Tensor, groups: GroupIndex,
 
 def drop_singletons(adv: Tensor, groups: GroupIndex) -> Tensor:
     """Advantage 0 for members of size-1 groups (no baseline information)."""
+    if groups.without_singletons:
+        return adv
     single = (groups.member_sizes() == 1).reshape((-1,) + (1,) * (adv.dim() - 1))
     return torch.where(single, torch.zeros_like(adv), adv)
 
 
-def group_std(values: Tensor, groups: GroupIndex) -> Tensor:
-    """Per-member sample std (N-1) of ``values`` [B] within its group; 0 for singletons."""
-    dev = values - groups.mean(values)
-    var = groups.gather(groups.sum(dev * dev)) / (groups.member_sizes() - 1).clamp(min=1)
-    return var.sqrt()
+def group_std(values: Tensor, groups: GroupIndex, dev: Tensor | None = None) -> Tensor:
+    """Per-member sample std (N-1) of ``values`` [B] within its group; 0 for singletons. ``dev``:
+    the deviations ``values - mean_g values`` where the caller has them."""
+    dev = groups.subtract(values, groups.group_mean(values)) if dev is None else dev
+    return groups.gather((groups.sum(dev * dev) / (groups.sizes - 1).clamp(min=1)).sqrt())
 
 
 def centred(batch: AdvantageBatch) -> Tensor:
     """R - mean_g R in float64, [B]."""
     r = batch.rewards.to(torch.float64)
-    return r - batch.groups.mean(r)
+    return batch.groups.subtract(r, batch.groups.group_mean(r))
 
 
 @register_estimator("reinforce", token_level=True, masked_output=True)
@@ -118,10 +120,11 @@ def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the std befor
     """
     r = batch.rewards.to(torch.float64)
     check_positive_float32("grpo.eps", eps)
+    dev = centred(batch)
     if scale == "none":
-        return drop_singletons(centred(batch), batch.groups)
-    std = group_std(r, batch.groups) if scale == "group" else r.std(unbiased=True).nan_to_num(0.0)
-    return drop_singletons(centred(batch) / (std + eps), batch.groups)
+        return drop_singletons(dev, batch.groups)
+    std = group_std(r, batch.groups, dev) if scale == "group" else r.std(unbiased=True).nan_to_num(0.0)
+    return drop_singletons(dev / (std + eps), batch.groups)
 
 
 @register_estimator("rloo")
