@@ -349,6 +349,28 @@ def test_one_standalone_graph_per_pattern_of_sizes_gives_the_eager_values():
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
+def test_a_standalone_graph_ignores_the_callers_autocast_and_grad_mode():
+    """A standalone graph runs outside the no_grad context the other paths enter, and enters the
+    autocast-off one only where autocast is on: a caller's bf16 autocast and grad mode change neither
+    its values (float32, as the eager function computes them without autocast; the matmul is an
+    extern kernel, which dispatches through autocast) nor its outputs' autograd state."""
+    skip_where_compiling_fails()
+
+    def scaled_rows(per_row, x):
+        return per_row[:, None] * x, (x @ x.t()).sum(-1)        # a matmul: autocast would take it to bf16
+    kernel = fused_module.fused(scaled_rows)
+    gen = torch.Generator().manual_seed(0)
+    per_row, x = torch.randn(5, generator=gen), torch.randn(5, 7, generator=gen) * (1 + 2 ** -10)
+    want = scaled_rows(per_row, x)
+    for _ in range(2):                                          # the compiling call, then a cached graph's
+        with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            got = kernel(per_row, x)
+        for value, expected in zip(got, want):
+            assert value.dtype == torch.float32 and not value.requires_grad
+            torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-5)
+    assert len(kernel.graphs) == 1 and not kernel.standalone_failed
+
+
 def test_a_graph_serves_only_the_sizes_its_trace_assumed():
     """A fused function that branches on a size (not 0, 1 or equality, which the key holds): each
     call equals the eager function, the calls on either side of the branch with a graph of their own."""

@@ -130,7 +130,9 @@ def _graph_for(graphs: dict[tuple, list], fn: Callable, args: tuple) -> Callable
         if run is None:
             if len(served) == MAX_GRAPHS_PER_SIGNATURE:
                 raise RuntimeError(f"more than {MAX_GRAPHS_PER_SIGNATURE} graphs for one signature")
-            with _quiet_without_cache():
+            # traced and compiled without autograd and autocast, as the other paths run fn (a context
+            # entered inside the traced function does not undo a caller's autocast in the trace)
+            with _quiet_without_cache(), torch.no_grad(), torch.autocast("cpu", enabled=False):
                 holds, run = _standalone(fn, args)
             graphs.setdefault(key, []).append((holds, run))
     return run
@@ -176,12 +178,12 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
     standalone_failed: list[str] = []
 
     def standalone_graph(args: tuple) -> Callable | None:
-        return None if standalone_failed or _compiling_off() else _graph_for(graphs, off_the_tape(fn), args)
+        return None if standalone_failed or _compiling_off() else _graph_for(graphs, fn, args)
 
     def off_the_tape(call: Callable) -> Callable:
-        # no autograd graph and no autocast for what dispatches op by op (a trace, torch.compile's
-        # graphs, the eager twin); a standalone graph's kernels dispatch nothing, and its inputs
-        # require no grad (``signature``), so it runs without the two contexts (~40 us a call)
+        # no autograd graph and no autocast (a trace, torch.compile's graphs, the eager twin). A
+        # standalone graph's inputs require no grad (``signature``), and only its extern kernels (a
+        # matmul) dispatch through autocast: it enters the context only where autocast is on (~40 us)
         def guarded(*args):
             device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
             with torch.no_grad(), torch.autocast(device, enabled=False) if device in ("cpu", "cuda") \
@@ -199,6 +201,9 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
         try:
             graph = standalone_graph(args)
             if graph is not None:
+                if torch.is_autocast_enabled("cpu"):
+                    with torch.autocast("cpu", enabled=False):
+                        return graph(*args)
                 return graph(*args)
         except Exception as error:   # noqa: BLE001 (traced or compiled: torch.compile is the judge below)
             standalone_error = error
