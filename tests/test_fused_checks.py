@@ -730,3 +730,17 @@ def test_the_plugins_float32_mask_is_checked_in_the_energys_pass(energy_path, ma
             call(bad_mask, wrong)
     with pytest.raises(ValueError, match=r"old_log_probs: expected a floating-point tensor, got dtype torch.int64"):
         call(mask, logp.long())
+
+
+@settings(max_examples=120, deadline=None)
+@given(rows=st.integers(0, 5), steps=st.sampled_from([0, 1, 7, 8, 16, 1016, 1024, 1032, 2048, 4104]),
+       density=st.floats(0.0, 1.0), offset=st.sampled_from([0, 1, 8]), seed=st.integers(0, 999))
+def test_bool_row_counts_match_a_loop(rows, steps, density, offset, seed):
+    """SWAR counts of a bool mask made by torch's ops, any length (whole words or not, one chunk of
+    128 words, several, a remainder), any density and storage offset, equal a loop's."""
+    from creditrl.utils.validate import bool_row_counts
+    gen = torch.Generator().manual_seed(seed)
+    storage = torch.rand(rows * steps + offset, generator=gen) < density
+    mask = storage[offset:].view(rows, steps)
+    got = bool_row_counts(mask)
+    assert got.dtype == torch.int64 and got.tolist() == [sum(row) for row in mask.tolist()]

@@ -37,13 +37,14 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head, nanmax, nanmin
 
-from creditrl.utils.validate import check_choice, float_mask
+from creditrl.utils.validate import bool_row_counts, check_choice, float_mask
 from creditrl.core.estimators import check_group_size, estimator_output, list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.groups import GroupIndex, uniform_groups
@@ -459,7 +460,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         if rows is None:
             out, batch = estimator_output(self.estimator, rewards=rewards, mask=mask, group=group, energy=energy,
                                           **parts, **self.estimator_kwargs)
-            counts = batch.lengths if out.dim() == 1 else None       # before the mask copy takes the advantages
+            # the mask is the hook's own (.bool(), &): its bytes are 0/1
+            counts = bool_row_counts(mask) if out.dim() == 1 else None
             return batch.on_tokens(out, last_use=True), (out if out.dim() == 1 else None), counts
         advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         per_row = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)
@@ -582,8 +584,11 @@ class CreditGRPOTrainer(GRPOTrainer):
     def _log_creditrl(self, mode: str, metrics: dict[str, float]) -> dict[str, float]:
         """Average ``metrics`` over processes (one gather), queue them in TRL's logger, return them."""
         keys = sorted(metrics)
-        values = torch.tensor([[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device)
-        averaged = dict(zip(keys, self.accelerator.gather(values).mean(dim=0).tolist()))
+        if self.accelerator.num_processes == 1:         # nothing to average: no tensor round trip
+            averaged = {k: metrics[k] for k in keys}
+        else:
+            values = torch.tensor([[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device)
+            averaged = dict(zip(keys, self.accelerator.gather(values).mean(dim=0).tolist()))
         for key, value in averaged.items():
             self._metrics[mode][f"creditrl/{key}"].append(value)
         return averaged
@@ -628,13 +633,7 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
     mask's row counts (``counts`` [B], when the caller has them; else one pass over the mask), and
     Σ_t A_t² w_t = a_i² Σ_t w_t. Otherwise the energy's sums come from one fused pass over A and w (``_energy_sums``)."""
     if per_row is not None:
-        if counts is None:   # count_nonzero per row is 10x slower on a CPU
-            counts = float_mask(mask).sum(1)
-        values = per_row.to(torch.float64)
-        stats = [counts.sum(), (values.abs() * counts).sum()]
-        if energy is not None:
-            energy_rows = energy.sum(1).to(torch.float64)
-            stats += [energy_rows.sum(), (values.square() * energy_rows).mean()]
+        values = _per_row_stats(per_row, float_mask(mask).sum(1) if counts is None else counts, energy)
     else:
         stats = [torch.count_nonzero(mask)]
         if energy is None:
@@ -642,7 +641,7 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
         else:
             sums = _energy_sums(flat(advantages), flat(energy, advantages.dtype))
             stats += [sums[0], sums[1], sums[2] / max(advantages.shape[0], 1)]
-    values = torch.stack([x.to(torch.float64) for x in stats]).tolist()
+        values = torch.stack([x.to(torch.float64) for x in stats]).tolist()
     count = max(values[0], 1.0)
     metrics = {"advantage_abs_mean": values[1] / count}
     if energy is not None:
@@ -650,6 +649,19 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
         # non-finite: a masked NaN/inf energy, or an overflow; ``power_proxy`` names the input or masks it
         metrics["power_proxy"] = values[3] if math.isfinite(values[3]) else power_proxy(advantages, energy, mask)
     return metrics
+
+
+def _per_row_stats(per_row: Tensor, counts: Tensor, energy: Tensor | None) -> list[float]:
+    """[Σ n_i, Σ |a_i| n_i] (and [Σ_i W_i, (1/B) Σ_i a_i² W_i], W_i = Σ_t w_t, with energies) in float64
+    from the [B] columns, read in one host transfer and summed on the host: B values, where each
+    of torch's small ops costs more than numpy's whole sum."""
+    columns = [per_row, counts] + ([] if energy is None else [energy.sum(1)])
+    host = torch.stack([x.to(torch.float64) for x in columns]).cpu().numpy()
+    values, counts = host[0], host[1]
+    stats = [counts.sum(), np.abs(values) @ counts]
+    if energy is not None:
+        stats += [host[2].sum(), np.square(values) @ host[2] / max(values.size, 1)]
+    return [float(x) for x in stats]
 
 
 # ---------------------------------------------------------------------- in-training diagnosis

