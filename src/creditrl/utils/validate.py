@@ -309,9 +309,10 @@ def bool_row_counts(mask: Tensor) -> Tensor:
     if steps % 8 or mask.stride(1) != 1 or mask.stride(0) != steps or mask.storage_offset() % 8:
         return float_mask(mask).sum(1).long()
     words = mask.view(torch.int64)                                   # [B, T/8]
-    whole = words.shape[1] // WORDS_PER_LANE_SUM * WORDS_PER_LANE_SUM
-    lanes = torch.cat([words[:, :whole].reshape(rows, whole // WORDS_PER_LANE_SUM, WORDS_PER_LANE_SUM).sum(-1),
-                       words[:, whole:].sum(-1, keepdim=True)], 1)     # [B, chunks + 1], 8 byte lanes each
+    chunks, rest = divmod(words.shape[1], WORDS_PER_LANE_SUM)
+    lanes = words[:, :chunks * WORDS_PER_LANE_SUM].reshape(rows, chunks, WORDS_PER_LANE_SUM).sum(-1)
+    if rest:                                                         # [B, chunks + 1], 8 byte lanes each
+        lanes = torch.cat([lanes, words[:, chunks * WORDS_PER_LANE_SUM:].sum(-1, keepdim=True)], 1)
     return lanes.view(torch.uint8).sum(-1)
 
 
