@@ -1621,3 +1621,20 @@ def test_finite_rewards_whose_float32_total_overflows_are_accepted(token_level):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     r = big.double()                                   # the float32 rewards, centred in float64, rounded once
     assert got[0, 0] == ((r[0] - r[1]) / 2).float()
+
+
+def test_a_rows_reward_does_not_depend_on_another_rows_size():
+    """Only rows whose own float32 sum is not finite are summed again in float64: a batch whose total
+    overflows because of another group leaves this group's R, and so its advantages, as they are
+    (independent audit: they moved by 1 ulp, and a row at the float32 limit was refused)."""
+    from creditrl import compute_advantages
+    eps = 2.0 ** -24
+    small = torch.tensor([[1.0, eps, eps], [0.0, 0.0, 0.0]])
+    mask, group = torch.ones(4, 3), torch.tensor([0, 0, 1, 1])
+    alone = compute_advantages("dr_grpo", rewards=torch.cat([small, torch.zeros(2, 3)]), mask=mask, group=group)
+    big = torch.tensor([[3e38, 0.0, 0.0], [3e38, 0.0, 0.0]])
+    beside = compute_advantages("dr_grpo", rewards=torch.cat([small, big]), mask=mask, group=group)
+    assert torch.equal(alone[:2], beside[:2])
+    limit = torch.tensor([[torch.finfo(torch.float32).max, 2.0 ** 102, 2.0 ** 102], [1e38, 0.0, 0.0]])
+    got = compute_advantages("dr_grpo", rewards=limit, mask=torch.ones(2, 3), group=torch.tensor([0, 0]))
+    assert torch.isfinite(got).all()

@@ -77,6 +77,8 @@ def _exact_totals(totals: Tensor, token_rewards: Tensor | None) -> Tensor:
         return totals
     rewards = token_rewards
     check_finite("rewards", rewards)
+    if bool(torch.isfinite(totals).all()):       # only the batch's total overflowed: each row's R stands
+        return totals
     totals = rewards.to(torch.float64).sum(1)
     if not bool(torch.isfinite(totals.float()).all()):
         raise ValueError("rewards: row sums exceed the float32 range in rows "
