@@ -1625,8 +1625,9 @@ def test_finite_rewards_whose_float32_total_overflows_are_accepted(token_level):
 
 def test_a_rows_reward_does_not_depend_on_another_rows_size():
     """Only rows whose own float32 sum is not finite are summed again in float64: a batch whose total
-    overflows because of another group leaves this group's R, and so its advantages, as they are
-    (independent audit: they moved by 1 ulp, and a row at the float32 limit was refused)."""
+    overflows because of another group leaves this group's R, and so its advantages, as they are (a
+    float64 re-sum moves them by an ulp), and a row at the float32 limit is accepted whatever the
+    other rows hold (its float64 sum rounds to inf)."""
     from creditrl import compute_advantages
     eps = 2.0 ** -24
     small = torch.tensor([[1.0, eps, eps], [0.0, 0.0, 0.0]])

@@ -10,7 +10,7 @@ on a GPU) it runs as it is, with one warning per process naming the reason.
 On a CPU a graph is traced once per ``signature`` and compiled without dynamo
 (``torch._inductor.standalone_compile``, as vLLM compiles its graphs); the size conditions the
 trace and inductor assumed are checked by a compiled expression. On the 2-core dev CPU a call on
-2 x 8 values took 61-63 us this way and 88-92 through ``torch.compile`` (the eager product 5 us);
+2 x 8 values took 43-51 us this way and 88-92 through ``torch.compile`` (the eager product 5 us);
 at B = 1,024, T = 4,096, 0.90-1.13 ms against 0.93-1.23. Other devices, and calls with compiling
 switched off (``_compiling_off``), go through ``torch.compile``; under an outer ``torch.compile``
 the function joins the caller's graph.

@@ -70,16 +70,13 @@ def _valid_non_negative(name: str, x: Tensor, mask: Tensor, original: torch.dtyp
 
 def _exact_totals(totals: Tensor, token_rewards: Tensor | None) -> Tensor:
     """[B] float32 rewards R whose float32 sum was not finite: raises naming the rows with NaN/inf
-    (in ``token_rewards`` [B,T] where given, else in ``totals``), or returns R (token rewards summed
-    again in float64: a float32 overflow of finite values)."""
-    if token_rewards is None:
-        check_finite("rewards", totals)
+    (in ``token_rewards`` [B,T] where given, else in ``totals``); else returns R as it is where every
+    row's R is finite (only their sum overflowed), and otherwise the token rewards summed again in
+    float64 (a float32 overflow of a row's finite values)."""
+    check_finite("rewards", totals if token_rewards is None else token_rewards)
+    if token_rewards is None or bool(torch.isfinite(totals).all()):
         return totals
-    rewards = token_rewards
-    check_finite("rewards", rewards)
-    if bool(torch.isfinite(totals).all()):       # only the batch's total overflowed: each row's R stands
-        return totals
-    totals = rewards.to(torch.float64).sum(1)
+    totals = token_rewards.to(torch.float64).sum(1)
     if not bool(torch.isfinite(totals.float()).all()):
         raise ValueError("rewards: row sums exceed the float32 range in rows "
                          f"{bad_rows(~torch.isfinite(totals.float()))}")
