@@ -33,7 +33,9 @@ same baseline; on steps where a group has one live member creditrl gives exactly
 G·(1 - W/(W + 1e-8)), both ≈ 0).
 
 The checks table times each input check of creditrl alone, on the same inputs, as a share of
-the direct call it guards (budget: all validation <= 10%).
+the direct call it guards (budget: all validation <= 10%). The plug-in's mapping of verl's uids
+to group ids is printed beside its share, not in it: a conversion that verl's own functions make
+too (``as_torch_index``), not a check.
 """
 from __future__ import annotations
 
@@ -312,16 +314,17 @@ def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
         if row["name"] == "otb":
             own = rewards + energy + (costs[ENERGY_RULE] if float32 else rule)
             # the plug-in checks the energy from the actor's stats (with_energy), and those stats
-            plug = rewards + energy + actor + uids + (costs[PLUGIN_RULE] if float32 else rule)
+            plug = rewards + energy + actor + (costs[PLUGIN_RULE] if float32 else rule)
         else:
             fused = fused_rule(row["name"], inputs) if float32 else None
             own = rewards + (rule if fused is None else costs[fused])
-            plug = own + uids
+            plug = own
         share, plug_share = own / row["ms"]["direct"]["best"], plug / row["ms"]["plugin"]["best"]
         worst = max(worst, share, plug_share)
         print(f"  {row['name']:<8} validation {own:6.2f} ms = {share:6.1%} of the direct call "
               f"({row['ms']['direct']['best']:.1f} ms); plug-in {plug:6.2f} ms = {plug_share:6.1%} of "
-              f"{row['ms']['plugin']['best']:.1f} ms")
+              f"{row['ms']['plugin']['best']:.1f} ms (+ {uids:.2f} ms = {uids / row['ms']['plugin']['best']:.1%} "
+              "mapping uids, as verl's functions do)")
     return worst
 
 

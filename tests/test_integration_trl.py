@@ -568,14 +568,14 @@ def test_reasoning_gym_example_with_a_trl_reward_function(tmp_path, monkeypatch)
 @pytest.mark.parametrize("seed", range(4))
 def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_energy, compiled, monkeypatch):
     """The hook's metrics from an estimator's per-row values (no pass over A) and from the [B,T]
-    advantages (the energy's sums fused, or eager where compiling fails) equal a loop over rows and
-    tokens: Σ|A| / tokens, Σw / tokens, (1/B) Σ_i Σ_t A² w."""
+    advantages (the energy's sums fused, or eager where compiling fails), each with the caller's row
+    counts or without, equal a loop over rows and tokens: Σ|A| / tokens, Σw / tokens, (1/B) Σ_i Σ_t A² w."""
     import creditrl.utils.fused as fused_module
     from creditrl.integrations.trl import rollout_metrics
     if not compiled:
         monkeypatch.setattr(fused_module, "_EAGER_REASON", ["forced by the test"])
     g = torch.Generator().manual_seed(seed)
-    rows, steps = 7, 9
+    rows, steps = [(7, 9), (3, 1), (2, 9), (7, 9)][seed]           # one step: a [B,1] sum per row
     mask = torch.rand(rows, steps, generator=g) < 0.7
     mask[seed % rows] = False                                       # a row with no valid token
     per_row = torch.randn(rows, generator=g)
@@ -594,7 +594,7 @@ def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_ene
         expected.update(energy_mean=w_sum / tokens, power_proxy=power)
     counts = mask.sum(1)
     for got in (rollout_metrics(advantages, energy, mask, per_row), rollout_metrics(advantages, energy, mask, per_row, counts),
-                rollout_metrics(advantages, energy, mask)):
+                rollout_metrics(advantages, energy, mask), rollout_metrics(advantages, energy, mask, None, counts)):
         assert got.keys() == expected.keys()
         for key, value in expected.items():
             assert got[key] == pytest.approx(value, rel=sum_rtol(rows * steps), abs=EPS32)
