@@ -460,8 +460,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         if rows is None:
             out, batch = estimator_output(self.estimator, rewards=rewards, mask=mask, group=group, energy=energy,
                                           **parts, **self.estimator_kwargs)
-            # the mask is the hook's own (.bool(), &): its bytes are 0/1. Counted before the broadcast
-            # reads it: that read then finds it in cache, where after the [B,T] write it is cold
+            # the mask is the hook's own (.bool(), &): its bytes are 0/1
             counts = bool_row_counts(mask)
             return batch.on_tokens(out, last_use=True), (out if out.dim() == 1 else None), counts
         advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
