@@ -328,18 +328,19 @@ def test_estimators_read_no_per_token_scalars(device, name):
 @pytest.mark.parametrize("combo", [("clip_high",), ("kl", "stapo"), ("mis", "trace"), ("weight", "dual_clip")],
                          ids=lambda c: "+".join(c))
 def test_policy_loss_reads_its_metrics_in_one_copy(device, combo):
-    """docs/performance.md: the metrics and the log-prob inputs' largest valid values come back in one
-    copy of at most 16 numbers; at most 16 scalar reads per call guard the rare paths (clamps,
-    non-finite inputs, STAPO's quantile)."""
+    """docs/performance.md: the metrics, their counts and the log-prob inputs' largest valid values come
+    back in one copy; at most 16 scalar reads per call guard the rare paths (clamps, non-finite
+    inputs, STAPO's quantile)."""
     logp, old, adv, mask, kwargs = loss_inputs(combo, True)
     with HostTransfers() as rec:
         _, _, metrics = loss_and_grad(logp, old, adv, mask, kwargs, device)
-    # the copy: the metrics, the loss and, on a GPU, the largest valid value of each log-prob input
+    # the copy: the metrics, the counts of those that are means (``LossMetrics.counts``), the loss
+    # and, on a GPU, the largest valid value of each log-prob input
     # given and the negated lowest of each but logp (``policy._zeroed_log_probs``), and the entropy's
     # lowest when one is given; on the CPU those are checked before, by aminmax reads
     given = ["logp", "old_logp", *(k for k in kwargs if k in LOG_PROBS and kwargs[k] is not None)]
     bounds = sum(1 if name == "logp" else 2 for name in given) + (kwargs.get("entropy") is not None)
-    largest = len(metrics) + 1 + (bounds if device.type == "cuda" else 0)
+    largest = len(metrics) + len(metrics.counts) + 1 + (bounds if device.type == "cuda" else 0)
     check_transfers(rec, device, largest=largest, scalars=16, copies=1, name=f"policy_loss {'+'.join(combo)}")
 
 

@@ -75,6 +75,42 @@ def test_entropy_bonus_gradient_in_the_learner_equals_a_full_softmax_computation
     assert any(not torch.allclose(a, q.grad, atol=1e-6) for a, q in zip(ours, plain.params))
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("terms", [[], ["loss.kl_coef=0.1", "loss.rollout_correction=mis", "loss.rollout_cap=1.3"],
+                                   ["loss.sapo.enabled=true", "loss.entropy_bonus.enabled=true",
+                                    "loss.entropy_bonus.coef=0.1", "loss.mask_truncated.enabled=true"],
+                                   ["loss.gspo.enabled=true"], ["loss.geo_mean.enabled=true"]])
+def test_micro_batched_metrics_equal_the_whole_batchs(setup, agg, terms):
+    """Learner.accumulate over two micro-batches logs the metrics of one pass over the whole
+    mini-batch: each micro-batch's mean is weighted by the tokens or responses it is over (a
+    row-weighted clip fraction under a seq-mean aggregation would differ), the loss by agg_count,
+    whose sum is the whole batch's."""
+    task, tok = setup
+    model = tiny_model(tok, SMALL, seed=0)
+    sampled = rollout(task, tok, model, max_new_tokens=5)
+    sampled.stopped = torch.tensor([True, True, False] * 4)
+    learner = Learner(model, config(f"loss.agg={agg}", "loss.clip_high=0.28", *terms))
+    batch = Batch.from_rollout(sampled, torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    rows = torch.arange(batch.size)
+    with torch.no_grad():
+        old = learner.old_statistics(batch, [rows], fused=False)[0]
+    # ratios away from 1 (clip fractions, KLs and the MIS drop are nonzero), uneven lengths per chunk
+    noisy = lambda x: x + 0.5 * torch.randn(x.shape, generator=g) * batch.mask  # noqa: E731
+    old = dataclasses.replace(old, logp=noisy(old.logp).clamp(max=0.0))
+    batch = dataclasses.replace(batch, rollout_logp=noisy(batch.rollout_logp).clamp(max=0.0))
+    ref = noisy(old.logp).clamp(max=0.0)
+    adv = torch.randn(batch.size, batch.mask.shape[1], generator=g) * batch.mask
+    whole = learner.accumulate(batch, [rows], [None], old, adv, ref, None)
+    learner.optimizer.zero_grad(set_to_none=True)
+    parts = learner.accumulate(batch, [rows[:5], rows[5:]], [None, None], old, adv, ref, None)
+    assert parts.keys() == whole.keys()
+    if not terms:                                                  # the clip binds somewhere
+        assert whole["clip_frac_low"] + whole["clip_frac_high"] > 0
+    for key, value in whole.items():
+        assert parts[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
 def test_truncated_rows_reach_the_loss(setup):
     task, tok = setup
     model = tiny_model(tok, SMALL, seed=0)

@@ -297,8 +297,9 @@ class Learner:
         their aggregation counts): the mini-batch's exact gradient. ``live``: each chunk's
         statistics with grad when the old-statistics forward already made them. With ``halves``
         (the first row of the second half of the groups, a chunk boundary) the two halves'
-        gradients also feed the noise scale. Returns the count-weighted loss metrics."""
-        weighted, total, first_half = {}, 0.0, None
+        gradients also feed the noise scale. Returns the loss metrics of the mini-batch: each micro-batch's
+        weighted by the count its mean is over (``LossMetrics.counts``), else by its aggregation count."""
+        weighted, weights, total, first_half = {}, {}, 0.0, None
         for rows, stats in zip(chunks, live):
             stats = stats if stats is not None else statistics(self.model, batch, rows, self.cfg, self.precision)
             try:
@@ -313,7 +314,8 @@ class Learner:
             scaled = loss * count
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             for k, v in {**metrics, "loss": float(loss.detach())}.items():
-                weighted[k] = weighted.get(k, 0.0) + v * count
+                weight = metrics.counts.get(k, count) if len(chunks) > 1 else 1.0
+                weighted[k], weights[k] = weighted.get(k, 0.0) + v * weight, weights.get(k, 0.0) + weight
             total += count
             if halves is not None and int(rows[-1]) + 1 == halves:
                 first_half = ([None if p.grad is None else p.grad.detach().clone() for p in self.params], total)
@@ -323,7 +325,7 @@ class Learner:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(total)
-        out = {k: v / total for k, v in weighted.items()}
+        out = {k: v / weights[k] if weights[k] > 0 else 0.0 for k, v in weighted.items()}
         return {**out, "agg_count": total} if len(chunks) > 1 else out   # Σ_i count_i: the mini-batch's
 
     def observe_noise(self, first: list, count_a: float, total: float, group: Tensor, halves: int) -> None:

@@ -37,8 +37,8 @@ def cispo(state: LossState, options: CispoOptions) -> LossState:
     with torch.no_grad():
         ratio = clamp_log_ratio(state.log_ratio).exp()
         weight = ratio.clamp(1.0 - bounds.clip_low, 1.0 + bounds.high)
-        n_keep = state.keep.sum().to(ratio.dtype).clamp(min=1)
-        metrics = {"clip_frac_low": (ratio < 1.0 - bounds.clip_low).logical_and_(state.keep).sum() / n_keep,
-                   "clip_frac_high": (ratio > 1.0 + bounds.high).logical_and_(state.keep).sum() / n_keep}
+        n_keep = state.keep.sum()
+        metrics = {"clip_frac_low": ((ratio < 1.0 - bounds.clip_low).logical_and_(state.keep).sum(), n_keep),
+                   "clip_frac_high": ((ratio > 1.0 + bounds.high).logical_and_(state.keep).sum(), n_keep)}
     token_loss = (weight * state.advantages).neg_() * state.score_logp()
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(**metrics)

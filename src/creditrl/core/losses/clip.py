@@ -70,10 +70,10 @@ def clipped_surrogate(state: LossState, options: ClipOptions) -> tuple[Tensor, T
 def clip_fractions(state: LossState, ratio: Tensor, lo: Tensor, hi: Tensor) -> dict[str, Tensor]:
     """``clip_frac_low`` (A < 0, r < 1 − ε_low) and ``clip_frac_high`` (A > 0, r > 1 + ε_high) as
     fractions of the kept tokens: where the clip binds and the token passes no gradient."""
-    n_keep = state.keep.sum().to(ratio.dtype).clamp(min=1)
+    n_keep = state.keep.sum()
     low = torch.lt(ratio, lo).logical_and_(state.keep)
     high = torch.gt(ratio, torch.where(state.advantages > 0, hi, math.inf)).logical_and_(state.keep)
-    return {"clip_frac_low": low.sum() / n_keep, "clip_frac_high": high.sum() / n_keep}
+    return {"clip_frac_low": (low.sum(), n_keep), "clip_frac_high": (high.sum(), n_keep)}
 
 
 def weighted(state: LossState, token_loss: Tensor) -> Tensor:

@@ -51,12 +51,14 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def ppl_gap(logp: Tensor, other_logp: Tensor, mask: Tensor) -> Tensor:
     """OTB eq. 68: mean over responses (with a valid token) of |mean_t logp − mean_t other_logp|."""
-    return ppl_gap_of_rows(masked_mean(logp - other_logp, mask, dim=1), mask.any(dim=1))
+    total, responses = ppl_gap_of_rows(masked_mean(logp - other_logp, mask, dim=1), mask.any(dim=1))
+    return total / responses.clamp(min=1)
 
 
-def ppl_gap_of_rows(row_mean_log_ratio: Tensor, has_tokens: Tensor) -> Tensor:
-    """OTB eq. 68 from each response's mean log-ratio [B] (``policy_loss`` has it at hand)."""
-    return masked_mean(row_mean_log_ratio.abs(), has_tokens)
+def ppl_gap_of_rows(row_mean_log_ratio: Tensor, has_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """OTB eq. 68 from each response's mean log-ratio [B] (``policy_loss`` has it at hand), as the
+    sum over the responses with tokens and their count (ppl_gap = sum / count, 0 without any)."""
+    return torch.where(has_tokens, row_mean_log_ratio.abs(), 0.0).sum(), has_tokens.sum()
 
 
 def power_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:

@@ -66,9 +66,9 @@ def dppo_loss(state: LossState, region: Callable[..., Tensor]) -> LossState:
         inside = region(state.logp.detach(), state.old_logp, adv, bounds)
         coef = clamp_log_ratio(state.log_ratio).exp().clamp_(max=cap).mul_(inside).mul_(adv)
         outside = (~inside).logical_and_(state.keep)
-        n_keep = state.keep.sum().to(coef.dtype).clamp(min=1)
-        metrics = {"clip_frac_high": outside.logical_and(adv > 0).sum() / n_keep,
-                   "clip_frac_low": outside.logical_and_(adv < 0).sum() / n_keep}
+        n_keep = state.keep.sum()
+        metrics = {"clip_frac_high": (outside.logical_and(adv > 0).sum(), n_keep),
+                   "clip_frac_low": (outside.logical_and_(adv < 0).sum(), n_keep)}
     token_loss = coef.neg_() * state.score_logp()
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(**metrics)
 

@@ -92,10 +92,10 @@ def entropy_bonus(state: LossState, options: EntropyBonusOptions) -> LossState:
     keep_f = state.keep_f
     with torch.no_grad():
         check_finite_where("entropy", state.entropy.detach(), state.valid)
-        mean = (state.entropy.detach() * keep_f).sum() / keep_f.sum().clamp(min=1)
+        total, kept = (state.entropy.detach() * keep_f).sum(), state.keep.sum()
     if options.coef != 0:
         state = state.add_token_loss(-options.coef * state.entropy)
-    return state.with_metrics(entropy_bonus_coef=mean.new_tensor(options.coef), bonus_entropy=mean)
+    return state.with_metrics(entropy_bonus_coef=total.new_tensor(options.coef), bonus_entropy=(total, kept))
 
 
 @dataclass(frozen=True)
@@ -122,4 +122,4 @@ def top_entropy(state: LossState, options: TopEntropyOptions) -> LossState:
     threshold = pool_quantile(entropy, state.keep, 1.0 - options.quantile)
     high = state.keep.clone() if threshold is None else torch.ge(entropy, threshold).logical_and_(state.keep)
     state = state.scaled(high.to(state.valid_f.dtype))
-    return state.with_metrics(high_entropy_frac=high.sum() / state.n_valid)
+    return state.with_metrics(high_entropy_frac=(high.sum(), state.valid.sum()))

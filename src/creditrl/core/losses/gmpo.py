@@ -53,7 +53,7 @@ def geo_mean(state: LossState, options: GeoMeanOptions) -> LossState:
     adv_mean = adv.squeeze(1) * (rows > 0) if adv.shape[1] == 1 else (adv * keep_f).sum(dim=1) / n
     row_loss = -adv_mean * log_mean.exp()
     with torch.no_grad():
-        n_keep = rows.sum().clamp(min=1)
-        metrics = {"clip_frac_low": ((z < -bounds.clip_low) * negative * keep_f).sum() / n_keep,
-                   "clip_frac_high": ((z > bounds.high) * positive * keep_f).sum() / n_keep}
+        n_keep = rows.sum()
+        metrics = {"clip_frac_low": (((z < -bounds.clip_low) * negative * keep_f).sum(), n_keep),
+                   "clip_frac_high": (((z > bounds.high) * positive * keep_f).sum(), n_keep)}
     return dataclasses.replace(state, token_loss=row_loss[:, None] * state.valid_f).with_metrics(**metrics)

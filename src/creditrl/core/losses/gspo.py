@@ -44,6 +44,6 @@ def gspo(state: LossState, options: GspoOptions) -> LossState:
     route = z - z.detach() + seq                     # off valid its value is seq, finite: only its gradient is read
     log_ratio = route.clamp(max=GSPO_MAX_LOG_RATIO) * state.valid_f
     has = (rows > 0).to(seq.dtype)
-    metric = (seq.abs() * has).sum() / has.sum().clamp(min=1)
+    metric = (seq.abs() * has).sum(), has.sum()
     return dataclasses.replace(state, log_ratio=log_ratio, score_route=(log_ratio, route)).with_metrics(
         seq_log_ratio_abs=metric)

@@ -56,7 +56,17 @@ LOG_PROBS = ("logp", "old_logp", "ref_logp", "rollout_logp")   # each <= 0, with
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
                "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
 
-__all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "PolicyLoss"]
+__all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "LossMetrics", "PolicyLoss"]
+
+
+class LossMetrics(dict):
+    """A loss's metrics, name -> float, and ``counts``: name -> how many items (tokens, responses)
+    a metric is the mean over, for those a term gave as (total, count) (``LossState.with_metrics``).
+    Gradient accumulation weights a micro-batch's metric by its count, the others by ``agg_count``."""
+
+    def __init__(self, values=(), counts: dict[str, float] | None = None):
+        super().__init__(values)
+        self.counts = counts or {}
 
 
 class PolicyLoss:
@@ -117,7 +127,7 @@ class PolicyLoss:
     def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                  ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
                  entropy: Tensor | None = None, truncated: Tensor | None = None,
-                 weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                 weights: Tensor | None = None) -> tuple[Tensor, LossMetrics]:
         """logp: [B,T] current log π_θ(y_t) (with grad); old_logp, ref_logp, rollout_logp: [B,T]
         log-probs of the policy of the ratios' denominator, the frozen reference and the
         sampler; advantages: [B] or [B,T]; mask: [B,T] valid response tokens; entropy: [B,T]
@@ -128,7 +138,8 @@ class PolicyLoss:
 
         Returns (scalar loss, metrics); the gradient reaches ``logp`` only, and ``entropy`` under
         an entropy bonus (an empty batch, B = 0 or T = 0, gives loss 0 with zero gradients and
-        every metric 0.0). Metrics are Python floats, 0.0 when not applicable: clip fractions over
+        every metric 0.0). Metrics (``LossMetrics``: with the count each mean is over) are Python
+        floats, 0.0 when not applicable: clip fractions over
         kept tokens; approx_kl (k3, KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3,
         KL(π_rollout‖π_old)), adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs
         rollout); is_masked_frac, spurious_ratio, kept_frac as fractions of valid tokens;
@@ -148,7 +159,7 @@ class PolicyLoss:
                 for name, x in given.items()}
         if logp_in.numel() == 0:      # B = 0 or T = 0: loss 0, still attached (zero gradients), metrics 0
             token_advantages(advantages, logp_in)                           # validated all the same
-            return logp_in.sum() * 0.0, dict.fromkeys(METRIC_KEYS, 0.0)
+            return logp_in.sum() * 0.0, LossMetrics(dict.fromkeys(METRIC_KEYS, 0.0))
         initial, token_adv, highest = _initial_state(data, advantages, valid)
         if data["entropy"] is not None:          # how far below 0 it goes, read with the metrics
             highest["entropy"] = -torch.where(valid, data["entropy"].detach(), 0.0).amin()   # masked garbage ignored
@@ -243,15 +254,15 @@ def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Te
     n_valid = row_tokens.sum().clamp(min=1)
     adv, token_adv = _advantages(advantages, logp, valid, valid_f, row_tokens)
     with torch.no_grad():
-        adv_abs_mean = (adv.abs() * (row_tokens[:, None] if adv.shape[1] == 1 else valid_f)).sum() / n_valid
+        adv_abs_sum = (adv.abs() * (row_tokens[:, None] if adv.shape[1] == 1 else valid_f)).sum()
     zeroed, highest = _zeroed_log_probs(data, valid, valid_f)
     zeroed.update({name: None if x is None else zero_off_mask(x, valid, valid_f)
                    for name, x in data.items() if name not in LOG_PROBS})
     state = LossState(logp=zeroed["logp"], old_logp=zeroed["old_logp"], advantages=adv, valid=valid,
                       valid_f=valid_f, keep=valid, row_tokens=row_tokens, n_valid=n_valid,
                       ref_logp=zeroed["ref_logp"], rollout_logp=zeroed["rollout_logp"], entropy=zeroed["entropy"],
-                      metrics={**dict.fromkeys(METRIC_KEYS, logp.new_zeros(())), "adv_abs_mean": adv_abs_mean})
-    return state, token_adv, highest
+                      metrics=dict.fromkeys(METRIC_KEYS, logp.new_zeros(())))
+    return state.with_metrics(adv_abs_mean=(adv_abs_sum, valid.sum())), token_adv, highest
 
 
 def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Tensor
@@ -350,22 +361,24 @@ def _surrogate_inputs(state: LossState) -> LossState:
     logp = state.logp if state.keep is state.valid else gradient_where(state.keep, state.logp)
     log_ratio = logp - state.old_logp
     with torch.no_grad():
-        approx_kl = kl_estimate(log_ratio.detach(), "k3").sum() / state.n_valid
+        approx_kl = kl_estimate(log_ratio.detach(), "k3").sum(), state.valid.sum()
     return dataclasses.replace(state, logp=logp, log_ratio=log_ratio).with_metrics(approx_kl=approx_kl)
 
 
 def _finish(state: LossState, inputs: dict[str, Tensor | None], highest: dict[str, Tensor], locate
-            ) -> tuple[Tensor, dict[str, float]]:
+            ) -> tuple[Tensor, LossMetrics]:
     """(loss, metrics as floats): one device→host copy, which also brings the log-prob inputs'
     largest valid values still to be checked; a non-finite result names its input, or else the
     term that produced it (``locate()``)."""
     with torch.no_grad():
-        metrics = dict(state.metrics, kept_frac=state.keep.sum() / state.n_valid)
-        values = list(metrics.values()) + [state.loss.detach()] + list(highest.values())
+        state = state.with_metrics(kept_frac=(state.keep.sum(), state.valid.sum()))
+        metrics, counts = state.metrics, state.metric_counts
+        values = [*metrics.values(), *counts.values(), state.loss.detach(), *highest.values()]
         floats = torch.stack([torch.as_tensor(v, device=state.valid.device).to(torch.float64).reshape(())
                               for v in values]).tolist()
-    result = dict(zip(metrics, floats[:len(metrics)]))
-    for name, value in zip(highest, floats[len(metrics) + 1:]):
+    read = len(metrics) + len(counts)
+    result = LossMetrics(zip(metrics, floats), counts=dict(zip(counts, floats[len(metrics):read])))
+    for name, value in zip(highest, floats[read + 1:]):
         _check_log_probs(name, value)
     if not all(math.isfinite(v) for v in floats):
         _explain_non_finite(inputs, state.valid, result, locate)

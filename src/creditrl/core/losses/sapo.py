@@ -49,5 +49,5 @@ def sapo(state: LossState, options: SapoOptions) -> LossState:
     gate = torch.sigmoid(tau * (clamp_log_ratio(state.log_ratio).exp() - 1.0))
     token_loss = (gate * (4.0 / tau)).mul(adv).neg()
     with torch.no_grad():
-        slope = (4.0 * gate * (1.0 - gate) * state.keep_f).sum() / state.keep.sum().clamp(min=1)
+        slope = (4.0 * gate * (1.0 - gate) * state.keep_f).sum(), state.keep.sum()
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(gate_mean=slope)

@@ -164,5 +164,6 @@ def stapo(state: LossState, options: StapoOptions) -> LossState:
 
     Metric ``spurious_ratio``: silenced / valid tokens."""
     kept = silence_keep_mask(state.logp, state.entropy, state.advantages, state.valid, options)
-    spurious_ratio = (state.n_valid - kept.sum()) / state.n_valid
+    tokens = state.valid.sum()
+    spurious_ratio = tokens - kept.sum(), tokens
     return dataclasses.replace(state, keep=state.keep & kept).with_metrics(spurious_ratio=spurious_ratio)

@@ -81,6 +81,8 @@ class LossState:
     token_loss:  ℓ [B,T] (set by the "surrogate" stage);  loss: the scalar (set by "aggregate")
     flat:        flat term name -> its options (also of a term a chosen one replaces: ``flat["clip"]``)
     metrics:     name -> 0-d tensor (all copied to the host at once, at the end: no ``.item()``)
+    metric_counts: name -> 0-d tensor, how many items (tokens, responses) a metric is the mean over
+                 (``with_metrics``' pairs): what micro-batches weight it by
     """
 
     logp: Tensor
@@ -102,9 +104,21 @@ class LossState:
     loss: Tensor | None = None
     flat: Mapping[str, Any] = field(default_factory=dict)
     metrics: Mapping[str, Tensor] = field(default_factory=dict)
+    metric_counts: Mapping[str, Tensor] = field(default_factory=dict)
 
-    def with_metrics(self, **values: Tensor) -> LossState:
-        return dataclasses.replace(self, metrics={**self.metrics, **values})
+    def with_metrics(self, **values: Tensor | tuple[Tensor, Tensor]) -> LossState:
+        """Metrics as 0-d tensors, or as (total, count) pairs: the mean total / count over ``count``
+        items (tokens, responses; 0 where there are none), which gradient accumulation weights by
+        that count, so micro-batches average to the batch's mean. A plain value is weighted by the
+        aggregation's denominator (``agg_count``)."""
+        metrics, counts = dict(self.metrics), dict(self.metric_counts)
+        for name, value in values.items():
+            counts.pop(name, None)
+            if isinstance(value, tuple):
+                total, counts[name] = value
+                value = total / counts[name].clamp(min=1)
+            metrics[name] = value
+        return dataclasses.replace(self, metrics=metrics, metric_counts=counts)
 
     def scaled(self, factor: Tensor) -> LossState:
         """Multiply the surrogate's per-token ``weight`` by ``factor`` ([B,T] or [B,1])."""
