@@ -19,6 +19,7 @@ from creditrl import (AggregationOptions, ClipOptions, KLOptions, LossState, Pol
                       StapoOptions, TraceOptions, get_loss_term, list_loss_terms, policy_loss, register_loss_term)
 from creditrl.core.losses import METRIC_KEYS, STAGES, compose, resolve_loss_terms
 from creditrl.core.losses.clip import ratio_bounds
+from creditrl.core.losses.policy import _initial_state
 from creditrl.core.losses.terms import _REGISTRY
 from tolerances import EPS64, sum_rtol
 
@@ -539,3 +540,18 @@ def test_a_user_terms_options_are_typed_where_its_class_does_not_check(plugins, 
     with pytest.raises(ValueError, match=rf"^length_penalty.coef: expected float, got {re.escape(repr(coef))}"):
         policy_loss(logp, logp.detach(), torch.ones(2), torch.ones(2, 3),
                     terms=[{"path": f"{USER_TERM}", "coef": coef}])
+
+
+def test_a_metric_given_as_a_pair_is_its_mean_with_its_count():
+    """``LossState.with_metrics``: (total, count) -> total / count and the count (tensors or numbers;
+    0 where the count is 0); a plain value has no count; a tuple of another length is refused."""
+    logp, old, adv, mask, _ = batch(0)
+    data = {"logp": logp, "old_logp": old, "ref_logp": None, "rollout_logp": None, "entropy": None, "weights": None}
+    state = _initial_state(data, adv, mask)[0]
+    paired = state.with_metrics(a=(torch.tensor(3.0), torch.tensor(4)), b=(2.0, 0), c=torch.tensor(0.5))
+    assert float(paired.metrics["a"]) == 0.75 and int(paired.metric_counts["a"]) == 4
+    assert float(paired.metrics["b"]) == 0.0 and int(paired.metric_counts["b"]) == 0
+    assert float(paired.metrics["c"]) == 0.5 and "c" not in paired.metric_counts
+    assert "a" not in paired.with_metrics(a=torch.tensor(1.0)).metric_counts      # replaced by a plain value
+    with pytest.raises(TypeError, match=r"with_metrics: d: expected a 0-d tensor or a \(total, count\) pair"):
+        state.with_metrics(d=(1.0, 2.0, 3.0))

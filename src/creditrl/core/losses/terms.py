@@ -38,6 +38,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name, registered_entry
@@ -115,8 +116,12 @@ class LossState:
         for name, value in values.items():
             counts.pop(name, None)
             if isinstance(value, tuple):
-                total, counts[name] = value
-                value = total / counts[name].clamp(min=1)
+                if len(value) != 2:
+                    raise TypeError(f"with_metrics: {name}: expected a 0-d tensor or a (total, count) pair, "
+                                    f"got a tuple of {len(value)}")
+                total = torch.as_tensor(value[0], device=self.valid.device)
+                counts[name] = torch.as_tensor(value[1], device=total.device)
+                value = torch.where(counts[name] > 0, total / counts[name].clamp(min=1), 0.0)
             metrics[name] = value
         return dataclasses.replace(self, metrics=metrics, metric_counts=counts)
 
