@@ -113,7 +113,7 @@ def clip_cov(state: LossState, options: ClipCovOptions) -> LossState:
         candidates = state.keep & unclipped & (cov > options.clip_cov_lb) & (cov < options.clip_cov_ub)
         n_keep = int(state.keep.sum())
         chosen = random_subset(candidates, selected_count(options.clip_cov_ratio, n_keep))
-        metrics = {**clip_fractions(state, ratio, lo, hi), "cov_selected_frac": (chosen.sum(), state.keep.sum())}
+        metrics = {**clip_fractions(state, ratio, lo, hi), "cov_selected_frac": (chosen.sum(), n_keep)}
     token_loss = token_loss * (~chosen).to(token_loss.dtype)
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(**metrics)
 
@@ -127,5 +127,5 @@ def kl_cov(state: LossState, options: KLCovOptions) -> LossState:
     chosen = largest(token_covariance(state), state.keep, selected_count(options.kl_cov_ratio, n_keep))
     ratio = clamp_log_ratio(state.log_ratio).exp()
     token_loss = -state.advantages * ratio + options.ppo_kl_coef * state.log_ratio.abs() * chosen
-    metrics = {"cov_selected_frac": (chosen.sum(), state.keep.sum())}
+    metrics = {"cov_selected_frac": (chosen.sum(), n_keep)}
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(**metrics)

@@ -122,4 +122,4 @@ def top_entropy(state: LossState, options: TopEntropyOptions) -> LossState:
     threshold = pool_quantile(entropy, state.keep, 1.0 - options.quantile)
     high = state.keep.clone() if threshold is None else torch.ge(entropy, threshold).logical_and_(state.keep)
     state = state.scaled(high.to(state.valid_f.dtype))
-    return state.with_metrics(high_entropy_frac=(high.sum(), state.valid.sum()))
+    return state.with_metrics(high_entropy_frac=(high.sum(), state.n_tokens))

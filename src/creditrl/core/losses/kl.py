@@ -81,9 +81,9 @@ def kl(state: LossState, options: KLOptions) -> LossState:
         return state
     if options.kl_coef > 0:
         penalty = kl_penalty(state, options)
-        ref_kl = penalty.detach().sum(), state.valid.sum()
+        ref_kl = penalty.detach().sum(), state.n_tokens
         state = state.add_token_loss(options.kl_coef * penalty)
     else:
         with torch.no_grad():
-            ref_kl = kl_penalty(state, options).sum(), state.valid.sum()
+            ref_kl = kl_penalty(state, options).sum(), state.n_tokens
     return state.with_metrics(ref_kl=ref_kl)

@@ -262,7 +262,7 @@ def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Te
                       valid_f=valid_f, keep=valid, row_tokens=row_tokens, n_valid=n_valid,
                       ref_logp=zeroed["ref_logp"], rollout_logp=zeroed["rollout_logp"], entropy=zeroed["entropy"],
                       metrics=dict.fromkeys(METRIC_KEYS, logp.new_zeros(())))
-    return state.with_metrics(adv_abs_mean=(adv_abs_sum, valid.sum())), token_adv, highest
+    return state.with_metrics(adv_abs_mean=(adv_abs_sum, row_tokens.sum())), token_adv, highest
 
 
 def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Tensor
@@ -361,7 +361,7 @@ def _surrogate_inputs(state: LossState) -> LossState:
     logp = state.logp if state.keep is state.valid else gradient_where(state.keep, state.logp)
     log_ratio = logp - state.old_logp
     with torch.no_grad():
-        approx_kl = kl_estimate(log_ratio.detach(), "k3").sum(), state.valid.sum()
+        approx_kl = kl_estimate(log_ratio.detach(), "k3").sum(), state.n_tokens
     return dataclasses.replace(state, logp=logp, log_ratio=log_ratio).with_metrics(approx_kl=approx_kl)
 
 
@@ -371,7 +371,7 @@ def _finish(state: LossState, inputs: dict[str, Tensor | None], highest: dict[st
     largest valid values still to be checked; a non-finite result names its input, or else the
     term that produced it (``locate()``)."""
     with torch.no_grad():
-        state = state.with_metrics(kept_frac=(state.keep.sum(), state.valid.sum()))
+        state = state.with_metrics(kept_frac=(state.keep.sum(), state.n_tokens))
         metrics, counts = state.metrics, state.metric_counts
         values = [*metrics.values(), *counts.values(), state.loss.detach(), *highest.values()]
         floats = torch.stack([torch.as_tensor(v, device=state.valid.device).to(torch.float64).reshape(())

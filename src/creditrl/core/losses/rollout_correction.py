@@ -49,7 +49,7 @@ def rollout_correction(state: LossState, options: RolloutCorrectionOptions) -> L
         log_rho = state.old_logp - state.rollout_logp             # 0 off the mask
         row_log_rho = log_rho.sum(dim=1) / state.row_tokens.clamp(min=1)
         metrics = {"ppl_gap": ppl_gap_of_rows(row_log_rho, state.row_tokens > 0),           # OTB eq. 68
-                   "mismatch_kl": (kl_estimate(log_rho, "k3").sum(), state.valid.sum())}
+                   "mismatch_kl": (kl_estimate(log_rho, "k3").sum(), state.n_tokens)}
         mode = options.rollout_correction
         if mode in ("seq-tis", "seq-mis"):
             log_rho = row_log_rho[:, None]
@@ -57,7 +57,7 @@ def rollout_correction(state: LossState, options: RolloutCorrectionOptions) -> L
         if mode in ("mis", "seq-mis"):
             dropped = log_rho.abs() > math.log(options.rollout_cap)
             weight = state.valid if dropped.shape[1] > 1 else state.row_tokens[:, None]
-            metrics["is_masked_frac"] = (dropped * weight).sum(), state.valid.sum()
+            metrics["is_masked_frac"] = (dropped * weight).sum(), state.n_tokens
     if mode in ("tis", "seq-tis"):
         state = state.scaled(log_rho.exp().clamp_(max=options.rollout_cap))
     elif mode in ("mis", "seq-mis"):

@@ -164,6 +164,6 @@ def stapo(state: LossState, options: StapoOptions) -> LossState:
 
     Metric ``spurious_ratio``: silenced / valid tokens."""
     kept = silence_keep_mask(state.logp, state.entropy, state.advantages, state.valid, options)
-    tokens = state.valid.sum()
+    tokens = state.n_tokens
     spurious_ratio = tokens - kept.sum(), tokens
     return dataclasses.replace(state, keep=state.keep & kept).with_metrics(spurious_ratio=spurious_ratio)

@@ -134,6 +134,12 @@ class LossState:
         return dataclasses.replace(self, token_loss=self.token_loss + extra)
 
     @property
+    def n_tokens(self) -> Tensor:
+        """0-d, the valid tokens (Σ row_tokens, 0 when none): the count of a metric over them
+        (``with_metrics``), from the [B] row counts rather than a pass over ``valid``."""
+        return self.row_tokens.sum()
+
+    @property
     def keep_f(self) -> Tensor:
         """``keep`` as 0/1 in the compute dtype (``valid_f`` itself while nothing is dropped)."""
         return self.valid_f if self.keep is self.valid else self.keep.to(self.valid_f.dtype)

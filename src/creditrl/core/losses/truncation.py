@@ -29,5 +29,5 @@ def mask_truncated(state: LossState, options: MaskTruncatedOptions) -> LossState
 
     Metric ``truncated_masked_frac``: tokens of truncated responses / valid tokens."""
     cut = state.truncated[:, None] & state.valid
-    frac = cut.sum(), state.valid.sum()
+    frac = cut.sum(), state.n_tokens
     return dataclasses.replace(state, keep=state.keep & ~cut).with_metrics(truncated_masked_frac=frac)
