@@ -370,6 +370,36 @@ def test_gdpo_components_that_cancel_give_zero_not_an_amplified_residue():
         assert torch.equal(adv, torch.zeros(9, 2))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=6, max_size=12), st.floats(0.1, 10.0), st.floats(0.1, 10.0),
+       st.floats(-5.0, 5.0), st.floats(-5.0, 5.0))
+def test_gdpo_components_that_cancel_after_float32_rounding_give_zero(values, scale, mirror, shift, offset):
+    """Mirrored components (z_2 = -z_1 in exact arithmetic: a z-score ignores a positive scale and a
+    shift) each scaled and shifted in float32: the
+    products' rounding leaves S ~ 1e-7 in every response, which dividing by its own batch spread would
+    turn into O(1) advantages; it is within float32 rounding of 0, so A = 0 exactly."""
+    batch = batch_from(values)
+    r = batch["rewards"]
+    components = torch.stack([r * scale + shift, r * -mirror + offset], 1)         # float32 products
+    adv = compute_advantages("gdpo", **{**batch, "rewards": components.sum(1)}, components=components, eps=1e-9)
+    assert torch.equal(adv, torch.zeros_like(adv))
+
+
+def test_gdpo_keeps_a_small_signal_beyond_float32_rounding():
+    """Mirrored components with one value moved by 1e-3 (1,000x float32 rounding of the values) in a group
+    of three distinct values (so its z-scores change): the signal S ~ 1e-3 is kept and scaled as the loop does."""
+    r = torch.tensor([1.0, 0.0, 2.0, 3.0, 1.0, 4.0, 3.0, 4.0, 0.0])
+    components = torch.stack([r, -r], 1)
+    components[4, 1] += 1e-3
+    group = torch.arange(9) // 3
+    adv = compute_advantages("gdpo", rewards=components.sum(1), mask=torch.ones(9, 2), group=group,
+                             components=components, eps=1e-9)
+    expected = torch.tensor(loop_gdpo(components.double(), [1.0, 1.0], group, 1e-9), dtype=torch.float64)
+    assert float(expected.abs().max()) > 1.0                     # the moved group's responses carry O(1) advantages
+    torch.testing.assert_close(adv[:, 0].double(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.equal(adv[:, 1], adv[:, 0])
+
+
 def test_degenerate_batches_give_zero_not_nan():
     batch = dict(rewards=torch.ones(6), mask=torch.ones(6, 3), group=torch.arange(6) // 3)
     for name in NEW:

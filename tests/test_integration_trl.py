@@ -600,6 +600,36 @@ def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_ene
             assert got[key] == pytest.approx(value, rel=sum_rtol(rows * steps), abs=EPS32)
 
 
+def test_rollout_metrics_of_every_small_shape_stay_under_dynamos_recompile_limit(monkeypatch):
+    """Through ``torch.compile`` (a GPU, or where the standalone graphs do not apply) the energy's sums
+    of batches with B and T in {0, 1, more} keep under dynamo's recompile limit, so a later shape still
+    runs compiled: empty batches take no graph (dynamo specialises sizes 0 and 1 on each axis, and
+    those nine shapes alone went past the limit of 8). Values: a float64 loop's."""
+    import creditrl.utils.fused as fused_module
+    from creditrl.integrations.trl import rollout_metrics
+    monkeypatch.setattr(fused_module, "signature", lambda args: None)        # every call through torch.compile
+    rollout_metrics(torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool))
+    if fused_module._EAGER_REASON:
+        pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]})")
+    torch._dynamo.reset()
+    given_up = []                      # where a compile fails, ``fused`` gives up compiling: here, for this test only
+    monkeypatch.setattr(fused_module, "_EAGER_REASON", given_up)
+    g = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=8):
+        for rows, steps in [(b, t) for b in (0, 1, 2) for t in (0, 1, 3)] + [(5, 7), (6, 11)]:
+            mask = torch.rand(rows, steps, generator=g) < 0.6
+            advantages = torch.where(mask, torch.randn(rows, steps, generator=g), 0.0)
+            energy = torch.where(mask, torch.rand(rows, steps, generator=g), 0.0)
+            got = rollout_metrics(advantages, energy, mask)
+            tokens = max(int(mask.sum()), 1)
+            a, w = advantages.double(), energy.double()
+            assert got["advantage_abs_mean"] == pytest.approx(float(a.abs().sum()) / tokens, rel=sum_rtol(rows * steps))
+            assert got["energy_mean"] == pytest.approx(float(w.sum()) / tokens, rel=sum_rtol(rows * steps))
+            assert got["power_proxy"] == pytest.approx(float((a * a * w).sum()) / max(rows, 1),
+                                                       rel=sum_rtol(rows * steps), abs=EPS32)
+    assert not given_up
+
+
 @pytest.mark.parametrize("name, options", [("grpo", {}), ("pkpo", {"k": 2}), ("maxk_bon", {"k": 2}), ("shrinkage", {})])
 def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
     """A row no reward function scored goes through the estimator with no valid token (advantage 0,

@@ -433,14 +433,15 @@ class CreditGRPOTrainer(GRPOTrainer):
         # the previous batch's tensors are dead now: freed before this batch's [B,T] advantages are
         # allocated, so the allocator reuses their memory instead of faulting in fresh pages
         self.last_rollout = {"components": components}
-        advantages, per_row, counts = self._estimate(rewards, all_mask, group, scorable, estimator_energy, components)
+        advantages, per_row, counts = self._estimate(rewards, all_mask, group, scorable, estimator_energy, components,
+                                                     count=everything)
         local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
         advantages = advantages[local, :steps]
         if per_row is not None:
             # rows not scorable are in the estimator with no valid token: their advantages are 0,
             # whatever value the estimator gave them, and the local mask's counts are the ones to use
             per_row = per_row[local] if everything else torch.where(scorable[local], per_row[local], 0.0)
-        counts = counts[local] if counts is not None and everything else None
+        counts = None if counts is None else counts[local]
         logged = self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, per_row, counts))
         if mode == "train":
             self._watch_reward_signal(logged["advantage_abs_mean"], scorable, all_mask)
@@ -449,9 +450,9 @@ class CreditGRPOTrainer(GRPOTrainer):
         return advantages
 
     def _estimate(self, rewards: Tensor, mask: Tensor, group: Tensor, scored: Tensor, energy: Tensor | None,
-                  components: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  components: Tensor | None, count: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(``compute_advantages`` [B_all, T], the per-row values [B_all] of an estimator that gives one
-        per row, else None, and the valid tokens per row of ``mask`` when every row was estimated),
+        per row, else None, and with ``count`` the valid tokens per row of ``mask`` when every row was estimated),
         with the reward functions as gdpo's components; under dynamic sampling only on the kept rows
         (a batch-level estimator's statistics are the kept groups'; the others get 0)."""
         rows = torch.nonzero(scored).flatten() if self.args.dynamic_sampling else None
@@ -461,7 +462,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             out, batch = estimator_output(self.estimator, rewards=rewards, mask=mask, group=group, energy=energy,
                                           **parts, **self.estimator_kwargs)
             # the mask is the hook's own (.bool(), &): its bytes are 0/1
-            counts = bool_row_counts(mask)
+            counts = bool_row_counts(mask) if count else None
             return batch.on_tokens(out, last_use=True), (out if out.dim() == 1 else None), counts
         advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         per_row = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)
@@ -641,7 +642,10 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
         if energy is None:
             stats.append(torch.abs(advantages).sum())
         else:
-            sums = _energy_sums(advantages.detach().contiguous(), energy.detach().to(advantages.dtype).contiguous())
+            # an empty batch sums to 0 without a graph of its own: sizes 0 specialise a compiled trace, and
+            # with sizes 1 they would take dynamo past its recompile limit (later shapes then run eagerly)
+            sums = advantages.new_zeros(3) if advantages.numel() == 0 else \
+                _energy_sums(advantages.detach().contiguous(), energy.detach().to(advantages.dtype).contiguous())
             stats += [sums[0], sums[1], sums[2] / max(advantages.shape[0], 1)]
         values = torch.stack([x.to(torch.float64) for x in stats]).tolist()
     count = max(values[0], 1.0)

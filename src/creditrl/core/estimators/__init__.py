@@ -298,8 +298,9 @@ def check_total(batch: AdvantageBatch, name: str = "gdpo") -> None:
 
     The tolerance is the rounding of that sum in float32: K products and K - 1 additions, each
     within u = eps32/2 of the exact value relative to Σ_k |w_k C_ik| (Higham §4.2), so (K + 1)·eps32
-    of it; token rewards [B,T] add their own float32 row sum, T·eps32·Σ_t |r_t|. The sum is taken in
-    float64, whose rounding is 2^29 times smaller.
+    of it (plus (K + 1)·2^-149, float32's absolute rounding floor among subnormals); token rewards
+    [B,T] add their own float32 row sum, T·eps32·Σ_t |r_t|. The sum is taken in float64, whose
+    rounding is 2^29 times smaller.
 
     ``compute_advantages`` checks it for an estimator ``name`` that reads the components and not R
     (``reward_components``: gdpo; a wrong R would be ignored silently); verl's plug-in calls ``prepare``/``estimate`` without it, because verl's own
@@ -309,7 +310,8 @@ def check_total(batch: AdvantageBatch, name: str = "gdpo") -> None:
     given = ~torch.isnan(terms)
     total = torch.where(given, terms, 0.0).sum(1)
     scale = torch.where(given, terms.abs(), 0.0).sum(1)
-    tolerance = (components.shape[1] + 1) * torch.finfo(torch.float32).eps * scale
+    # and each rounding's absolute floor in float32's subnormal range, half its spacing 2^-149
+    tolerance = (components.shape[1] + 1) * (torch.finfo(torch.float32).eps * scale + 2.0 ** -149)
     if batch.token_rewards is not None:
         tolerance = tolerance + batch.token_rewards.shape[1] * torch.finfo(torch.float32).eps * \
             batch.token_rewards.abs().to(torch.float64).sum(1)

@@ -25,9 +25,11 @@ instead (token-weighted mean and variance, ``masked_whiten``), which weighs long
 is TRL's per-response form (the paper's).
 
 A batch without signal: when the weighted z-scores cancel in every response (components that mirror
-each other, S = 0 in exact arithmetic), what is left of S is the ``eps`` terms' residue, and dividing it
-by its own batch spread turns it into advantages of order 1 (TRL and verl do). Here the sum is checked
-on the z-scores without ``eps``: if it is 0 up to float64 rounding for every response, A = 0.
+each other, S = 0 in exact arithmetic), what is left of S is the ``eps`` terms' residue, or the
+components' own float32 rounding (a mirrored term scaled by 1.523 in float32 leaves S ~ 1e-7), and
+dividing it by its own batch spread turns it into advantages of order 1 (TRL and verl do). Here the
+sum is checked on the z-scores without ``eps``: if for every response it is 0 up to what a float32
+rounding of each component value could make of it (``cancels``; rewards are read as float32 too), A = 0.
 """
 from __future__ import annotations
 
@@ -42,28 +44,46 @@ from creditrl.utils.validate import check_positive_float32
 
 
 CANCELLED = 1e-10     # |S| below this times Σ|w| (1 + max|z|) is float64 rounding of a sum that is 0
+ROUNDING32 = 2.0 ** -24                # float32's unit roundoff: a value read as float32 is within it, relatively
+
+
+def _group_moments(components: Tensor, groups: GroupIndex) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(present [B,K], count [G,K], deviation from the group mean [B,K] (0 where absent), std [G,K], N-1)
+    of each component within its group, over the values present (NaN absent), float64."""
+    present = ~torch.isnan(components)
+    values = torch.where(present, components, 0.0)
+    count = groups.sum(present.to(torch.float64))                       # [G,K]
+    mean = groups.sum(values) / count.clamp(min=1)
+    dev = torch.where(present, groups.subtract(values, mean), 0.0)
+    return present, count, dev, (groups.sum(dev * dev) / (count - 1).clamp(min=1)).sqrt()
 
 
 def component_scores(components: Tensor, groups: GroupIndex, eps: float) -> Tensor:
     """z [B,K] float64: each component's z-score within its group over the values present (NaN
     absent), std + ``eps`` in the denominator (``eps = 0``: the exact z, 0 where the std is 0); 0
     where the value is absent or its group has fewer than 2 values of that component."""
-    present = ~torch.isnan(components)
-    values = torch.where(present, components, 0.0)
-    count = groups.sum(present.to(torch.float64))                       # [G,K]
-    mean = groups.sum(values) / count.clamp(min=1)
-    dev = torch.where(present, groups.subtract(values, mean), 0.0)
-    std = (groups.sum(dev * dev) / (count - 1).clamp(min=1)).sqrt()
+    present, count, dev, std = _group_moments(components, groups)
     informed = groups.gather((count >= 2) & (std + eps > 0)) & present
     return torch.where(informed, dev / (groups.gather(std) + eps).clamp(min=torch.finfo(torch.float64).tiny), 0.0)
 
 
 def cancels(components: Tensor, weights: Tensor, groups: GroupIndex) -> bool:
-    """Whether Σ_k w_k z_k with the exact z-scores is 0 (float64 rounding) for every response."""
-    exact = component_scores(components, groups, 0.0)
+    """Whether S = Σ_k w_k z_k with the exact z-scores is 0 for every response, up to float64 rounding and
+    to what a float32 rounding of each component value (relative u = 2^-24) could make of it.
+
+    That rounding moves c_i by u|c_i|, the group mean by at most u·r (r the group's rms |c|) and the std σ
+    by at most 2√2·u·r (n >= 2), so z_i by at most u (|c_i| + r + 2√2 |z_i| r) / σ to first order; the
+    bound on S takes twice that, weighted by |w_k|."""
+    present, count, dev, std = _group_moments(components, groups)
+    informed = groups.gather((count >= 2) & (std > 0)) & present
+    spread = groups.gather(std).clamp(min=torch.finfo(torch.float64).tiny)
+    exact = torch.where(informed, dev / spread, 0.0)
     total = exact @ weights
-    scale = weights.abs().sum() * (1 + exact.abs().max())
-    return bool((total.abs() <= CANCELLED * scale).all())
+    values = torch.where(present, components, 0.0)
+    rms = groups.gather((groups.sum(values * values) / count.clamp(min=1)).sqrt())
+    moved = torch.where(informed, ROUNDING32 * (values.abs() + rms * (1 + 2 * 2 ** 0.5 * exact.abs())) / spread, 0.0)
+    bound = 2 * moved @ weights.abs() + CANCELLED * weights.abs().sum() * (1 + exact.abs().max())
+    return bool((total.abs() <= bound).all())
 
 
 @register_estimator("gdpo", reward_components=True, batch_level=True)
