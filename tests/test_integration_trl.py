@@ -637,7 +637,8 @@ def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
     advantages' (counted over this process's mask, that row's tokens included)."""
     from types import MethodType, SimpleNamespace
     trainer = SimpleNamespace(estimator=name, estimator_kwargs=options, args=SimpleNamespace(dynamic_sampling=False),
-                              accelerator=SimpleNamespace(process_index=0), logged={})
+                              accelerator=SimpleNamespace(process_index=0, num_processes=1), logged={},
+                              needs_energy=get_estimator(name).needs_energy)
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
     trainer._watch_reward_signal = lambda *args: None
@@ -652,6 +653,42 @@ def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
     assert trainer.logged["advantage_abs_mean"] == pytest.approx(expected, rel=sum_rtol(40), abs=EPS32)
 
 
+@pytest.mark.parametrize("all_scorable", [True, False])
+@pytest.mark.parametrize("name", ["grpo", "otb"])
+def test_hook_advantages_of_the_second_of_two_processes(name, all_scorable):
+    """Process 1 of 2: the estimator runs on both processes' rows (gathered, process 0's completions
+    longer, so process 1's are zero-padded on the right), and the hook returns process 1's rows at its
+    own length: ``compute_advantages`` of the gathered batch, sliced; the logged Σ|A| / tokens counts
+    process 1's own mask (a row no reward scored gets A = 0)."""
+    from types import MethodType, SimpleNamespace
+    g = torch.Generator().manual_seed(2)
+    rows, steps, long = 4, 5, 7
+    trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, args=SimpleNamespace(dynamic_sampling=False),
+                              accelerator=SimpleNamespace(process_index=1, num_processes=2), logged={},
+                              needs_energy=get_estimator(name).needs_energy)
+    first = {torch.bool: torch.rand(rows, long, generator=g) < 0.8, torch.float32: torch.rand(rows, long, generator=g)}
+    first[torch.float32] = torch.where(first[torch.bool], first[torch.float32], 0.0)
+    trainer._gather_rows = lambda x: torch.cat([first[x.dtype], torch.nn.functional.pad(x, (0, long - steps))])
+    trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
+    trainer._watch_reward_signal = lambda *args: None
+    trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
+    mask = torch.rand(rows, steps, generator=g) < 0.7
+    mask[:, 0] = True
+    energy = torch.where(mask, torch.rand(rows, steps, generator=g), 0.0) if name == "otb" else None
+    group, rewards = torch.arange(2 * rows) // 4, torch.rand(2 * rows, generator=g)
+    scorable = torch.ones(2 * rows, dtype=torch.bool)
+    scorable[rows + 1] = all_scorable
+    got = CreditGRPOTrainer._advantages(trainer, "train", rewards, group, scorable, mask, energy)
+    all_mask = trainer._gather_rows(mask) & scorable[:, None]
+    all_energy = None if energy is None else trainer._gather_rows(energy)
+    expected = creditrl.compute_advantages(name, rewards=rewards, mask=all_mask, group=group, energy=all_energy)
+    assert torch.equal(got, expected[rows:, :steps])
+    if not all_scorable:
+        assert not got[1].any()
+    loop = sum(abs(float(got[i, t])) for i in range(rows) for t in range(steps) if mask[i, t]) / int(mask.sum())
+    assert trainer.logged["advantage_abs_mean"] == pytest.approx(loop, rel=sum_rtol(rows * steps), abs=EPS32)
+
+
 @pytest.mark.parametrize("dynamic_sampling", [False, True])
 @pytest.mark.parametrize("name", ["grpo", "rloo", "otb"])
 def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
@@ -660,8 +697,9 @@ def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
     bit for bit, and the logged Σ|A| / tokens counts the rows' valid tokens."""
     from types import MethodType, SimpleNamespace
     g = torch.Generator().manual_seed(1)
-    trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, accelerator=SimpleNamespace(process_index=0),
-                              args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={})
+    trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, accelerator=SimpleNamespace(process_index=0, num_processes=1),
+                              args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={},
+                              needs_energy=get_estimator(name).needs_energy)
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
     trainer._watch_reward_signal = lambda *args: None

@@ -244,7 +244,8 @@ class CreditGRPOTrainer(GRPOTrainer):
         self.estimator = self.args.advantage_estimator
         self.estimator_kwargs = self.args.estimator_kwargs()
         self.filter_signal = self._check_dynamic_sampling() if self.args.dynamic_sampling else None
-        self.wants_energy = get_estimator(self.estimator).needs_energy or self.args.log_energy_metrics
+        self.needs_energy = get_estimator(self.estimator).needs_energy
+        self.wants_energy = self.needs_energy or self.args.log_energy_metrics
         self.policy_loss = self.args.composed_loss()
         bonus = self.policy_loss.options_of("entropy_bonus")
         self.entropy_options = bonus if bonus is not None and bonus.adaptive else None
@@ -429,19 +430,22 @@ class CreditGRPOTrainer(GRPOTrainer):
         if not everything:
             all_mask = all_mask & scorable[:, None]
         all_energy = None if energy is None else self._gather_rows(energy)
-        estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
+        estimator_energy = all_energy if self.needs_energy else None
         # the previous batch's tensors are dead now: freed before this batch's [B,T] advantages are
         # allocated, so the allocator reuses their memory instead of faulting in fresh pages
         self.last_rollout = {"components": components}
         advantages, per_row, counts = self._estimate(rewards, all_mask, group, scorable, estimator_energy, components,
                                                      count=everything)
-        local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
-        advantages = advantages[local, :steps]
-        if per_row is not None:
+        local_scorable = scorable
+        if self.accelerator.num_processes > 1:          # this process's rows (views cost microseconds each)
+            local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
+            advantages, local_scorable = advantages[local, :steps], scorable[local]
+            per_row = None if per_row is None else per_row[local]
+            counts = None if counts is None else counts[local]
+        if per_row is not None and not everything:
             # rows not scorable are in the estimator with no valid token: their advantages are 0,
             # whatever value the estimator gave them, and the local mask's counts are the ones to use
-            per_row = per_row[local] if everything else torch.where(scorable[local], per_row[local], 0.0)
-        counts = None if counts is None else counts[local]
+            per_row = torch.where(local_scorable, per_row, 0.0)
         logged = self._log_creditrl(mode, rollout_metrics(advantages, energy, mask, per_row, counts))
         if mode == "train":
             self._watch_reward_signal(logged["advantage_abs_mean"], scorable, all_mask)
@@ -657,12 +661,19 @@ def rollout_metrics(advantages: Tensor, energy: Tensor | None, mask: Tensor, per
     return metrics
 
 
+NUMPY_DTYPES = (torch.float32, torch.float64, torch.int64)
+
+
 def _per_row_stats(per_row: Tensor, counts: Tensor, energy: Tensor | None) -> list[float]:
     """[Σ n_i, Σ |a_i| n_i] (and [Σ_i W_i, (1/B) Σ_i a_i² W_i], W_i = Σ_t w_t, with energies) in float64
     from the [B] columns, read in one host transfer and summed on the host: B values, where each
     of torch's small ops costs more than numpy's whole sum."""
     columns = [per_row, counts] + ([] if energy is None else [energy.sum(1)])
-    host = torch.stack([x.to(torch.float64) for x in columns]).cpu().numpy()
+    if per_row.device.type == "cpu":                # numpy reads them where they are: no stacked copy
+        host = [(x.detach() if x.dtype in NUMPY_DTYPES else x.detach().to(torch.float64)).numpy().astype(np.float64)
+                for x in columns]
+    else:
+        host = torch.stack([x.detach().to(torch.float64) for x in columns]).cpu().numpy()
     values, counts = host[0], host[1]
     stats = [counts.sum(), np.abs(values) @ counts]
     if energy is not None:

@@ -386,6 +386,8 @@ def get_estimator(name: str) -> EstimatorSpec:
     """The spec of a registered estimator, by name or by the import path ``"pkg.module:function"``
     of a function registered with ``register_estimator`` (importing the module registers it)."""
     import_submodules(BUILTINS)
+    if name in _REGISTRY:                       # the common case, without building the error text
+        return _REGISTRY[name]
     return registered_entry(
         _REGISTRY, name, what="estimator",
         unknown=f"name: unknown estimator {name!r}; valid estimators are {list_estimators()} or an import path "
