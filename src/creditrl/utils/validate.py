@@ -302,12 +302,10 @@ def bool_row_counts(mask: Tensor) -> Tensor:
 
     SWAR: each row's bytes are read as int64 words and summed in chunks of ``WORDS_PER_LANE_SUM``
     words, so each byte lane holds the count of its byte position (<= 128, no carry); the lanes'
-    bytes then sum to the count (into int32: that sum of [B, T/128] bytes took 41 us where the default
-    int64 one took 64; a float32 matrix-vector product, 21 us alone, was slower inside the TRL hook,
-    where BLAS's threads meet torch's). One integer pass over the B·T
-    bytes: at B = 1,024, T = 4,096 on the 2-core dev CPU 0.10 ms, where the float32 copy's row sums
-    take 0.24 (and a bool or uint8 sum 1.2-1.4). Rows that are not whole words (T % 8, odd strides
-    or offsets) sum a float32 copy."""
+    bytes then sum to the count, into int32 (41 us for those [B, T/128] bytes where the default int64
+    sum took 64). One integer pass over the B·T bytes: at B = 1,024, T = 4,096 on the 2-core dev CPU
+    0.10 ms, where the float32 copy's row sums take 0.24 (and a bool or uint8 sum 1.2-1.4). Rows that
+    are not whole words (T % 8, odd strides or offsets) sum a float32 copy."""
     rows, steps = mask.shape
     if steps % 8 or mask.stride(1) != 1 or mask.stride(0) != steps or mask.storage_offset() % 8:
         return float_mask(mask).sum(1).long()

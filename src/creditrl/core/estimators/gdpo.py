@@ -48,8 +48,8 @@ ROUNDING32 = 2.0 ** -24                # float32's unit roundoff: a value read a
 
 
 def _group_moments(components: Tensor, groups: GroupIndex) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(present [B,K], count [G,K], deviation from the group mean [B,K] (0 where absent), std [G,K], N-1)
-    of each component within its group, over the values present (NaN absent), float64."""
+    """Each component's statistics within its group over the values present (NaN absent), float64:
+    (present [B,K], count [G,K], deviation from the group mean [B,K] (0 where absent), std [G,K] (N-1))."""
     present = ~torch.isnan(components)
     values = torch.where(present, components, 0.0)
     count = groups.sum(present.to(torch.float64))                       # [G,K]
