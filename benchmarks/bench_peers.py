@@ -152,7 +152,6 @@ def trl_hook_call(name: str, inputs: dict):
     """``CreditGRPOTrainer._advantages`` on a trainer holding only what that method reads
     (one CPU process: TRL's gathers return the tensors as they are)."""
     from accelerate import Accelerator
-    from creditrl.core.estimators.registry import get_estimator
     from creditrl.integrations.trl import CreditGRPOTrainer
 
     threads = torch.get_num_threads()
@@ -160,7 +159,6 @@ def trl_hook_call(name: str, inputs: dict):
     trainer.accelerator = Accelerator(cpu=True)
     torch.set_num_threads(threads)
     trainer.estimator, trainer.estimator_kwargs = name, {}
-    trainer.needs_energy = get_estimator(name).needs_energy
     trainer.args = SimpleNamespace(dynamic_sampling=False)
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     given = trl_inputs(name, inputs)

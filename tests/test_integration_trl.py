@@ -637,8 +637,7 @@ def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
     advantages' (counted over this process's mask, that row's tokens included)."""
     from types import MethodType, SimpleNamespace
     trainer = SimpleNamespace(estimator=name, estimator_kwargs=options, args=SimpleNamespace(dynamic_sampling=False),
-                              accelerator=SimpleNamespace(process_index=0, num_processes=1), logged={},
-                              needs_energy=get_estimator(name).needs_energy)
+                              accelerator=SimpleNamespace(process_index=0, num_processes=1), logged={})
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
     trainer._watch_reward_signal = lambda *args: None
@@ -664,8 +663,7 @@ def test_hook_advantages_of_the_second_of_two_processes(name, all_scorable):
     g = torch.Generator().manual_seed(2)
     rows, steps, long = 4, 5, 7
     trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, args=SimpleNamespace(dynamic_sampling=False),
-                              accelerator=SimpleNamespace(process_index=1, num_processes=2), logged={},
-                              needs_energy=get_estimator(name).needs_energy)
+                              accelerator=SimpleNamespace(process_index=1, num_processes=2), logged={})
     first = {torch.bool: torch.rand(rows, long, generator=g) < 0.8, torch.float32: torch.rand(rows, long, generator=g)}
     first[torch.float32] = torch.where(first[torch.bool], first[torch.float32], 0.0)
     trainer._gather_rows = lambda x: torch.cat([first[x.dtype], torch.nn.functional.pad(x, (0, long - steps))])
@@ -698,8 +696,7 @@ def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
     from types import MethodType, SimpleNamespace
     g = torch.Generator().manual_seed(1)
     trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, accelerator=SimpleNamespace(process_index=0, num_processes=1),
-                              args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={},
-                              needs_energy=get_estimator(name).needs_energy)
+                              args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={})
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
     trainer._watch_reward_signal = lambda *args: None

@@ -244,8 +244,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         self.estimator = self.args.advantage_estimator
         self.estimator_kwargs = self.args.estimator_kwargs()
         self.filter_signal = self._check_dynamic_sampling() if self.args.dynamic_sampling else None
-        self.needs_energy = get_estimator(self.estimator).needs_energy
-        self.wants_energy = self.needs_energy or self.args.log_energy_metrics
+        self.wants_energy = get_estimator(self.estimator).needs_energy or self.args.log_energy_metrics
         self.policy_loss = self.args.composed_loss()
         bonus = self.policy_loss.options_of("entropy_bonus")
         self.entropy_options = bonus if bonus is not None and bonus.adaptive else None
@@ -430,7 +429,7 @@ class CreditGRPOTrainer(GRPOTrainer):
         if not everything:
             all_mask = all_mask & scorable[:, None]
         all_energy = None if energy is None else self._gather_rows(energy)
-        estimator_energy = all_energy if self.needs_energy else None
+        estimator_energy = all_energy if get_estimator(self.estimator).needs_energy else None
         # the previous batch's tensors are dead now: freed before this batch's [B,T] advantages are
         # allocated, so the allocator reuses their memory instead of faulting in fresh pages
         self.last_rollout = {"components": components}
