@@ -251,7 +251,7 @@ def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Te
     logp = data["logp"]
     valid_f = valid.to(logp.dtype)
     row_tokens = valid_f.sum(dim=1)
-    n_valid = row_tokens.sum().clamp(min=1)
+    n_tokens = row_tokens.sum()
     adv, token_adv = _advantages(advantages, logp, valid, valid_f, row_tokens)
     with torch.no_grad():
         adv_abs_sum = (adv.abs() * (row_tokens[:, None] if adv.shape[1] == 1 else valid_f)).sum()
@@ -259,10 +259,10 @@ def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Te
     zeroed.update({name: None if x is None else zero_off_mask(x, valid, valid_f)
                    for name, x in data.items() if name not in LOG_PROBS})
     state = LossState(logp=zeroed["logp"], old_logp=zeroed["old_logp"], advantages=adv, valid=valid,
-                      valid_f=valid_f, keep=valid, row_tokens=row_tokens, n_valid=n_valid,
+                      valid_f=valid_f, keep=valid, row_tokens=row_tokens, n_valid=n_tokens.clamp(min=1),
                       ref_logp=zeroed["ref_logp"], rollout_logp=zeroed["rollout_logp"], entropy=zeroed["entropy"],
                       metrics=dict.fromkeys(METRIC_KEYS, logp.new_zeros(())))
-    return state.with_metrics(adv_abs_mean=(adv_abs_sum, row_tokens.sum())), token_adv, highest
+    return state.with_metrics(adv_abs_mean=(adv_abs_sum, n_tokens)), token_adv, highest
 
 
 def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Tensor
