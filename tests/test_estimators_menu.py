@@ -375,9 +375,9 @@ def test_gdpo_components_that_cancel_give_zero_not_an_amplified_residue():
        st.floats(-5.0, 5.0), st.floats(-5.0, 5.0))
 def test_gdpo_components_that_cancel_after_float32_rounding_give_zero(values, scale, mirror, shift, offset):
     """Mirrored components (z_2 = -z_1 in exact arithmetic: a z-score ignores a positive scale and a
-    shift) each scaled and shifted in float32: the
-    products' rounding leaves S ~ 1e-7 in every response, which dividing by its own batch spread would
-    turn into O(1) advantages; it is within float32 rounding of 0, so A = 0 exactly."""
+    shift) each scaled and shifted in float32: the products' rounding leaves S ~ 1e-7 in every
+    response, which dividing by its own batch spread would turn into O(1) advantages; it is within
+    float32 rounding of 0, so A = 0 exactly."""
     batch = batch_from(values)
     r = batch["rewards"]
     components = torch.stack([r * scale + shift, r * -mirror + offset], 1)         # float32 products
