@@ -203,6 +203,7 @@ def energy_path(request, monkeypatch):
     else:
         if request.param == "dynamo":
             monkeypatch.setattr(fused_module, "signature", lambda args: None)
+            monkeypatch.setattr(fused_module, "exact_key", lambda args: None)   # no graph served before either
         checked_energy_from_logp(-torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3))
         if fused_module._EAGER_REASON:
             pytest.skip(f"torch.compile fails here ({fused_module._EAGER_REASON[0]}): the eager case covers it")
@@ -383,6 +384,27 @@ def test_a_graph_serves_only_the_sizes_its_trace_assumed():
         x = torch.arange(float(n))
         assert torch.equal(kernel(x), head_or_all(x)), n
     assert [len(served) for served in kernel.graphs.values()] == [2] and not kernel.standalone_failed
+
+
+def test_a_graph_found_by_its_exact_key_is_the_one_its_guards_choose(monkeypatch):
+    """Calls found by ``exact_key`` skip the guards: each key must map to the graph the guards pick for
+    it, repeated calls on either side of a size branch give the eager values, and past
+    ``MAX_EXACT_KEYS`` distinct shapes the table starts over instead of growing."""
+    skip_where_compiling_fails()
+    monkeypatch.setattr(fused_module, "MAX_EXACT_KEYS", 3)
+
+    def head_or_all(x):
+        return (x[:4] if x.shape[0] > 4 else 2 * x).sum().reshape(1)
+    kernel = fused_module.fused(head_or_all)
+    for n in (10, 3, 10, 3, 6, 2, 2, 7, 9, 3, 10):
+        x = torch.arange(float(n))
+        assert torch.equal(kernel(x), head_or_all(x)), n
+        assert len(kernel.hits) <= 3
+    assert kernel.hits and not kernel.standalone_failed
+    for key, run in kernel.hits.items():
+        (dtype, shape, _), = key
+        x = torch.empty(shape, dtype=dtype)
+        assert run is fused_module._serving(kernel.graphs[fused_module.signature((x,))], (x,))
 
 
 def test_inductors_size_choices_hold_from_its_graph_cache_too():
