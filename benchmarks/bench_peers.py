@@ -24,7 +24,9 @@ compared with verl's result too. Masks are right-padded (lengths uniform in [T/4
 have 5% holes (masked tool tokens) inside each response.
 
 Times are the median and the best of ``--repeats`` interleaved rounds on ``--threads`` torch
-threads; ratios are given for both (the best is what a busy machine cannot inflate). All of
+threads; ratios are given for both (the best is what a busy machine cannot inflate) and paired:
+the median over rounds of the two calls' ratio within a round, so a load that comes and goes
+between rounds scales both sides of each ratio it enters. All of
 them run on a steady allocator (``--allocator steady``, the default: freed memory stays mapped),
 so page faults do not land on whichever callable runs after another returned memory.
 ``speed-up`` is verl's time over creditrl's direct call; ``max|diff|`` compares advantages on
@@ -33,7 +35,9 @@ same baseline; on steps where a group has one live member creditrl gives exactly
 G·(1 - W/(W + 1e-8)), both ≈ 0).
 
 The checks table times each input check of creditrl alone, on the same inputs, as a share of
-the direct call it guards (budget: all validation <= 10%). The plug-in's mapping of verl's uids
+the direct call it guards (budget: all validation <= 10%): best against best, and paired (a check
+run inside another pass costs the median of the rounds' differences between that pass with and
+without it; the share is of the direct call's median). The plug-in's mapping of verl's uids
 to group ids is printed beside its share, not in it: a conversion that verl's own functions make
 too (``as_torch_index``), not a check.
 """
@@ -172,14 +176,30 @@ def summarize(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     return {k: {"median": 1e3 * statistics.median(v), "best": 1e3 * min(v)} for k, v in samples.items()}
 
 
+def paired_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of a's time over b's in the same round: a load that comes and goes
+    between rounds scales both, where a ratio of medians (or of bests) takes each from other rounds."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
+
+
+def paired_difference(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """ms: the median over rounds of a's time minus b's in the same round (>= 0 where a does b's
+    work and more; the median of differences, not a difference of medians or bests)."""
+    return max(0.0, 1e3 * statistics.median(x - y for x, y in zip(samples[a], samples[b])))
+
+
 COLUMNS = (("verl", "verl"), ("direct", "direct"), ("plugin", "plug-in"), ("trl_direct", "TRL direct"),
            ("trl_hook", "TRL hook"))
+# each ratio's two callables, for the paired statistic
+PAIRS = {"speedup": ("verl", "direct"), "plugin_ratio": ("plugin", "direct"), "hook_ratio": ("trl_hook", "trl_direct"),
+         "otb_plugin_speedup": ("verl", "plugin")}
 
 
 def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dtype: torch.dtype) -> list[dict]:
-    print("ms, median / best of the interleaved rounds")
+    print("ms, median / best of the interleaved rounds; ratios: of the medians / of the bests / the median of "
+          "the rounds' own ratios (paired)")
     print(f"{'case':<32}" + "".join(f"{label:>15}" for _, label in COLUMNS) +
-          f"{'verl/direct':>13}{'plug-in/direct':>16}{'hook/TRL direct':>17}{'max|diff|':>10}")
+          f"{'verl/direct':>18}{'plug-in/direct':>18}{'hook/TRL direct':>18}{'max|diff|':>10}")
     rows = []
     for length in lengths:
         for holes in (False, True):
@@ -190,7 +210,8 @@ def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dty
                        "seq": creditrl_call(name, inputs, True), "plugin": plugin_call(name, inputs),
                        "trl_direct": trl_direct_call(name, inputs), "trl_hook": trl_hook_call(name, inputs)}
                 # every printed column is timed; ``seq`` only joins the agreement check below
-                times = summarize(interleaved_samples({k: fn for k, fn in fns.items() if k != "seq"}, repeats, settle=1))
+                samples = interleaved_samples({k: fn for k, fn in fns.items() if k != "seq"}, repeats, settle=1)
+                times = summarize(samples)
                 outs = {k: fn() for k, fn in fns.items()}
                 diff = max(float((outs[k] - outs["verl"])[valid].abs().max())
                            for k in ("direct", "seq", "plugin", "trl_direct", "trl_hook"))
@@ -201,16 +222,20 @@ def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dty
                     row[stat] = {"speedup": t["verl"] / t["direct"], "plugin_ratio": t["plugin"] / t["direct"],
                                  "hook_ratio": t["trl_hook"] / t["trl_direct"],
                                  "otb_plugin_speedup": t["verl"] / t["plugin"]}
+                row["paired"] = {key: paired_ratio(samples, a, b) for key, (a, b) in PAIRS.items()}
                 rows.append(row)
                 cells = "".join(f"{times[k]['median']:>8.1f}/{times[k]['best']:<6.1f}" for k, _ in COLUMNS)
-                ratios = "".join(f"{row['median'][k]:>{w - 6}.2f}/{row['best'][k]:<5.2f}"
-                                 for k, w in (("speedup", 13), ("plugin_ratio", 16), ("hook_ratio", 17)))
+                ratios = "".join(f"{row['median'][k]:>{w - 11}.2f}/{row['best'][k]:.2f}/{row['paired'][k]:<5.2f}"
+                                 for k, w in (("speedup", 18), ("plugin_ratio", 18), ("hook_ratio", 18)))
                 print(f"{case:<32}{cells}{ratios}{diff:>10.1e}")
     return rows
 
 
-def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
-    """Best ms of each of creditrl's input checks alone, on the inputs of one case."""
+def check_costs(inputs: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """ms of each of creditrl's input checks alone, on the inputs of one case: ``best`` (its best
+    time; for a check inside another pass, that pass's best minus the best of the pass without it)
+    and ``paired`` (its median time; inside another pass, the median over rounds of the two passes'
+    difference in the same round)."""
     from creditrl.core.estimators import _non_negative_stats
     from creditrl.integrations.energy import energy_from_logp
     from creditrl.integrations.verl import check_actor_stats, group_ids
@@ -254,16 +279,21 @@ def check_costs(inputs: dict, repeats: int) -> dict[str, float]:
         fns[ENERGY_RULE] = lambda: one_read(non_negative_range_and_rule(energy, mask))
         fns[PLUGIN_RULE] = lambda: check_actor_stats(mask, inputs["old_log_probs"], inputs["sum_pi_squared"],
                                                      lambda stats: mask_verdict("mask", mask, stats.tolist()))
-    best = {k: v["best"] for k, v in summarize(interleaved_samples(fns, repeats, settle=1)).items()}
-    checked = best.pop("energy, actor stats checked")
-    best["plug-in: actor stats on valid tokens"] = max(0.0, checked - best.pop("energy"))
-    for fused, alone in ((BROADCAST_RULE, "product"), (ROW_SUMS_RULE, "row sums")):
-        if alone in best:
-            best[fused] = max(0.0, best[fused] - best.pop(alone))
-    if ENERGY_RULE in best:   # each fused pass over the same pass without the rule
-        best[ENERGY_RULE] = max(0.0, best[ENERGY_RULE] - best["energy: finite, >= 0"])
-        best[PLUGIN_RULE] = max(0.0, best[PLUGIN_RULE] - checked)
-    return best
+    samples = interleaved_samples(fns, repeats, settle=1)
+    # a check inside another pass costs that pass over the same pass without it
+    within = {"plug-in: actor stats on valid tokens": ("energy, actor stats checked", "energy")}
+    if BROADCAST_RULE in fns:
+        within.update({BROADCAST_RULE: (BROADCAST_RULE, "product"), ROW_SUMS_RULE: (ROW_SUMS_RULE, "row sums"),
+                       ENERGY_RULE: (ENERGY_RULE, "energy: finite, >= 0"),
+                       PLUGIN_RULE: (PLUGIN_RULE, "energy, actor stats checked")})
+    alone = summarize(samples)
+    costs = {k: {"best": v["best"], "paired": v["median"]} for k, v in alone.items()}
+    for name, (pass_with, pass_without) in within.items():
+        costs[name] = {"best": max(0.0, alone[pass_with]["best"] - alone[pass_without]["best"]),
+                       "paired": paired_difference(samples, pass_with, pass_without)}
+    for helper in ("energy, actor stats checked", "energy", "product", "row sums"):
+        costs.pop(helper, None)
+    return costs
 
 
 BROADCAST_RULE, ROW_SUMS_RULE = "mask: 0/1 rule in a broadcast's pass", "mask: 0/1 rule in the row sums' pass"
@@ -292,39 +322,54 @@ def fused_rule(name: str, inputs: dict) -> str | None:
     return ran[0] if ran else None
 
 
-def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> float:
-    """The checks' cost against the direct and plug-in calls they guard; returns the largest share."""
+# which of a call's times each statistic of the checks' costs is a share of
+SHARE_OF = {"best": "best", "paired": "median"}
+
+
+def validation_ms(name: str, costs: dict, inputs: dict, stat: str) -> tuple[float, float]:
+    """ms of the checks that estimator ``name``'s direct call and plug-in call run, by ``stat``."""
     from creditrl.core.estimators import FUSED_RULE_MIN_ELEMENTS
 
+    ms = {check: cost[stat] for check, cost in costs.items()}
+    rule, rewards, energy = ms["mask: 0/1 rule"], ms["rewards: finite"], ms["energy: finite, >= 0"]
+    # the passes that run a float32 mask's rule inside them, for masks of >= FUSED_RULE_MIN_ELEMENTS
+    float32 = ENERGY_RULE in ms and inputs["response_mask"].numel() >= FUSED_RULE_MIN_ELEMENTS
+    if name == "otb":
+        own = rewards + energy + (ms[ENERGY_RULE] if float32 else rule)
+        # the plug-in checks the energy from the actor's stats (with_energy), and those stats
+        return own, rewards + energy + ms["plug-in: actor stats on valid tokens"] + (ms[PLUGIN_RULE] if float32
+                                                                                     else rule)
+    fused = fused_rule(name, inputs) if float32 else None
+    own = rewards + (rule if fused is None else ms[fused])
+    return own, own
+
+
+def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> dict[str, float]:
+    """The checks' cost against the direct and plug-in calls they guard; returns the largest share by
+    each statistic: ``best`` (best costs over the calls' best times) and ``paired`` (median and paired
+    costs over the calls' median times)."""
     costs = check_costs(inputs, repeats)
-    print(f"\ninput checks, best ms, on the inputs of T={rows[0]['length']} right-padded "
+    print(f"\ninput checks, ms, best / paired (median; inside another pass, the median of the rounds' "
+          f"differences), on the inputs of T={rows[0]['length']} right-padded, {repeats} interleaved rounds "
           "(the direct call runs the mask's, the rewards' and the energy's; a float32 mask's inside another pass "
           "over it: the energy check's, else the first use's; the plug-in all, a float32 mask's in the actor "
           "stats' pass)")
-    for name, ms in costs.items():
-        print(f"  {name:<44}{ms:>8.3f}")
-    rule, rewards, energy = costs["mask: 0/1 rule"], costs["rewards: finite"], costs["energy: finite, >= 0"]
-    uids, actor = costs["plug-in: uids -> group ids"], costs["plug-in: actor stats on valid tokens"]
-    # the passes that run a float32 mask's rule inside them, for masks of >= FUSED_RULE_MIN_ELEMENTS
-    float32 = ENERGY_RULE in costs and inputs["response_mask"].numel() >= FUSED_RULE_MIN_ELEMENTS
-    worst = 0.0
+    for name, cost in costs.items():
+        print(f"  {name:<44}{cost['best']:>8.3f} /{cost['paired']:>6.3f}")
+    worst = dict.fromkeys(SHARE_OF, 0.0)
     for row in rows:
         if row["length"] != rows[0]["length"] or row["holes"]:
             continue
-        if row["name"] == "otb":
-            own = rewards + energy + (costs[ENERGY_RULE] if float32 else rule)
-            # the plug-in checks the energy from the actor's stats (with_energy), and those stats
-            plug = rewards + energy + actor + (costs[PLUGIN_RULE] if float32 else rule)
-        else:
-            fused = fused_rule(row["name"], inputs) if float32 else None
-            own = rewards + (rule if fused is None else costs[fused])
-            plug = own
-        share, plug_share = own / row["ms"]["direct"]["best"], plug / row["ms"]["plugin"]["best"]
-        worst = max(worst, share, plug_share)
-        print(f"  {row['name']:<8} validation {own:6.2f} ms = {share:6.1%} of the direct call "
-              f"({row['ms']['direct']['best']:.1f} ms); plug-in {plug:6.2f} ms = {plug_share:6.1%} of "
-              f"{row['ms']['plugin']['best']:.1f} ms (+ {uids:.2f} ms = {uids / row['ms']['plugin']['best']:.1%} "
-              "mapping uids, as verl's functions do)")
+        parts = []
+        for stat, of in SHARE_OF.items():
+            own, plug = validation_ms(row["name"], costs, inputs, stat)
+            direct, plugin = row["ms"]["direct"][of], row["ms"]["plugin"][of]
+            worst[stat] = max(worst[stat], own / direct, plug / plugin)
+            parts.append(f"{stat}: {own:5.2f} ms = {own / direct:6.1%} of the direct call ({direct:.1f} ms), "
+                         f"plug-in {plug:5.2f} ms = {plug / plugin:6.1%} of {plugin:.1f} ms")
+        uids = costs["plug-in: uids -> group ids"]["paired"]
+        print(f"  {row['name']:<8} validation {'; '.join(parts)} (+ {uids:.2f} ms mapping uids in the plug-in, "
+              "as verl's functions do)")
     return worst
 
 
@@ -351,9 +396,10 @@ def main(argv: list[str] | None = None) -> None:
           f"B = {groups * 16} ({groups} x 16); {repeats} interleaved rounds; response_mask {args.mask_dtype}; "
           f"{allocator}")
     rows = bench(lengths, groups, 16, repeats, mask_dtype)
-    share = print_check_costs(rows, make_inputs(groups, 16, lengths[0], False, mask_dtype=mask_dtype), repeats)
+    # the checks cost ~1 ms each: 4x the rounds, so the paired medians settle
+    share = print_check_costs(rows, make_inputs(groups, 16, lengths[0], False, mask_dtype=mask_dtype), 4 * repeats)
     print()
-    for stat in ("median", "best"):
+    for stat in ("median", "best", "paired"):
         worst = {name: min(r[stat]["speedup"] for r in rows if r["name"] == name) for name in ESTIMATORS}
         otb = min(r[stat]["otb_plugin_speedup"] for r in rows if r["name"] == "otb")
         print(f"{stat}: slowest speed-up per estimator (verl / direct): " +
@@ -363,8 +409,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{max(r[stat]['hook_ratio'] for r in rows):.2f}x (target <= {TARGETS['TRL hook / TRL direct']}x); "
               f"creditrl otb through the plug-in / verl's otb, slowest {otb:.2f}x "
               f"(target >= {TARGETS['creditrl otb (plug-in) / verl otb']}x)")
-    print(f"largest validation share {share:.1%} (target <= {TARGETS['validation share']:.0%}); "
-          f"largest max|diff|: {max(r['diff'] for r in rows):.1e}")
+    print(f"largest validation share: of the best times {share['best']:.1%}, paired {share['paired']:.1%} "
+          f"(target <= {TARGETS['validation share']:.0%}); largest max|diff|: {max(r['diff'] for r in rows):.1e}")
 
 
 if __name__ == "__main__":
