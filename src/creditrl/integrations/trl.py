@@ -462,10 +462,12 @@ class CreditGRPOTrainer(GRPOTrainer):
         parts = {} if components is None else dict(components=components,
                                                    component_weights=self.reward_weights.to(components.device))
         if rows is None:
+            # the mask is the hook's own (.bool(), &): its bytes are 0/1. Counted first, while this read
+            # leaves it cached for the estimator's: after the estimator's [B,T] writes the count cost
+            # 0.52-0.62 ms over the call, before them 0.16-0.28 (B = 1,024, T = 4,096, 2-core dev CPU)
+            counts = bool_row_counts(mask) if count else None
             out, batch = estimator_output(self.estimator, rewards=rewards, mask=mask, group=group, energy=energy,
                                           **parts, **self.estimator_kwargs)
-            # the mask is the hook's own (.bool(), &): its bytes are 0/1
-            counts = bool_row_counts(mask) if count else None
             return batch.on_tokens(out, last_use=True), (out if out.dim() == 1 else None), counts
         advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         per_row = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)
