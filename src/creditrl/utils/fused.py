@@ -12,9 +12,9 @@ On a CPU a graph is traced once per ``signature`` and compiled without dynamo
 trace and inductor assumed are checked by a compiled expression, once per argument shapes
 (``exact_key``). On the 2-core dev CPU a call on 2 x 8 values took 43-51 us this way and 88-92
 through ``torch.compile`` (the eager product 5 us); at B = 1,024, T = 4,096, 0.90-1.13 ms against
-0.93-1.23. Skipping the guards for shapes served before saved 8 us more a call (40 against 49 us). Other devices, and calls with compiling
-switched off (``_compiling_off``), go through ``torch.compile``; under an outer ``torch.compile``
-the function joins the caller's graph.
+0.93-1.23. Skipping the guards for shapes served before saved 8 us more a call (40 against 49 us).
+Other devices, and calls with compiling switched off (``_compiling_off``), go through
+``torch.compile``; under an outer ``torch.compile`` the function joins the caller's graph.
 """
 from __future__ import annotations
 
