@@ -52,27 +52,12 @@ def flat(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return x.detach().to(dtype or x.dtype).reshape(-1).detach()
 
 
-def signature(args: tuple) -> tuple | None:
-    """The key under which one traced graph serves every call: each argument's dtype and rank, its
-    sizes as 0, 1 or the number of the first equal size >= 2 (a symbolic trace specialises sizes 0
-    and 1, and takes equal sizes for one symbol). None where an argument is not a contiguous CPU
-    tensor without grad (those calls go through ``torch.compile``, whose guards check the rest)."""
-    numbers: dict[int, int] = {}
-    key = []
-    for x in args:
-        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.requires_grad or not x.is_contiguous() \
-                or x.layout != torch.strided:
-            return None
-        key.append((x.dtype, tuple(size if size < 2 else 2 + numbers.setdefault(size, len(numbers))
-                                   for size in x.shape)))
-    return tuple(key)
-
-
 def exact_key(args: tuple) -> tuple | None:
-    """Each argument's dtype, sizes and strides, where ``signature`` takes every argument (else None):
-    a standalone graph's guards (``holds``) read nothing else, so the graph that served one call
-    serves every call with its key. A dict lookup on it skips ``signature`` and ``holds`` (3.5 us
-    for two tensors on the 2-core dev CPU, where those two took 10-14 us)."""
+    """Each argument's dtype, sizes and strides; None where an argument is not a contiguous CPU
+    tensor without grad (those calls go through ``torch.compile``, whose guards check the rest). A
+    standalone graph's guards (``holds``) read nothing else, so the graph that served one call serves
+    every call with its key: a dict lookup on it skips ``signature`` and ``holds`` (3.5 us for two
+    tensors on the 2-core dev CPU, where those two took 10-14 us)."""
     key = []
     for x in args:
         if not isinstance(x, torch.Tensor) or x.layout != torch.strided or not x.is_cpu or x.requires_grad \
@@ -80,6 +65,18 @@ def exact_key(args: tuple) -> tuple | None:
             return None
         key.append((x.dtype, x.shape, x.stride()))
     return tuple(key)
+
+
+def signature(args: tuple) -> tuple | None:
+    """The key under which one traced graph serves every call: each argument's dtype and rank, its
+    sizes as 0, 1 or the number of the first equal size >= 2 (a symbolic trace specialises sizes 0
+    and 1, and takes equal sizes for one symbol). None where ``exact_key`` is."""
+    exact = exact_key(args)
+    if exact is None:
+        return None
+    numbers: dict[int, int] = {}
+    return tuple((dtype, tuple(size if size < 2 else 2 + numbers.setdefault(size, len(numbers)) for size in shape))
+                 for dtype, shape, _ in exact)
 
 
 def _standalone(fn: Callable, args: tuple) -> tuple[Callable[[tuple], bool], Callable]:
@@ -138,18 +135,17 @@ def _graph_for(graphs: dict[tuple, list], fn: Callable, args: tuple, hits: dict[
     ``exact_key`` served before to its graph. Compiles under dynamo's lock: tracing and inductor
     share process-wide state with any other thread's compile."""
     exact = exact_key(args)
-    run = None if exact is None else hits.get(exact)
+    run = hits.get(exact)
     if run is not None:
         return run
-    key = signature(args)
+    key = signature(args)                  # None wherever exact is (a test may force it for any call)
     if key is None:
         return None
     run = _serving(graphs.get(key, []), args)
     if run is not None:
-        if exact is not None:
-            if len(hits) >= MAX_EXACT_KEYS:
-                hits.clear()
-            hits[exact] = run
+        if len(hits) >= MAX_EXACT_KEYS:
+            hits.clear()
+        hits[exact] = run
         return run
     with torch._dynamo.convert_frame.compile_lock:
         served = graphs.get(key, [])
