@@ -326,22 +326,20 @@ def fused_rule(name: str, inputs: dict) -> str | None:
 SHARE_OF = {"best": "best", "paired": "median"}
 
 
-def validation_ms(name: str, costs: dict, inputs: dict, stat: str) -> tuple[float, float]:
-    """ms of the checks that estimator ``name``'s direct call and plug-in call run, by ``stat``."""
+def validation_ms(name: str, costs: dict, inputs: dict) -> dict[str, tuple[float, float]]:
+    """ms of the checks that estimator ``name``'s direct call and plug-in call run, by each statistic."""
     from creditrl.core.estimators import FUSED_RULE_MIN_ELEMENTS
 
-    ms = {check: cost[stat] for check, cost in costs.items()}
-    rule, rewards, energy = ms["mask: 0/1 rule"], ms["rewards: finite"], ms["energy: finite, >= 0"]
     # the passes that run a float32 mask's rule inside them, for masks of >= FUSED_RULE_MIN_ELEMENTS
-    float32 = ENERGY_RULE in ms and inputs["response_mask"].numel() >= FUSED_RULE_MIN_ELEMENTS
+    float32 = ENERGY_RULE in costs and inputs["response_mask"].numel() >= FUSED_RULE_MIN_ELEMENTS
     if name == "otb":
-        own = rewards + energy + (ms[ENERGY_RULE] if float32 else rule)
+        own = ["rewards: finite", "energy: finite, >= 0", ENERGY_RULE if float32 else "mask: 0/1 rule"]
         # the plug-in checks the energy from the actor's stats (with_energy), and those stats
-        return own, rewards + energy + ms["plug-in: actor stats on valid tokens"] + (ms[PLUGIN_RULE] if float32
-                                                                                     else rule)
-    fused = fused_rule(name, inputs) if float32 else None
-    own = rewards + (rule if fused is None else ms[fused])
-    return own, own
+        plug = own[:2] + ["plug-in: actor stats on valid tokens", PLUGIN_RULE if float32 else "mask: 0/1 rule"]
+    else:
+        fused = fused_rule(name, inputs) if float32 else None
+        own = plug = ["rewards: finite", fused or "mask: 0/1 rule"]
+    return {stat: (sum(costs[c][stat] for c in own), sum(costs[c][stat] for c in plug)) for stat in SHARE_OF}
 
 
 def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> dict[str, float]:
@@ -361,8 +359,8 @@ def print_check_costs(rows: list[dict], inputs: dict, repeats: int) -> dict[str,
         if row["length"] != rows[0]["length"] or row["holes"]:
             continue
         parts = []
-        for stat, of in SHARE_OF.items():
-            own, plug = validation_ms(row["name"], costs, inputs, stat)
+        for stat, (own, plug) in validation_ms(row["name"], costs, inputs).items():
+            of = SHARE_OF[stat]
             direct, plugin = row["ms"]["direct"][of], row["ms"]["plugin"][of]
             worst[stat] = max(worst[stat], own / direct, plug / plugin)
             parts.append(f"{stat}: {own:5.2f} ms = {own / direct:6.1%} of the direct call ({direct:.1f} ms), "
