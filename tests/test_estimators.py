@@ -560,6 +560,13 @@ def test_with_energy_equals_building_the_batch_with_it(mask_dtype):
         with_energy(first, -torch.ones(6, 5))
     with pytest.raises(ValueError, match=r"energy: expected shape \[6, 5\]"):
         with_energy(first, torch.ones(6, 4))
+    # checked=True: the energies as they are (the caller tested them), the IS weights still tested
+    trusted = with_energy(first, whole.raw_energy / weights.square(), weights, checked=True)
+    assert torch.allclose(trusted.raw_energy, whole.raw_energy, rtol=4 * torch.finfo(torch.float32).eps)
+    with pytest.raises(ValueError, match="is_weights: expected values >= 0"):
+        with_energy(first, energy, -weights, checked=True)
+    with pytest.raises(ValueError, match=r"energy: with checked=True expected float32 .* got torch.float64"):
+        with_energy(first, energy.double(), checked=True)
 
 
 @pytest.mark.parametrize("bad", [2, -1, 2**24 + 1, 2**40])
@@ -645,10 +652,10 @@ def test_negative_zero_in_a_float_mask_is_zero():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 6), steps=st.sampled_from([1, 2, 7, 300, 4097]), seed=st.integers(0, 10_000),
+@given(rows=st.integers(1, 6), steps=st.sampled_from([1, 2, 7, 300, 4097, 5794, 9000]), seed=st.integers(0, 10_000),
        holes=st.booleans())
 def test_right_padding_detection_matches_shifted_comparison(rows, steps, seed, holes):
-    """The matmul test (sum of positions == L(L-1)/2) agrees with 'the mask never rises'."""
+    """The positions test (sum of positions == L(L-1)/2) agrees with 'the mask never rises'."""
     from creditrl.core.estimators.steps import _right_padded
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, steps + 1, (rows,), generator=g)
@@ -659,6 +666,20 @@ def test_right_padding_detection_matches_shifted_comparison(rows, steps, seed, h
     valid = mask.float()
     expected = not bool((mask[:, 1:] & ~mask[:, :-1]).any())
     assert _right_padded(valid, valid.sum(1).long()) == expected
+
+
+@pytest.mark.parametrize("steps", [5793, 8000, 65536, 65537])
+def test_right_padding_detection_sees_one_position_off_at_the_largest_sums(steps):
+    """At each path's largest totals (one float32 matrix-vector sum up to T = 5,793, two split sums
+    up to 65,536, shifted views beyond), a row whose last valid token sits one step late (its
+    positions sum to L(L-1)/2 + 1) is not right-padded; float32 rounding would hide the 1."""
+    from creditrl.core.estimators.steps import _right_padded
+    valid = torch.ones(3, steps)
+    valid[1, -1] = 0.0
+    valid[2, -2:] = torch.tensor([0.0, 1.0])                       # the last valid token one step late
+    lengths = valid.sum(1).long()
+    assert _right_padded(valid[:2], lengths[:2])
+    assert not _right_padded(valid, lengths)
 
 
 @pytest.mark.parametrize("name", ["rewards", "mask", "group", "energy"])

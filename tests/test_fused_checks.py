@@ -236,11 +236,15 @@ def test_energy_matches_a_loop(energy_path, device, valid, rows, dtype):
 def test_checked_energy_decides_as_a_loop(energy_path, valid, masked, mask_dtype, seed):
     """The range test fused into the energy's pass: logp <= 0 and sum_p2 in (0, 1] (within
     LOGP_TOLERANCE) on valid tokens only, whatever the padding holds; the error names the
-    argument as verl does; on success the energy is the unchecked function's."""
+    argument as verl does; on success the energy is the unchecked function's on the valid tokens and
+    0 on the others, whatever they hold, so every energy is finite and >= 0 (``with_energy(checked=True)``)."""
     logp, sum_p2, mask, logp_ok, p2_ok = actor_case(valid, masked, mask_dtype, seed)
     if logp_ok and p2_ok:
         energy = checked_energy_from_logp(logp, sum_p2, mask)
-        torch.testing.assert_close(energy, energy_from_logp(logp, sum_p2), rtol=0, atol=0, equal_nan=True)
+        want = [[e if m != 0 else 0.0 for e, m in zip(row, mask_row)]
+                for row, mask_row in zip(energy_from_logp(logp, sum_p2).tolist(), mask.double().tolist())]
+        torch.testing.assert_close(energy, torch.tensor(want), rtol=0, atol=0)
+        assert bool(torch.isfinite(energy).all() and (energy >= 0).all())
     else:
         with pytest.raises(ValueError, match="old_log_probs" if not logp_ok else "sum_pi_squared"):
             checked_energy_from_logp(logp, sum_p2, mask)

@@ -61,13 +61,16 @@ class GroupIndex:
         """Broadcast a per-group value [G, ...] back to members [B, ...]."""
         return per_group.index_select(0, self.dense)
 
-    def subtract(self, x: Tensor, per_group: Tensor) -> Tensor:
-        """``x - gather(per_group)`` for x [B, ...], per_group [G, ...], without the gathered copy."""
+    def subtract(self, x: Tensor, per_group: Tensor, out: Tensor | None = None) -> Tensor:
+        """``x - gather(per_group)`` for x [B, ...], per_group [G, ...], without the gathered copy;
+        written into ``out`` (a contiguous tensor of the result's shape and dtype) where given."""
         if self.block is not None:
             grouped = x.reshape(self.num_groups, self.block, *x.shape[1:])
-            out = grouped - per_group.unsqueeze(1)
-            return out.reshape(-1, *out.shape[2:])
-        return x - self.gather(per_group)
+            if out is None:
+                return (grouped - per_group.unsqueeze(1)).flatten(0, 1)
+            shape = torch.broadcast_shapes(grouped.shape, per_group.unsqueeze(1).shape)
+            return torch.sub(grouped, per_group.unsqueeze(1), out=out.view(shape)).flatten(0, 1)
+        return torch.sub(x, self.gather(per_group), out=out) if out is not None else x - self.gather(per_group)
 
     def member_sizes(self) -> Tensor:
         """Size of each member's group, [B] int64 (one tensor per index: do not write to it)."""

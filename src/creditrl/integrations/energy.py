@@ -36,14 +36,15 @@ def _energy_in_place(logp: Tensor, sum_p2: Tensor) -> Tensor:
 
 
 def _energy_and_ranges(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """The energy [N] and [3] = [max logp, min sum_p2, max sum_p2] over the tokens where ``valid``
-    != 0, others read as logp 0 and sum_p2 1, inside both ranges (NaN where a valid value is NaN).
-    The same rule, token by token, is ``check_actor_stat_range``'s."""
+    """The energy [N], 0 where ``valid`` == 0 (whatever the values there), and [3] = [max logp,
+    min sum_p2, max sum_p2] over the tokens where ``valid`` != 0, others read as logp 0 and sum_p2 1,
+    inside both ranges (NaN where a valid value is NaN). The same rule, token by token, is
+    ``check_actor_stat_range``'s: once it passes, every energy is finite and >= 0."""
     on = valid != 0
     # three reductions over three where()s: inductor fuses them into the energy's loop, while one
     # shared where() feeding amin and amax compiled 1.5x slower
-    return _energy(logp, sum_p2), torch.stack([torch.where(on, logp, 0.0).amax(), torch.where(on, sum_p2, 1.0).amin(),
-                                               torch.where(on, sum_p2, 1.0).amax()])
+    return torch.where(on, _energy(logp, sum_p2), 0.0), torch.stack([
+        torch.where(on, logp, 0.0).amax(), torch.where(on, sum_p2, 1.0).amin(), torch.where(on, sum_p2, 1.0).amax()])
 
 
 def _energy_and_ranges_in_place(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,7 +53,7 @@ def _energy_and_ranges_in_place(logp: Tensor, sum_p2: Tensor, valid: Tensor) -> 
     held = torch.where(on, sum_p2, 1.0)
     low, high = torch.aminmax(held)
     top = torch.where(on, logp, held.new_zeros(()), out=held).amax()
-    return _energy_in_place(logp, sum_p2), torch.stack([top, low, high])
+    return _energy_in_place(logp, sum_p2).masked_fill_(~on, 0.0), torch.stack([top, low, high])
 
 
 def _energy_ranges_and_rule(logp: Tensor, sum_p2: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -98,7 +99,10 @@ def checked_energy_from_logp(logp: Tensor, sum_p2: Tensor, valid: Tensor,
     probabilities passed as log-probs would give wrong energies silently). The range comes from the
     energy's own pass: one host read, no extra pass. ``mask_rule``: ``valid`` is a float32 mask not
     yet checked; the same pass computes its 0/1 statistics, handed to ``mask_rule`` (which raises on
-    a bad mask) before the ranges are read (``AdvantageBatch.accept_mask_stats``)."""
+    a bad mask) before the ranges are read (``AdvantageBatch.accept_mask_stats``).
+
+    The energies it returns are 0 where ``valid`` == 0, so all of them are finite and >= 0
+    (``with_energy(..., checked=True)`` need not test them again)."""
     _check_shapes(logp, sum_p2)
     if valid.shape != logp.shape:
         raise ValueError(f"valid: expected logp's shape {list(logp.shape)}, got {list(valid.shape)}")

@@ -226,7 +226,7 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             elif old_log_probs is not None or sum_pi_squared is not None:
                 energy = check_actor_stats(batch.valid, old_log_probs, sum_pi_squared)
             if energy is not None:
-                batch = with_energy(batch, energy, rollout_is_weights)
+                batch = with_energy(batch, energy, rollout_is_weights, checked=True)   # checked_energy_from_logp's
             result = estimator_result(name, batch, **options)
             # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
             # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)

@@ -191,14 +191,20 @@ def _queue_mask_check(checks: FusedChecks, mask: Tensor, rule: Tensor | None, pe
     return copy
 
 
-def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None = None) -> AdvantageBatch:
+def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None = None, *,
+                checked: bool = False) -> AdvantageBatch:
     """``batch`` with energies [B,T] (times is_weights² when given), checked as ``build_batch`` checks
     them (one pass each, one host read): for callers that derive the energies once the mask is
-    checked (verl's plug-in tests the actor's stats against the mask's float32 copy)."""
+    checked (verl's plug-in tests the actor's stats against the mask's float32 copy). ``checked``:
+    ``energy`` is float32 and already known finite and >= 0 on every token, masked ones too (as
+    ``checked_energy_from_logp`` returns it), so its pass is skipped; ``is_weights`` are still checked."""
     mask = batch.given_mask
     _check_device(mask.device, energy=energy, is_weights=is_weights)
+    if checked and (energy.dtype != torch.float32 or energy.shape != mask.shape):
+        raise ValueError(f"energy: with checked=True expected float32 of the mask's shape {list(mask.shape)}, "
+                         f"got {energy.dtype} {list(energy.shape)}")
     checks = FusedChecks()
-    energy_of, _ = _queue_energy_checks(checks, mask, energy, is_weights)
+    energy_of, _ = _queue_energy_checks(checks, mask, energy, is_weights, trusted=("energy",) if checked else ())
     out = dataclasses.replace(batch, raw_energy=energy_of(checks.run(), mask))
     # views already derived from the mask (e.g. ``valid``) carry over; only ``energy`` depends on the energies
     out.__dict__.update({key: value for key, value in batch.__dict__.items() if key != "energy" and
@@ -207,17 +213,21 @@ def with_energy(batch: AdvantageBatch, energy: Tensor, is_weights: Tensor | None
 
 
 def _queue_energy_checks(checks: FusedChecks, mask: Tensor, energy: Tensor | None, is_weights: Tensor | None,
-                         with_mask_rule: bool = False) -> tuple[Callable[[list, Tensor], Tensor | None], Tensor | None]:
+                         with_mask_rule: bool = False, trusted: tuple[str, ...] = ()
+                         ) -> tuple[Callable[[list, Tensor], Tensor | None], Tensor | None]:
     """Queue the checks of energy and is_weights [B,T] (finite and >= 0: one integer min/max pass
-    each, shapes checked now); returns ``energy_of(results, mask)``, the checked float32 energies
-    (times is_weights², None without energies) once ``checks`` have run, and, ``with_mask_rule``
-    (a float32 mask, energies given), the mask's 0/1 statistics from the energy's pass
-    (``non_negative_range_and_rule``; the caller queues their verdict), else None."""
+    each, shapes checked now; none for the names in ``trusted``, checked by the caller); returns
+    ``energy_of(results, mask)``, the checked float32 energies (times is_weights², None without
+    energies) once ``checks`` have run, and, ``with_mask_rule`` (a float32 mask, energies given),
+    the mask's 0/1 statistics from the energy's pass (``non_negative_range_and_rule``; the caller
+    queues their verdict), else None."""
     inputs = {name: _token_tensor(name, x, mask) for name, x in (("energy", energy), ("is_weights", is_weights))
               if x is not None}
     originals = {"energy": getattr(energy, "dtype", None), "is_weights": getattr(is_weights, "dtype", None)}
     good, rule = {}, None
     for name, x in inputs.items():
+        if name in trusted:
+            continue
         if name == "energy" and with_mask_rule:
             stats = non_negative_range_and_rule(x, mask)
             good[name], rule = checks.add(stats[:2], lambda v: v[0] >= 0 and v[1] < math.inf), stats[2:]
@@ -225,7 +235,8 @@ def _queue_energy_checks(checks: FusedChecks, mask: Tensor, energy: Tensor | Non
             good[name] = checks.add(_non_negative_stats(x), lambda v: v[0] >= 0 and v[1] < INF_FLOAT32_BITS)
 
     def energy_of(results: list, checked_mask: Tensor) -> Tensor | None:
-        checked = {name: x if results[good[name]] else _valid_non_negative(name, x, checked_mask, originals[name])
+        checked = {name: x if name in trusted or results[good[name]] else
+                   _valid_non_negative(name, x, checked_mask, originals[name])
                    for name, x in inputs.items()}
         out = checked.get("energy")
         if out is not None and "is_weights" in checked:  # masked tokens are zeroed where an estimator reads them

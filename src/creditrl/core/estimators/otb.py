@@ -63,7 +63,8 @@ def token_baseline_advantage(batch: AdvantageBatch, *, cumulative: bool) -> Tens
     # the plain mean where the energies sum to 0, and at steps with one live member, whose
     # baseline is then exactly its own return (advantage exactly 0: no baseline information)
     baseline = weighted_mean_or_plain(weighted, torch.where(count > 1, weight_sum, 0.0), plain, count)
-    return steps.expand(groups.subtract(returns, baseline).mul_(valid))
+    # into the weights' buffer, dead now: a fresh [B, L] result costs its page faults on a CPU
+    return steps.expand(groups.subtract(returns, baseline, out=weights).mul_(valid))
 
 
 def token_loo_advantage(batch: AdvantageBatch, *, cumulative: bool) -> Tensor:
