@@ -105,8 +105,8 @@ def _block_ids(index: np.ndarray) -> np.ndarray | None:
 def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_pi_squared: Tensor | None,
                       mask_rule: Callable[[Tensor], None] | None = None) -> Tensor | None:
     """The energy from the actor's per-token stats (``checked_energy_from_logp``: ``old_log_probs``
-    <= 0 and ``sum_pi_squared`` in (0, 1] on the response tokens, tested in the energy's own pass),
-    or None without both. One of them alone (an estimator that needs neither) is range-checked
+    <= 0 and ``sum_pi_squared`` in (0, 1] on the response tokens, tested in the energy's own pass;
+    0 off them, so finite and >= 0 on every token), or None without both. One of them alone (an estimator that needs neither) is range-checked
     token by token. verl pads both with 0 off the response, where nothing is tested. ``mask_rule``
     (with both): ``response_mask`` is a float32 mask whose 0/1 rule runs in the same pass
     (``checked_energy_from_logp``)."""
