@@ -65,12 +65,10 @@ class GroupIndex:
         """``x - gather(per_group)`` for x [B, ...], per_group [G, ...], without the gathered copy;
         written into ``out`` (a contiguous tensor of the result's shape and dtype) where given."""
         if self.block is not None:
-            grouped = x.reshape(self.num_groups, self.block, *x.shape[1:])
-            if out is None:
-                return (grouped - per_group.unsqueeze(1)).flatten(0, 1)
-            shape = torch.broadcast_shapes(grouped.shape, per_group.unsqueeze(1).shape)
-            return torch.sub(grouped, per_group.unsqueeze(1), out=out.view(shape)).flatten(0, 1)
-        return torch.sub(x, self.gather(per_group), out=out) if out is not None else x - self.gather(per_group)
+            grouped, per = x.reshape(self.num_groups, self.block, *x.shape[1:]), per_group.unsqueeze(1)
+            target = None if out is None else out.view(torch.broadcast_shapes(grouped.shape, per.shape))
+            return torch.sub(grouped, per, out=target).flatten(0, 1)
+        return torch.sub(x, self.gather(per_group), out=out)
 
     def member_sizes(self) -> Tensor:
         """Size of each member's group, [B] int64 (one tensor per index: do not write to it)."""

@@ -106,10 +106,10 @@ def check_actor_stats(response_mask: Tensor, old_log_probs: Tensor | None, sum_p
                       mask_rule: Callable[[Tensor], None] | None = None) -> Tensor | None:
     """The energy from the actor's per-token stats (``checked_energy_from_logp``: ``old_log_probs``
     <= 0 and ``sum_pi_squared`` in (0, 1] on the response tokens, tested in the energy's own pass;
-    0 off them, so finite and >= 0 on every token), or None without both. One of them alone (an estimator that needs neither) is range-checked
-    token by token. verl pads both with 0 off the response, where nothing is tested. ``mask_rule``
-    (with both): ``response_mask`` is a float32 mask whose 0/1 rule runs in the same pass
-    (``checked_energy_from_logp``)."""
+    0 off them, so finite and >= 0 on every token), or None without both. One of them alone (an
+    estimator that needs neither) is range-checked token by token. verl pads both with 0 off the
+    response, where nothing is tested. ``mask_rule`` (with both): ``response_mask`` is a float32
+    mask whose 0/1 rule runs in the same pass (``checked_energy_from_logp``)."""
     given = {"old_log_probs": old_log_probs, "sum_pi_squared": sum_pi_squared}
     for name, x in given.items():
         if x is not None and (not isinstance(x, Tensor) or x.shape != response_mask.shape):
