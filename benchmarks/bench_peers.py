@@ -40,6 +40,10 @@ run inside another pass costs the median of the rounds' differences between that
 without it; the share is of the direct call's median). The plug-in's mapping of verl's uids
 to group ids is printed beside its share, not in it: a conversion that verl's own functions make
 too (``as_torch_index``), not a check.
+
+The hook sweep times the TRL hook against the direct call for every other registered estimator
+(those verl has no function for) at the first length, both masks: k = 4 for the k-estimators;
+gdpo is left out (it reads the reward functions' components, which the bench does not make).
 """
 from __future__ import annotations
 
@@ -136,23 +140,24 @@ def plugin_call(name: str, inputs: dict):
 
 def trl_inputs(name: str, inputs: dict) -> dict:
     """What CreditGRPOTrainer hands its estimator: sequence rewards, bool mask, masked energy."""
+    from creditrl.core.estimators.registry import get_estimator
     from creditrl.integrations.energy import energy_from_logp
 
     mask = inputs["response_mask"].bool()
     energy = None
-    if name == "otb":
+    if get_estimator(name).needs_energy:
         energy = torch.where(mask, energy_from_logp(inputs["old_log_probs"], inputs["sum_pi_squared"]), 0.0)
     return {"rewards": inputs["scores"], "group": inputs["group"], "mask": mask, "energy": energy}
 
 
-def trl_direct_call(name: str, inputs: dict):
+def trl_direct_call(name: str, inputs: dict, options: dict | None = None):
     from creditrl import compute_advantages
 
     given = trl_inputs(name, inputs)
-    return lambda: compute_advantages(name, **given)
+    return lambda: compute_advantages(name, **given, **(options or {}))
 
 
-def trl_hook_call(name: str, inputs: dict):
+def trl_hook_call(name: str, inputs: dict, options: dict | None = None):
     """``CreditGRPOTrainer._advantages`` on a trainer holding only what that method reads
     (one CPU process: TRL's gathers return the tensors as they are)."""
     from accelerate import Accelerator
@@ -162,7 +167,7 @@ def trl_hook_call(name: str, inputs: dict):
     trainer = object.__new__(CreditGRPOTrainer)
     trainer.accelerator = Accelerator(cpu=True)
     torch.set_num_threads(threads)
-    trainer.estimator, trainer.estimator_kwargs = name, {}
+    trainer.estimator, trainer.estimator_kwargs = name, dict(options or {})
     trainer.args = SimpleNamespace(dynamic_sampling=False)
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     given = trl_inputs(name, inputs)
@@ -228,6 +233,33 @@ def bench(lengths: list[int], num_groups: int, size: int, repeats: int, mask_dty
                 ratios = "".join(f"{row['median'][k]:>{w - 11}.2f}/{row['best'][k]:.2f}/{row['paired'][k]:<5.2f}"
                                  for k, w in (("speedup", 18), ("plugin_ratio", 18), ("hook_ratio", 18)))
                 print(f"{case:<32}{cells}{ratios}{diff:>10.1e}")
+    return rows
+
+
+def hook_sweep(num_groups: int, size: int, length: int, repeats: int) -> list[dict]:
+    """The TRL hook against the direct call for every other registered estimator (those verl has
+    no function for), both masks at one length: what ``CreditGRPOTrainer`` costs whichever
+    estimator a user picks. k-estimators run at k = 4; gdpo reads the reward functions' components,
+    which this bench does not make."""
+    from creditrl.core.estimators.registry import get_estimator, list_estimators
+
+    names = [n for n in list_estimators() if n not in ESTIMATORS and not get_estimator(n).reward_components]
+    print(f"\nTRL hook / TRL direct, the other estimators (T={length}; k = 4 where it applies; "
+          "ms median / best; hook/direct median / best / paired)")
+    rows = []
+    for holes in (False, True):
+        inputs = make_inputs(num_groups, size, length, holes)
+        for name in names:
+            options = {"k": 4} if get_estimator(name).k_range is not None else {}
+            fns = {"trl_direct": trl_direct_call(name, inputs, options), "trl_hook": trl_hook_call(name, inputs, options)}
+            samples = interleaved_samples(fns, repeats, settle=1)
+            times = summarize(samples)
+            row = {stat: times["trl_hook"][stat] / times["trl_direct"][stat] for stat in ("median", "best")}
+            row["paired"] = paired_ratio(samples, "trl_hook", "trl_direct")
+            rows.append(row)
+            case = f"{name:<14} {'5% holes' if holes else 'right-padded'}"
+            print(f"  {case:<28}" + "".join(f"{times[k]['median']:>8.1f}/{times[k]['best']:<6.1f}" for k in fns) +
+                  f"{row['median']:>8.2f}/{row['best']:.2f}/{row['paired']:.2f}")
     return rows
 
 
@@ -396,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = bench(lengths, groups, 16, repeats, mask_dtype)
     # the checks cost ~1 ms each: 4x the rounds, so the paired medians settle
     share = print_check_costs(rows, make_inputs(groups, 16, lengths[0], False, mask_dtype=mask_dtype), 4 * repeats)
+    others = hook_sweep(groups, 16, lengths[0], repeats)
     print()
     for stat in ("median", "best", "paired"):
         worst = {name: min(r[stat]["speedup"] for r in rows if r["name"] == name) for name in ESTIMATORS}
@@ -407,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{max(r[stat]['hook_ratio'] for r in rows):.2f}x (target <= {TARGETS['TRL hook / TRL direct']}x); "
               f"creditrl otb through the plug-in / verl's otb, slowest {otb:.2f}x "
               f"(target >= {TARGETS['creditrl otb (plug-in) / verl otb']}x)")
+    print("largest TRL hook / TRL direct of the other estimators, median / best / paired: " +
+          "/".join(f"{max(r[stat] for r in others):.2f}" for stat in ("median", "best", "paired")) +
+          f"x (target <= {TARGETS['TRL hook / TRL direct']}x)")
     print(f"largest validation share: of the best times {share['best']:.1%}, paired {share['paired']:.1%} "
           f"(target <= {TARGETS['validation share']:.0%}); largest max|diff|: {max(r['diff'] for r in rows):.1e}")
 

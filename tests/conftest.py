@@ -52,6 +52,24 @@ def _torch_threads():
     torch.set_num_threads(THREADS)
 
 
+@pytest.fixture(autouse=True)
+def _estimator_registry():
+    """An estimator a test defines and registers (a function of the test's own, ``<locals>``) is gone
+    after it, and a built-in it overwrote is back, so tests that list the registry do not depend on
+    the order tests run in. Estimators of imported modules stay: importing them again would not
+    register them again."""
+    from creditrl.core.estimators.registry import _REGISTRY, list_estimators
+    list_estimators()                                  # the built-ins, registered before the snapshot
+    before = dict(_REGISTRY)
+    yield
+    for name, spec in list(_REGISTRY.items()):
+        if "<locals>" in getattr(spec.fn, "__qualname__", "") and spec is not before.get(name):
+            if name in before:
+                _REGISTRY[name] = before[name]
+            else:
+                del _REGISTRY[name]
+
+
 # files of estimators, losses, token statistics, gradients and statistics: the arithmetic that differs
 # across CPU kernels and thread counts (the rest checks control flow, files and messages)
 NUMERIC_FILES = {

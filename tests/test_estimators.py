@@ -137,6 +137,11 @@ def test_reinforce_is_returns_to_go(seed, gamma):
     outcome = make_batch(seed)
     want = outcome["rewards"][:, None].double() * outcome["mask"]
     assert torch.equal(run("reinforce", outcome), want)
+    # its own result: one value per row where every valid token's return is R (broadcast by the
+    # output contract), the [B,T] returns where token rewards spread over the row
+    from creditrl.core.estimators import estimator_output
+    assert estimator_output("reinforce", **outcome)[0].shape == outcome["rewards"].shape
+    assert estimator_output("reinforce", **batch, gamma=gamma)[0].shape == batch["mask"].shape
 
 
 @settings(max_examples=60, deadline=None)
@@ -497,6 +502,29 @@ def test_bool_masks_holding_other_bytes_count_as_true():
     assert torch.equal(build_batch(**inputs, mask=odd).valid, canonical.float())
     for name in ("grpo", "otb", "reinforce"):
         assert torch.equal(compute_advantages(name, mask=odd, **inputs), compute_advantages(name, mask=canonical, **inputs))
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.sampled_from([1, 8, 16, 1024, 1032, 1033]), layout=st.sampled_from(["contiguous", "transposed", "offset 8", "offset 3"]),
+       rows=st.integers(1, 5), density=st.floats(0.0, 1.0), seed=st.integers(0, 10_000))
+def test_bool_mask_lengths_count_each_nonzero_byte(steps, layout, rows, density, seed):
+    """A bool mask's ``lengths`` (an integer pass over its bytes clamped to 0/1) against a loop that
+    counts the nonzero bytes, whatever they hold (1..255), across whole-word rows (T % 8 == 0, the
+    word-sum path) and the rest, contiguous or not; ``valid`` is the same mask as 0/1 floats."""
+    from creditrl.core.estimators import build_batch
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(rows, steps, generator=g) < density
+    raw = (keep * torch.randint(1, 256, keep.shape, generator=g)).to(torch.uint8)
+    if layout == "transposed":
+        raw = raw.t().contiguous().t()
+    elif layout in ("offset 8", "offset 3"):  # contiguous rows starting that many bytes into the storage
+        skip = int(layout.split()[1])
+        raw = torch.cat([torch.zeros(skip, dtype=torch.uint8), raw.reshape(-1)])[skip:].view(rows, steps)
+    mask = raw.view(torch.bool)
+    batch = build_batch(rewards=torch.rand(rows, generator=g), mask=mask, group=torch.zeros(rows, dtype=torch.long))
+    expected = [sum(1 for t in range(steps) if int(raw[b, t]) != 0) for b in range(rows)]
+    assert batch.lengths.dtype == torch.int64 and batch.lengths.tolist() == expected
+    assert torch.equal(batch.valid, keep.float())
 
 
 @settings(max_examples=80, deadline=None)

@@ -602,7 +602,7 @@ def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_ene
 
 def test_rollout_metrics_of_every_small_shape_stay_under_dynamos_recompile_limit(monkeypatch):
     """Through ``torch.compile`` (a GPU, or where the standalone graphs do not apply) the energy's sums
-    of batches with B and T in {0, 1, more} keep under dynamo's recompile limit, so a later shape still
+    (and Σ|A| without energies) of batches with B and T in {0, 1, more} keep under dynamo's recompile limit, so a later shape still
     runs compiled: empty batches take no graph (dynamo specialises sizes 0 and 1 on each axis, and
     those nine shapes alone went past the limit of 8). Values: a float64 loop's."""
     import creditrl.utils.fused as fused_module
@@ -627,6 +627,8 @@ def test_rollout_metrics_of_every_small_shape_stay_under_dynamos_recompile_limit
             assert got["energy_mean"] == pytest.approx(float(w.sum()) / tokens, rel=sum_rtol(rows * steps))
             assert got["power_proxy"] == pytest.approx(float((a * a * w).sum()) / max(rows, 1),
                                                        rel=sum_rtol(rows * steps), abs=EPS32)
+            plain = rollout_metrics(advantages, None, mask)              # Σ|A| alone (``_abs_sum``)
+            assert plain["advantage_abs_mean"] == pytest.approx(float(a.abs().sum()) / tokens, rel=sum_rtol(rows * steps))
     if given_up and "recompile" not in given_up[0].lower():     # inductor's own failure (ATEN_CPU_CAPABILITY=default)
         pytest.skip(f"torch.compile fails here ({given_up[0]}): the eager values were checked")
     assert not given_up

@@ -232,7 +232,9 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)
             returns = None
             if get_estimator(name).masked_output:
-                if energy is not None and batch.constant_returns and "returns" not in batch.__dict__:
+                if result.dim() == 1 and batch.constant_returns and torch.equal(result, batch.rewards):
+                    pass                  # advantages = returns-to-go (reinforce's): one tensor is both
+                elif energy is not None and batch.constant_returns and "returns" not in batch.__dict__:
                     # R on every valid token, written into this wrapper's own energy buffer, dead by now
                     returns = torch.mul(batch.rewards[:, None], batch.valid, out=energy)
                 else:

@@ -92,8 +92,11 @@ def centred(batch: AdvantageBatch) -> Tensor:
 
 @register_estimator("reinforce", token_level=True, masked_output=True)
 def reinforce(batch: AdvantageBatch) -> Tensor:
-    """REINFORCE (Williams 1992): A_t = G_t, the return-to-go, [B,T]. No baseline, singletons kept."""
-    return batch.returns
+    """REINFORCE (Williams 1992): A_t = G_t, the return-to-go. No baseline, singletons kept.
+
+    [B], each row's R, where every valid token's G_t is R (``constant_returns``; the output contract
+    broadcasts it), else [B,T]."""
+    return batch.rewards.clone() if batch.constant_returns else batch.returns
 
 
 @register_estimator("dr_grpo")

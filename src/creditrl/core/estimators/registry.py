@@ -21,8 +21,8 @@ from creditrl.core.estimators.steps import StepIndex, returns_to_go
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, options_of
-from creditrl.utils.validate import (check_mask, float32_bits, float_mask, mask_verdict, row_sums_with_rule,
-                                    times_mask_with_rule)
+from creditrl.utils.validate import (bool_row_counts, check_mask, float32_bits, float_mask, mask_verdict,
+                                    row_sums_with_rule, times_mask_with_rule)
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ class AdvantageBatch:
     comes before any advantage is returned, from whichever view comes first, and before another
     input's error found on the way (``check_pending_mask``), as when the mask is checked up front.
     Derived: ``given_mask`` the checked mask; ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid
-    tokens per response;
-    ``mask`` [B,T] bool; ``energy`` [B,T] the energies with 0 where mask == 0;
+    tokens per response; ``mask_bytes`` [B,T] uint8 0/1 (a bool mask only); ``mask`` [B,T] bool;
+    ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
     G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
     a masked token counts at the row's nearest preceding valid token.
@@ -111,8 +111,18 @@ class AdvantageBatch:
         self.__dict__["given_mask"] = self.input_mask
 
     @cached_property
+    def mask_bytes(self) -> Tensor:
+        """A bool mask's bytes as uint8 0/1 [B,T] (``float_mask``'s clamp, which a bool viewed from
+        other bytes needs): ``valid`` converts them and ``lengths`` counts them, one clamp for both."""
+        return self.given_mask.view(torch.uint8).clamp(max=1)
+
+    def _float_copy(self) -> Tensor:
+        mask = self.given_mask
+        return self.mask_bytes.to(torch.float32) if mask.dtype == torch.bool else float_mask(mask)
+
+    @cached_property
     def valid(self) -> Tensor:
-        return float_mask(self.given_mask)
+        return self._float_copy()
 
     @cached_property
     def lengths(self) -> Tensor:
@@ -121,8 +131,10 @@ class AdvantageBatch:
             self.accept_mask_stats(stats)
             return sums.long()
         mask = self.given_mask
-        # float32/64 rows sum 0/1 exactly (no converted copy); bool rows would cast element by
-        # element, and 16-bit floats round the count (bf16: 4,099 ones sum to 4,096)
+        if mask.dtype == torch.bool:                    # an integer pass over the [B,T] bytes (SWAR)
+            return bool_row_counts(self.mask_bytes.view(torch.bool))
+        # float32/64 rows sum 0/1 exactly (no converted copy); 16-bit floats would round the count
+        # (bf16: 4,099 ones sum to 4,096)
         exact = mask.dtype in (torch.float32, torch.float64)
         return (mask if exact else self.valid).sum(1).long()
 
@@ -168,7 +180,7 @@ class AdvantageBatch:
         if not last_use or not self.mask_copy and self.input_mask.dtype == torch.float32:
             return self.broadcast(out)
         own = self.given_mask if self.mask_copy else self.__dict__.pop("valid", None)
-        return (float_mask(self.given_mask) if own is None else own).mul_(out[:, None])
+        return (self._float_copy() if own is None else own).mul_(out[:, None])
 
     @cached_property
     def constant_returns(self) -> bool:
