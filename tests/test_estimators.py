@@ -505,7 +505,8 @@ def test_bool_masks_holding_other_bytes_count_as_true():
 
 
 @settings(max_examples=60, deadline=None)
-@given(steps=st.sampled_from([1, 8, 16, 1024, 1032, 1033]), layout=st.sampled_from(["contiguous", "transposed", "offset 8", "offset 3"]),
+@given(steps=st.sampled_from([1, 8, 16, 1024, 1032, 1033]),
+       layout=st.sampled_from(["contiguous", "transposed", "offset 8", "offset 3"]),
        rows=st.integers(1, 5), density=st.floats(0.0, 1.0), seed=st.integers(0, 10_000))
 def test_bool_mask_lengths_count_each_nonzero_byte(steps, layout, rows, density, seed):
     """A bool mask's ``lengths`` (an integer pass over its bytes clamped to 0/1) against a loop that

@@ -602,9 +602,9 @@ def test_rollout_metrics_from_per_row_values_equal_the_token_loop(seed, with_ene
 
 def test_rollout_metrics_of_every_small_shape_stay_under_dynamos_recompile_limit(monkeypatch):
     """Through ``torch.compile`` (a GPU, or where the standalone graphs do not apply) the energy's sums
-    (and Σ|A| without energies) of batches with B and T in {0, 1, more} keep under dynamo's recompile limit, so a later shape still
-    runs compiled: empty batches take no graph (dynamo specialises sizes 0 and 1 on each axis, and
-    those nine shapes alone went past the limit of 8). Values: a float64 loop's."""
+    (and Σ|A| without energies) of batches with B and T in {0, 1, more} keep under dynamo's recompile
+    limit, so a later shape still runs compiled: empty batches take no graph (dynamo specialises sizes
+    0 and 1 on each axis, and those nine shapes alone went past the limit of 8). Values: a float64 loop's."""
     import creditrl.utils.fused as fused_module
     from creditrl.integrations.trl import rollout_metrics
     monkeypatch.setattr(fused_module, "signature", lambda args: None)        # every call through torch.compile

@@ -465,7 +465,7 @@ class CreditGRPOTrainer(GRPOTrainer):
             out, batch = estimator_output(self.estimator, rewards=rewards, mask=mask, group=group, energy=energy,
                                           **parts, **self.estimator_kwargs)
             # the batch's own count: free where the estimator read it (opo, otb, reinforce_plus_plus*),
-            # else one integer pass before the [B,T] advantages are written, its bytes still cached
+            # else one integer pass over the mask's bytes, before a [B] result is broadcast over them
             counts = batch.lengths if count else None
             return batch.on_tokens(out, last_use=True), (out if out.dim() == 1 else None), counts
         advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)

@@ -96,6 +96,7 @@ def reinforce(batch: AdvantageBatch) -> Tensor:
 
     [B], each row's R, where every valid token's G_t is R (``constant_returns``; the output contract
     broadcasts it), else [B,T]."""
+    # a copy: the result must not alias the rewards (the caller's own tensor where it was float32)
     return batch.rewards.clone() if batch.constant_returns else batch.returns
 
 
