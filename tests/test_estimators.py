@@ -528,6 +528,62 @@ def test_bool_mask_lengths_count_each_nonzero_byte(steps, layout, rows, density,
     assert torch.equal(batch.valid, keep.float())
 
 
+@pytest.mark.parametrize("pending", [False, True], ids=["checked", "rule pending"])
+@pytest.mark.parametrize("dtype", [torch.float32, "signed-zero float32", torch.bool, torch.int64])
+def test_broadcast_pair_is_two_broadcasts(dtype, pending, monkeypatch):
+    """``broadcast_pair`` (one read of a caller's float32 mask for two products) gives each product of a
+    loop bit for bit, signed zeros included, whatever the mask; a mask whose rule is still pending is
+    checked first, and a bad one refused, naming its row."""
+    import creditrl.core.estimators as estimators
+    if pending:
+        monkeypatch.setattr(estimators, "FUSED_RULE_MIN_ELEMENTS", 0)
+    g = torch.Generator().manual_seed(3)
+    keep = torch.rand(5, 37, generator=g) < 0.7
+    mask = torch.where(keep, 1.0, -0.0) if dtype == "signed-zero float32" else keep.to(dtype)
+    first, second = torch.randn(5, generator=g), torch.randn(5, generator=g)
+
+    def build(m):
+        return estimators.build_batch(rewards=torch.rand(5, generator=g), mask=m, group=torch.zeros(5, dtype=torch.long),
+                                      defer_mask_check=True)
+    pair = build(mask).broadcast_pair(first, second)
+    for got, per_row in zip(pair, (first, second)):
+        want = torch.tensor([[float(per_row[b]) * float(mask[b, t]) for t in range(37)] for b in range(5)])
+        assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+    if dtype == torch.float32:
+        bad = mask.clone()
+        bad[2, 3] = 0.5
+        with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[2\]"):
+            build(bad).broadcast_pair(first, second)
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from([torch.bool, "odd-byte bool", torch.float32, "signed-zero float32", torch.float64,
+                              torch.bfloat16, torch.int64]),
+       layout=st.sampled_from(["contiguous", "transposed"]), rows=st.integers(1, 6), steps=st.integers(1, 40),
+       density=st.sampled_from([0.0, 0.3, 0.9, 1.0]), seed=st.integers(0, 10_000))
+def test_last_token_is_each_rows_last_valid_column(dtype, layout, rows, steps, density, seed):
+    """``last_token`` (one pass over the mask, what ``constant_returns`` reads) against a loop, 0 for an
+    empty row, for every mask dtype and layout; and the step view's, where that view was built first."""
+    from creditrl.core.estimators import build_batch
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(rows, steps, generator=g) < density
+    if dtype == "odd-byte bool":
+        mask = (keep * torch.randint(1, 256, keep.shape, generator=g)).to(torch.uint8).view(torch.bool)
+    elif dtype == "signed-zero float32":
+        mask = torch.where(keep, 1.0, -0.0)
+    else:
+        mask = keep.to(dtype)
+    if layout == "transposed":
+        mask = mask.t().contiguous().t()
+    expected = [max((t for t in range(steps) if keep[b, t]), default=0) for b in range(rows)]
+    given = dict(rewards=torch.rand(rows, generator=g), mask=mask, group=torch.zeros(rows, dtype=torch.long))
+    batch = build_batch(**given)
+    assert batch.last_token.dtype == torch.int64 and batch.last_token.tolist() == expected
+    stepped = build_batch(**given)
+    stepped.steps
+    assert stepped.last_token.tolist() == expected
+
+
 @settings(max_examples=80, deadline=None)
 @given(dtype=st.sampled_from([torch.bool, torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
                               torch.int32, torch.uint8, torch.int8, "odd-byte bool"]),

@@ -580,6 +580,23 @@ def test_every_estimator_refuses_a_bad_float32_mask_naming_its_row(energy_path, 
             compute_advantages(name, mask=bad_mask, **given)
 
 
+@pytest.mark.parametrize("name", ["reinforce", "reinforce_plus_plus", "grpo"])
+def test_token_rewards_on_the_last_token_check_a_deferred_mask_first(mask_check, name):
+    """Outcome rewards as verl passes them (on each row's last valid token, with holes): the
+    ``constant_returns`` test reads the mask's last valid columns, after the mask's rule has run."""
+    mask = torch.ones(8, 6)
+    mask[:, 2] = 0.0
+    mask[:, 5] = 0.0
+    rewards = torch.zeros(8, 6)
+    rewards[:, 4] = (torch.arange(8) % 2).float()
+    group = torch.arange(8) // 4
+    want = compute_advantages(name, rewards=rewards[:, 4], mask=mask, group=group)
+    torch.testing.assert_close(compute_advantages(name, rewards=rewards, mask=mask, group=group), want)
+    mask[6, 1] = 0.5
+    with pytest.raises(ValueError, match=r"mask: expected a bool or 0/1 mask.* in rows \[6\]"):
+        compute_advantages(name, rewards=rewards, mask=mask, group=group)
+
+
 def test_the_public_building_blocks_return_nothing_from_an_unchecked_mask(mask_check):
     """estimator_output, and prepare + estimator_result, hand back per-row results: the mask is
     checked before they return, whatever compute_advantages defers."""

@@ -103,6 +103,30 @@ def test_registered_estimator_matches_direct_call(name, mask_dtype):
     assert torch.equal(returns, loop)        # the score on each row's last token: every return is it, exactly
 
 
+@pytest.mark.parametrize("holes", [False, True])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64, torch.bool])
+@pytest.mark.parametrize("name", [n for n in creditrl.list_estimators()
+                                  if get_estimator(n).masked_output and not get_estimator(n).needs_energy])
+def test_token_level_estimator_without_actor_stats_returns_the_loops_returns(name, mask_dtype, holes):
+    """Without the actor's stats (no energy buffer to reuse), a token-level estimator's advantages are the
+    direct call's and its returns the reward-to-go of a loop: for a [B] result (REINFORCE++'s), both
+    come from one read of a caller's float32 mask, and the two must not be confused."""
+    batch = verl_batch()
+    mask = batch["response_mask"].clone()
+    if holes:
+        mask[:, 1] = 0.0
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)
+    rewards = torch.zeros_like(batch["token_level_rewards"])
+    rewards[torch.arange(mask.shape[0]), last] = batch["token_level_rewards"].sum(1)
+    fn = core_algos.get_adv_estimator_fn(plugin.PREFIX + name)
+    advantages, returns = fn(token_level_rewards=rewards, response_mask=mask.to(mask_dtype), index=batch["index"],
+                             config=None)
+    expected = creditrl.compute_advantages(name, rewards=rewards, mask=mask, group=group_of(batch["index"]))
+    assert torch.equal(advantages, expected)
+    assert torch.equal(returns, rewards.sum(1, keepdim=True) * mask)    # R on each valid token, exactly
+    assert name == "reinforce" or not torch.equal(advantages, returns)
+
+
 @pytest.mark.parametrize("value", ["false", 1, None])
 def test_bool_estimator_option_takes_a_bool(value):
     """algorithm.creditrl.leave_one_out="false" would be truthy: refused, naming the key."""

@@ -49,7 +49,7 @@ from verl.trainer.ppo import core_algos
 from verl.workers.config import PolicyLossConfig
 
 from creditrl.core.estimators import build_batch, estimator_result, list_estimators, with_energy
-from creditrl.core.estimators.registry import get_estimator
+from creditrl.core.estimators.registry import AdvantageBatch, get_estimator
 from creditrl.integrations import check_estimator_options, loss_term_fields
 from creditrl.integrations.energy import check_actor_stat_range, checked_energy_from_logp
 from creditrl.core.losses import Fields, PolicyLoss, compose
@@ -187,6 +187,24 @@ def reward_components(config: Any, non_tensor_batch: Any, rows: int,
     return torch.from_numpy(values).to(device), None if weights is None else list(weights)
 
 
+def advantages_and_returns(batch: AdvantageBatch, result: Tensor, energy: Tensor | None) -> tuple[Tensor, Tensor]:
+    """A token-level estimator's checked ``result`` ([B] or [B,T]) -> its advantages and the returns-to-go
+    [B,T] (as verl's OTB returns), each tensor written once; ``energy`` is this wrapper's own buffer
+    (None without the actor's stats), dead by now. The batch is not read afterwards."""
+    if result.dim() == 1 and batch.constant_returns and torch.equal(result, batch.rewards):
+        advantages = batch.on_tokens(result, last_use=True)       # = the returns (reinforce's): one tensor
+        return advantages, advantages
+    if energy is not None and batch.constant_returns and "returns" not in batch.__dict__:
+        returns = torch.mul(batch.rewards[:, None], batch.valid, out=energy)   # R on every valid token
+    elif result.dim() == 1 and batch.constant_returns and batch.mask_is_callers_float32:
+        # A and R (REINFORCE++'s) from one read of the caller's mask; another mask's float32 copy is
+        # creditrl's own, and on_tokens writes A into it without a fresh tensor
+        return batch.broadcast_pair(result, batch.rewards)
+    else:
+        returns = batch.returns
+    return batch.on_tokens(result, last_use=True), returns
+
+
 def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     """verl-convention wrapper of creditrl's estimator ``name`` (see module docstring)."""
     needs_energy = get_estimator(name).needs_energy
@@ -228,20 +246,13 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             if energy is not None:
                 batch = with_energy(batch, energy, rollout_is_weights, checked=True)   # checked_energy_from_logp's
             result = estimator_result(name, batch, **options)
-            # token-level estimators: the returns-to-go (as verl's OTB); sequence-level ones: the
-            # advantages, as verl's own outcome estimators return (verl reads returns only for a critic)
-            returns = None
-            if get_estimator(name).masked_output:
-                if result.dim() == 1 and batch.constant_returns and torch.equal(result, batch.rewards):
-                    pass                  # advantages = returns-to-go (reinforce's): one tensor is both
-                elif energy is not None and batch.constant_returns and "returns" not in batch.__dict__:
-                    # R on every valid token, written into this wrapper's own energy buffer, dead by now
-                    returns = torch.mul(batch.rewards[:, None], batch.valid, out=energy)
-                else:
-                    returns = batch.returns
-            # nothing reads the batch after this: a [B] result goes into its own copy of the mask
-            advantages = batch.on_tokens(result, last_use=True)
-            return advantages, advantages if returns is None else returns
+            if not get_estimator(name).masked_output:
+                # sequence-level: the advantages as returns, as verl's own outcome estimators (verl reads
+                # returns only for a critic); nothing reads the batch after this, so a [B] result goes
+                # into its own copy of the mask
+                advantages = batch.on_tokens(result, last_use=True)
+                return advantages, advantages
+            return advantages_and_returns(batch, result, energy)
 
     estimator.__name__ = estimator.__qualname__ = f"compute_{PREFIX}{name}_advantage"
     estimator.__doc__ = f"creditrl estimator {name!r} ({get_estimator(name).doc}) in verl's calling convention."

@@ -17,12 +17,20 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from creditrl.core.estimators.steps import StepIndex, returns_to_go
+from creditrl.core.estimators.steps import StepIndex, last_valid_columns, returns_to_go
 from creditrl.core.groups import GroupIndex
+from creditrl.utils.fused import fused
 from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, options_of
 from creditrl.utils.validate import (bool_row_counts, check_mask, float32_bits, float_mask, mask_verdict,
                                     row_sums_with_rule, times_mask_with_rule)
+
+
+def _times_mask_pair(first: Tensor, second: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    return first[:, None] * mask, second[:, None] * mask
+
+
+_times_mask_pair_fused = fused(_times_mask_pair)
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,8 @@ class AdvantageBatch:
     comes before any advantage is returned, from whichever view comes first, and before another
     input's error found on the way (``check_pending_mask``), as when the mask is checked up front.
     Derived: ``given_mask`` the checked mask; ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid
-    tokens per response; ``mask_bytes`` [B,T] uint8 0/1 (a bool mask only); ``mask`` [B,T] bool;
+    tokens per response; ``last_token`` [B] int64 column of each row's last valid token (0 if none);
+    ``mask_bytes`` [B,T] uint8 0/1 (a bool mask only); ``mask`` [B,T] bool;
     ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
     G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
@@ -164,6 +173,22 @@ class AdvantageBatch:
         mask = self.given_mask
         return per_row[:, None] * (mask if mask.dtype == torch.float32 else self.valid)
 
+    @property
+    def mask_is_callers_float32(self) -> bool:
+        """Whether products read the caller's own float32 mask (not creditrl's float32 copy of it)."""
+        return self.input_mask.dtype == torch.float32 and not self.mask_copy
+
+    def broadcast_pair(self, first: Tensor, second: Tensor) -> tuple[Tensor, Tensor]:
+        """Two [B] float32 -> ``broadcast`` of each, [B,T] float32 twice. Where the mask is the caller's
+        float32 tensor (``mask_is_callers_float32``), already checked, both products come from one
+        compiled read of it (a verl estimator's advantages and returns): at B = 1,024 on the 2-core
+        dev CPU 2.9 against 3.4 ms at T = 4,096, 10.2 against 13.4 at T = 16,384."""
+        if (self.rule_pending or not self.mask_is_callers_float32
+                or first.requires_grad or second.requires_grad or self.input_mask.requires_grad):
+            return self.broadcast(first), self.broadcast(second)
+        return _times_mask_pair_fused(first.detach().contiguous(), second.detach().contiguous(),
+                                      self.input_mask.detach().contiguous())
+
     def on_tokens(self, out: Tensor, *, last_use: bool = False) -> Tensor:
         """An estimator's checked result [B] or [B,T] -> the advantages [B,T] (``broadcast`` a [B] one).
 
@@ -177,10 +202,21 @@ class AdvantageBatch:
             if self.rule_pending:        # a [B,T] result that never read the mask: checked before it leaves
                 self.given_mask
             return out
-        if not last_use or not self.mask_copy and self.input_mask.dtype == torch.float32:
+        if not last_use or self.mask_is_callers_float32:
             return self.broadcast(out)
         own = self.given_mask if self.mask_copy else self.__dict__.pop("valid", None)
         return (self._float_copy() if own is None else own).mul_(out[:, None])
+
+    @cached_property
+    def last_token(self) -> Tensor:
+        """[B] int64 column of each row's last valid token, 0 for an empty row: the step view's where it
+        is built, else one pass over the mask (``last_valid_columns``)."""
+        if "steps" in self.__dict__:
+            return self.steps.last_token
+        if self.rule_pending:
+            self.lengths                                 # a pending mask's rule, inside the sums' pass
+        mask = self.given_mask
+        return last_valid_columns(self.mask_bytes if mask.dtype == torch.bool else mask)
 
     @cached_property
     def constant_returns(self) -> bool:
@@ -193,7 +229,7 @@ class AdvantageBatch:
             return False
         # counted on the float32 bit patterns (2x faster than on the floats): a -0.0 elsewhere than on
         # the last token counts as a reward there, which only sends the batch to the general path
-        at_last = self.token_rewards.gather(1, self.steps.last_token[:, None])
+        at_last = self.token_rewards.gather(1, self.last_token[:, None])
         nonzero = [int(torch.count_nonzero(float32_bits(x))) for x in (self.token_rewards, at_last)]
         return nonzero[0] == nonzero[1]
 
