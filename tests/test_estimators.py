@@ -556,15 +556,19 @@ def test_broadcast_pair_is_two_broadcasts(dtype, pending, monkeypatch):
             build(bad).broadcast_pair(first, second)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(dtype=st.sampled_from([torch.bool, "odd-byte bool", torch.float32, "signed-zero float32", torch.float64,
                               torch.bfloat16, torch.int64]),
        layout=st.sampled_from(["contiguous", "transposed"]), rows=st.integers(1, 6), steps=st.integers(1, 40),
-       density=st.sampled_from([0.0, 0.3, 0.9, 1.0]), seed=st.integers(0, 10_000))
-def test_last_token_is_each_rows_last_valid_column(dtype, layout, rows, steps, density, seed):
-    """``last_token`` (one pass over the mask, what ``constant_returns`` reads) against a loop, 0 for an
-    empty row, for every mask dtype and layout; and the step view's, where that view was built first."""
+       density=st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+       placement=st.sampled_from(["last", "none", "anywhere", "two", "-0.0 elsewhere", "1e-30 elsewhere"]),
+       seed=st.integers(0, 10_000))
+def test_rewards_off_last_token_matches_a_loop(dtype, layout, rows, steps, density, placement, seed):
+    """``rewards_off_last_token`` (what ``constant_returns`` reads: one pass over the rewards and the
+    mask) against a loop: True iff some nonzero reward lies off its row's last valid column (column 0
+    for an empty row), for every mask dtype and layout; -0.0 is no reward."""
     from creditrl.core.estimators import build_batch
+    from creditrl.core.estimators.steps import rewards_off_last_token
     g = torch.Generator().manual_seed(seed)
     keep = torch.rand(rows, steps, generator=g) < density
     if dtype == "odd-byte bool":
@@ -575,13 +579,33 @@ def test_last_token_is_each_rows_last_valid_column(dtype, layout, rows, steps, d
         mask = keep.to(dtype)
     if layout == "transposed":
         mask = mask.t().contiguous().t()
-    expected = [max((t for t in range(steps) if keep[b, t]), default=0) for b in range(rows)]
-    given = dict(rewards=torch.rand(rows, generator=g), mask=mask, group=torch.zeros(rows, dtype=torch.long))
-    batch = build_batch(**given)
-    assert batch.last_token.dtype == torch.int64 and batch.last_token.tolist() == expected
-    stepped = build_batch(**given)
-    stepped.steps
-    assert stepped.last_token.tolist() == expected
+    last = [max((t for t in range(steps) if keep[b, t]), default=0) for b in range(rows)]
+    rewards = torch.zeros(rows, steps)
+    for b in range(rows):
+        column = int(torch.randint(steps, (1,), generator=g))
+        rewards[b, last[b]] = float(torch.randn(1, generator=g)) if placement != "none" else 0.0
+        if placement == "anywhere":
+            rewards[b] = 0.0
+            rewards[b, column] = 1.0
+        elif placement in ("two", "-0.0 elsewhere", "1e-30 elsewhere"):
+            rewards[b, column] += {"two": 0.5, "-0.0 elsewhere": -0.0, "1e-30 elsewhere": 1e-30}[placement]
+    expected = any(float(rewards[b, t]) != 0.0 and t != last[b] for b in range(rows) for t in range(steps))
+    batch = build_batch(rewards=torch.rand(rows, generator=g), mask=mask, group=torch.zeros(rows, dtype=torch.long))
+    given = batch.mask_bytes if mask.dtype == torch.bool else batch.given_mask
+    assert rewards_off_last_token(rewards, given) is expected
+
+
+def test_rewards_off_last_token_beyond_float32_positions():
+    """Columns 2^24 and 2^24 + 1 are one float32 (positions go float64 there): a reward on the
+    first, the last valid token on the second, is off its row's last token."""
+    from creditrl.core.estimators.steps import rewards_off_last_token
+    steps = (1 << 24) + 2                                       # the last valid column is 2^24 + 1
+    mask = torch.ones(1, steps)
+    rewards = torch.zeros(1, steps)
+    rewards[0, 1 << 24] = 1.0
+    assert rewards_off_last_token(rewards, mask)
+    rewards[0, 1 << 24], rewards[0, (1 << 24) + 1] = 0.0, 1.0
+    assert not rewards_off_last_token(rewards, mask)
 
 
 @settings(max_examples=80, deadline=None)

@@ -17,12 +17,12 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from creditrl.core.estimators.steps import StepIndex, last_valid_columns, returns_to_go
+from creditrl.core.estimators.steps import StepIndex, returns_to_go, rewards_off_last_token
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.fused import fused
 from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, options_of
-from creditrl.utils.validate import (bool_row_counts, check_mask, float32_bits, float_mask, mask_verdict,
+from creditrl.utils.validate import (bool_row_counts, check_mask, float_mask, mask_verdict,
                                     row_sums_with_rule, times_mask_with_rule)
 
 
@@ -61,8 +61,7 @@ class AdvantageBatch:
     comes before any advantage is returned, from whichever view comes first, and before another
     input's error found on the way (``check_pending_mask``), as when the mask is checked up front.
     Derived: ``given_mask`` the checked mask; ``valid`` [B,T] float32 1/0; ``lengths`` [B] int64 valid
-    tokens per response; ``last_token`` [B] int64 column of each row's last valid token (0 if none);
-    ``mask_bytes`` [B,T] uint8 0/1 (a bool mask only); ``mask`` [B,T] bool;
+    tokens per response; ``mask_bytes`` [B,T] uint8 0/1 (a bool mask only); ``mask`` [B,T] bool;
     ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
     G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
@@ -208,30 +207,19 @@ class AdvantageBatch:
         return (self._float_copy() if own is None else own).mul_(out[:, None])
 
     @cached_property
-    def last_token(self) -> Tensor:
-        """[B] int64 column of each row's last valid token, 0 for an empty row: the step view's where it
-        is built, else one pass over the mask (``last_valid_columns``)."""
-        if "steps" in self.__dict__:
-            return self.steps.last_token
-        if self.rule_pending:
-            self.lengths                                 # a pending mask's rule, inside the sums' pass
-        mask = self.given_mask
-        return last_valid_columns(self.mask_bytes if mask.dtype == torch.bool else mask)
-
-    @cached_property
     def constant_returns(self) -> bool:
         """True when every valid token's return-to-go is its row's R: [B] rewards, or token
         rewards that sit only on each row's last valid token with gamma = 1 (the usual outcome
-        reward as verl passes it). Estimators then skip the returns-to-go (one nonzero count)."""
+        reward as verl passes it). Estimators then skip the returns-to-go (one pass over the token
+        rewards and the mask, ``rewards_off_last_token``)."""
         if self.token_rewards is None:
             return True
         if self.gamma != 1.0:
             return False
-        # counted on the float32 bit patterns (2x faster than on the floats): a -0.0 elsewhere than on
-        # the last token counts as a reward there, which only sends the batch to the general path
-        at_last = self.token_rewards.gather(1, self.last_token[:, None])
-        nonzero = [int(torch.count_nonzero(float32_bits(x))) for x in (self.token_rewards, at_last)]
-        return nonzero[0] == nonzero[1]
+        if self.rule_pending:
+            self.lengths                                 # a pending mask's rule, inside the sums' pass
+        mask = self.given_mask
+        return not rewards_off_last_token(self.token_rewards, self.mask_bytes if mask.dtype == torch.bool else mask)
 
     @cached_property
     def returns(self) -> Tensor:
