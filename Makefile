@@ -40,8 +40,11 @@ train-smollm2: setup
 train-reasoning-gym: setup
 	$(BIN)/creditrl train --config smollm2-reasoning-gym
 
+# a pytest-xdist worker per core, each on its share of the cores (tests/conftest.py); an idle worker takes
+# tests queued on a busy one (worksteal). PARALLEL= runs the suite in one process.
+PARALLEL ?= -n auto --dist worksteal
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(PARALLEL) tests
 
 # Each run names its setting and fails the target on the first failure. ATEN_CPU_CAPABILITY caps the
 # vector kernels torch dispatches to (default = no SIMD); --threads sets every test's torch threads.
@@ -49,7 +52,7 @@ PORTABLE_RUNS ?= "ATEN_CPU_CAPABILITY=default" "ATEN_CPU_CAPABILITY=avx2" "OMP_N
 test-portable: setup
 	@for run in $(PORTABLE_RUNS); do \
 	  echo "== make test-portable: $$run"; \
-	  env $$run $(BIN)/python -m pytest -q tests || { echo "== make test-portable: FAILED under $$run"; exit 1; }; \
+	  env $$run $(BIN)/python -m pytest -q $(PARALLEL) tests || { echo "== make test-portable: FAILED under $$run"; exit 1; }; \
 	done
 
 test-gpu: setup

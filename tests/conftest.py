@@ -7,9 +7,10 @@ CREDITRL_TEST_CACHE to reuse a directory across runs while developing.
 ``--threads N`` (or ``CREDITRL_TEST_THREADS=N``) runs every test with N torch CPU threads, set
 before each test (code under test may change the count: the trainer sets ``train.threads``) and
 exported as ``OMP_NUM_THREADS`` to child processes; ``make test-portable`` uses it with one thread.
+Under pytest-xdist (``make test`` runs ``-n auto``) each worker's default is its share of the cores.
 
 The tests whose assertions rest on floating-point tolerances or sampled statistics carry the
-``numerics`` marker (``NUMERIC_FILES``): CI runs them again under other CPU kernels and one thread
+``numerics`` marker (``NUMERIC_FILES``): CI runs them again under other CPU kernels and thread counts
 (``.ci/run``), but for cases marked ``kernels_once`` (a sibling case runs the same arithmetic
 there); ``make test-portable`` runs the whole suite under each setting.
 
@@ -34,10 +35,14 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     global THREADS
     chosen = config.getoption("--threads") or os.environ.get("CREDITRL_TEST_THREADS")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))   # set in each pytest-xdist worker
     if chosen:
         THREADS = int(chosen)
         if THREADS < 1:
             raise pytest.UsageError(f"--threads: expected an int >= 1, got {THREADS}")
+    elif workers > 1:   # the cores shared out: workers each on every core would oversubscribe OpenMP
+        THREADS = max(1, THREADS // workers)
+    if chosen or workers > 1:
         os.environ["OMP_NUM_THREADS"] = str(THREADS)   # child interpreters (CLI runs, compare --jobs)
 
 
@@ -104,7 +109,13 @@ def device(request) -> torch.device:
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_model_cache(tmp_path_factory):
     old = os.environ.get("CREDITRL_CACHE")
-    os.environ["CREDITRL_CACHE"] = os.environ.get("CREDITRL_TEST_CACHE") or str(tmp_path_factory.mktemp("creditrl-cache"))
+    cache = os.environ.get("CREDITRL_TEST_CACHE")
+    if not cache and os.environ.get("PYTEST_XDIST_WORKER"):
+        # one cache for the run's workers (their base folders share a parent): a warm start is made once,
+        # and entries are written atomically, so two workers making one at once both end with a whole entry
+        cache = tmp_path_factory.getbasetemp().parent / "creditrl-cache"
+        cache.mkdir(exist_ok=True)
+    os.environ["CREDITRL_CACHE"] = str(cache or tmp_path_factory.mktemp("creditrl-cache"))
     yield
     if old is None:
         os.environ.pop("CREDITRL_CACHE", None)

@@ -220,40 +220,45 @@ def enumerated_group(theta):
     return logp[index] * mask, scores, rewards, mask, energy, probs
 
 
-# ~27 s a case (every one of the group's 3,375 outcomes): the other aggregations differ from token-mean in
-# control flow and a per-row weight, so CI's other-kernel stages run token-mean only
-@pytest.mark.parametrize("agg", ["token-mean", pytest.param("seq-mean-token-mean", marks=pytest.mark.kernels_once),
-                                 pytest.param("seq-mean-token-sum-norm", marks=pytest.mark.kernels_once)])
-def test_the_measured_gradient_is_the_configured_losss(agg):
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_the_measured_gradient_is_the_configured_loss(agg):
     """E over every outcome of diagnose's group draw (``row_cotangents`` through the policy's scores)
     equals the exact gradient of that loss, written out here: at ratio 1 the clipped surrogate's
-    token loss is −A_t·π/π_old, aggregated as configured; the draw is −(1/N)∇(count · L)."""
+    token loss is −A_t·π/π_old, aggregated as configured; the draw is −(1/N)∇(count · L).
+
+    The 3,375 outcomes go through one call as that many groups (count · L is a sum over groups for
+    these aggregations); a few outcomes' own one-group calls, as diagnose makes them, equal their rows."""
     theta = THETA * 0.8
     logp, scores, rewards, mask, energy, probs = enumerated_group(theta)
-    outcomes = probs.numel()
+    outcomes, rows = probs.numel(), mask.shape[0]
+    group = torch.arange(outcomes).repeat_interleave(GROUP)
     specs = {"rloo": ("rloo", {}), "otb": ("otb", {})}
     loss = PolicyLoss({"aggregation": {"agg": agg, "max_len": 5}, "clip": {"clip_high": 0.28}})
-    got = torch.zeros(2, theta.numel(), dtype=torch.float64)
-    want = torch.zeros_like(got)
+
+    def draw(part: slice) -> torch.Tensor:
+        """[E, n, T] the cotangents of the rows in ``part``, each group's draw (/ N, not / n)."""
+        batch = type("B", (), {"response_mask": mask[part].float(), "prompt_len": 0, "rewards": rewards[part],
+                               "group": group[part] - group[part][0], "rollout_logp": logp[part].float()})()
+        stats = TokenStats(logp=logp[part], entropy=torch.zeros_like(logp[part]), sum_p2=torch.zeros_like(logp[part]),
+                           energy=energy[part].double())
+        n = part.stop - part.start
+        return row_cotangents(batch, slice(0, n), stats, specs, {"rloo": loss, "otb": loss}).double() * (n / GROUP)
+
+    cot = draw(slice(0, rows))
+    for o in (0, 1, outcomes // 2, outcomes - 1):                     # diagnose's own one-group calls
+        part = slice(o * GROUP, (o + 1) * GROUP)
+        torch.testing.assert_close(draw(part), cot[:, part], rtol=1e-6, atol=1e-6 * float(cot.abs().max()))
+    weight_rows = probs.repeat_interleave(GROUP)
+    got = torch.einsum("ebt,b,btp->ep", cot, weight_rows, scores)
+    n = mask.sum(1).double()
+    # d(ℓ_t)/d logp_t = −A_t at ratio 1; count · L per aggregation, differentiated by hand
+    per_token = {"token-mean": torch.ones_like(n), "seq-mean-token-mean": 1 / n,
+                 "seq-mean-token-sum-norm": torch.full_like(n, 1 / 5)}[agg]
+    want = torch.stack([
+        torch.einsum("bt,b,btp->p", estimator_output(name, dict(rewards=rewards, mask=mask, group=group, energy=energy))
+                     * mask * per_token[:, None], weight_rows, scores) / GROUP
+        for name, _ in specs.values()])
     # advantages are float32 (compute_advantages' contract): agreement to float32 rounding, 1e-6 relative
-    for o in range(outcomes):
-        rows = slice(o * GROUP, (o + 1) * GROUP)
-        batch = type("B", (), {"response_mask": mask[rows].float(), "prompt_len": 0, "rewards": rewards[rows],
-                               "group": torch.zeros(GROUP, dtype=torch.long),
-                               "rollout_logp": logp[rows].float()})()
-        stats = TokenStats(logp=logp[rows], entropy=torch.zeros_like(logp[rows]), sum_p2=torch.zeros_like(logp[rows]),
-                           energy=energy[rows].double())
-        cot = row_cotangents(batch, slice(0, GROUP), stats, specs, {"rloo": loss, "otb": loss})
-        got += probs[o] * torch.einsum("ebt,btp->ep", cot.double(), scores[rows])
-        for e, (name, options) in enumerate(specs.values()):
-            adv = estimator_output(name, dict(rewards=rewards[rows], mask=mask[rows],
-                                              group=torch.zeros(GROUP, dtype=torch.long), energy=energy[rows]))
-            n = mask[rows].sum(1).double()
-            # d(ℓ_t)/d logp_t = −A_t at ratio 1; count · L per aggregation, differentiated by hand
-            per_token = {"token-mean": torch.ones_like(n), "seq-mean-token-mean": 1 / n,
-                         "seq-mean-token-sum-norm": torch.full_like(n, 1 / 5)}[agg]
-            weight = adv * mask[rows] * per_token[:, None]
-            want[e] += probs[o] * torch.einsum("bt,btp->p", weight, scores[rows]) / GROUP
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale)
     assert not torch.allclose(want[0], want[1], rtol=1e-3)                  # the two estimators differ

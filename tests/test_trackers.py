@@ -150,6 +150,7 @@ def test_report_to_choices_and_old_tensorboard_key():
         load_config(None, ["logging.tensorboard=maybe"])
 
 
+@pytest.mark.slow
 def test_trackers_hold_the_metrics_history_after_a_kill_and_resume(tiny_chat_model_dir, tmp_path, monkeypatch):
     """SIGKILL mid-run, then --resume: each tracker's history equals metrics.jsonl, step for step
     (before: trackio lost the killed process's steps, TensorBoard and wandb held some twice)."""

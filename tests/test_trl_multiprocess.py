@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("trl")
+pytestmark = pytest.mark.slow
 
 import torch  # noqa: E402
 

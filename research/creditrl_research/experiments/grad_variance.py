@@ -93,7 +93,7 @@ PRESETS = {
     "fast": GradVarianceConfig(digits=(1,), warm_start_accuracy=(0.3,), checkpoints=2, group_size=4, k=2,
                                groups=(16,), batch_groups=4, folds=2, max_new_tokens=16,
                                estimators=("rloo", "otb", "otb+loo", "otb_isolated", "maxpo", "ei", *MENU_ESTIMATORS),
-                               loss_terms=("cispo", "gspo")),
+                               loss_terms=("cispo", "gspo"), threads=1),
     "full": GradVarianceConfig(),
 }
 
