@@ -11,8 +11,7 @@ Under pytest-xdist (``make test`` runs ``-n auto``) each worker's default is its
 
 The tests whose assertions rest on floating-point tolerances or sampled statistics carry the
 ``numerics`` marker (``NUMERIC_FILES``): CI runs them again under other CPU kernels and thread counts
-(``.ci/run``), but for cases marked ``kernels_once`` (a sibling case runs the same arithmetic
-there); ``make test-portable`` runs the whole suite under each setting.
+(``.ci/run``); ``make test-portable`` runs the whole suite under each setting.
 
 Device-sensitive tests carry the ``cuda`` marker (``make test-gpu`` runs them alone); without a
 CUDA device they are skipped, and pytest counts them as skipped. The ``device`` fixture runs a
@@ -90,7 +89,7 @@ NUMERIC_FILES = {
 def pytest_collection_modifyitems(config, items):
     numerics = pytest.mark.numerics
     for item in items:
-        if item.path.name in NUMERIC_FILES and "kernels_once" not in item.keywords:
+        if item.path.name in NUMERIC_FILES:
             item.add_marker(numerics)
     if HAS_CUDA:
         return
