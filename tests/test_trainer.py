@@ -547,3 +547,19 @@ def test_train_plot_shows_a_reward_that_stayed_zero():
     assert train_curves(steps) == ["reward_mean", "accuracy", "entropy"]
     assert train_curves([{"entropy": 1.0}]) == ["entropy"]
 
+
+
+@pytest.mark.parametrize("steps", [[1, 2], [1, 2, 3, 4], list(range(0, 500, 10))])
+def test_step_axes_are_ticked_at_whole_steps(steps):
+    """A run of a few steps is ticked at steps, not at 0.5 or 1.5 (matplotlib's default locator
+    puts fractional ticks on a short integer axis)."""
+    pytest.importorskip("matplotlib")
+    from creditrl.utils.plots import figure, step_axis
+
+    fig, (ax,) = figure()
+    ax.plot(steps, [0.0] * len(steps))
+    step_axis(ax)
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if steps[0] <= t <= steps[-1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert ax.get_xlabel() == "step"

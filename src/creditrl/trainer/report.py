@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from creditrl.utils.durations import format_duration
-from creditrl.utils.plots import figure, save_figure
+from creditrl.utils.plots import figure, save_figure, step_axis
 
 TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
                 "power_proxy", "approx_kl", "clip_frac_high", "noise_scale", "filtered_frac")
@@ -42,7 +42,7 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
             ax.set_title("noise scale B_simple (groups)" if key == "noise_scale" else key)
             if key in LOG_SCALE:
                 ax.set_yscale("log")
-            ax.set_xlabel("step")
+            step_axis(ax)
         for ax in list(axes)[len(keys):]:
             ax.axis("off")
         written.append(save_figure(fig, folder / "train.png", dpi=90))
@@ -56,7 +56,7 @@ def plot_run(run_dir: Path, metrics: list[dict], evals: list[dict]) -> list[Path
         for key in keys:
             label = "sampled_acc (= pass@1)" if key == "sampled_acc" else key
             ax.plot([e["step"] for e in evals], [e.get(key) for e in evals], marker="o", label=label)
-        ax.set_xlabel("step")
+        step_axis(ax)
         ax.set_ylabel("held-out")
         ax.legend()
         written.append(save_figure(fig, folder / "eval.png", dpi=90))
@@ -79,7 +79,8 @@ def plot_diagnosis(path: Path, metrics: list[dict], labels: list[str]) -> Path:
             ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band], alpha=0.15,
                             color=line.get_color())
     ax.axhline(1.0, color="k", lw=0.8, ls=":")
-    ax.set(yscale="log", xlabel="step", ylabel="efficiency vs the estimator trained", title="in-training diagnosis")
+    ax.set(yscale="log", ylabel="efficiency vs the estimator trained", title="in-training diagnosis")
+    step_axis(ax)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     return save_figure(fig, path, dpi=90)

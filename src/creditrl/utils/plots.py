@@ -46,3 +46,12 @@ def plain_log_ticks(axis) -> None:
         return f"{value:g}" if value > 0 and (narrow or lead in (2, 5)) else ""
     axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axis.set_minor_formatter(FuncFormatter(minor))
+
+
+def step_axis(ax) -> None:
+    """Label ``ax``'s x axis "step" with whole-number ticks only: a run of a few steps would
+    otherwise be ticked at 0.5, 1.5 (steps are counts)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
