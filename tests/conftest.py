@@ -13,6 +13,10 @@ The tests whose assertions rest on floating-point tolerances or sampled statisti
 ``numerics`` marker (``NUMERIC_FILES``): CI runs them again under other CPU kernels and thread counts
 (``.ci/run``); ``make test-portable`` runs the whole suite under each setting.
 
+Property tests (hypothesis) draw fresh examples on every run; ``HYPOTHESIS_PROFILE=ci`` (set by
+``.ci/run``) derandomises them: each test's examples come from a hash of the test, so CI's verdict on
+a commit is reproducible, and a failure prints the blob that replays it.
+
 Device-sensitive tests carry the ``cuda`` marker (``make test-gpu`` runs them alone); without a
 CUDA device they are skipped, and pytest counts them as skipped. The ``device`` fixture runs a
 test once on the CPU and once on CUDA (that case marked ``cuda``).
@@ -21,6 +25,11 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 HAS_CUDA = torch.cuda.is_available()
 THREADS = torch.get_num_threads()   # replaced by --threads / CREDITRL_TEST_THREADS in pytest_configure
