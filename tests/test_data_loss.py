@@ -107,6 +107,48 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, capsys):
     assert (folder / "thesis.tex").read_text() == "years of work"
 
 
+def test_an_existing_folder_that_is_no_run_is_named_so_without_overwrite(tmp_path, capsys):
+    """Without --overwrite too: the error does not offer --resume or --overwrite, which both refuse it."""
+    (tmp_path / "mydata").mkdir()
+    (tmp_path / "mydata" / "notes.txt").write_text("mine")
+    assert main(["train", "--no-progress", *TINY, f"train.output_dir={tmp_path}", "train.run_name=mydata"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a creditrl run directory" in err and "neither --resume nor --overwrite" in err
+    assert "creditrl train --resume" not in err
+
+
+@pytest.mark.parametrize("inside", ["final", "data.jsonl"])
+def test_overwrite_refuses_to_delete_what_the_run_reads(finished_run, inside, capsys):
+    """A run trained from an earlier run's final/ (or reading its data from the run directory) with
+    --overwrite of that same run would delete its own input: refused before any work."""
+    root, args = finished_run
+    source = root / "done"
+    before = snapshot(source)
+    if inside == "final":
+        reads = [f"model.name={source / 'final'}"]
+    else:
+        (source / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n' * 8)
+        before = snapshot(source)
+        reads = ["task.name=jsonl", f"task.options.path={source / 'data.jsonl'}", "task.options.checker=numeric"]
+    assert main([*args, *reads, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    key = "model.name" if inside == "final" else "task.options.path"
+    assert f"--overwrite refuses to delete {str(source)!r}: this run reads {key}" in err
+    assert snapshot(source) == before
+
+
+def test_inputs_inside_resolves_links_and_skips_non_paths(tmp_path):
+    from creditrl.utils.rundir import inputs_inside
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(run / "final")
+    (tmp_path / "outside").mkdir()
+    inputs = {"a": str(tmp_path / "link"), "b": "builtin:tiny", "c": str(tmp_path / "outside"), "d": 3,
+              "e": None, "f": str(run), "g": str(tmp_path / "run2")}
+    assert inputs_inside(run, inputs) == [("a", str(tmp_path / "link")), ("f", str(run))]
+
+
 @pytest.mark.parametrize("bad", [["algorithm.estimator=nope"], ["diagnose.estimators=[nope]"],
                                  ["task.name=jsonl", "task.options.path=/nonexistent/data.jsonl"]],
                          ids=["unknown-estimator", "unknown-diagnosed", "missing-file"])

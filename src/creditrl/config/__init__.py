@@ -21,7 +21,7 @@ from creditrl.config.schema import (DTYPES, LEGACY_ALGORITHM_KEYS, SAMPLING_CONT
                                     TRACKERS, AlgorithmConfig, Config, ConfigError, DynamicSamplingConfig,
                                     LoggingConfig, LoraConfig, LoraSettings, ModelConfig, OptimConfig, OverlongConfig,
                                     RolloutConfig, TaskConfig, TinyModelConfig, TrainConfig, WarmStartConfig)
-from creditrl.config.checks import (check_overlong, check_run_name, eval_settings, validate,
+from creditrl.config.checks import (check_overlong, check_run_name, eval_settings, run_inputs, validate,
                                     validate_sampling_controls)
 from creditrl.config.diagnose import DiagnoseConfig, validate_diagnose
 from creditrl.config.files import (PACKAGED_CONFIGS, apply_overrides, check_complete, config_from_dict, config_to_dict,
@@ -36,7 +36,7 @@ __all__ = [
     "DTYPES", "LEGACY_ALGORITHM_KEYS", "SAMPLING_CONTROLS_OFF", "SIGNALS", "TEMPERATURE_RANGE", "TRACKERS",
     "AlgorithmConfig", "Config", "ConfigError", "DynamicSamplingConfig", "LoggingConfig", "LoraConfig", "LoraSettings",
     "ModelConfig", "OptimConfig", "OverlongConfig", "RolloutConfig", "TaskConfig", "TinyModelConfig", "TrainConfig",
-    "WarmStartConfig", "check_overlong", "check_run_name", "eval_settings", "validate", "validate_sampling_controls",
+    "WarmStartConfig", "check_overlong", "check_run_name", "eval_settings", "run_inputs", "validate", "validate_sampling_controls",
     "DiagnoseConfig", "validate_diagnose", "PACKAGED_CONFIGS", "apply_overrides", "check_complete", "config_from_dict",
     "config_to_dict", "flat_items", "flatten", "load_config", "load_diagnose_config", "load_saved_config",
     "merge_layers", "merge_with_diagnose", "migrate", "missing_keys", "packaged_configs", "parse_override",

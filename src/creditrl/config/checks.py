@@ -170,3 +170,10 @@ def check_overlong(o: OverlongConfig, max_new_tokens: int | None) -> None:
     if o.buffer and max_new_tokens is not None and o.buffer > max_new_tokens:
         raise ConfigError(f"rollout.overlong.buffer: expected at most rollout.max_new_tokens={max_new_tokens} (the "
                           f"penalty starts max_new_tokens - buffer tokens in), got {o.buffer}")
+
+
+def run_inputs(cfg: Config) -> dict[str, Any]:
+    """What a run reads from disk, by config key: the model (a local directory), the model cache and
+    every task option (a data file; values that name no path are skipped by the caller)."""
+    return {"model.name": cfg.model.name, "model.cache_dir": cfg.model.cache_dir,
+            **{f"task.options.{k}": v for k, v in cfg.task.options.items()}}

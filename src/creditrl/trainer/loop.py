@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from creditrl.config import (Config, ConfigError, check_complete, check_overlong, config_from_dict, config_to_dict,
-                             check_location_edit, eval_settings, read_saved_config, resume_changes, run_place,
+                             check_location_edit, eval_settings, read_saved_config, resume_changes, run_inputs, run_place,
                              save_config)
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.trainer import checkpoint as ckpt
@@ -601,7 +601,7 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
     before logging anything (a tracker that cannot start) leaves no directory behind."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir).expanduser() / run_name(cfg)
     created = not run_dir.exists()
-    check_new_run(run_dir, overwrite=overwrite)
+    check_new_run(run_dir, overwrite=overwrite, inputs=run_inputs(cfg))
     with RunLock(run_dir):
         try:
             trainer = Trainer(copy.deepcopy(cfg), run_dir, progress=progress)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 LOCK_FILE = ".lock"
@@ -69,31 +70,61 @@ def occupant(run_dir: Path) -> str | None:
 
 
 def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.run_name",
-                  resume_hint: bool = True, kind: str = "train") -> None:
+                  resume_hint: bool = True, kind: str = "train", inputs: Mapping[str, object] | None = None) -> None:
     """Checks for a new run of ``kind`` in ``run_dir``, before any work and without deleting
-    anything: an existing, non-empty directory is refused unless ``overwrite``; ``overwrite`` of a
-    directory that is not a creditrl run of the same kind (``occupant``) is refused too, so a
-    mistyped ``output_dir``/``run_name`` can never delete someone's folder, nor a diagnose report a
-    trained model. Errors name ``key``; ``resume_hint`` mentions ``creditrl train --resume``.
-    Deleting is ``clear_run``'s job, once the new run is certain to start."""
+    anything: an existing, non-empty directory is refused unless ``overwrite``; a directory that is
+    not a creditrl run of the same kind (``occupant``) is refused either way, so a mistyped
+    ``output_dir``/``run_name`` can never delete someone's folder, nor a diagnose report a trained
+    model. ``inputs``: the run's input paths by config key (``model.name``, a data file); ``overwrite``
+    is refused where one lies inside ``run_dir`` (a model trained from an earlier run's ``final/``
+    would be deleted by the run that reads it). Errors name ``key``; ``resume_hint`` mentions
+    ``creditrl train --resume``. Deleting is ``clear_run``'s job, once the new run is certain to start."""
     found = occupant(run_dir)
     if found == "file":
         raise RunDirError(f"{key}: {str(run_dir)!r} exists and is not a directory; choose another {key}")
-    if found is not None:
-        if not overwrite:
-            resume = f"continue it with `creditrl train --resume {run_dir}` or " if resume_hint else ""
-            raise RunDirError(f"{key}: the run directory {str(run_dir)!r} already exists; {resume}start it again "
-                              f"with --overwrite (which deletes it){'' if resume_hint else ' or choose another ' + key}")
-        if found == "folder":
-            raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: it is not a creditrl run "
-                              f"directory (it has no {RUN_MARKER} marker, which every run writes first; a run made "
-                              f"before creditrl wrote one has none: delete it yourself if it is one); "
-                              f"choose another {key}")
-        if found != kind:
+    if found is None:
+        check_writable(run_dir.parent if not run_dir.exists() else run_dir,
+                       "train.output_dir" if not run_dir.exists() else key)
+        return
+    if found == "folder":
+        raise RunDirError(f"{key}: {str(run_dir)!r} already exists and is not a creditrl run directory (it has no "
+                          f"{RUN_MARKER} marker, which every run writes first; a run made before creditrl wrote "
+                          f"one has none: delete it yourself if it is one), so neither --resume nor --overwrite "
+                          f"takes it; choose another {key}")
+    if found != kind:
+        if overwrite:
             raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: it is a creditrl {found} run, "
                               f"and this {kind} run replaces only a {kind} run; choose another {key}")
-    check_writable(run_dir.parent if not run_dir.exists() else run_dir,
-                   "train.output_dir" if not run_dir.exists() else key)
+        raise RunDirError(f"{key}: {str(run_dir)!r} already exists: it is a creditrl {found} run, which this {kind} "
+                          f"run can neither continue nor replace; choose another {key}")
+    if not overwrite:
+        resume = f"continue it with `creditrl train --resume {run_dir}` or " if resume_hint else ""
+        raise RunDirError(f"{key}: the run directory {str(run_dir)!r} already exists; {resume}start it again "
+                          f"with --overwrite (which deletes it){'' if resume_hint else ' or choose another ' + key}")
+    inside = inputs_inside(run_dir, inputs or {})
+    if inside:
+        named = ", ".join(f"{k} {str(v)!r}" for k, v in inside)
+        raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: this run reads {named}, which "
+                          f"lies inside it; copy it out of the run directory first, or choose another {key}")
+    check_writable(run_dir, key)
+
+
+def inputs_inside(run_dir: Path, inputs: Mapping[str, object]) -> list[tuple[str, object]]:
+    """The (key, value) of ``inputs`` naming an existing path inside ``run_dir`` (or ``run_dir`` itself),
+    symbolic links resolved; values that are no path (``builtin:tiny``, numbers) are skipped."""
+    root = Path(run_dir).resolve()
+    found = []
+    for key, value in inputs.items():
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            continue
+        try:
+            path = Path(value).expanduser().resolve()
+            exists = path.exists()
+        except (OSError, RuntimeError, ValueError):
+            continue
+        if exists and (path == root or root in path.parents):
+            found.append((key, value))
+    return found
 
 
 def clear_run(run_dir: Path) -> None:

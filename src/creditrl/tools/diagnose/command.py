@@ -11,7 +11,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from creditrl.config import Config, ConfigError, DiagnoseConfig, load_diagnose_config
+from creditrl.config import Config, ConfigError, DiagnoseConfig, load_diagnose_config, run_inputs
 from creditrl.core.estimators.labels import LOO, takes_k
 from creditrl.core.estimators.registry import get_estimator, list_estimators
 from creditrl.recipe import reference
@@ -112,7 +112,8 @@ def run_command(cfg: Config, d: DiagnoseConfig | None = None, *, overwrite: bool
     plan = make_plan(cfg, d)
     run_dir = run_dir_of(cfg, d, plan)
     # an existing report is deleted only once the new one is written (``publish``)
-    check_new_run(run_dir, overwrite=overwrite, key="diagnose.run_name", resume_hint=False, kind="diagnose")
+    check_new_run(run_dir, overwrite=overwrite, key="diagnose.run_name", resume_hint=False, kind="diagnose",
+                  inputs={**run_inputs(cfg), "diagnose.optimizer_state": d.optimizer_state})
     state_dir = check_run(d.optimizer_state, cfg) if d.optimizer_state else None
     task = build_task(cfg)
     threads = cfg.train.threads or (1 if cfg.model.name == "builtin:tiny" else None)
