@@ -834,6 +834,31 @@ def test_resume_follows_a_moved_run_and_refuses_an_edit_that_would_move_it(tmp_p
     assert (saved.output_dir, saved.run_name) == (str(moved.parent), "r2")
 
 
+def test_a_copy_resumed_by_a_relative_path_records_only_its_new_name(tmp_path, monkeypatch):
+    """A copy beside the original, resumed as ``runs/copy`` from its parent's folder: the record and
+    config.yaml change train.run_name only (the output_dir is the same place; recording
+    '/abs/runs' -> 'runs' said a move that did not happen), and a later resume from another working
+    directory records nothing."""
+    import shutil
+    from creditrl.trainer import resume
+    runs = tmp_path / "runs"
+    run = _finished_run(runs)
+    copy = runs / "copy"
+    shutil.copytree(run, copy)
+    _edit(copy, train__steps=3)
+    monkeypatch.chdir(tmp_path)
+    resume(Path("runs") / "copy", progress=False)
+    record = json.loads((copy / "resumes.jsonl").read_text().splitlines()[-1])
+    assert record["changes"] == {"train.run_name": ["r", "copy"], "train.steps": [2, 3]}
+    saved = load_saved_config(copy / "config.yaml").train
+    assert (saved.output_dir, saved.run_name) == (str(runs), "copy")
+    _edit(copy, train__steps=4)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    resume(copy, progress=False)
+    assert json.loads((copy / "resumes.jsonl").read_text().splitlines()[-1])["changes"] == {"train.steps": [3, 4]}
+
+
 def test_resume_refuses_fewer_steps_than_done_and_an_incomplete_config(tmp_path):
     from creditrl.trainer import resume
     run = _finished_run(tmp_path)

@@ -550,10 +550,13 @@ def precision_comments(run_dir: Path) -> list[str]:
 def located(cfg: Config, run_dir: Path) -> Config:
     """``cfg`` naming ``run_dir`` as its train.output_dir / run_name (a run directory moved or
     copied elsewhere is resumed where it is, and its config says so)."""
-    t = cfg.train
-    if run_place(t.output_dir, t.run_name) == run_dir.resolve():
+    t, here = cfg.train, run_dir.resolve()
+    if run_place(t.output_dir, t.run_name) == here:
         return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=str(run_dir.parent), run_name=run_dir.name))
+    # the saved output_dir where it still names the parent (a copy beside the original): a record of
+    # no change; else the parent's absolute path, which names it from any working directory
+    output_dir = t.output_dir if run_place(t.output_dir, None) == here.parent else str(here.parent)
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, output_dir=output_dir, run_name=here.name))
 
 
 def changed_keys_first(run_dir: Path, data: dict) -> None:
