@@ -325,6 +325,18 @@ def test_bad_data_gets_one_clear_error(tmp_path, body, message):
         get_task("jsonl", path=_jsonl(tmp_path, body))
 
 
+@pytest.mark.parametrize("task", ["addition", "countdown"])
+def test_a_response_budget_past_the_context_is_refused_for_generated_tasks_too(task, tmp_path, capsys):
+    """A built-in task draws its prompts as it goes (no data set to measure), but no prompt fits in
+    the context max_new_tokens leaves: refused before the warm start, naming the key, as for jsonl."""
+    from creditrl.cli import main
+    assert main(["train", "--no-progress", f"train.output_dir={tmp_path}", f"task.name={task}", "rollout.max_new_tokens=1000",
+                 "model.tiny.max_position_embeddings=256"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.max_new_tokens: expected at most 255 (the model's context of 256 tokens less one" in err
+    assert "got 1000" in err
+
+
 def test_a_json_array_file_reads_like_json_lines(tmp_path):
     task = get_task("jsonl", path=_jsonl(tmp_path, b'[{"prompt": "a", "answer": 1}, {"prompt": "b", "answer": 2}]',
                                          name="d.json"))
@@ -343,7 +355,8 @@ def test_prompts_longer_than_the_context_are_refused_or_truncated(tmp_path):
                                          r"truncate_prompts=true"):
         check_prompt_lengths(tok, task, context=20, max_new_tokens=5)
     assert check_prompt_lengths(tok, task, context=64, max_new_tokens=5) == 0
-    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+    with pytest.raises(ValueError, match=r"rollout.max_new_tokens: expected at most 19 \(the model's context of 20 "
+                                         r"tokens less one for a prompt\), got 20"):
         check_prompt_lengths(tok, task, context=20, max_new_tokens=20)
     cut = get_task("jsonl", path=path, truncate_prompts=True)
     assert check_prompt_lengths(tok, cut, context=20, max_new_tokens=5) == 1

@@ -99,16 +99,18 @@ def render_task_prompts(tokenizer, task, prompts: list) -> list[list[int]]:
 
 
 def check_prompt_lengths(tokenizer, task, context: int | None, max_new_tokens: int) -> int:
-    """Before training: every prompt of a task with finite data (``train_set``) must leave room
-    for ``max_new_tokens`` in the model's ``context``. Too long is an error naming the rows,
+    """Before training: ``max_new_tokens`` must leave room for a prompt in the model's ``context``
+    (any task), and every prompt of a task with finite data (``train_set``) room for ``max_new_tokens``. Too long is an error naming the rows,
     unless ``task.truncate_prompts``: then ``task.max_prompt_tokens`` is set and the number of
     prompts that will be truncated is returned."""
-    if context is None or not hasattr(task, "train_set"):
+    if context is None:
         return 0
     budget = context - max_new_tokens
-    if budget < 1:
-        raise ValueError(f"rollout.max_new_tokens: {max_new_tokens} leaves no room for a prompt in the model's "
-                         f"context of {context} tokens")
+    if budget < 1:                  # any task: a prompt takes at least one token
+        raise ValueError(f"rollout.max_new_tokens: expected at most {context - 1} (the model's context of {context} "
+                         f"tokens less one for a prompt), got {max_new_tokens}")
+    if not hasattr(task, "train_set"):
+        return 0
     problems = task.train_set() + task.test_set()
     mode, system = getattr(task, "chat_template", "auto"), getattr(task, "system_prompt", None)
     lengths = [len(render_prompt(tokenizer, p.prompt, chat_template=mode, system_prompt=system))
