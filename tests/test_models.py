@@ -183,13 +183,13 @@ def test_warm_start_learns_addition():
 
 
 def test_warm_start_accuracy_slice_is_many_distinct_problems():
-    # Regression: a fresh RNG per draw once made all 128 held-out problems the same prompt,
+    # Regression: a fresh RNG per draw once made all 128 checked problems the same prompt,
     # so the warm start stopped when ONE problem was solved 40% of the time.
-    from creditrl.runtime.models.warm_start import held_out_problems
+    from creditrl.runtime.models.warm_start import check_problems
     from creditrl.tasks import get_task
 
     task = get_task("addition")
-    problems = held_out_problems(task, WarmStartConfig(eval_size=128))
+    problems = check_problems(task, WarmStartConfig(eval_size=128))
     assert len(problems) == 128
     assert len({p.prompt for p in problems}) > 100
 

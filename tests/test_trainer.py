@@ -191,6 +191,7 @@ def test_the_summary_says_whether_this_run_made_the_warm_start(tmp_path):
                                             f"train.run_name={name}", "train.steps=1", "train.eval_every=0"])
         said.append(json.loads((train(cfg) / "summary.json").read_text())["warm_start"])
     assert said[0].endswith(", in this run (cached for later runs)"), said[0]
+    assert "on training-stream problems, not held out" in said[0]
     assert said[1].startswith("loaded from the cache, made by an earlier run (") and "in this run" not in said[1]
 
 

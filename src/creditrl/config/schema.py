@@ -63,15 +63,17 @@ class TinyModelConfig:
 @dataclass(frozen=True)
 class WarmStartConfig:
     """Supervised warm start of ``builtin:tiny`` on the task's own generator."""
-    target_accuracy: float = opt(0.4, "Supervised warm start stops once sampled held-out accuracy reaches this "
-                                      "(leaves headroom for RL).")
+    target_accuracy: float = opt(0.4, "Supervised warm start stops once its sampled accuracy reaches this (leaves "
+                                      "headroom for RL), measured on `eval_size` problems drawn from the task's "
+                                      "training stream: not held out (a data set's training rows, which it also "
+                                      "trains on); the run's held-out eval at step 0 is the measure to read.")
     max_steps: int = opt(2000, "Upper bound on warm-start steps.")
     batch_size: int = opt(64, "Warm-start batch size.")
     lr: float = opt(2e-3, "Warm-start learning rate (AdamW).")
     warmup_steps: int = opt(20, "Warm-start LR warmup.")
     weight_decay: float = opt(0.0, "Warm-start weight decay.")
     eval_every: int = opt(25, "Check accuracy every N warm-start steps.")
-    eval_size: int = opt(128, "Held-out problems per accuracy check.")
+    eval_size: int = opt(128, "Problems per accuracy check (a fixed draw from the training stream).")
     seed: int = opt(0, "Warm-start data/sampling seed (model init uses train.seed).")
     num_threads: int = opt(1, "torch CPU threads during the warm start; 0 keeps torch's setting.")
 

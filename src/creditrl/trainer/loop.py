@@ -507,7 +507,8 @@ class Trainer:
             info = warm_start_info(self.tiny_cache) or {}
             if info:
                 done = (f"{info.get('steps')} SFT steps to a sampled mean reward (the accuracy for 0/1 rewards) "
-                        f"of {info.get('accuracy', 0):.2f} in {info.get('seconds', 0):.0f}s")
+                        f"of {info.get('accuracy', 0):.2f} on training-stream problems, not held out, in "
+                        f"{info.get('seconds', 0):.0f}s")
                 extra["warm_start"] = (f"loaded from the cache, made by an earlier run ({done})"
                                        if self.warm_start_cached else f"{done}, in this run (cached for later runs)")
         return write_summary(self.run_dir, title=title, metrics=metrics, evals=evals, wall_time=self.elapsed,

@@ -1,6 +1,8 @@
 """Warm start of ``builtin:tiny``: supervised training on the task's own generator
-(prompt -> ``task.sft_target``) until *sampled* accuracy (temperature 1) on a held-out
-slice reaches ``target_accuracy``, or ``max_steps``. The default target (0.4) leaves clear
+(prompt -> ``task.sft_target``) until *sampled* accuracy (temperature 1) on a fixed slice of
+the same training stream reaches ``target_accuracy``, or ``max_steps``. The slice is not held
+out: a finite data set's training rows are what it trains on (a small one can be memorised,
+so its accuracy there overstates the run's held-out eval). The default target (0.4) leaves clear
 headroom for RL. Loss covers the response and EOS, never the prompt or tool outputs. The
 accuracy is the task's mean reward, an invalid reward counted as 0 (as in RL); a reward invalid
 for every reference response is refused before any training.
@@ -98,9 +100,9 @@ def check_reward_of_targets(task, problems: list[Problem]) -> None:
                      f"needs no warm start (model.name=builtin:smollm2-135m or a model directory)")
 
 
-def held_out_problems(task, cfg: WarmStartConfig) -> list[Problem]:
+def check_problems(task, cfg: WarmStartConfig) -> list[Problem]:
     """The fixed slice the warm start measures accuracy on: ``eval_size`` draws from ONE seeded
-    stream of the task's training generator (so they are distinct problems, never test prompts)."""
+    stream of the task's training generator (never test prompts; not held out from training)."""
     rng = random.Random(f"creditrl-warm-start-eval-{cfg.seed}")
     return [task.sample(rng) for _ in range(cfg.eval_size)]
 
@@ -115,16 +117,16 @@ def warm_start(model, tokenizer, task, cfg: WarmStartConfig = WarmStartConfig(),
     """
 
     rng = random.Random(f"creditrl-warm-start-{cfg.seed}")
-    held_out = held_out_problems(task, cfg)
-    check_reward_of_targets(task, held_out)
-    longest = max(len(tokenizer.encode(task.sft_target(p), add_special_tokens=False)) for p in held_out)
+    checked = check_problems(task, cfg)
+    check_reward_of_targets(task, checked)
+    longest = max(len(tokenizer.encode(task.sft_target(p), add_special_tokens=False)) for p in checked)
     max_new_tokens = longest + 8
     history: list[dict] = []
     start = time.perf_counter()
     bar = tqdm(total=cfg.max_steps, desc=f"warm start {task.name}", disable=not progress, leave=False)
     try:
         with torch_threads(cfg.num_threads):
-            _train(model, tokenizer, task, cfg, rng, held_out, max_new_tokens, bar, history)
+            _train(model, tokenizer, task, cfg, rng, checked, max_new_tokens, bar, history)
     finally:
         bar.close()
     model.eval()
@@ -133,7 +135,7 @@ def warm_start(model, tokenizer, task, cfg: WarmStartConfig = WarmStartConfig(),
                            history=history)
 
 
-def _train(model, tokenizer, task, cfg: WarmStartConfig, rng: random.Random, held_out: list[Problem],
+def _train(model, tokenizer, task, cfg: WarmStartConfig, rng: random.Random, checked: list[Problem],
            max_new_tokens: int, bar, history: list[dict]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -154,7 +156,7 @@ def _train(model, tokenizer, task, cfg: WarmStartConfig, rng: random.Random, hel
             if not math.isfinite(loss_value):
                 raise RuntimeError(f"warm start diverged at step {step} (loss {loss_value}); lower lr={cfg.lr}")
             if step % cfg.eval_every == 0 or step == cfg.max_steps:
-                accuracy = sampled_accuracy(model, tokenizer, task, held_out, max_new_tokens=max_new_tokens,
+                accuracy = sampled_accuracy(model, tokenizer, task, checked, max_new_tokens=max_new_tokens,
                                             seed=cfg.seed + step)
                 history.append({"step": step, "loss": loss_value, "accuracy": accuracy,
                                 "seconds": time.perf_counter() - start})
