@@ -101,6 +101,11 @@ def test_cli_errors(tmp_path, capsys):
     assert "--seeds: expected comma-separated integers" in capsys.readouterr().err
     assert compare.main(["--out", str(tmp_path), "--report-only"]) == 2
     assert "no runs with metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert compare.main(["--out", str(tmp_path / "afile"), "--no-progress", "--run", "a", "train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out: expected a directory (made if missing), got {str(tmp_path / 'afile')!r}, a file" in err
+    assert "failed" not in err                                   # refused before any run
 
 
 def test_cli_rejects_bad_config_before_training(tmp_path, capsys):

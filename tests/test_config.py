@@ -198,6 +198,9 @@ def test_invalid_combinations(overrides, message):
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "nope.yaml")
+    (tmp_path / "cdir").mkdir()
+    with pytest.raises(ConfigError, match=r"config file: '.*cdir' is a directory, not a YAML file"):
+        load_config(tmp_path / "cdir")
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim: [1, 2\n")
     with pytest.raises(ConfigError, match="invalid YAML"):

@@ -312,7 +312,8 @@ GOOD = b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
     (GOOD[:34] + b'{"prompt": "\xff", "answer": "1"}\n', r"d.jsonl line 2 is not valid UTF-8"),
     (b'{"prompt": "' + b"x" * (1 << 20) + b'", "answer": "1"}\n' + GOOD, r"d.jsonl line 1 is longer than 1 MiB"),
     (GOOD + b'[1, 2]\n"text"\n', r"line\(s\) 3, 4 are not JSON objects"),
-    (GOOD + b'{"prompt": "5+5=", "answer": null}\n', r"row 3: answer: expected a string, a number, a list or a mapping"),
+    (GOOD + b'{"prompt": "5+5=", "answer": null}\n', r"row 3: answer: missing \(the row has no answer, or it is null\)"),
+    (GOOD + b'{"prompt": "5+5="}\n', r"row 3: answer: missing .*; expected a string, a number, a list or a mapping"),
     (GOOD + b'{"prompt": "5+5=", "answer": NaN}\n', r"row 3: answer: expected a finite number, got nan"),
     # the default checker (exact) reads the answer as text: a mapping or an empty text is refused up front
     (GOOD + b'{"prompt": "5+5=", "answer": {"a": 1}}\n', r"1 answer\(s\) the checker\(s\) \['exact'\] cannot "

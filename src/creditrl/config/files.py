@@ -73,7 +73,9 @@ def resolve_config_path(path: str | Path) -> Path:
         return path
     if path.suffix == "" and (PACKAGED_CONFIGS / f"{path.name}.yaml").is_file() and len(path.parts) == 1:
         return PACKAGED_CONFIGS / f"{path.name}.yaml"
-    raise ConfigError(f"config file: no such file {str(path)!r}; packaged configs are {packaged_configs()}")
+    what = "a directory, not a YAML file" if path.is_dir() else "no such file"
+    raise ConfigError(f"config file: {str(path)!r} is {what}; expected a YAML file or a packaged config "
+                      f"{packaged_configs()}")
 
 
 class UniqueKeyLoader(yaml.SafeLoader):

@@ -137,6 +137,9 @@ def rows_to_problems(file_name: str, prompts: list, answers: list, rows: list[di
     for row, (prompt, answer) in enumerate(zip(prompts, answers), start=1):
         try:
             prompt = check_prompt(prompt, "prompt")
+            if answer is None:          # a JSON line without the key reads as null too
+                raise ValueError("answer: missing (the row has no answer, or it is null); expected a string, a "
+                                 "number, a list or a mapping")
             if isinstance(answer, bool) or not isinstance(answer, (str, int, float, list, dict)):
                 raise ValueError(f"answer: expected a string, a number, a list or a mapping, got {str(answer)[:40]!r}")
             if isinstance(answer, float) and not math.isfinite(answer):

@@ -562,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = find_runs(args.out)
             check_finished(runs)
         else:
+            if args.out.exists() and not args.out.is_dir():     # before any run: each would fail on it
+                raise ValueError(f"--out: expected a directory (made if missing), got {str(args.out)!r}, a file")
             spec = spec_from_args(args)
             check_last_run(sys.argv[1:] if argv is None else list(argv), spec)
             runs = run_all(spec, args.out, force=args.force, progress=not args.no_progress,
