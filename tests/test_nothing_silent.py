@@ -135,10 +135,13 @@ def test_failed_checkpoint_write_leaves_nothing_and_names_the_path(tmp_path, mon
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
-@pytest.mark.parametrize("text", ["", "model:\n  name: builtin:tiny\n", "{{{ not yaml", "- a list\n"])
-def test_resume_refuses_an_incomplete_config(tmp_path, text):
+@pytest.mark.parametrize("text, message", [("", "not filled in with defaults"),
+                                           ("model:\n  name: builtin:tiny\n", "not filled in with defaults"),
+                                           ("{{{ not yaml", r"(?s)unreadable saved config \(.*\); fix the file"),
+                                           ("- a list\n", "not filled in with defaults")])
+def test_resume_refuses_an_incomplete_config(tmp_path, text, message):
     (tmp_path / "config.yaml").write_text(text)
-    with pytest.raises(ConfigError, match="not filled in with defaults"):
+    with pytest.raises(ConfigError, match=message):
         load_saved_config(tmp_path / "config.yaml")
     from creditrl.trainer import resume
     with pytest.raises(ConfigError):
@@ -812,6 +815,14 @@ def test_resume_refuses_a_key_that_cannot_change_mid_run_by_name(tmp_path, key, 
                                           r"a resumed run may change only optim.lr"):
         resume(run, progress=False)
     assert (run / "config.yaml").read_text() == text and not (run / "resumes.jsonl").exists()
+
+
+def test_a_bad_value_in_a_resumed_config_names_the_file(tmp_path):
+    from creditrl.trainer import resume
+    run = _finished_run(tmp_path)
+    _edit(run, optim__lr="abc", train__steps=3)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(run / 'config.yaml'))}: optim.lr: expected float, got 'abc'"):
+        resume(run, progress=False)
 
 
 def test_resume_names_an_edited_estimator_whose_options_no_longer_resolve(tmp_path):

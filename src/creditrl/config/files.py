@@ -201,7 +201,7 @@ def read_saved_config(path: str | Path) -> dict:
     try:
         data = saved_layout(read_yaml(path))
     except ConfigError as err:
-        raise ConfigError(f"{path}: unreadable saved config ({err}); it is not filled in with defaults") from None
+        raise ConfigError(f"{path}: unreadable saved config ({err}); fix the file, or start a new run") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: incomplete saved config (expected a mapping of the config's sections, got "
                           f"{type(data).__name__}); it is not filled in with defaults. Restore it or start a new run")

@@ -220,9 +220,9 @@ class Trainer:
         data = read_saved_config(run_dir / "config.yaml")
         try:
             cfg = resolve_config(config_from_dict(data))
-        except ConfigError:        # an edit that cannot resolve (e.g. a new estimator with the old one's
+        except ConfigError as err:  # an edit that cannot resolve (e.g. a new estimator with the old one's
             changed_keys_first(run_dir, data)       # options): name the edited keys when that explains it
-            raise
+            raise ConfigError(f"{run_dir / 'config.yaml'}: {err}") from None
         check_complete(run_dir / "config.yaml", data, config_to_dict(cfg))
         skipped: list[str] = []
         weights, state = ckpt.load_latest(run_dir, skipped) if ckpt.list_checkpoints(run_dir) else (None, None)
