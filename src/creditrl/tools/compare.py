@@ -34,6 +34,7 @@ import torch
 from creditrl.config import load_config, read_yaml
 from creditrl.recipe.resolve import resolve_config
 from creditrl.tools import tables
+from creditrl.utils.plots import step_axis
 from creditrl.trainer import train
 from creditrl.trainer.loop import TrainingStopped
 from creditrl.utils import cli
@@ -359,6 +360,8 @@ def plot_panels(runs: dict[str, list[Path]], panels, path: Path, window: int, nc
             mean, std = ys.mean(0), _std(ys)
             (line,) = ax.plot(xs.numpy(), mean.numpy(), label=name, lw=1.2, marker="o" if xs.numel() < 8 else None, ms=3)
             ax.fill_between(xs.numpy(), (mean - std).numpy(), (mean + std).numpy(), color=line.get_color(), alpha=0.2)
+        if x == "step":
+            step_axis(ax)                              # whole steps, not 1.25, 1.75
         ax.set(xlabel="generated tokens" if x == "tokens_total" else x, title=metric)
         ax.tick_params(labelsize=7)
     for ax in axes[len(panels):]:

@@ -35,15 +35,16 @@ def save_figure(fig, path: Path, dpi: int = 100) -> Path:
 
 
 def plain_log_ticks(axis) -> None:
-    """A log axis labelled in plain numbers (0.9, 2, 10) rather than 9×10⁻¹: every major tick, and the
-    minor ticks at 2 and 5 of each decade (every minor tick while the axis spans less than a decade)."""
+    """A log axis labelled in plain numbers (0.8, 2, 10) rather than 8×10⁻¹: every major tick, and the
+    minor ticks at 2 and 5 of each decade (every minor tick but 9·10ᵏ while the axis spans less than a
+    decade: 9 sits a log-step of 0.05 below the next major tick, and their labels overlap)."""
     from matplotlib.ticker import FuncFormatter
 
     def minor(value: float, _) -> str:
         low, high = sorted(axis.get_view_interval())
         narrow = low > 0 and high / low < 10
         lead = round(value / 10 ** math.floor(math.log10(value)), 6) if value > 0 else 0
-        return f"{value:g}" if value > 0 and (narrow or lead in (2, 5)) else ""
+        return f"{value:g}" if value > 0 and (narrow and lead != 9 or lead in (2, 5)) else ""
     axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     axis.set_minor_formatter(FuncFormatter(minor))
 

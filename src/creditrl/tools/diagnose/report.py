@@ -218,7 +218,8 @@ def plot_points(rows: list[dict], key: str) -> list[tuple[int, Interval]]:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    fig, (ax,) = tables.figure(1, width=max(4.5, 0.45 * len(rows)))
+    # tall enough for the rotated row names below and a log axis of about a decade above them
+    fig, (ax,) = tables.figure(1, width=max(4.5, 0.45 * len(rows)), height=4.4)
     for shift, key, label in ((-0.12, "efficiency_vs_configured", "plain"), (0.12, "adam_vs_configured", "Adam")):
         points = plot_points(rows, key)
         if points:
