@@ -469,3 +469,19 @@ def test_every_estimator_is_listed_by_the_cli_the_docs_and_the_readme():
         assert f"### `{name}`" in config, name
         assert name in rows and rows[name].strip(), f"README's estimator table lacks {name} or its source"
     assert "algorithm.options.scale" in config
+
+
+def test_every_description_is_its_whole_first_paragraph():
+    """``creditrl estimators`` and docs/config.md show each estimator's and loss term's first paragraph,
+    whole: a docstring's first line cut sentences mid-way ("... s_i = (K/N) mu_i,")."""
+    from creditrl.core.estimators.registry import get_estimator, list_estimators
+    from creditrl.core.losses.terms import get_loss_term, list_loss_terms
+    from creditrl.utils.options import doc_summary
+
+    assert doc_summary("A b,\n    c d (eq. 1):\n\n        x = y\n") == "A b, c d (eq. 1)"
+    assert doc_summary(None) == "" and doc_summary("One.") == "One."
+    specs = [get_estimator(n) for n in list_estimators()] + [get_loss_term(n) for n in list_loss_terms()]
+    for spec in specs:
+        first = " ".join(x.strip() for x in spec.fn.__doc__.strip().split("\n\n")[0].splitlines())
+        assert spec.doc == first.rstrip(":"), spec.name
+        assert not spec.doc.endswith((",", ":")) and "\n" not in spec.doc, spec.name

@@ -247,3 +247,11 @@ def instantiate(where: str, cls: Callable, values: dict | None) -> Any:
         if field_name in {s.name for s in specs}:      # the class names its field: name it in full
             raise OptionError(f"{where}.{field_name}: {rest}") from None
         raise OptionError(f"{where}: {err}") from None
+
+
+def doc_summary(doc: str | None) -> str:
+    """A registered function's one-line description: its docstring's first paragraph on one line (a
+    sentence may wrap), without the colon that introduces an equation below it (``creditrl
+    estimators``, docs/config.md)."""
+    paragraph = (doc or "").strip().split("\n\n")[0]
+    return " ".join(line.strip() for line in paragraph.splitlines()).rstrip(":").rstrip()

@@ -21,7 +21,7 @@ from creditrl.core.estimators.steps import StepIndex, returns_to_go, rewards_off
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.fused import fused
 from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
-from creditrl.utils.options import OptionSpec, build, options_of
+from creditrl.utils.options import OptionSpec, build, doc_summary, options_of
 from creditrl.utils.validate import (bool_row_counts, check_mask, float_mask, mask_verdict,
                                     row_sums_with_rule, times_mask_with_rule)
 
@@ -396,8 +396,7 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
                 getattr(old.fn, "__qualname__", None), getattr(old.fn, "__module__", None)) != (
                 getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
             raise ValueError(f"estimator {name!r} is already registered to {old.fn!r}; pass overwrite=True")
-        doc = (fn.__doc__ or "").strip().splitlines()
-        spec = EstimatorSpec(name, fn, needs_energy, doc[0] if doc else "", masked_output, k_range, token_level,
+        spec = EstimatorSpec(name, fn, needs_energy, doc_summary(fn.__doc__), masked_output, k_range, token_level,
                              reward_components, batch_level, tuple((batch_level_when or {}).items()))
         unknown = [key for key, _ in spec.batch_level_when if key not in (spec.options or {})]
         if unknown and spec.options is not None:

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name, registered_entry
-from creditrl.utils.options import coerce
+from creditrl.utils.options import coerce, doc_summary
 
 STAGES = ("keep", "ratio", "surrogate", "penalty", "aggregate")
 STAGE_DOCS = {
@@ -257,8 +257,7 @@ def register_loss_term(name: str, *, options: type, stage: str, flat: bool = Fal
         if old is not None and not overwrite and old.fn is not fn and (old.fn.__qualname__, old.fn.__module__) != (
                 getattr(fn, "__qualname__", None), getattr(fn, "__module__", None)):
             raise ValueError(f"loss term {name!r} is already registered to {old.fn!r}; pass overwrite=True")
-        lines = (fn.__doc__ or "").strip().splitlines()
-        _REGISTRY[name] = LossTerm(name, fn, options, stage, flat, lines[0] if lines else "", tuple(needs), when,
+        _REGISTRY[name] = LossTerm(name, fn, options, stage, flat, doc_summary(fn.__doc__), tuple(needs), when,
                                    tuple(differentiates), batch_wide)
         return fn
 
