@@ -196,13 +196,14 @@ def test_the_summary_says_whether_this_run_made_the_warm_start(tmp_path):
 
 
 @pytest.mark.slow
-def test_short_run_writes_every_output(tmp_path_factory):
+def test_short_run_writes_every_output(tmp_path_factory, capfd):
     base = tmp_path_factory.getbasetemp()
     out = tmp_path_factory.mktemp("runs")
     cfg = load_config(None, TINY_RUN + [f"model.cache_dir={base / 'tiny-cache'}", f"train.output_dir={out}",
                                         "train.run_name=short", "train.steps=4", "train.save_every=2",
                                         "train.keep_last=1", "train.eval_every=2"])
     run = train(cfg)
+    assert "Writing model shards" not in capfd.readouterr().err      # logging.progress=false: no bar at all
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]

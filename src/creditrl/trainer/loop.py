@@ -39,7 +39,7 @@ from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import (NO_SIGNAL_STEPS, diagnosis_section, learned_nothing, no_signal, plot_run,
                                      streak_warning)
 from creditrl.trainer.report import write_summary
-from creditrl.runtime.models import ModelDirError, disable_dropout, tiny_cache_path, warm_start_info
+from creditrl.runtime.models import ModelDirError, disable_dropout, hf_progress, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision, PrecisionChoice
 from creditrl.runtime.dynamic_sampling import sample_varying_groups
@@ -522,7 +522,7 @@ class Trainer:
         final = self.run_dir / "final"
         for stale in self.run_dir.glob(".tmp-final-*"):      # a write killed earlier
             shutil.rmtree(stale, ignore_errors=True)
-        with atomic_directory(final, replace=True) as tmp:
+        with atomic_directory(final, replace=True) as tmp, hf_progress(self.progress):
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             write_manifest(tmp, step=self.step)

@@ -37,7 +37,7 @@ META_FILE = "warm_start.json"
 
 
 @contextmanager
-def _hf_progress(enabled: bool):
+def hf_progress(enabled: bool):
     """Silence transformers' save/load progress bars unless ``progress`` was asked for."""
     before = hf_logging.is_progress_bar_enabled()
     (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
@@ -122,10 +122,10 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
         model_cfg, warm_start = model_cfg or TinyModelConfig(), warm_start or WarmStartConfig()
         path = tiny_cache_path(task, model_cfg, warm_start, seed, cache_dir)
         if not (path / META_FILE).is_file():
-            with _hf_progress(progress):
+            with hf_progress(progress):
                 build_tiny(task, model_cfg, warm_start, seed, path, progress)
     elif spec == SMOLLM2:
-        with _hf_progress(progress):
+        with hf_progress(progress):
             path = smollm2_dir(cache_root(cache_dir), progress)
     elif spec.startswith("builtin:"):
         raise ValueError(f"model: unknown built-in {spec!r}; valid built-ins are {list(BUILTINS)}")
@@ -142,7 +142,7 @@ def load_policy(spec: str, task, *, model_cfg: TinyModelConfig | None = None,
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    with _hf_progress(progress):
+    with hf_progress(progress):
         model, info = _loaded(path, "model", AutoModelForCausalLM.from_pretrained, dtype=getattr(torch, dtype),
                               output_loading_info=True)
     check_loaded_weights(info, path)
@@ -241,5 +241,5 @@ def warm_start_info(path: str | os.PathLike) -> dict | None:
 
 
 __all__ = ["BUILTINS", "DTYPES", "LoraSettings", "ModelDirError", "SMOLLM2", "adapter_settings", "default_lora_modules", "TinyModelConfig", "WarmStartConfig", "WarmStartResult",
-           "build_tiny", "cache_root", "char_tokenizer", "is_chat_model", "load_policy", "tiny_cache_path", "tiny_model", "warm_start",
+           "build_tiny", "cache_root", "char_tokenizer", "hf_progress", "is_chat_model", "load_policy", "tiny_cache_path", "tiny_model", "warm_start",
            "warm_start_info"]
