@@ -137,5 +137,7 @@ def run(args) -> int:
                       indent=2, default=str)
     print(text)
     if args.out:
-        Path(args.out).expanduser().write_text(text + "\n")
+        out = Path(args.out).expanduser()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
     return 0

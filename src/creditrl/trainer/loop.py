@@ -604,14 +604,13 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
     is checked and the model loaded, so a bad input never costs a finished run. A run that fails
     before logging anything (a tracker that cannot start) leaves no directory behind."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir).expanduser() / run_name(cfg)
-    created = not run_dir.exists()
+    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]    # deepest first
     check_new_run(run_dir, overwrite=overwrite, inputs=run_inputs(cfg))
     with RunLock(run_dir):
         try:
             trainer = Trainer(copy.deepcopy(cfg), run_dir, progress=progress)
         except BaseException:
-            if created:   # refused before any work: leave no empty run directory behind
-                shutil.rmtree(run_dir, ignore_errors=True)
+            remove_created(created)   # refused before any work: leave no empty folders behind
             raise
         if not created:
             clear_run(run_dir)
@@ -621,9 +620,21 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
         except BaseException:
             if not any((run_dir / name).is_file() for name in ("metrics.jsonl", "eval.jsonl")):
                 clear_run(run_dir)    # failed before logging anything (e.g. a tracker): nothing blocks a re-run
-                if created:
-                    shutil.rmtree(run_dir, ignore_errors=True)
+                remove_created(created)
             raise
+
+
+def remove_created(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first: the run directory, then the parents this run created), the
+    first with what it holds, each parent only while empty (another run may have started in it)."""
+    for k, folder in enumerate(folders):
+        if k == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:

@@ -27,7 +27,10 @@ class RunDirError(ValueError):
 
 
 def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
-    """Create ``folder`` if needed and prove a file can be written in it (errors name ``arg``)."""
+    """Prove a file can be written in ``folder`` (errors name ``arg``), creating it for the probe and
+    removing again the folders the probe created: a run refused afterwards leaves none behind."""
+    folder = Path(folder)
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"
@@ -36,6 +39,12 @@ def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
     except OSError as err:
         raise RunDirError(f"{arg}: cannot write in {str(folder)!r} ({err.strerror or err}); "
                           f"choose a writable {arg}") from None
+    finally:
+        for created in missing:                    # deepest first; one another process filled stays
+            try:
+                created.rmdir()
+            except OSError:
+                break
 
 
 RUN_MARKER = ".creditrl-run"       # {"kind": "train" | "diagnose"}: the first file of every run directory
