@@ -234,3 +234,16 @@ def test_resume_of_something_that_is_no_directory_names_it_and_leaves_nothing(tm
     assert main(["train", "--resume", str(target)]) == 2
     assert f"resume: {str(target)!r} is {kind}; expected a creditrl run directory" in capsys.readouterr().err
     assert target.exists() == (kind == "a file") and (kind == "missing" or target.read_text() == "notes")
+
+
+def test_the_writability_probe_leaves_no_folder_behind(tmp_path):
+    from creditrl.utils.rundir import RunDirError, check_writable
+
+    check_writable(tmp_path / "a" / "b")
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    check_writable(tmp_path / "kept")
+    assert (tmp_path / "kept").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RunDirError, match=r"--out: cannot write in"):
+        check_writable(tmp_path / "file" / "sub", "--out")
