@@ -23,6 +23,9 @@ def test_the_three_spellings_give_one_loss():
     assert nested.chosen == keywords.chosen == fields.chosen
     assert [t.name for t, _ in nested.terms] == [t.name for t, _ in fields.terms]
     assert nested.options_of("stapo") == StapoOptions(tau_p=0.01)
+    # "the same PolicyLoss" (README): equal by value, with equal hashes, and unequal on any option
+    assert nested == keywords == fields and len({nested, keywords, fields}) == 1
+    assert nested != compose({**NESTED, "clip_high": 0.31}) and nested != compose() and nested != "loss"
 
 
 def test_to_config_round_trips_and_lists_every_builtin_key():
@@ -42,8 +45,8 @@ def test_spellings_agree_for_any_options(low, high, lam, stapo, agg):
     keywords = dict(clip_low=low, clip_high=high, agg=agg, trace=TraceOptions(lam=lam), stapo=stapo)
     fields = {"clip_low": low, "clip_high": high, "agg": agg, "trace_lam": lam, "stapo": stapo}
     a, b, c = compose(nested), compose(**keywords), compose(Fields(fields.get))
-    assert a.chosen == b.chosen == c.chosen
-    assert compose(a.to_config()).chosen == a.chosen
+    assert a.chosen == b.chosen == c.chosen and a == b == c and hash(a) == hash(c)
+    assert compose(a.to_config()) == a
 
 
 def test_a_trace_without_clamp_round_trips_through_yaml():

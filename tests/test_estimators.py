@@ -817,3 +817,25 @@ def test_bool_options_take_a_bool(value):
                 "null" if value is None else re.escape(f"{value!r} ({type(value).__name__})"))):
             compute_advantages(name, **batch, leave_one_out=value)
         compute_advantages(name, **batch, leave_one_out=False)
+
+
+@pytest.mark.parametrize("name, options, counts", [
+    ("grpo", {}, True), ("dr_grpo", {}, True), ("rloo", {}, True), ("maxpo", {"k": 2}, True),
+    ("shrinkage", {}, True), ("reinforce_plus_plus_baseline", {}, True),
+    ("opo", {}, False), ("ogb", {}, False), ("otb", {}, False), ("otb_isolated", {}, False),
+    ("reinforce_plus_plus", {}, False)])
+def test_a_row_without_valid_tokens_is_in_the_statistics_as_documented(name, options, counts):
+    """compute_advantages' docstring: an empty row gets 0, and its reward enters a plain group statistic
+    (as TRL and verl score a masked, truncated completion) but weighs 0 in length/energy-weighted ones."""
+    gen = torch.Generator().manual_seed(3)
+    rewards = torch.rand(12, generator=gen)
+    group = torch.arange(12) // 4
+    mask = torch.ones(12, 3)
+    mask[0] = 0
+    energy = torch.rand(12, 3, generator=gen) * mask
+    kept = compute_advantages(name, rewards=rewards, mask=mask, group=group, energy=energy, **options)
+    dropped = compute_advantages(name, rewards=rewards[1:], mask=mask[1:], group=group[1:], energy=energy[1:],
+                                 **options)
+    assert torch.equal(kept[0], torch.zeros(3))
+    same = torch.allclose(kept[1:], dropped, atol=1e-6)
+    assert same != counts, (name, (kept[1:] - dropped).abs().max())

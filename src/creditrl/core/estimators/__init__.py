@@ -257,12 +257,23 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     on a masked token counts at the row's nearest preceding valid token.
     mask: [B,T] bool/0-1. group: [B] int ids (any order, any sizes). energy: [B,T] w_t from
     ``token_stats`` (needed by ``ogb``, ``otb``, ``otb_isolated``); is_weights: [B,T] truncated
-    IS weights rho_bar_t. components: [B,K] each reward term's own values (NaN where a term gave
+    IS weights rho_bar_t, which weight those energies (w = rho_bar^2 w): the other estimators
+    ignore both (their shape and values are still checked). components: [B,K] each reward term's own values (NaN where a term gave
     none) and component_weights [K] their weights in the total (ones by default), read by ``gdpo``
     (which needs rewards = their weighted sum, ``check_total``); others ignore them (their shape and
     values are still checked). Estimator options (``k``, ``eps``, ``normalize``) are keywords.
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
+
+    Statistics are over the rows passed. A row with no valid token gets advantages 0; its reward
+    still enters its group's statistics where the baseline is a plain statistic of the group's
+    rewards (grpo, dr_grpo, rloo, maxrl, the max@K estimators, gdpo, shrinkage,
+    reinforce_plus_plus_baseline's centring), as TRL and verl compute them (a truncated completion
+    masked out of the loss is still scored), and weighs 0 where rows are weighted by valid tokens or
+    energy (opo, ogb, otb, otb_isolated, the REINFORCE++ whitening). Leave rows out of the call to
+    leave them out of the statistics, e.g. groups filtered by dynamic sampling (CreditGRPOTrainer
+    and the trainer do): a batch-level statistic (grpo's ``scale="batch"``, shrinkage, gdpo) reads
+    every row given.
     """
     out, batch = _estimator_output(name, True, rewards=rewards, mask=mask, group=group, energy=energy,
                                    is_weights=is_weights, components=components, component_weights=component_weights,

@@ -27,7 +27,8 @@ class AggregationOptions:
         "help": "token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum or seq-mean-token-sum-norm "
                 "(Dr. GRPO)"})
     max_len: int | None = field(default=None, metadata={
-        "help": "the constant M of seq-mean-token-sum-norm and of delta_l_norm (None = the padded length T)"})
+        "help": "the constant M of seq-mean-token-sum-norm and of delta_l_norm (None = the padded length T); "
+                "a constant, not checked against the responses (one longer than M keeps 1/(B·M) per token)"})
 
     def __post_init__(self):
         check_choice("agg", self.agg, AGG_MODES)

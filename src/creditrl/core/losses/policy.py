@@ -124,6 +124,15 @@ class PolicyLoss:
     def __repr__(self) -> str:
         return f"PolicyLoss({', '.join(f'{term.name}={options!r}' for term, options in self.terms)})"
 
+    def __eq__(self, other: object) -> bool:
+        """The same terms with equal options: however it was spelled (``compose``'s three forms)."""
+        if not isinstance(other, PolicyLoss):
+            return NotImplemented
+        return [(t.name, t.fn, o) for t, o in self.terms] == [(t.name, t.fn, o) for t, o in other.terms]
+
+    def __hash__(self) -> int:           # equal losses have equal options, hence equal reprs
+        return hash(repr(self))
+
     def __call__(self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                  ref_logp: Tensor | None = None, rollout_logp: Tensor | None = None,
                  entropy: Tensor | None = None, truncated: Tensor | None = None,
