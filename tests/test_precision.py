@@ -97,6 +97,7 @@ def test_auto_run_records_both_timings_and_runs_what_it_chose(tiny_chat_model_di
         return lambda precision: dataclasses.replace(run(precision), decode_s=forced[precision.name] / 4,
                                                      train_s=forced[precision.name] * 3 / 4)
     monkeypatch.setattr(auto, "model_probe", timed)
+    monkeypatch.setattr(auto, "matmul_precheck", lambda: None)     # the model's timing decides, on any CPU
     trainer = Trainer(run_config(tiny_chat_model_dir, tmp_path, chosen), progress=False)
     assert trainer.cfg.train.precision == chosen and trainer.learner.precision.name == chosen
     run = trainer.run()
@@ -109,6 +110,43 @@ def test_auto_run_records_both_timings_and_runs_what_it_chose(tiny_chat_model_di
     assert record["gradient_cosine"] > 0.99                                          # the real gradients agree
     summary = json.loads((run / "summary.json").read_text())
     assert summary["precision"] == comment[2:]
+
+
+@pytest.mark.parametrize("fp32, bf16, decided", [(1.0, 2.5, True), (1.0, 2.0, True), (1.0, 1.9, False),
+                                                (1.0, 0.5, False), (0.0, 0.0, False)])
+def test_the_matmul_precheck_decides_only_where_bf16_is_hopeless(fp32, bf16, decided):
+    from creditrl.runtime.precision import HOPELESS, matmul_precheck
+
+    choice = matmul_precheck(lambda: {"fp32": fp32, "bf16": bf16})
+    assert (choice is not None) == decided and HOPELESS == 2.0
+    if decided:
+        assert choice.chosen == "fp32" and choice.gradient_cosine is None
+        assert choice.seconds == {"fp32": {"matmul": fp32}, "bf16": {"matmul": bf16}}
+        text = choice.text()
+        assert text.startswith("train.precision=auto chose fp32: a 256x256 matrix product (best of 10) took fp32 ")
+        assert f"{bf16 / fp32:.1f}x slower than fp32's" in text and "the model was not timed" in text
+
+
+def test_matmul_seconds_times_both_precisions():
+    from creditrl.runtime.precision import matmul_seconds
+
+    times = matmul_seconds(size=32, rounds=2)
+    assert set(times) == {"fp32", "bf16"} and all(0 < t < 10 for t in times.values())
+
+
+def test_a_run_decided_by_the_precheck_records_its_timings(tiny_chat_model_dir, tmp_path, monkeypatch):
+    import creditrl.trainer.precision as auto
+    from creditrl.runtime.precision import matmul_precheck
+    from creditrl.trainer.loop import Trainer
+
+    monkeypatch.setattr(auto, "matmul_precheck", lambda: matmul_precheck(lambda: {"fp32": 0.001, "bf16": 0.03}))
+    monkeypatch.setattr(auto, "measure_precision", lambda *a: pytest.fail("the model was timed"))
+    trainer = Trainer(run_config(tiny_chat_model_dir, tmp_path, "pre"), progress=False)
+    assert trainer.cfg.train.precision == "fp32"
+    run = trainer.run()
+    comment = (run / "config.yaml").read_text().splitlines()[0]
+    assert comment.startswith("# train.precision=auto chose fp32: a 256x256 matrix product") and "30.0x slower" in comment
+    assert json.loads((run / "precision.json").read_text())["seconds"]["bf16"] == {"matmul": 0.03}
 
 
 def test_probe_leaves_the_model_and_rngs_as_they_were(tiny_chat_model_dir):

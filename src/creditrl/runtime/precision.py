@@ -4,7 +4,9 @@ asks otherwise); only the forward/backward compute and frozen copies go low-prec
 
 ``auto`` (the default) is resolved when a run starts, by timing the model itself
 (``choose_precision``): whether bf16 autocast pays depends on the machine (on a CPU it needs bf16
-matrix units, AVX512-BF16 or AMX; without them its conversions make it slower than fp32).
+matrix units, AVX512-BF16 or AMX; without them its conversions make it slower than fp32). On a
+CPU a matrix product is timed first (``matmul_precheck``, well under a second): where bf16's runs
+``HOPELESS`` times slower than fp32's, the model is not timed (a minute on SmolLM2 there).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ NAMES = ("auto", "fp32", "bf16", "fp16")
 AUTO_MARGIN = 0.10        # bf16 must save at least this share of fp32's probe time...
 AUTO_MIN_COSINE = 0.99    # ...and its gradient must point where fp32's does
 UNTIMED_MODELS = ("builtin:tiny",)   # millisecond steps: a timing too noisy to choose by
+MATMUL_SIZE = 256         # the precheck's n x n product: its bf16 kernel is the model's
+HOPELESS = 2.0            # bf16 products this many times slower than fp32's: no model runs faster in bf16
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ class PrecisionChoice:
         """One line for a run's summary and config.yaml."""
         if not self.seconds:
             return f"train.precision=auto chose {self.chosen}, not timed: {self.reason}"
+        if all("matmul" in s for s in self.seconds.values()):             # ``matmul_precheck``'s
+            times = ", ".join(f"{name} {s['matmul'] * 1e3:.3g} ms" for name, s in self.seconds.items())
+            return f"train.precision=auto chose {self.chosen}: {self.probe} took {times}; {self.reason}"
         times = ", ".join(f"{name} {s['total']:.3g} s (decode {s['decode']:.3g} + forward/backward "
                           f"{s['forward_backward']:.3g})" for name, s in self.seconds.items())
         return f"train.precision=auto chose {self.chosen}: {self.probe} took {times}; {self.reason}"
@@ -157,6 +164,37 @@ def choose_precision(run_probe: Callable[[Precision], Probe], *, rounds: int = 2
         chosen, why = "bf16", f"bf16 ran {speedup:.2f}x as fast as fp32, gradient cosine {cosine:.4f}"
     rule = f"rule: bf16 when >= {needed:.2f}x as fast with gradient cosine >= {min_cosine}, else fp32"
     return PrecisionChoice(chosen, seconds, cosine, f"{why} ({rule})", probe)
+
+
+def matmul_seconds(size: int = MATMUL_SIZE, rounds: int = 10) -> dict[str, float]:
+    """The best of ``rounds`` seconds of a ``size`` x ``size`` float32 product on the CPU, plain and
+    under bf16 autocast, alternating (one untimed call of each first; a busy machine only adds time)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+    best = {"fp32": math.inf, "bf16": math.inf}
+    for i in range(rounds + 1):
+        for name in ("fp32", "bf16"):
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "bf16"):
+                torch.mm(a, b)
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def matmul_precheck(seconds: Callable[[], dict[str, float]] = matmul_seconds) -> PrecisionChoice | None:
+    """``auto`` on a CPU before the model is timed: fp32 where bf16 autocast's matrix product runs at
+    least ``HOPELESS`` times slower than fp32's (no bf16 units: the model's products, most of a step,
+    would too, where the rule needs bf16 >= 1/(1 - AUTO_MARGIN) times faster); None, time the model,
+    otherwise."""
+    times = seconds()
+    slower = times["bf16"] / times["fp32"] if times["fp32"] > 0 else math.nan   # a clock too coarse: no verdict
+    if not slower >= HOPELESS:
+        return None
+    reason = (f"bf16 autocast's product ran {slower:.1f}x slower than fp32's (>= {HOPELESS:g}x: this CPU has no fast "
+              f"bf16 kernels, so the model was not timed; bf16 is kept when >= {1 / (1 - AUTO_MARGIN):.2f}x as fast)")
+    return PrecisionChoice("fp32", {name: {"matmul": t} for name, t in times.items()}, None, reason,
+                           f"a {MATMUL_SIZE}x{MATMUL_SIZE} matrix product (best of 10)")
 
 
 def gradient_cosine(a: list[Tensor | None], b: list[Tensor | None]) -> float:

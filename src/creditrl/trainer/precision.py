@@ -1,8 +1,10 @@
 """``train.precision=auto`` resolved when a run starts: the run's own model, task and sampler
 timed at fp32 and at bf16 autocast on a probe shaped like its steps (decoding, then one
 forward+backward of the decoded batch), and the faster kept where bf16's gradient agrees with
-fp32's (``runtime.precision.choose_precision`` holds the rule). The choice and both timings go
-to the run's config.yaml (as a comment above the resolved ``train.precision``) and summary.
+fp32's (``runtime.precision.choose_precision`` holds the rule). On a CPU whose bf16 matrix
+product is hopelessly slow (``runtime.precision.matmul_precheck``), fp32 without timing the model.
+The choice and both timings go to the run's config.yaml (as a comment above the resolved
+``train.precision``) and summary.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from creditrl.config import Config
 from creditrl.recipe.resolve import precision_of
-from creditrl.runtime.precision import PrecisionChoice, choose_precision, model_probe, probing
+from creditrl.runtime.precision import PrecisionChoice, choose_precision, matmul_precheck, model_probe, probing
 from creditrl.runtime.rollout import generate_rollouts
 from creditrl.runtime.scoring import response_stats
 
@@ -34,7 +36,8 @@ def resolve_precision(cfg: Config, model, tokenizer, task) -> tuple[Config, Prec
         choice = PrecisionChoice(precision_of(cfg).name, {}, None, f"{cfg.model.name}'s millisecond steps time "
                                                                    "too noisily to choose by, and fp32 is exact")
     else:
-        choice = measure_precision(cfg, model, tokenizer, task)
+        cpu = next(model.parameters()).device.type == "cpu"
+        choice = (matmul_precheck() if cpu else None) or measure_precision(cfg, model, tokenizer, task)
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=choice.chosen)), choice
 
 
