@@ -335,8 +335,8 @@ def test_a_response_budget_past_the_context_is_refused_for_generated_tasks_too(t
     the context max_new_tokens leaves: refused before the warm start, naming the key, as for jsonl."""
     from creditrl.cli import main
     out = tmp_path / "new" / "runs"
-    assert main(["train", "--no-progress", f"train.output_dir={out}", f"task.name={task}", "rollout.max_new_tokens=1000",
-                 "model.tiny.max_position_embeddings=256"]) == 2
+    assert main(["train", "--no-progress", f"train.output_dir={out}", f"task.name={task}",
+                 "rollout.max_new_tokens=1000", "model.tiny.max_position_embeddings=256"]) == 2
     assert not (tmp_path / "new").exists()            # refused: no empty output folders left behind
     err = capsys.readouterr().err
     assert "rollout.max_new_tokens: expected at most 255 (the model's context of 256 tokens less one" in err

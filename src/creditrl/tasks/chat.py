@@ -100,9 +100,10 @@ def render_task_prompts(tokenizer, task, prompts: list) -> list[list[int]]:
 
 def check_prompt_lengths(tokenizer, task, context: int | None, max_new_tokens: int) -> int:
     """Before training: ``max_new_tokens`` must leave room for a prompt in the model's ``context``
-    (any task), and every prompt of a task with finite data (``train_set``) room for ``max_new_tokens``. Too long is an error naming the rows,
-    unless ``task.truncate_prompts``: then ``task.max_prompt_tokens`` is set and the number of
-    prompts that will be truncated is returned."""
+    (any task), and every prompt of a task with finite data (``train_set``) room for
+    ``max_new_tokens``. Too long is an error naming the rows, unless ``task.truncate_prompts``:
+    then ``task.max_prompt_tokens`` is set and the number of prompts that will be truncated is
+    returned."""
     if context is None:
         return 0
     budget = context - max_new_tokens

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from creditrl.config import (Config, ConfigError, check_complete, check_overlong, config_from_dict, config_to_dict,
-                             check_location_edit, eval_settings, read_saved_config, resume_changes, run_inputs, run_place,
-                             save_config)
+                             check_location_edit, eval_settings, read_saved_config, resume_changes, run_inputs,
+                             run_place, save_config)
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths

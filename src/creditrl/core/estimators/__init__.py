@@ -258,10 +258,10 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     mask: [B,T] bool/0-1. group: [B] int ids (any order, any sizes). energy: [B,T] w_t from
     ``token_stats`` (needed by ``ogb``, ``otb``, ``otb_isolated``); is_weights: [B,T] truncated
     IS weights rho_bar_t, which weight those energies (w = rho_bar^2 w): the other estimators
-    ignore both (their shape and values are still checked). components: [B,K] each reward term's own values (NaN where a term gave
-    none) and component_weights [K] their weights in the total (ones by default), read by ``gdpo``
-    (which needs rewards = their weighted sum, ``check_total``); others ignore them (their shape and
-    values are still checked). Estimator options (``k``, ``eps``, ``normalize``) are keywords.
+    ignore both (their shape and values are still checked). components: [B,K] each reward term's
+    own values (NaN where a term gave none) and component_weights [K] their weights in the total
+    (ones by default), read by ``gdpo`` (which needs rewards = their weighted sum,
+    ``check_total``); others ignore them (their shape and values are still checked). Estimator options (``k``, ``eps``, ``normalize``) are keywords.
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
 
