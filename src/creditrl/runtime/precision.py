@@ -25,6 +25,7 @@ AUTO_MARGIN = 0.10        # bf16 must save at least this share of fp32's probe t
 AUTO_MIN_COSINE = 0.99    # ...and its gradient must point where fp32's does
 UNTIMED_MODELS = ("builtin:tiny",)   # millisecond steps: a timing too noisy to choose by
 MATMUL_SIZE = 256         # the precheck's n x n product: its bf16 kernel is the model's
+MATMUL_ROUNDS = 10        # the precheck times the best of this many products of each
 HOPELESS = 2.0            # bf16 products this many times slower than fp32's: no model runs faster in bf16
 
 
@@ -166,7 +167,7 @@ def choose_precision(run_probe: Callable[[Precision], Probe], *, rounds: int = 2
     return PrecisionChoice(chosen, seconds, cosine, f"{why} ({rule})", probe)
 
 
-def matmul_seconds(size: int = MATMUL_SIZE, rounds: int = 10) -> dict[str, float]:
+def matmul_seconds(size: int = MATMUL_SIZE, rounds: int = MATMUL_ROUNDS) -> dict[str, float]:
     """The best of ``rounds`` seconds of a ``size`` x ``size`` float32 product on the CPU, plain and
     under bf16 autocast, alternating (one untimed call of each first; a busy machine only adds time)."""
     gen = torch.Generator().manual_seed(0)
@@ -194,7 +195,7 @@ def matmul_precheck(seconds: Callable[[], dict[str, float]] = matmul_seconds) ->
     reason = (f"bf16 autocast's product ran {slower:.1f}x slower than fp32's (>= {HOPELESS:g}x: this CPU has no fast "
               f"bf16 kernels, so the model was not timed; bf16 is kept when >= {1 / (1 - AUTO_MARGIN):.2f}x as fast)")
     return PrecisionChoice("fp32", {name: {"matmul": t} for name, t in times.items()}, None, reason,
-                           f"a {MATMUL_SIZE}x{MATMUL_SIZE} matrix product (best of 10)")
+                           f"a {MATMUL_SIZE}x{MATMUL_SIZE} matrix product (best of {MATMUL_ROUNDS})")
 
 
 def gradient_cosine(a: list[Tensor | None], b: list[Tensor | None]) -> float:

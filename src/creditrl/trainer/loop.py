@@ -49,7 +49,8 @@ from creditrl.core.estimators.labels import LOO
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
 from creditrl.recipe.build import (ConfiguredLoss, build_task, check_lora_source, default_max_new_tokens,
                                    load_configured_policy, policy_loss_from_config)
-from creditrl.utils.rundir import RunDirError, RunLock, check_new_run, clear_run, mark_run, run_kind
+from creditrl.utils.rundir import (RunDirError, RunLock, check_new_run, clear_run, mark_run, missing_folders,
+                                   remove_empty_folders, run_kind)
 from creditrl.trainer.trackers import check_trackers
 from creditrl.utils.errors import CreditrlError
 from creditrl.utils.plots import require_matplotlib
@@ -604,7 +605,7 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
     is checked and the model loaded, so a bad input never costs a finished run. A run that fails
     before logging anything (a tracker that cannot start) leaves no directory behind."""
     run_dir = Path(run_dir) if run_dir else Path(cfg.train.output_dir).expanduser() / run_name(cfg)
-    created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]    # deepest first
+    created = missing_folders(run_dir)
     check_new_run(run_dir, overwrite=overwrite, inputs=run_inputs(cfg))
     with RunLock(run_dir):
         try:
@@ -625,16 +626,11 @@ def train(cfg: Config, *, run_dir: str | Path | None = None, progress: bool | No
 
 
 def remove_created(folders: list[Path]) -> None:
-    """Remove ``folders`` (deepest first: the run directory, then the parents this run created), the
-    first with what it holds, each parent only while empty (another run may have started in it)."""
-    for k, folder in enumerate(folders):
-        if k == 0:
-            shutil.rmtree(folder, ignore_errors=True)
-            continue
-        try:
-            folder.rmdir()
-        except OSError:
-            return
+    """Remove what this run created (``missing_folders`` of its directory): the run directory with
+    what it holds, then each parent while empty (another run may have started in it)."""
+    if folders:
+        shutil.rmtree(folders[0], ignore_errors=True)
+        remove_empty_folders(folders[1:])
 
 
 def resume(run_dir: str | Path, *, progress: bool | None = None) -> Path:

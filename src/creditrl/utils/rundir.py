@@ -26,11 +26,26 @@ class RunDirError(ValueError):
     """A run directory that cannot be used as asked; the message says what to do instead."""
 
 
+def missing_folders(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, deepest first: what creating ``path`` makes."""
+    return [p for p in (Path(path), *Path(path).parents) if not p.exists()]
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first, as ``missing_folders`` lists them) while they are empty:
+    the first that is not (another process wrote in it) stays, with its parents."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
     """Prove a file can be written in ``folder`` (errors name ``arg``), creating it for the probe and
     removing again the folders the probe created: a run refused afterwards leaves none behind."""
     folder = Path(folder)
-    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    missing = missing_folders(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"
@@ -40,11 +55,7 @@ def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
         raise RunDirError(f"{arg}: cannot write in {str(folder)!r} ({err.strerror or err}); "
                           f"choose a writable {arg}") from None
     finally:
-        for created in missing:                    # deepest first; one another process filled stays
-            try:
-                created.rmdir()
-            except OSError:
-                break
+        remove_empty_folders(missing)
 
 
 RUN_MARKER = ".creditrl-run"       # {"kind": "train" | "diagnose"}: the first file of every run directory

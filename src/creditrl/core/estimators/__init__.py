@@ -261,7 +261,8 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     ignore both (their shape and values are still checked). components: [B,K] each reward term's
     own values (NaN where a term gave none) and component_weights [K] their weights in the total
     (ones by default), read by ``gdpo`` (which needs rewards = their weighted sum,
-    ``check_total``); others ignore them (their shape and values are still checked). Estimator options (``k``, ``eps``, ``normalize``) are keywords.
+    ``check_total``); others ignore them (their shape and values are still checked). Estimator
+    options (``k``, ``eps``, ``normalize``) are keywords.
     Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
 
