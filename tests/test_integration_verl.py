@@ -704,3 +704,68 @@ def test_a_boolean_option_takes_a_bool(value):
     with pytest.raises(ValueError, match=r"otb.leave_one_out: expected bool"):
         creditrl.compute_advantages("otb", rewards=batch["token_level_rewards"], mask=batch["response_mask"],
                                     group=group_of(batch["index"]), energy=batch["stats"].energy, leave_one_out=value)
+
+
+# creditrl's rollout_correction mode -> verl's (rollout_is, rollout_rs), cap C as rollout_is_threshold and as
+# rollout_rs_threshold (a single k1 threshold C is verl's bounds [1/C, C])
+VERL_ROLLOUT = {"tis": ("token", None), "seq-tis": ("sequence", None), "mis": ("token", "token_k1"),
+                "seq-mis": ("sequence", "seq_sum_k1"), "rs": (None, "token_k1"), "geo-rs": (None, "seq_mean_k1")}
+
+
+def verl_rollout_correction(old, rollout, mask, mode, cap):
+    """verl's IS weights [B,T] and its response mask after rejection, for creditrl's ``mode``."""
+    from verl.trainer.ppo.rollout_corr_helper import (compute_rollout_correction_weights,
+                                                      compute_rollout_rejection_mask)
+    is_level, rs = VERL_ROLLOUT[mode]
+    log_ratio, mask = old - rollout, mask.to(old.dtype)
+    weights = mask if is_level is None else compute_rollout_correction_weights(
+        log_ratio=log_ratio, response_mask=mask, rollout_is=is_level, rollout_is_threshold=cap)[0]
+    kept = mask if rs is None else compute_rollout_rejection_mask(
+        log_ratio=log_ratio, response_mask=mask, rollout_rs=rs, rollout_rs_threshold=cap)[0]
+    return weights, kept
+
+
+def rollout_inputs(mode, seed=4, shape=(48, 9)):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.arange(shape[1])[None] < torch.randint(1, shape[1] + 1, (shape[0], 1), generator=gen)
+    old = -torch.rand(shape, generator=gen, dtype=torch.float64) * 3
+    spread = 0.15 if mode.startswith("seq") else 0.5          # a product of ratios spreads √T times more
+    rollout = (old + spread * torch.randn(shape, generator=gen, dtype=torch.float64)).clamp(max=0)
+    return old, rollout, mask
+
+
+@pytest.mark.parametrize("mode", list(VERL_ROLLOUT))
+def test_rollout_correction_is_verls_weight_times_its_rejection_mask(mode):
+    """The factor each mode puts on a token's gradient (what OTB's off-policy energies read) is verl's IS
+    weight times its rejection mask; sequence weights are the product of the token ratios (a geometric
+    mean is no importance weight), and something is dropped and kept in every dropping mode."""
+    from creditrl.core.losses.rollout_correction import correction_weights
+    cap = 1.6
+    old, rollout, mask = rollout_inputs(mode)
+    weights, kept = verl_rollout_correction(old, rollout, mask, mode, cap)
+    torch.testing.assert_close(correction_weights(old - rollout, mask, mode, cap), weights * kept,
+                               rtol=1e-12, atol=0)
+    if VERL_ROLLOUT[mode][1] is not None:
+        assert 0 < int((mask & (kept == 0)).sum()) < int(mask.sum())
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", list(VERL_ROLLOUT))
+def test_rollout_correction_loss_is_verls_vanilla_loss_with_its_weights_and_mask(mode, agg):
+    """policy_loss under each mode equals verl's vanilla loss given verl's IS weights and its rejected
+    response mask: value and gradient, dropped tokens out of the denominators as in verl."""
+    cap = 1.6
+    old, rollout, mask = rollout_inputs(mode, seed=5)
+    adv = torch.randn(mask.shape[0], generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    logp = (old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(7),
+                                    dtype=torch.float64)).clamp(max=0).requires_grad_()
+    ours, _ = creditrl.policy_loss(logp, old, adv, mask, rollout_logp=rollout, rollout_correction=mode,
+                                   rollout_cap=cap, clip_c=3.0, agg=agg)
+    weights, kept = verl_rollout_correction(old, rollout, mask, mode, cap)
+    theirs, _ = core_algos.compute_policy_loss_vanilla(
+        old_log_prob=old, log_prob=logp, advantages=adv[:, None] * mask, response_mask=kept, loss_agg_mode=agg,
+        config=actor_config(), rollout_is_weights=None if VERL_ROLLOUT[mode][0] is None else weights)
+    rtol = 1e-12 + (2e-8 if agg.startswith("seq") else 0.0)   # verl's + 1e-8 in a row's denominator of >= 1
+    torch.testing.assert_close(ours, theirs, rtol=rtol, atol=1e-15)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0],
+                               rtol=rtol, atol=1e-15)

@@ -167,26 +167,30 @@ def test_kl_penalty_matches_loop(est):
 # ---- rollout correction -----------------------------------------------------------------------
 
 def loop_rollout(old, rollout, mask, mode, cap):
-    """Per-token weight (TIS) and keep (MIS) by loop."""
+    """Per-token weight and keep of a rollout correction, by loop over rows and tokens: a token's
+    own ratio, the row's product of ratios (seq-tis, seq-mis) or their geometric mean (geo-rs); a
+    weight min(ρ, cap) (tis, mis, seq-tis, seq-mis), a drop outside [1/cap, cap] (mis, seq-mis, rs, geo-rs)."""
     weight = torch.ones(old.shape, dtype=torch.float64)
     keep = mask.clone()
     for b in range(old.shape[0]):
         idx = [t for t in range(old.shape[1]) if mask[b, t]]
-        seq_log = sum(old[b, t].item() - rollout[b, t].item() for t in idx) / max(len(idx), 1)
+        row_log = sum(old[b, t].item() - rollout[b, t].item() for t in idx)
         for t in idx:
-            log_rho = seq_log if mode.startswith("seq") else old[b, t].item() - rollout[b, t].item()
-            rho = math.exp(log_rho)
-            if mode.endswith("tis"):
+            log_rho = {"seq-tis": row_log, "seq-mis": row_log, "geo-rs": row_log / len(idx)}.get(
+                mode, old[b, t].item() - rollout[b, t].item())
+            rho = math.exp(min(max(log_rho, -20.0), 20.0))
+            if mode in ("tis", "mis", "seq-tis", "seq-mis"):
                 weight[b, t] = min(rho, cap)
-            elif not (1 / cap <= rho <= cap):
+            if mode in ("mis", "seq-mis", "rs", "geo-rs") and not (1 / cap <= rho <= cap):
                 keep[b, t] = False
     return weight, keep
 
 
-@pytest.mark.parametrize("mode", ["tis", "mis", "seq-tis", "seq-mis"])
+@pytest.mark.parametrize("mode", ["tis", "mis", "seq-tis", "seq-mis", "rs", "geo-rs"])
 def test_rollout_correction_matches_loop(mode):
     logp, old, adv, mask = make_batch(5)
-    rollout = old + 0.8 * torch.randn(old.shape, generator=torch.Generator().manual_seed(11))
+    noise = 0.2 if mode.startswith("seq") else 0.8     # a product of ratios spreads √T times more
+    rollout = old + noise * torch.randn(old.shape, generator=torch.Generator().manual_seed(11))
     shift = rollout.max().clamp(min=0)       # log-probs <= 0, every difference between them kept
     logp, old, rollout = logp - shift, old - shift, rollout - shift
     cap = 1.5
@@ -199,7 +203,7 @@ def test_rollout_correction_matches_loop(mode):
     expected = token[keep].sum() / keep.sum()
     assert loss.item() == pytest.approx(expected.item(), abs=f32_tol(torch.where(keep, token, 0.0), keep, "token-mean"))
     assert metrics["is_masked_frac"] == pytest.approx(((mask & ~keep).sum() / mask.sum()).item())
-    if mode.endswith("mis"):
+    if not mode.endswith("tis"):
         assert 0 < metrics["is_masked_frac"] < 1
     rho = (old - rollout).double()
     k3 = torch.where(mask, torch.exp(rho) - 1 - rho, 0.0)
@@ -207,6 +211,38 @@ def test_rollout_correction_matches_loop(mode):
     gaps = [abs((old[b] - rollout[b])[mask[b]].mean().item()) for b in range(mask.shape[0]) if mask[b].any()]
     tol = f32_tol(torch.where(mask, rho, 0.0), mask, "seq-mean-token-mean")   # a mean of per-row |means|
     assert metrics["ppl_gap"] == pytest.approx(sum(gaps) / len(gaps), abs=tol)
+
+
+@pytest.mark.parametrize("mode", ["seq-tis", "seq-mis", "tis"])
+def test_sequence_correction_is_unbiased_by_exact_enumeration(mode):
+    """Every 2-token response of a 3-token vocabulary, sampled by π_rollout ≠ π_old, weighted by its
+    probability: with a cap nothing reaches, E_rollout[∇ loss] = −∇_θ E_{π_old}[R] exactly for the
+    sequence modes, whose weight is the product of the token ratios; the token-level weight (tis) is
+    not an importance weight of the response, and misses it."""
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(1 + 3, 3, generator=gen, dtype=F64, requires_grad=True)   # logits: step 1; step 2 | y_1
+    roll_logits = theta.detach() + 0.7 * torch.randn(4, 3, generator=gen, dtype=F64)
+    reward = torch.rand(3, 3, generator=gen, dtype=F64)
+    ys = torch.tensor(list(itertools.product(range(3), range(3))))              # [9, 2]
+
+    def token_logp(logits):                      # [9, 2]: log π(y_1), log π(y_2 | y_1)
+        lp = logits.log_softmax(-1)
+        return torch.stack([lp[0, ys[:, 0]], lp[1 + ys[:, 0], ys[:, 1]]], 1)
+
+    old, rollout = token_logp(theta).detach(), token_logp(roll_logits)
+    r = reward[ys[:, 0], ys[:, 1]]
+    j = (token_logp(theta).sum(1).exp() * r).sum()                                 # E_{π_θ}[R] at θ = θ_old
+    true_grad = torch.autograd.grad(j, theta)[0]
+    p_roll = rollout.sum(1).exp()
+    mask = torch.ones(9, 2, dtype=torch.bool)
+    # seq-mean-token-sum: (1/9) Σ_y Σ_t ℓ_yt, so advantages 9·π_rollout(y)·R(y) weigh each response by its probability
+    loss, _ = policy_loss(token_logp(theta), old, 9 * p_roll * r, mask, rollout_logp=rollout, rollout_correction=mode,
+                          rollout_cap=1e6, agg="seq-mean-token-sum")
+    got = -torch.autograd.grad(loss, theta)[0]
+    if mode == "tis":
+        assert (got - true_grad).abs().max() > 1e-3
+    else:
+        torch.testing.assert_close(got, true_grad, rtol=1e-12, atol=1e-14)
 
 
 def test_tis_weight_is_detached():
@@ -225,7 +261,7 @@ OPTIONS = {
     "k3+": dict(kl_coef=0.1, kl_estimator="k3+", kl_bias_correction=True),
     "tis": dict(rollout_correction="tis"),
     "mis": dict(rollout_correction="mis"),
-    "seq_mis": dict(rollout_correction="seq-mis"),
+    "seq_mis": dict(rollout_correction="seq-mis", rollout_cap=8.0),    # a product of ratios: a wider cap keeps rows
     "stapo": dict(stapo=StapoOptions(tau_p=0.1, high_entropy_fraction=0.5)),
     "trace": dict(trace=TraceOptions(lam=0.95, style="both", floor=0.01)),
     "weight": dict(trace=TraceOptions(lam=0.9, update="weight")),

@@ -38,8 +38,9 @@ OPTIONS = {  # name -> (group: at most one option per group in a pair, kwargs bu
     "clip_c": ("dual", lambda x: {"clip_c": 1.5}),
     **{f"kl_{e}": ("kl", lambda x, e=e: {"ref_logp": x["ref"], "kl_coef": 0.2, "kl_estimator": e})
        for e in ("k1", "k2", "k3")},
-    **{m: ("rollout", lambda x, m=m: {"rollout_logp": x["rollout"], "rollout_correction": m, "rollout_cap": 1.5})
-       for m in ("tis", "mis", "seq-tis", "seq-mis")},
+    **{m: ("rollout", lambda x, m=m: {"rollout_logp": x["rollout"], "rollout_correction": m,
+                                      "rollout_cap": 8.0 if m == "seq-mis" else 1.5})   # a product: keep some rows
+       for m in ("tis", "mis", "seq-tis", "seq-mis", "geo-rs")},
     "stapo": ("stapo", lambda x: {"stapo": StapoOptions(tau_p=0.3, high_entropy_fraction=0.5),
                                   "entropy": x["entropy"]}),
     "eps_trace": ("trace", lambda x: {"trace": TraceOptions(lam=0.8, adv_clamp=-0.5)}),

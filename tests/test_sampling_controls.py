@@ -18,6 +18,7 @@ from creditrl.core.groups import uniform_groups
 from creditrl.runtime.rollout import (concat_rollouts, generate_rollouts, sample_metrics, score_rollouts,
                                       select_groups)
 from creditrl.runtime.scoring import response_stats
+from creditrl.core.token_stats import TokenStats
 from creditrl.tasks import Problem, get_task
 from creditrl.tasks.rewards import RewardComponent, Scores, overlong_penalty
 
@@ -299,6 +300,32 @@ def test_reward_terms_reach_gdpo_through_the_learner(tmp_path):
     torch.testing.assert_close(ours, expected)
     total_only = compute_advantages("gdpo", rewards=batch.rewards, mask=mask, group=batch.group)
     assert not torch.allclose(ours, total_only)
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis", "seq-tis", "seq-mis", "rs", "geo-rs"])
+def test_otb_energies_take_the_factor_the_rollout_correction_puts_on_each_token(mode):
+    """OTB's off-policy energies are ŵ_t ρ̄_t² with ρ̄_t the correction's factor on the token's gradient
+    (OTB App. D): the mode's weight, 0 where it drops the token (a dropped token's energy once entered
+    every baseline of its group at min(ρ, cap)²)."""
+    from creditrl.trainer.update import Batch, advantages
+    from test_losses import loop_rollout
+    gen = torch.Generator().manual_seed(1)
+    rows, steps, cap = 8, 5, 1.5
+    mask = (torch.arange(steps)[None] < torch.tensor([5, 3, 4, 5, 2, 5, 4, 1])[:, None]).float()
+    old_logp = -torch.rand(rows, steps, generator=gen) * 2 * mask
+    spread = 0.15 if mode.startswith("seq") else 0.6
+    rollout = (old_logp + spread * torch.randn(rows, steps, generator=gen)).clamp(max=0) * mask
+    energy = torch.rand(rows, steps, generator=gen) * mask
+    group = torch.arange(rows) // 4
+    batch = Batch({"group": group}, mask, rollout, torch.rand(rows, generator=gen), 0, torch.zeros(rows, dtype=torch.bool))
+    old = TokenStats(old_logp, torch.zeros_like(mask), torch.zeros_like(mask), energy)
+    weight, keep = loop_rollout(old_logp.double(), rollout.double(), mask.bool(), mode, cap)
+    got = advantages("otb", {}, True, batch, old, (mode, cap))
+    expected = compute_advantages("otb", rewards=batch.rewards, mask=mask, group=group, energy=energy,
+                                  is_weights=(weight * keep).float())
+    torch.testing.assert_close(got, expected)
+    if not mode.endswith("tis"):
+        assert (mask.bool() & ~keep).any() and keep.any()
 
 
 # ----------------------------------------------------------------------------- creditrl train

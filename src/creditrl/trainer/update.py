@@ -29,6 +29,7 @@ from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.gradients.noise_scale import NoiseScale
 from creditrl.core.losses import EntropyControl, power_proxy
 from creditrl.core.losses.diagnostics import adam_moment_variance, masked_mean
+from creditrl.core.losses.rollout_correction import correction_weights
 from creditrl.core.token_stats import TokenStats
 from creditrl.runtime.rollout import RolloutBatch, sample_metrics
 from creditrl.runtime.precision import Precision
@@ -99,14 +100,15 @@ def statistics_no_grad(model, batch: Batch, cfg: Config, precision: Precision) -
 def advantages(estimator: str, options: dict, needs_energy: bool, batch: Batch, old: TokenStats,
                correction: tuple[str | None, float]) -> Tensor:
     """[B,R] float32 advantages of ``estimator`` from the rewards, the groups and (OTB/OGB) the
-    energies ŵ_t of π_old, times ρ̄_t² = min(π_old/π_rollout, cap)² under a rollout correction
-    (OTB App. D, eq. 58-60). ``correction``: (mode or None, cap). An estimator that reads the
-    reward components (gdpo) gets the batch's ``components``."""
+    energies ŵ_t of π_old, times ρ̄_t² under a rollout correction, ρ̄_t the factor the correction puts
+    on the token's gradient (its weight, 0 where it drops the token; OTB App. D, eq. 58-60).
+    ``correction``: (mode or None, cap). An estimator that reads the reward components (gdpo) gets
+    the batch's ``components``."""
     mode, cap = correction
     with torch.no_grad():
         is_weights = None
         if mode is not None and needs_energy:
-            is_weights = torch.exp(old.logp - batch.rollout_logp).clamp(max=cap) * batch.mask
+            is_weights = correction_weights(old.logp - batch.rollout_logp, batch.mask, mode, cap)
         parts = {}
         if batch.components is not None and get_estimator(estimator).reward_components:
             parts = dict(components=batch.components, component_weights=batch.component_weights)

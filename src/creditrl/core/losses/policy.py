@@ -1,7 +1,7 @@
 """The policy loss: one autograd composition of the registered loss terms.
 
 Per token (valid tokens; r_t = π_θ/π_old, A_t the advantage), the default composition:
-    keep       κ = valid ∧ ¬STAPO-silenced (``stapo``) ∧ ¬MIS-dropped;  ρ̄ = TIS weight (``rollout_correction``)
+    keep       κ = valid ∧ ¬STAPO-silenced (``stapo``) ∧ ¬dropped, ρ̄ = the weight (``rollout_correction``)
     ratio      A_t ← max(A_t, adv_clamp);  z ← M·z (ε-trace) or τ = M(1 + σ(log π − 1)) (ε-weight)  (``trace``)
     surrogate  ℓ_t = max(−A_t r_t, −A_t clip(r_t, 1−ε_low, 1+ε_high)), min(·, −A_t c) where A_t < 0,
                times ρ̄·τ                                                                       (``clip``)
