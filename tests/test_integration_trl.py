@@ -635,12 +635,14 @@ def test_rollout_metrics_of_every_small_shape_stay_under_dynamos_recompile_limit
 
 
 @pytest.mark.parametrize("name, options", [("grpo", {}), ("pkpo", {"k": 2}), ("maxk_bon", {"k": 2}), ("shrinkage", {})])
-def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
-    """A row no reward function scored goes through the estimator with no valid token (advantage 0,
-    whatever value a rank-based estimator gives it): the logged Σ|A| / tokens equals the returned
-    advantages' (counted over this process's mask, that row's tokens included)."""
+def test_hook_leaves_rows_no_reward_scored_out_of_the_estimator(name, options):
+    """A row no reward function scored stays out of its group's statistics (TRL's nanmean/nanstd leave it
+    out too; as a group member with the group's mean reward it once shrank grpo's std by √((N-2)/(N-1))
+    and rloo's baseline toward its own reward): advantage 0, the other rows' advantages those of their
+    groups without it, and the logged Σ|A| / tokens the returned advantages' (counted over this
+    process's mask, that row's tokens included)."""
     from types import MethodType, SimpleNamespace
-    trainer = SimpleNamespace(estimator=name, estimator_kwargs=options, args=SimpleNamespace(dynamic_sampling=False),
+    trainer = SimpleNamespace(estimator=name, estimator_kwargs=options, args=SimpleNamespace(log_completions=False),
                               accelerator=SimpleNamespace(process_index=0, num_processes=1), logged={})
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
@@ -652,6 +654,14 @@ def test_hook_metrics_leave_out_rows_no_reward_scored(name, options):
     scorable = torch.tensor([True, True, True, False, True, True, True, True])
     advantages = CreditGRPOTrainer._advantages(trainer, "train", rewards, group, scorable, mask, None)
     assert not advantages[3].any()
+    alone = creditrl.compute_advantages(name, rewards=rewards[scorable], mask=mask[scorable], group=group[scorable],
+                                        **options)
+    assert torch.equal(advantages[scorable], alone)
+    if name == "grpo":                              # TRL's own: (r − nanmean) / (nanstd + eps) over the scored rows
+        from trl.trainer.utils import nanstd
+        grouped = torch.where(scorable, rewards, torch.nan).view(2, 4)
+        trl = (grouped - grouped.nanmean(1, keepdim=True)) / (nanstd(grouped, dim=1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(advantages[:, 0], trl.flatten().nan_to_num(0.0))
     expected = float(advantages.abs().sum()) / mask.sum().item()
     assert trainer.logged["advantage_abs_mean"] == pytest.approx(expected, rel=sum_rtol(40), abs=EPS32)
 
@@ -666,7 +676,7 @@ def test_hook_advantages_of_the_second_of_two_processes(name, all_scorable):
     from types import MethodType, SimpleNamespace
     g = torch.Generator().manual_seed(2)
     rows, steps, long = 4, 5, 7
-    trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, args=SimpleNamespace(dynamic_sampling=False),
+    trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, args=SimpleNamespace(log_completions=False),
                               accelerator=SimpleNamespace(process_index=1, num_processes=2), logged={})
     first = {torch.bool: torch.rand(rows, long, generator=g) < 0.8, torch.float32: torch.rand(rows, long, generator=g)}
     first[torch.float32] = torch.where(first[torch.bool], first[torch.float32], 0.0)
@@ -681,9 +691,12 @@ def test_hook_advantages_of_the_second_of_two_processes(name, all_scorable):
     scorable = torch.ones(2 * rows, dtype=torch.bool)
     scorable[rows + 1] = all_scorable
     got = CreditGRPOTrainer._advantages(trainer, "train", rewards, group, scorable, mask, energy)
-    all_mask = trainer._gather_rows(mask) & scorable[:, None]
+    all_mask = trainer._gather_rows(mask)
     all_energy = None if energy is None else trainer._gather_rows(energy)
-    expected = creditrl.compute_advantages(name, rewards=rewards, mask=all_mask, group=group, energy=all_energy)
+    expected = torch.zeros(all_mask.shape)              # a row no reward scored is no member of its group
+    expected[scorable] = creditrl.compute_advantages(name, rewards=rewards[scorable], mask=all_mask[scorable],
+                                                     group=group[scorable],
+                                                     energy=None if energy is None else all_energy[scorable])
     assert torch.equal(got, expected[rows:, :steps])
     if not all_scorable:
         assert not got[1].any()
@@ -691,16 +704,15 @@ def test_hook_advantages_of_the_second_of_two_processes(name, all_scorable):
     assert trainer.logged["advantage_abs_mean"] == pytest.approx(loop, rel=sum_rtol(rows * steps), abs=EPS32)
 
 
-@pytest.mark.parametrize("dynamic_sampling", [False, True])
 @pytest.mark.parametrize("name", ["grpo", "rloo", "otb"])
-def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
+def test_hook_advantages_leave_the_mask_as_given(name):
     """The hook hands the estimator's [B] values to the batch's own float32 mask copy (its last
     use): the bool mask TRL passes stays as it was, the advantages are ``compute_advantages``'
     bit for bit, and the logged Σ|A| / tokens counts the rows' valid tokens."""
     from types import MethodType, SimpleNamespace
     g = torch.Generator().manual_seed(1)
     trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, accelerator=SimpleNamespace(process_index=0, num_processes=1),
-                              args=SimpleNamespace(dynamic_sampling=dynamic_sampling), logged={})
+                              args=SimpleNamespace(log_completions=False), logged={})
     trainer._gather_rows = lambda x: x
     trainer._log_creditrl = lambda mode, metrics: trainer.logged.update(metrics) or metrics
     trainer._watch_reward_signal = lambda *args: None
@@ -717,3 +729,34 @@ def test_hook_advantages_leave_the_mask_as_given(name, dynamic_sampling):
     assert torch.equal(got, expected)
     loop = sum(abs(float(expected[i, t])) for i in range(8) for t in range(6) if given[i, t]) / int(given.sum())
     assert trainer.logged["advantage_abs_mean"] == pytest.approx(loop, rel=sum_rtol(48), abs=EPS32)
+
+
+@pytest.mark.parametrize("name", ["rloo", "otb"])
+def test_completions_table_shows_the_advantages_trained_on(name):
+    """With ``log_completions`` TRL's table (``_logs["advantages"]``) holds creditrl's advantage of each
+    completion of the batch, not the GRPO z-score TRL logged (rloo's [B] values; otb's mean over each row's
+    tokens); a row no reward scored shows 0, and entries of earlier batches stay."""
+    from collections import deque
+    from types import MethodType, SimpleNamespace
+    g = torch.Generator().manual_seed(3)
+    trainer = SimpleNamespace(estimator=name, estimator_kwargs={}, accelerator=SimpleNamespace(process_index=0, num_processes=1),
+                              args=SimpleNamespace(log_completions=True), logged={},
+                              _logs={"advantages": deque([9.0] * 3 + [-7.0] * 8, maxlen=12)})
+    trainer._gather_rows = lambda x: x
+    trainer._log_creditrl = lambda mode, metrics: metrics
+    trainer._watch_reward_signal = lambda *args: None
+    trainer._estimate = MethodType(CreditGRPOTrainer._estimate, trainer)
+    trainer._log_completion_advantages = MethodType(CreditGRPOTrainer._log_completion_advantages, trainer)
+    mask = torch.rand(8, 6, generator=g) < 0.7
+    mask[:, 0] = True
+    group, rewards = torch.arange(8) // 4, torch.rand(8, generator=g)
+    energy = torch.where(mask, torch.rand(8, 6, generator=g), 0.0) if name == "otb" else None
+    scorable = torch.ones(8, dtype=torch.bool)
+    scorable[5] = False
+    got = CreditGRPOTrainer._advantages(trainer, "train", rewards, group, scorable, mask, energy)
+    table = list(trainer._logs["advantages"])
+    assert table[:3] == [9.0] * 3 and len(table) == 11
+    for b in range(8):
+        tokens = [float(got[b, t]) for t in range(6) if mask[b, t] and scorable[b]]
+        assert table[3 + b] == pytest.approx(sum(tokens) / max(len(tokens), 1), rel=1e-6, abs=1e-7)
+    assert table[3 + 5] == 0.0 and any(abs(v) > 0.1 for v in table[3:])

@@ -434,7 +434,9 @@ class CreditGRPOTrainer(GRPOTrainer):
         # allocated, so the allocator reuses their memory instead of faulting in fresh pages
         self.last_rollout = {"components": components}
         advantages, per_row, counts = self._estimate(rewards, all_mask, group, scorable, estimator_energy, components,
-                                                     count=everything)
+                                                     everything=everything)
+        if self.args.log_completions:
+            self._log_completion_advantages(advantages, all_mask, per_row)
         local_scorable = scorable
         if self.accelerator.num_processes > 1:          # this process's rows (views cost microseconds each)
             local = slice(self.accelerator.process_index * local_rows, (self.accelerator.process_index + 1) * local_rows)
@@ -452,13 +454,25 @@ class CreditGRPOTrainer(GRPOTrainer):
                                  estimator_mask=all_mask)
         return advantages
 
+    def _log_completion_advantages(self, advantages: Tensor, mask: Tensor, per_row: Tensor | None) -> None:
+        """TRL's completions table (``log_completions``) shows creditrl's advantage of each completion, the
+        estimator's value for a sequence-level one, else the mean over its trained tokens, in place of the
+        GRPO z-score TRL logged for these completions (advantages, mask [B_all, T]; per_row [B_all])."""
+        means = per_row if per_row is not None else advantages.sum(1) / mask.sum(1).clamp(min=1)
+        means = torch.where(mask.any(1), means, 0.0).tolist()     # rows out of the loss trained on 0
+        logged = self._logs["advantages"]
+        for _ in range(min(len(means), len(logged))):
+            logged.pop()
+        logged.extend(means)
+
     def _estimate(self, rewards: Tensor, mask: Tensor, group: Tensor, scored: Tensor, energy: Tensor | None,
-                  components: Tensor | None, count: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                  components: Tensor | None, everything: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """(``compute_advantages`` [B_all, T], the per-row values [B_all] of an estimator that gives one
-        per row, else None, and with ``count`` the valid tokens per row of ``mask`` when every row was estimated),
-        with the reward functions as gdpo's components; under dynamic sampling only on the kept rows
-        (a batch-level estimator's statistics are the kept groups'; the others get 0)."""
-        rows = torch.nonzero(scored).flatten() if self.args.dynamic_sampling else None
+        per row, else None, and the valid tokens per row of ``mask`` where ``everything``: every row ``scored``),
+        with the reward functions as gdpo's components. Otherwise only the ``scored`` rows are estimated
+        (the others get 0): a completion no reward function scored, or a group dynamic sampling filtered
+        out, is no member of its group's statistics (TRL's nanmean/nanstd leave an unscored one out too)."""
+        rows = None if everything else torch.nonzero(scored).flatten()
         parts = {} if components is None else dict(components=components,
                                                    component_weights=self.reward_weights.to(components.device))
         if rows is None:
@@ -466,7 +480,7 @@ class CreditGRPOTrainer(GRPOTrainer):
                                           **parts, **self.estimator_kwargs)
             # the batch's own count: free where the estimator read it (opo, otb, reinforce_plus_plus*),
             # else one integer pass over the mask's bytes, before a [B] result is broadcast over them
-            counts = batch.lengths if count else None
+            counts = batch.lengths
             return batch.on_tokens(out, last_use=True), (out if out.dim() == 1 else None), counts
         advantages = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         per_row = torch.zeros(mask.shape[0], dtype=torch.float32, device=mask.device)
