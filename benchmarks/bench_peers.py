@@ -168,7 +168,7 @@ def trl_hook_call(name: str, inputs: dict, options: dict | None = None):
     trainer.accelerator = Accelerator(cpu=True)
     torch.set_num_threads(threads)
     trainer.estimator, trainer.estimator_kwargs = name, dict(options or {})
-    trainer.args = SimpleNamespace(dynamic_sampling=False)
+    trainer.args = SimpleNamespace(log_completions=False)
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     given = trl_inputs(name, inputs)
     scorable = torch.ones_like(given["rewards"], dtype=torch.bool)

@@ -385,6 +385,19 @@ def test_gdpo_components_that_cancel_after_float32_rounding_give_zero(values, sc
     assert torch.equal(adv, torch.zeros_like(adv))
 
 
+@pytest.mark.parametrize("offset", [0.0, 1e6, -4e6])
+def test_gdpo_of_one_component_keeps_its_signal_at_any_offset(offset):
+    """One component cannot cancel: rewards offset by 1e6 (4e6 times their spread, exact in float32) are
+    GDPO's z-scores as without the offset (they once read as float32 rounding and gave A = 0), and
+    as the loop gives."""
+    spread = torch.tensor([0.0, 0.25, 0.5, 0.75, 0.0, 0.0, 1.0, 1.0])
+    group = torch.arange(8) // 4
+    adv = compute_advantages("gdpo", rewards=spread + offset, mask=torch.ones(8, 2), group=group)
+    expected = torch.tensor(loop_gdpo(spread.double()[:, None], [1.0], group, 1e-6), dtype=torch.float64)
+    assert float(expected.abs().max()) > 1.0
+    torch.testing.assert_close(adv[:, 0].double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_gdpo_keeps_a_small_signal_beyond_float32_rounding():
     """Mirrored components with one value moved by 1e-3 (1,000x float32 rounding of the values) in a group
     of three distinct values (so its z-scores change): the signal S ~ 1e-3 is kept and scaled as the loop does."""

@@ -140,11 +140,22 @@ def test_bool_estimator_option_takes_a_bool(value):
 
 
 def test_energy_estimator_without_actor_energy_names_the_fix():
+    """Without either actor tensor verl called the estimator around creditrl's hook (verl always has
+    old_log_probs): the error names the hook's setting; with old_log_probs alone, sum_pi_squared's."""
     batch = verl_batch()
     fn = core_algos.get_adv_estimator_fn("creditrl_otb")
-    with pytest.raises(ValueError, match="calculate_sum_pi_squared"):
-        fn(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-           index=batch["index"], config=None)
+    inputs = dict(token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+                  index=batch["index"], config=None)
+    with pytest.raises(ValueError, match=r"verl passed neither, so creditrl's trainer hook is not installed .*"
+                                         r"external_lib=creditrl.integrations.verl_hooks"):
+        fn(**inputs)
+    with pytest.raises(ValueError, match=r"no sum_pi_squared: set actor_rollout_ref.actor.calculate_sum_pi_squared"):
+        fn(**inputs, old_log_probs=batch["old_log_probs"])
+
+
+def test_a_loss_mode_as_text_names_its_field():
+    with pytest.raises(ValueError, match=r"loss_terms: expected a list or its JSON text, got 'cispo', which is not valid"):
+        plugin.CreditPolicyLossConfig(loss_mode="creditrl", loss_terms="cispo")
 
 
 def _bad_index(batch, uids):
@@ -365,7 +376,8 @@ def test_stapo_loss_with_verl_keywords_matches_policy_loss():
     assert metrics["actor/creditrl/spurious_ratio"] == expected_metrics["spurious_ratio"] > 0
     loss.backward()
     assert inputs["log_prob"].grad is not None
-    with pytest.raises(ValueError, match="calculate_entropy"):
+    with pytest.raises(ValueError, match=r"calculate_entropy=True, and actor.policy_loss._target_=creditrl.integrations"
+                                         r".verl.CreditPolicyLossConfig: .*the hook"):
         fn(**loss_inputs(), loss_agg_mode="token-mean", config=config, rollout_is_weights=None)
 
 
@@ -769,3 +781,18 @@ def test_rollout_correction_loss_is_verls_vanilla_loss_with_its_weights_and_mask
     torch.testing.assert_close(ours, theirs, rtol=rtol, atol=1e-15)
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(theirs, logp)[0],
                                rtol=rtol, atol=1e-15)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_loss_modes_report_verls_own_metric_names(agg):
+    """``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower`` (the dual clip) and ``actor/ppo_kl`` as verl's
+    vanilla loss reports them, on ratios that reach every bound (r from e^-1.5 to e^2.5, A of both signs)."""
+    inputs = loss_inputs(2, shape=(8, 12))
+    old = inputs["old_log_prob"]
+    inputs["log_prob"] = (old + torch.linspace(-1.5, 2.5, 12)).clamp(max=0).requires_grad_()
+    config = actor_config()
+    ours = core_algos.get_policy_loss_fn("creditrl")(**inputs, loss_agg_mode=agg, config=config, rollout_is_weights=None)[1]
+    theirs = core_algos.compute_policy_loss_vanilla(**inputs, loss_agg_mode=agg, config=config, rollout_is_weights=None)[1]
+    for name in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"):
+        assert ours[name] == pytest.approx(float(theirs[name]), rel=1e-6, abs=1e-7), name
+    assert ours["actor/pg_clipfrac"] > 0 and ours["actor/pg_clipfrac_lower"] > 0

@@ -133,6 +133,21 @@ def test_plain_loss_matches_loop(mode, clip_high, clip_c, token_adv):
     assert metrics["clip_frac_low"] == pytest.approx((((ratio < 0.8) & (a < 0) & mask).sum() / n).item())
     assert metrics["clip_frac_high"] == pytest.approx((((ratio > 1 + ch) & (a > 0) & mask).sum() / n).item())
     assert metrics["clip_frac_low"] + metrics["clip_frac_high"] > 0
+    dual = 0.0 if clip_c is None else (((ratio > clip_c) & (a < 0) & mask).sum() / n).item()
+    assert metrics["clip_frac_dual"] == pytest.approx(dual)
+
+
+@pytest.mark.parametrize("term", [{}, {"clip_cov": ClipCovOptions(clip_cov_ratio=0.01)}])
+def test_dual_clip_fraction_counts_the_tokens_the_dual_clip_cuts(term):
+    """A < 0 with r > c: the dual clip caps the loss at −A·c and the token passes no gradient; its share
+    of the kept tokens is ``clip_frac_dual`` (verl's pg_clipfrac_lower), apart from the low/high clips'."""
+    logp, old, adv, mask = make_batch(4)
+    logp = (old + torch.linspace(-1.0, 2.5, logp.shape[1])).clamp(max=0).requires_grad_()   # r up to e^2.5
+    loss, metrics = policy_loss(logp, old, -adv.abs() - 0.1, mask, clip_c=3.0, **term)
+    ratio = torch.exp(logp - old).detach()
+    cut = (ratio > 3.0) & mask
+    assert cut.any() and metrics["clip_frac_dual"] == pytest.approx((cut.sum() / mask.sum()).item())
+    assert not torch.autograd.grad(loss, logp)[0][cut].any()
 
 
 def test_everything_off_is_exactly_the_plain_loss():

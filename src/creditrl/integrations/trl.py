@@ -31,7 +31,6 @@ a reward function (docs/trl.md).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import warnings
 from contextlib import contextmanager
@@ -55,6 +54,7 @@ from creditrl.runtime.rollout import RolloutBatch
 from creditrl.runtime.sampling import position_ids_from_mask
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
 from creditrl.utils.fused import fused
+from creditrl.utils.options import parse_json_field
 
 NO_SIGNAL_BATCHES = 5   # generation batches in a row without a reward signal before the warning (as creditrl train)
 # TRL loss_type -> creditrl aggregation (dapo: creditrl normalises per micro-batch, over kept tokens)
@@ -92,21 +92,6 @@ def trl_field_names(args):
         if field_name is None or (field_name == "maxk_k" and args.maxk_k is None):
             raise
         raise type(err)(f"{field_name}: {rest}") from None
-
-
-def parse_json_field(name: str, value, kind: type):
-    """``value`` itself, or the ``kind`` (dict / list) its JSON string holds (from the command line)."""
-    if not isinstance(value, str):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{name}: expected a {kind.__name__} or its JSON text, got {value!r}, which is not "
-                         f"valid JSON ({err})") from None
-    if not isinstance(parsed, kind):
-        raise ValueError(f"{name}: expected a {kind.__name__} or its JSON text, got {value!r} (a JSON "
-                         f"{type(parsed).__name__})")
-    return parsed
 
 
 @dataclass

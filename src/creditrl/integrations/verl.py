@@ -159,7 +159,7 @@ def verl_algorithm_options(name: str, config: Any, options: dict) -> dict:
         if name != "grpo":
             raise ValueError(f"algorithm.norm_adv_by_std_in_grpo: False turns off GRPO's division by the group std, "
                              f"which is {PREFIX}grpo's scale='none'; {PREFIX}{name} has no such option, so it "
-                             f"would do nothing; expected True (verl's default), got False")
+                             f"could not be honoured; expected True (verl's default), got False")
         if options.get("scale", "none") != "none":
             raise ValueError(f"algorithm.norm_adv_by_std_in_grpo=False and algorithm.creditrl.scale="
                              f"{options['scale']!r} disagree; set one")
@@ -205,6 +205,17 @@ def advantages_and_returns(batch: AdvantageBatch, result: Tensor, energy: Tensor
     return batch.on_tokens(result, last_use=True), returns
 
 
+def missing_energy_fix(no_actor_stats: bool) -> str:
+    """What to set when an energy estimator lacks the actor's tensors: verl hands an estimator
+    ``old_log_probs`` (always in the batch) only through creditrl's hook, so without them the hook
+    is missing; with them, ``sum_pi_squared`` is."""
+    if no_actor_stats:
+        return ("verl passed neither, so creditrl's trainer hook is not installed in the driver: set "
+                "actor_rollout_ref.model.external_lib=creditrl.integrations.verl_hooks (legacy trainer, "
+                "trainer.use_v1=False; see docs/verl.md)")
+    return "the batch has no sum_pi_squared: set actor_rollout_ref.actor.calculate_sum_pi_squared=True"
+
+
 def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     """verl-convention wrapper of creditrl's estimator ``name`` (see module docstring)."""
     needs_energy = get_estimator(name).needs_energy
@@ -216,12 +227,9 @@ def make_adv_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
                   non_tensor_batch: Any = None, **kwargs) -> tuple[Tensor, Tensor]:
         check_tensor("token_level_rewards", token_level_rewards, ndim=2)
         check_tensor("response_mask", response_mask, shape=list(token_level_rewards.shape))
-        both = old_log_probs is not None and sum_pi_squared is not None
-        if needs_energy and not both:
-            raise ValueError(
-                f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; set "
-                "actor_rollout_ref.actor.calculate_sum_pi_squared=True and keep creditrl's trainer "
-                "hook installed (legacy trainer, trainer.use_v1=False); see docs/verl.md")
+        if needs_energy and (old_log_probs is None or sum_pi_squared is None):
+            raise ValueError(f"{PREFIX}{name}: needs old_log_probs and sum_pi_squared from the actor; "
+                             + missing_energy_fix(old_log_probs is None))
         options = check_estimator_options(name, verl_algorithm_options(name, config, estimator_options(config)),
                                           "algorithm.creditrl")
         gamma = options.pop("gamma", 1.0)
@@ -439,8 +447,11 @@ def make_policy_loss(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, An
             native_options=verl_native_options(config))).chosen))
         entropy = _ENTROPY.get()
         if loss_fn.needs_entropy and entropy is None:
-            raise ValueError(f"{loss_mode}: needs the token entropies; set actor_rollout_ref.actor."
-                             "calculate_entropy=True and keep creditrl's trainer hook installed (docs/verl.md)")
+            raise ValueError(f"{loss_mode}: needs the token entropies; set actor_rollout_ref.actor.calculate_entropy="
+                             "True, and actor.policy_loss._target_=creditrl.integrations.verl.CreditPolicyLossConfig: "
+                             "building it in each worker installs the hook that passes them to the loss "
+                             + ("(installed here)" if hook_installed("verl.workers.utils.losses") else
+                                "(not installed in this process)") + "; see docs/verl.md")
         mask = response_mask.bool()
         # verl's rollout_is_weights multiply the surrogate (pg_losses * rollout_is_weights): creditrl's data weights
         if entropy is not None and not loss_fn.entropy_grad:
@@ -450,13 +461,26 @@ def make_policy_loss(loss_mode: str) -> Callable[..., tuple[Tensor, dict[str, An
         own_aggregation = any(term.stage == "aggregate" and not term.flat for term, _ in loss_fn.terms)
         loss = global_scale(loss, mask, "responses" if own_aggregation else loss_agg_mode,
                             dict(config.get("global_batch_info", None) or {}))
-        return loss, {f"actor/creditrl/{k}": v for k, v in metrics.items()}
+        return loss, {**{f"actor/creditrl/{k}": v for k, v in metrics.items()},
+                      **verl_metric_names(metrics, old_log_prob, log_prob, mask)}
 
     compute_policy_loss.__name__ = compute_policy_loss.__qualname__ = f"compute_policy_loss_{loss_mode}"
     compute_policy_loss.__doc__ = (f"creditrl's policy loss{' with ' + ', '.join(switched_on) if switched_on else ''} "
                                    "(creditrl.PolicyLoss) in verl's policy-loss signature.")
     setattr(compute_policy_loss, _MARK, loss_mode)
     return compute_policy_loss
+
+
+@torch.no_grad()
+def verl_metric_names(metrics: dict[str, float], old_log_prob: Tensor, log_prob: Tensor, mask: Tensor) -> dict:
+    """verl's own loss metrics, so dashboards built on verl's losses keep working: ``actor/pg_clipfrac``
+    (the surrogate's clip fractions, low + high), ``actor/pg_clipfrac_lower`` (the dual clip's) and
+    ``actor/ppo_kl`` (the mean of log π_old − log π_θ over the response tokens, verl's k1). creditrl's
+    fractions count kept tokens, verl's the response tokens: the same unless a term drops tokens."""
+    tokens = mask.sum().clamp(min=1)
+    ppo_kl = torch.where(mask, old_log_prob.detach() - log_prob.detach(), 0.0).sum() / tokens
+    return {"actor/pg_clipfrac": metrics["clip_frac_low"] + metrics["clip_frac_high"],
+            "actor/pg_clipfrac_lower": metrics["clip_frac_dual"], "actor/ppo_kl": ppo_kl.item()}
 
 
 POLICY_LOSS_FNS = {name: make_policy_loss(name) for name in POLICY_LOSSES}
@@ -533,6 +557,12 @@ def _patch(module_name: str) -> None:
         bound = vars(module).get(attr) if name.startswith("verl.") and module is not None else None
         if bound is original or bound is current:  # vars(): never trigger a lazy module's __getattr__
             setattr(module, attr, wrapped)
+
+
+def hook_installed(module_name: str) -> bool:
+    """Whether ``HOOKS``' function of ``module_name`` is creditrl's wrapper in this process."""
+    module = sys.modules.get(module_name)
+    return module is not None and hasattr(getattr(module, HOOKS[module_name][0], None), _MARK)
 
 
 def install_trainer_hooks() -> list[str]:

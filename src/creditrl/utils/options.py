@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import math
 import types
 import typing
@@ -255,3 +256,18 @@ def doc_summary(doc: str | None) -> str:
     estimators``, docs/config.md)."""
     paragraph = (doc or "").strip().split("\n\n")[0]
     return " ".join(line.strip() for line in paragraph.splitlines()).rstrip(":").rstrip()
+
+
+def parse_json_field(name: str, value, kind: type):
+    """``value`` itself, or the ``kind`` (dict / list) its JSON string holds (from the command line)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name}: expected a {kind.__name__} or its JSON text, got {value!r}, which is not "
+                         f"valid JSON ({err})") from None
+    if not isinstance(parsed, kind):
+        raise ValueError(f"{name}: expected a {kind.__name__} or its JSON text, got {value!r} (a JSON "
+                         f"{type(parsed).__name__})")
+    return parsed

@@ -73,12 +73,18 @@ def cancels(components: Tensor, weights: Tensor, groups: GroupIndex) -> bool:
 
     That rounding moves c_i by u|c_i|, the group mean by at most u·r (r the group's rms |c|) and the std σ
     by at most 2√2·u·r (n >= 2), so z_i by at most u (|c_i| + r + 2√2 |z_i| r) / σ to first order; the
-    bound on S takes twice that, weighted by |w_k|."""
+    bound on S takes twice that, weighted by |w_k|. With one component of non-zero weight nothing can
+    cancel: S is 0 only where every z is (equal values give exactly 0), however large the values are
+    against their spread (rewards 1e6 + {0, 0.25, 0.5, 0.75}, exact in float32, are a signal). With two
+    or more the bound holds whatever the data's origin, so components offset by more than ~1e6 times
+    their spread that cancel to within their float32 rounding also read as no signal."""
     present, count, dev, std = _group_moments(components, groups)
     informed = groups.gather((count >= 2) & (std > 0)) & present
     spread = groups.gather(std).clamp(min=torch.finfo(torch.float64).tiny)
     exact = torch.where(informed, dev / spread, 0.0)
     total = exact @ weights
+    if int((weights != 0).sum()) <= 1:
+        return bool((total == 0).all())
     values = torch.where(present, components, 0.0)
     rms = groups.gather((groups.sum(values * values) / count.clamp(min=1)).sqrt())
     moved = torch.where(informed, ROUNDING32 * (values.abs() + rms * (1 + 2 * 2 ** 0.5 * exact.abs())) / spread, 0.0)

@@ -67,13 +67,19 @@ def clipped_surrogate(state: LossState, options: ClipOptions) -> tuple[Tensor, T
 
 
 @torch.no_grad()
-def clip_fractions(state: LossState, ratio: Tensor, lo: Tensor, hi: Tensor) -> dict[str, Tensor]:
-    """``clip_frac_low`` (A < 0, r < 1 − ε_low) and ``clip_frac_high`` (A > 0, r > 1 + ε_high) as
-    fractions of the kept tokens: where the clip binds and the token passes no gradient."""
+def clip_fractions(state: LossState, ratio: Tensor, lo: Tensor, hi: Tensor, dual: bool) -> dict[str, Tensor]:
+    """``clip_frac_low`` (A < 0, r < 1 − ε_low), ``clip_frac_high`` (A > 0, r > 1 + ε_high) and, with
+    the dual clip on (``dual``), ``clip_frac_dual`` (A < 0, r > c) as fractions of the kept tokens: where
+    a bound binds and the token passes no gradient (verl's pg_clipfrac is low + high, its
+    pg_clipfrac_lower the dual)."""
     n_keep = state.keep.sum()
     low = torch.lt(ratio, lo).logical_and_(state.keep)
     high = torch.gt(ratio, torch.where(state.advantages > 0, hi, math.inf)).logical_and_(state.keep)
-    return {"clip_frac_low": (low.sum(), n_keep), "clip_frac_high": (high.sum(), n_keep)}
+    out = {"clip_frac_low": (low.sum(), n_keep), "clip_frac_high": (high.sum(), n_keep)}
+    if dual:
+        out["clip_frac_dual"] = (torch.gt(ratio, hi).logical_and_(state.advantages < 0).logical_and_(state.keep).sum(),
+                                 n_keep)
+    return out
 
 
 def weighted(state: LossState, token_loss: Tensor) -> Tensor:
@@ -85,8 +91,8 @@ def weighted(state: LossState, token_loss: Tensor) -> Tensor:
 def clip(state: LossState, options: ClipOptions) -> LossState:
     """The clipped surrogate ℓ_t = −A_t·clamp(r_t, lo_t, hi_t) × weight (PPO eq. 7, DAPO, dual clip).
 
-    Metrics: ``clip_frac_low`` (A < 0, r < 1 − ε_low) and ``clip_frac_high`` (A > 0,
-    r > 1 + ε_high), as fractions of the kept tokens."""
+    Metrics: ``clip_frac_low`` (A < 0, r < 1 − ε_low), ``clip_frac_high`` (A > 0, r > 1 + ε_high)
+    and ``clip_frac_dual`` (A < 0, r > c), as fractions of the kept tokens."""
     token_loss, ratio, lo, hi = clipped_surrogate(state, options)
     state = dataclasses.replace(state, token_loss=weighted(state, token_loss))
-    return state.with_metrics(**clip_fractions(state, ratio, lo, hi))
+    return state.with_metrics(**clip_fractions(state, ratio, lo, hi, dual=options.clip_c is not None))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from creditrl.core.losses.policy import PolicyLoss
 from creditrl.core.losses.terms import LossTerm, builtin_loss_terms, get_loss_term, list_loss_terms, resolve_loss_terms
-from creditrl.utils.options import OptionError, coerce, instantiate
+from creditrl.utils.options import OptionError, coerce, instantiate, parse_json_field
 
 __all__ = ["Fields", "compose", "policy_loss"]
 
@@ -210,9 +209,7 @@ def _from_fields(spec: Fields) -> dict[str, Any]:
                              f"drop it or set {name}=True")
         if switch or (switch is None and values):
             terms[name] = _field_options(term, values, f"{name}_")
-    user = get("loss_terms")
-    if isinstance(user, str):
-        user = json.loads(user)
+    user = parse_json_field("loss_terms", get("loss_terms"), list)
     for entry in user or []:
         (name, options), = resolve_loss_terms([dict(entry)]).items()
         if name in spec.native_options:   # the framework's own fields, under what the entry sets itself

@@ -113,7 +113,8 @@ def clip_cov(state: LossState, options: ClipCovOptions) -> LossState:
         candidates = state.keep & unclipped & (cov > options.clip_cov_lb) & (cov < options.clip_cov_ub)
         n_keep = int(state.keep.sum())
         chosen = random_subset(candidates, selected_count(options.clip_cov_ratio, n_keep))
-        metrics = {**clip_fractions(state, ratio, lo, hi), "cov_selected_frac": (chosen.sum(), n_keep)}
+        metrics = {**clip_fractions(state, ratio, lo, hi, dual=state.flat["clip"].clip_c is not None),
+                   "cov_selected_frac": (chosen.sum(), n_keep)}
     token_loss = token_loss * (~chosen).to(token_loss.dtype)
     return dataclasses.replace(state, token_loss=weighted(state, token_loss)).with_metrics(**metrics)
 

@@ -53,7 +53,7 @@ from creditrl.utils.validate import token_advantages
 ON_POLICY_AS_CLIP = ("gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "kl_cov")
 
 LOG_PROBS = ("logp", "old_logp", "ref_logp", "rollout_logp")   # each <= 0, within LOGP_TOLERANCE
-METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
+METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
                "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
 
 __all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "LossMetrics", "PolicyLoss"]
