@@ -503,12 +503,13 @@ def test_cli_end_to_end_and_the_report_is_never_half_written(tmp_path, monkeypat
     for part in ("## Recommendation", "efficiency vs configured", "Adam: vs configured", "**Power:**",
                  "Var<Sa, Sb> ≤ 2‖a‖²‖b‖²/d", "raw tr Cov (raw)", "B_simple", "Doubling the group size",
                  "The labels and the recommendation read the **plain** column", "## The loss measured",
-                 "clip(clip_high=0.28) + aggregation(agg='token-mean')"):
+                 "clip(clip_high=0.28) + aggregation(agg='token-mean')", "precision fp32 (train.precision=auto chose"):
         assert part in text, part
     raw = (run / "diagnose.json").read_text()
     assert no_nan(text) and no_nan(raw)
     data = json.loads(raw)
     assert {r["row"] for r in data["rows"]} == {"rloo", "grpo", "otb", "otb+loo"}
+    assert data["setting"]["precision"].startswith("fp32") and data["setting"]["folds"] <= data["setting"]["prompts"]
     assert (run / "diagnose.png").stat().st_size > 1000
     assert main(args) == 2 and "diagnose.run_name: the run directory" in capsys.readouterr().err
     monkeypatch.setattr(report, "markdown", lambda result: (_ for _ in ()).throw(OSError("disk full")))
@@ -572,6 +573,28 @@ class ExactMultiples(GaussianSource):
         out.grads[:, self.names.index("rloo")] = out.grads[:, self.names.index(REF)] * (1 + 2 ** -22)
         out.grads[:, self.names.index("dr_grpo")] = out.grads[:, self.names.index(REF)] * 0.875
         return out
+
+
+class GrpoExactToo(ExactMultiples):
+    """As at N = 2 with 0/1 rewards: grpo's gradient is exactly 1/√2 of rloo's as well."""
+
+    def draws(self, sampled, index):
+        out = super().draws(sampled, index)
+        out.grads[:, self.names.index("grpo")] = out.grads[:, self.names.index(REF)] * 0.5 ** 0.5
+        return out
+
+
+def test_the_stopping_rule_reads_a_row_that_is_no_exact_multiple():
+    """rloo configured and grpo an exact multiple of it too (0/1 rewards at N = 2): their intervals are
+    1 by construction, so the stopping rule reads the next ranked row's (otb's), whose interval is a
+    measurement; it once read grpo's ±0% and stopped as soon as the reference was resolved."""
+    plan = sim_plan(["rloo", "grpo", "dr_grpo", "otb"], "rloo")
+    clock = Clock()
+    out = simulate(plan, GrpoExactToo(list(plan.rows), [1.3 if n == "otb" else 1.0 for n in plan.rows], clock,
+                                      seed=0, signal=0.25), clock)
+    rows = {r["row"]: r for r in out["rows"]}
+    assert str(rows["grpo"]["efficiency_vs_rloo"]) == "1 [1, 1]"
+    assert out["reference"]["width_row"] == "otb" and out["reference"]["width"] > 1e-3
 
 
 def test_configured_rloo_reads_grpos_interval_and_exact_multiples_are_no_tests():
@@ -723,3 +746,45 @@ def test_batch_level_rows_say_when_their_steps_are_smaller_than_trainings(prompt
                                       "prompts_per_round": prompts}))
     assert ("as in training" in note) == (sizes == [step])
     assert ("**not" in note) == (sizes != [step])
+
+
+# ---------------------------------------------------------------- the training setting, as trained
+
+
+def test_diagnose_samples_the_rewards_training_samples():
+    """The overlong penalty reaches diagnose's rollouts (it once scored plain 0/1 rewards where training's
+    were penalised), maxrl, which refuses the negative rewards the penalty gives, is left out of the default
+    rows and refused by name, and a run with dynamic sampling says what diagnose does not reproduce."""
+    from creditrl.config import ConfigError
+    from creditrl.tools.diagnose.command import rollout_settings, setting_notes
+    overlong = ["rollout.max_new_tokens=7", "rollout.overlong.buffer=6", "rollout.overlong.penalty=1"]
+    cfg, d = configs(overlong)
+    task = build_task(cfg)
+    assert rollout_settings(cfg, task, None)["overlong"] == (6, 1.0)
+    assert "maxrl" not in make_plan(cfg, d).estimators and "otb" in make_plan(cfg, d).estimators
+    with pytest.raises(ConfigError, match=r"diagnose.estimators: rollout.overlong.buffer=6: the overlong penalty .* "
+                                          r"estimator 'maxrl' refuses .*leave 'maxrl' out"):
+        make_plan(*configs([*overlong, "diagnose.estimators=[maxrl,otb]"]))
+    with pytest.raises(ConfigError, match=r"rollout.overlong.buffer=6: the overlong penalty makes rewards negative "
+                                          r"\(down to -1\), which estimator 'maxrl' refuses"):
+        configs([*overlong, "algorithm.estimator=maxrl"])          # as train refuses it
+    plain, _ = configs(["rollout.max_new_tokens=7"])
+    assert rollout_settings(plain, task, None)["overlong"] is None and setting_notes(plain) == []
+    dynamic, _ = configs(["rollout.dynamic_sampling.enabled=true"])
+    assert "diagnose measures every sampled group" in setting_notes(dynamic)[0]
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("[{stapo: {tau_p: 0.01}}]", r"diagnose.losses\[0\].stapo.tau_p: given, but stapo is off in the configured loss"),
+    ("[{}]", r"diagnose.losses\[0\]: \{\} composes the configured loss itself"),
+    ("[{agg: token-mean}]", r"diagnose.losses\[0\]: \{'agg': 'token-mean'\} composes the configured loss itself"),
+])
+def test_a_further_loss_that_would_do_nothing_is_refused(entry, message):
+    """An entry whose options change nothing once merged over the configured loss gave rows labelled as if
+    it did (STAPO's options without its switch read as 'STAPO changes nothing')."""
+    from creditrl.config import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        tiny_plan([f"diagnose.losses={entry}"])
+    plan = tiny_plan(["diagnose.losses=[{stapo: {enabled: true, tau_p: 0.01}}, {kl_coef: 0.05}]"])
+    assert [loss.name for loss in plan.losses][1:] == ["stapo={'enabled': True, 'tau_p': 0.01}", "kl_coef=0.05"]
+    assert any("`kl` pulls toward the reference policy" in note for note in plan.losses[2].notes)

@@ -34,8 +34,10 @@ class DiagnoseConfig:
                                              "(the max@K ones only when diagnose.k or algorithm.options.k is set).")
     losses: list[dict] | None = opt(None, "Further losses to compare, as (estimator × loss) rows: each a mapping of "
                                           "`loss` keys over the configured loss (e.g. `[{agg: seq-mean-token-mean}, "
-                                          "{kl_coef: 0.05}]`; an optional `name` labels it; labels must differ from each "
-                                          "other and from `configured`). null = the configured loss only.")
+                                          "{stapo: {enabled: true}}]`; an optional `name` labels it; labels must "
+                                          "differ from each other and from `configured`); one that composes the "
+                                          "configured loss, or sets a term's options without its switch, is refused. "
+                                          "null = the configured loss only.")
     k: int | None = opt(None, "K of the max@K estimators (maxpo, ei, pkpo, passk_chen, maxk_bon); null = "
                               "algorithm.options.k when set.")
     params: list[str] | None = opt(None, "Parameter-name prefixes whose gradient is measured (`[all]`: every trainable "

@@ -64,17 +64,27 @@ def _check_estimator(cfg: Config, options: dict) -> None:
         raise ConfigError(f"rollout.group_size: 1 response per prompt gives estimator {name!r} advantage 0 for "
                           f"every token (it compares responses within a group), so nothing would be learned; use "
                           f"rollout.group_size >= 2 or algorithm.estimator=reinforce")
-    overlong = cfg.rollout.overlong
-    if overlong.buffer:             # its penalty makes rewards negative: refused by maxrl, passk_chen (0/1)
-        rewards = (torch.arange(g) % 2).float()
-        rewards[0] = -overlong.penalty
-        try:
-            compute_advantages(name, rewards=rewards, mask=torch.ones(g, 2), group=torch.zeros(g, dtype=torch.long),
-                               energy=torch.ones(g, 2), **options)
-        except ValueError as err:
-            raise ConfigError(f"rollout.overlong.buffer={overlong.buffer}: the overlong penalty makes rewards "
-                              f"negative (down to -{overlong.penalty:g}), which estimator {name!r} refuses ({err}); "
-                              f"set rollout.overlong.buffer=0 or choose another estimator") from None
+    refusal = overlong_refusal(cfg, name, options)
+    if refusal:
+        raise ConfigError(f"{refusal}; set rollout.overlong.buffer=0 or choose another estimator")
+
+
+def overlong_refusal(cfg: Config, name: str, options: dict) -> str | None:
+    """Why estimator ``name`` refuses the negative rewards ``rollout.overlong``'s penalty gives (maxrl,
+    passk_chen: rewards >= 0 or 0/1), from one dummy group of ``rollout.group_size``; None when it takes
+    them or the penalty is off."""
+    overlong, g = cfg.rollout.overlong, cfg.rollout.group_size
+    if not overlong.buffer:
+        return None
+    rewards = (torch.arange(g) % 2).float()
+    rewards[0] = -overlong.penalty
+    try:
+        compute_advantages(name, rewards=rewards, mask=torch.ones(g, 2), group=torch.zeros(g, dtype=torch.long),
+                           energy=torch.ones(g, 2), **options)
+    except ValueError as err:
+        return (f"rollout.overlong.buffer={overlong.buffer}: the overlong penalty makes rewards negative (down to "
+                f"-{overlong.penalty:g}), which estimator {name!r} refuses ({err})")
+    return None
 
 
 def _check_task(cfg: Config) -> None:

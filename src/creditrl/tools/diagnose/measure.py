@@ -264,15 +264,30 @@ class Accumulator:
 # ----------------------------------------------------------------------------- the stopping rule
 
 
+STRUCTURAL = ("rloo", "dr_grpo")   # exact multiples of the reference whatever the data
+
+
+def width_rows(plan: Plan) -> list[str]:
+    """The rows the stopping rule may read, in order: the configured one, then grpo and a spare, for when
+    the ones before are exact multiples of the reference (rloo itself, dr_grpo; grpo too where every
+    informative group has the same reward spread, e.g. 0/1 rewards at N = 2). The spare is reinforce (no
+    baseline: no multiple of rloo's gradient) where measured, else the first other ranked row that is not
+    a multiple by construction."""
+    others = [r for r in plan.rows if r not in (REF, plan.configured, GRPO) and plan.ranked(r)
+              and plan.row_parts[r][0] not in STRUCTURAL]
+    spare = ["reinforce"] if "reinforce" in others else others[:1]
+    return list(dict.fromkeys([plan.configured] + ([GRPO] if GRPO in plan.rows else []) + spare))
+
+
 def width_row(plan: Plan, stats: GradientStats) -> tuple[str, Interval]:
-    """The row whose efficiency interval the stopping rule reads: the configured one against the
-    reference, or grpo when the configured row is an exact multiple of the reference (rloo itself,
-    dr_grpo: efficiency 1 by construction, ``Interval.exact``), whose interval says nothing."""
+    """The row whose efficiency interval the stopping rule reads: the first of ``width_rows`` whose
+    efficiency against the reference is not exact (``Interval.exact``: 1 by construction, an interval that
+    says nothing about how well the rows are resolved); the configured one when all are."""
     quality = gradient_quality(stats, REF)
-    own = quality[plan.configured].efficiency
-    if own.exact and GRPO in quality:
-        return GRPO, quality[GRPO].efficiency
-    return plan.configured, own
+    for label in width_rows(plan):
+        if label in quality and not quality[label].efficiency.exact:
+            return label, quality[label].efficiency
+    return plan.configured, quality[plan.configured].efficiency
 
 
 def needed_prompts(measured: int, signal: Interval, width: Interval, target: float) -> float:
@@ -291,7 +306,7 @@ def needed_prompts(measured: int, signal: Interval, width: Interval, target: flo
 
 def status_names(plan: Plan) -> list[str]:
     """The rows the stopping rule reads (their statistics alone are computed between rounds)."""
-    return list(dict.fromkeys([REF, plan.configured] + ([GRPO] if GRPO in plan.rows else [])))
+    return list(dict.fromkeys([REF, *width_rows(plan)]))
 
 
 def status(plan: Plan, stats: GradientStats, prompts: int) -> dict:

@@ -164,6 +164,11 @@ def loss_notes(loss: PolicyLoss) -> tuple[str, ...]:
              for name in non_additive_terms(loss)]
     notes += [f"`{name}` acts through the entropy's gradient, not log π's, which is what diagnose measures: "
               f"measured without it" for name in gradient_outside_logp(loss)]
+    kl = loss.options_of("kl")
+    if kl is not None and kl.kl_coef > 0:
+        notes.append("`kl` pulls toward the reference policy, which is the policy measured here (the first step "
+                     "of training): the gradient of k2, k3, k1+ and k3+ is exactly 0 there and k1's averages 0, "
+                     "so this row shows no pull")
     return tuple(notes)
 
 

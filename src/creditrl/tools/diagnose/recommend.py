@@ -15,7 +15,9 @@ one-sided tests of cosine = 1. The recommendation stays the configured estimator
 is measurably better and not biased; among several, the measured cost decides and the report says
 that choice is arbitrary in efficiency. The power line: the smallest efficiency ratio each test
 detects with 80% probability, ≈ exp((t_{1−α/2m} + t_{0.8}) · se) (Holm's first step, conservative).
-Nothing is ranked while the reference's mean gradient is unresolved (every efficiency undefined).
+Nothing is ranked while the reference's mean gradient is unresolved (below ``RESOLVED_SE`` standard
+errors): the efficiencies, scales and cosines are then undefined where its cross-fitted signal is not
+positive, and otherwise shown with their (wide) intervals, or undefined where a fold's replicate is.
 """
 from __future__ import annotations
 
@@ -59,7 +61,10 @@ def undefined_reason(meas: Measurement, plan: Plan, label: str, q: EstimatorQual
     if q.scale.value <= 0:
         return BACKWARD
     if not all(iv.defined for iv in (q.efficiency, q.scale, q.cosine)):
-        return "a delete-one-fold replicate leaves a mean gradient unresolved (interval undefined): more prompts"
+        z = signal.value / signal.se if signal.se > 0 else math.inf
+        unresolved = (f"the reference's mean gradient is not resolved ({z:.1f} standard errors above 0, "
+                      f"{RESOLVED_SE:g} needed) and " if z < RESOLVED_SE else "")
+        return unresolved + "a delete-one-fold replicate leaves a mean gradient unresolved (interval undefined): more prompts"
     return None
 
 

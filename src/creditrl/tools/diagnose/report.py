@@ -126,12 +126,14 @@ def setting_text(result: dict) -> str:
                 f"these are all it has." if m["exhausted"] else "")
     return (f"{s['prompts']} distinct prompts ({len(m['rounds'])} round(s) of up to {s['prompts_per_round']}) × "
             f"{s['groups_per_prompt']} groups × N = {s['group_size']} responses ({s['groups']} groups, temperature "
-            f"{s['temperature']}, up to {s['max_new_tokens']} new tokens, seed {s['seed']}); stopped because "
+            f"{s['temperature']}, up to {s['max_new_tokens']} new tokens, seed {s['seed']}"
+            f"{', precision ' + s['precision'] if s.get('precision') else ''}); stopped because "
             f"{STOPS.get(m['stop'], m['stop'])}.{distinct} {result['informative_fraction']:.0%} of groups "
             f"informative (reward spread > 0); {m['invalid']} of {m['responses']} rewards invalid. Gradient space: "
             f"{s['space']}. Intervals: 95% jackknife t over {s['folds']} folds of prompts; labels: Holm over the "
             f"comparisons with the configured row (5% family-wise). Wall time "
-            f"{format_duration(result['timing']['total_s'])} (budget {format_duration(60 * s['budget_min'])}).\n")
+            f"{format_duration(result['timing']['total_s'])} (budget {format_duration(60 * s['budget_min'])}).\n"
+            + "".join(f"\nNote: {note}.\n" for note in s.get("notes") or []))
 
 
 def reference_text(result: dict) -> str:
