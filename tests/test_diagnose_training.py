@@ -83,6 +83,9 @@ def test_unknown_diagnosed_estimators_are_refused_before_the_model_loads():
         resolve_config(load_config(None, ["logging.diagnose_every=2", "logging.diagnose_estimators=[maxpo]"]))
     with pytest.raises(ConfigError, match=r"logging.diagnose_every: the mean gradient .* rollout.prompts_per_step >= 2, got 1"):
         load_config(None, ["logging.diagnose_every=2", "rollout.prompts_per_step=1"])
+    with pytest.raises(ConfigError, match=r"logging.diagnose_estimators: given \(\['grpo'\]\), but the in-training "
+                                          r"diagnosis is off \(logging.diagnose_every=0\), so it would do nothing"):
+        resolve_config(load_config(None, ["logging.diagnose_estimators=[grpo]"]))
 
 
 @pytest.mark.slow

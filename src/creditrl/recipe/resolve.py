@@ -131,6 +131,10 @@ def _check_combinations(cfg: Config, loss: PolicyLoss) -> None:
         raise ConfigError(str(err)) from None
     if cfg.logging.diagnose_every:
         _check_diagnosed(cfg)
+    elif cfg.logging.diagnose_estimators is not None:
+        raise ConfigError(f"logging.diagnose_estimators: given ({cfg.logging.diagnose_estimators}), but the in-training "
+                          f"diagnosis is off (logging.diagnose_every=0), so it would do nothing; set "
+                          f"logging.diagnose_every > 0, or drop logging.diagnose_estimators")
 
 
 def _check_diagnosed(cfg: Config) -> None:

@@ -463,7 +463,10 @@ def write_report(runs: dict[str, list[Path]], out: Path, *, window: int | None =
     eval_cols = [c for c in final[0] if c.startswith(("start_greedy", "greedy", "sampled", "pass@"))]
     warnings = run_warnings(runs)   # e.g. a run that learned nothing: never averaged away silently
     lines = [f"# {title}\n", f"Runs: {', '.join(f'{k} ({len(v)} seeds)' for k, v in runs.items())}. "
-             f"Curves: mean over seeds, band ±1 std, moving average over {window} steps.\n",
+             f"Curves: mean over seeds, band ±1 std, moving average over {window} steps. The tables describe the "
+             f"seeds run (mean ± sample std); no test of a difference is made and no run is declared better: "
+             f"with a few seeds, means within about a std of each other are not told apart (a verdict needs "
+             f"more seeds and a test, as `creditrl experiment` runs).\n",
              *(["## Runs that failed (not in the tables or curves)\n",
                 *[f"- `{name}`: {error}\n" for name, error in failures.items()]] if failures else []),
              *config_differences(runs),
