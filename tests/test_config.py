@@ -269,3 +269,35 @@ def test_a_user_module_that_raises_on_import_is_named_with_its_key(tmp_path, mon
             causes, err = causes + [err], err.__cause__
         assert isinstance(causes[-1], RuntimeError), key       # the module's own error, in the chain
         sys.modules.pop("broken_plugin", None)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.options.gamma=2"], r"^algorithm.options.gamma: expected a value in \[0, 1\], got 2.0$"),
+    (["algorithm.estimator=grpo", "algorithm.options.eps=0"], r"^algorithm.options.eps: expected a value in \(0, "),
+    (["algorithm.estimator=maxpo", "algorithm.options.k=3", "rollout.group_size=2"],
+     r"^algorithm.options.k: maxpo needs 1 <= k < rollout.group_size \(=2\), got k=3$"),
+    (["optim.min_lr_ratio=5"], r"^optim.min_lr_ratio: expected a value in \[0, 1\] .*got 5.0$"),
+    (["rollout.dynamic_sampling.enabled=true", "rollout.dynamic_sampling.signal=reward/overlong"],
+     r"^rollout.dynamic_sampling.signal: 'reward/overlong' is the overlong penalty, which is off"),
+    (["logging.report_to=[jsonl,wandb]", "logging.tensorboard=true"],
+     r"^logging.tensorboard: set together with logging.report_to; keep only report_to$"),
+])
+def test_values_that_would_misbehave_are_refused_naming_their_key(overrides, message):
+    """From an independent audit: an estimator option's error names algorithm.options.<key> (it read as
+    rollout.group_size's), a cosine floor above the rate raised it 4.6x, a dynamic-sampling signal of a
+    penalty that is off failed after the step-0 eval, and the legacy tensorboard flag in a later layer
+    silently replaced report_to (wandb dropped)."""
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(load_config(None, overrides))
+
+
+def test_an_unset_max_len_is_recorded_as_the_trainer_composes_it():
+    """seq-mean-token-sum-norm's M is rollout.max_new_tokens where max_len is unset: config.yaml records
+    it, so the loss composed from the record is the one trained (it said null, i.e. the padded length)."""
+    from creditrl.core.losses import compose
+    from creditrl.recipe.build import policy_loss_from_config
+    cfg = resolve_config(load_config(None, ["loss.agg=seq-mean-token-sum-norm", "rollout.max_new_tokens=20"]))
+    assert cfg.loss["max_len"] == 20
+    assert compose(cfg.loss) == policy_loss_from_config(cfg).loss
+    assert resolve_config(load_config(None, ["loss.agg=seq-mean-token-sum-norm", "rollout.max_new_tokens=20",
+                                             "loss.max_len=8"])).loss["max_len"] == 8

@@ -353,3 +353,15 @@ def test_apply_trace_right_padding_fast_path(style, floor):
     lengths = torch.tensor([300, 170, 0])
     mask = torch.arange(300)[None] < lengths[:, None]
     assert_matches_dense(values, mask, 0.97, 0.99, style, floor)
+
+
+def test_the_trace_reports_the_share_of_advantages_its_clamp_raised():
+    """The logged adv_* are the estimator's; ``adv_clamped_frac`` says on how many kept tokens the trace's
+    clamp (adv_clamp, −0.1 by default) raised the advantage the loss used."""
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.rand(6, 9, generator=gen) < 0.8
+    old = -torch.rand(6, 9, generator=gen) * 2
+    adv = torch.tensor([-1.0, -0.05, 0.3, -0.5, 2.0, -0.2])
+    _, metrics = policy_loss(old.clone().requires_grad_(), old, adv, mask, trace=TraceOptions(lam=0.5))
+    raised = sum(int(mask[b].sum()) for b in range(6) if adv[b] < -0.1)
+    assert raised > 0 and metrics["adv_clamped_frac"] == pytest.approx(raised / int(mask.sum()))

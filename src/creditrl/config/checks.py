@@ -66,6 +66,9 @@ def validate(cfg: Config) -> None:
                        ("train.eval_every", t.eval_every), ("logging.completions", cfg.logging.completions),
                        ("optim.min_lr_ratio", o.min_lr_ratio)]:
         _positive(key, value, strict=False)
+    if o.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio: expected a value in [0, 1] (the cosine schedule's floor as a fraction "
+                          f"of optim.lr), got {o.min_lr_ratio!r}")
     if not TEMPERATURE_RANGE[0] <= r.temperature <= TEMPERATURE_RANGE[1]:
         raise ConfigError(f"rollout.temperature: expected a value in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}] "
                           f"(sampling RL needs a real distribution: below it the policy is ~greedy and log-ratios "
@@ -156,6 +159,9 @@ def validate_sampling_controls(r: RolloutConfig) -> None:
     if d.max_rounds < 1:
         raise ConfigError(f"rollout.dynamic_sampling.max_rounds: expected an integer >= 1 (the first round "
                           f"included), got {d.max_rounds}")
+    if d.signal == "reward/overlong" and not o.buffer:
+        raise ConfigError("rollout.dynamic_sampling.signal: 'reward/overlong' is the overlong penalty, which is off "
+                          "(rollout.overlong.buffer=0); expected another signal or rollout.overlong.buffer > 0")
     if d.signal not in SIGNALS and not (d.signal.startswith("reward/") and len(d.signal) > len("reward/")):
         raise ConfigError(f"rollout.dynamic_sampling.signal: expected one of {list(SIGNALS)} or 'reward/<name>' (a "
                           f"reward component as logged), got {d.signal!r}")

@@ -133,6 +133,11 @@ def config_layers(path: str | Path | None = None, overrides: list[str] | tuple[s
 
 
 def _merge_layers(cfg: Config, diagnose: DiagnoseConfig, layers: list[Any]) -> tuple[Config, DiagnoseConfig]:
+    logging = [data["logging"] for data in layers if isinstance(data, dict) and isinstance(data.get("logging"), dict)]
+    given = [i for i, x in enumerate(logging) if "report_to" in x]
+    if given and any("tensorboard" in x for x in logging[given[0] + 1:]):
+        # each layer is migrated alone: the later legacy flag would replace the report_to set before it
+        raise ConfigError("logging.tensorboard: set together with logging.report_to; keep only report_to")
     for data in layers:
         if isinstance(data, dict) and "diagnose" in data:
             section = data["diagnose"]

@@ -24,6 +24,8 @@ def resume_changes(before: dict, after: dict, step: int) -> dict[str, list]:
     key not in ``RESUME_CHANGEABLE``, or ``train.steps`` below ``step``, is a ConfigError naming
     every such key with both values."""
     old, new = flatten(saved_layout(before)), flatten(after)
+    if "loss.max_len" in old and old["loss.max_len"] is None:   # saved before an unset max_len was recorded as
+        old["loss.max_len"] = old.get("rollout.max_new_tokens")  # the budget it trained with
     absent = "<absent>"
     changes = {k: [old.get(k, absent), new.get(k, absent)] for k in sorted(set(old) | set(new))
                if old.get(k, absent) != new.get(k, absent)}

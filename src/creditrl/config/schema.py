@@ -292,7 +292,7 @@ class LoggingConfig:
                                  "algorithm.estimator under the configured loss, and the noise scale B_simple, "
                                  "accumulated over the last logging.diagnose_window diagnosed steps with 95% "
                                  "intervals: metrics `diagnose/<estimator>/efficiency` (+ `_low`, `_high`), "
-                                 "`diagnose/<estimator>/cosine`, `diagnose/noise_scale`, `time_diagnose`, and a "
+                                 "`diagnose/<estimator>/cosine` (+ `_low`, `_high`), `diagnose/noise_scale`, `time_diagnose`, and a "
                                  "section of summary.md. Costs one forward and one backward per estimator per "
                                  "group on those steps. 0 = off.")
     diagnose_estimators: list[str] | None = opt(None, "Estimators compared during training (registered names, "
@@ -317,7 +317,9 @@ class Config:
                                    "surrogate in place of the "
                                    "clip: `loss.cispo.enabled=true`), your own terms by import path in `loss.terms`; "
                                    "checked when the run starts. The trainer's recipe sets "
-                                   "`clip_high: 0.28` (DAPO's clip-higher) over the library's default.")
+                                   "`clip_high: 0.28` (DAPO's clip-higher) over the library's default, and an unset "
+                                   "`loss.max_len` to `rollout.max_new_tokens` where that is set (config.yaml "
+                                   "records it).")
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -733,7 +733,7 @@ class DiagnoseCallback(TrainerCallback):
     ``estimators`` (creditrl labels; default rloo, grpo, otb) against the estimator the trainer uses,
     under its loss, over a sliding ``window`` of diagnosed batches (``creditrl.runtime.step_diagnosis``,
     as ``logging.diagnose_every`` in ``creditrl train``). Metrics ``diagnose/<estimator>/efficiency``
-    (+ ``_low``, ``_high``), ``diagnose/<estimator>/cosine``, ``diagnose/noise_scale`` and
+    (+ ``_low``, ``_high``), ``diagnose/<estimator>/cosine`` (+ ``_low``, ``_high``), ``diagnose/noise_scale`` and
     ``time_diagnose`` go to TRL's log; ``summary()`` gives the window as Markdown. One process, or
     whole groups per process::
 

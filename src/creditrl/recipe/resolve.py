@@ -8,6 +8,7 @@ returns the config with every declared option filled in: the complete record a r
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -58,6 +59,10 @@ def _check_estimator(cfg: Config, options: dict) -> None:
         singles_learn = check_group_size(name, options, g, key="rollout.group_size")
     except ValueError as err:
         message = str(err)
+        # an option's own error ("gamma: expected ...", "grpo.eps: expected ...", maybe after the group's context)
+        option = re.search(r"(?:^|: )(?:\w+\.)?(\w+): (expected .*)$", message, re.S)
+        if option and option.group(1) in options:
+            raise ConfigError(f"algorithm.options.{option.group(1)}: {option.group(2)}") from None
         raise ConfigError(f"algorithm.options.{message}" if message.startswith("k: ") else
                           f"algorithm (estimator={name!r}, options={options}): {message}") from None
     if g == 1 and not singles_learn:
@@ -157,7 +162,7 @@ def resolve_config(cfg: Config) -> Config:
     _, options, _ = estimator_from_config(cfg)
     _check_estimator(cfg, options)
     _check_task(cfg)
-    loss = compose_loss(cfg.loss)
+    loss = compose_loss(cfg.loss, cfg.rollout.max_new_tokens)      # max_len as the trainer composes it
     _check_combinations(cfg, loss)
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, options=options),
                                loss=loss.to_config())

@@ -90,8 +90,10 @@ class StepDiagnosis:
             if all(math.isfinite(v) for v in efficiency):   # a point without its interval would be read as a ranking
                 out.update(zip((f"diagnose/{label}/efficiency", f"diagnose/{label}/efficiency_low",
                                 f"diagnose/{label}/efficiency_high"), efficiency))
-            if math.isfinite(q.cosine.value):
-                out[f"diagnose/{label}/cosine"] = min(q.cosine.value, 1.0)
+            cosine = q.cosine.clamped(-1.0, 1.0)   # the bias-corrected estimate may pass 1: with its interval
+            if all(math.isfinite(v) for v in (cosine.value, cosine.low, cosine.high)):
+                out.update(zip((f"diagnose/{label}/cosine", f"diagnose/{label}/cosine_low",
+                                f"diagnose/{label}/cosine_high"), (cosine.value, cosine.low, cosine.high)))
         if math.isfinite(noise.value):
             out["diagnose/noise_scale"] = noise.value
         return out

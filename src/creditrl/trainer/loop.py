@@ -46,7 +46,7 @@ from creditrl.runtime.dynamic_sampling import sample_varying_groups
 from creditrl.runtime.rollout import RolloutBatch, concat_rollouts, generate_rollouts, rollout_metrics, sample_metrics
 from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
 from creditrl.core.estimators.labels import LOO
-from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device
+from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device, resolve_loss
 from creditrl.recipe.build import (ConfiguredLoss, build_task, check_lora_source, default_max_new_tokens,
                                    load_configured_policy, policy_loss_from_config)
 from creditrl.utils.rundir import (RunDirError, RunLock, check_new_run, clear_run, mark_run, missing_folders,
@@ -174,7 +174,9 @@ class Trainer:
         dropout = disable_dropout(self.model)
         if cfg.rollout.max_new_tokens is None:
             max_new = default_max_new_tokens(self.task, self.tokenizer)
-            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new))
+            # an unset loss.max_len is the responses' budget (policy_loss_from_config): recorded as such
+            cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=max_new),
+                                      loss=resolve_loss(cfg.loss, max_new))
             check_overlong(cfg.rollout.overlong, max_new)
         cfg, self.precision_choice = resolve_precision(cfg, self.model, self.tokenizer, self.task)
         self.cfg = cfg

@@ -144,8 +144,10 @@ def diagnosis_section(metrics: list[dict], labels: list[str]) -> list[str]:
         value = last.get(f"diagnose/{label}/efficiency")
         low, high = last.get(f"diagnose/{label}/efficiency_low"), last.get(f"diagnose/{label}/efficiency_high")
         cosine = last.get(f"diagnose/{label}/cosine")
+        c_low, c_high = last.get(f"diagnose/{label}/cosine_low"), last.get(f"diagnose/{label}/cosine_high")
         rows.append(f"| `{label}` | {_num(value)} | " + (f"[{low:.3g}, {high:.3g}]" if low is not None and high is not None
-                                                          else "undefined") + f" | {_num(cosine)} |")
+                                                          else "undefined") + f" | {_num(cosine)}"
+                    + (f" [{c_low:.3g}, {c_high:.3g}]" if c_low is not None and c_high is not None else "") + " |")
     plain = [m["time_rollout"] + m["time_update"] for m in metrics if "time_diagnose" not in m and "time_update" in m]
     cost = sum(m["time_diagnose"] for m in diagnosed) / len(diagnosed)
     ratio = (f"; a plain step takes {sum(plain) / len(plain):.2f} s, so a diagnosed step costs "

@@ -218,7 +218,8 @@ def apply_trace(values: Tensor, mask: Tensor, *, lam: float, gamma: float = 1.0,
 def trace(state: LossState, options: TraceOptions) -> LossState:
     """GRPO-λ eligibility traces: ε-trace of the log-ratio (Algorithm 1) or ε-weight (Algorithm 2).
 
-    Advantages are clamped from below at ``adv_clamp`` (§4.2). With c = γλ and M = eq. 17/18:
+    Advantages are clamped from below at ``adv_clamp`` (§4.2; metric ``adv_clamped_frac``, the kept
+    tokens whose advantage it raised: the logged adv_* are the estimator's). With c = γλ and M = eq. 17/18:
       ε-trace:  z ← M·z, so r_t = exp(Σ_{j≤t} M[t,j] (log π_θ − log π_old)_j)   (Theorem 1, eq. 1-2)
       ε-weight: weight ← weight · M(1 + σ(log π_θ − 1))                         (Algorithm 2)
     Interpretations where the paper is ambiguous:
@@ -233,7 +234,10 @@ def trace(state: LossState, options: TraceOptions) -> LossState:
         detached there (``state.logp``), so they pass no gradient through later tokens either.
     """
     c = options.gamma * options.lam
-    state = dataclasses.replace(state, advantages=state.advantages.clamp(min=options.adv_clamp))
+    with torch.no_grad():   # the logged adv_* are the estimator's; this says how many the clamp changed
+        raised = (state.advantages < options.adv_clamp).expand_as(state.keep).logical_and(state.keep).sum()
+    state = dataclasses.replace(state, advantages=state.advantages.clamp(min=options.adv_clamp)).with_metrics(
+        adv_clamped_frac=(raised, state.keep.sum()))
     if options.update == "trace":
         traced = trace_rows_masked(state.log_ratio, state.valid, c, options.style, options.floor)
         return dataclasses.replace(state, log_ratio=traced)
