@@ -329,6 +329,17 @@ def test_bad_data_gets_one_clear_error(tmp_path, body, message):
         get_task("jsonl", path=_jsonl(tmp_path, body))
 
 
+def test_a_data_tasks_automatic_response_budget_fits_the_tokenizers_context(tmp_path):
+    """A jsonl task's automatic rollout.max_new_tokens (256) on builtin:tiny's 256-token context was refused
+    as 'got 256', a value the user never set: it is at most half the tokenizer's stated context."""
+    from types import SimpleNamespace
+    from creditrl.recipe.build import DEFAULT_MAX_NEW_TOKENS, default_max_new_tokens
+    task = get_task("jsonl", path=_jsonl(tmp_path, GOOD))
+    assert default_max_new_tokens(task, SimpleNamespace(model_max_length=256)) == 128
+    assert default_max_new_tokens(task, SimpleNamespace(model_max_length=8192)) == DEFAULT_MAX_NEW_TOKENS
+    assert default_max_new_tokens(task, SimpleNamespace(model_max_length=int(1e30))) == DEFAULT_MAX_NEW_TOKENS
+
+
 @pytest.mark.parametrize("task", ["addition", "countdown"])
 def test_a_response_budget_past_the_context_is_refused_for_generated_tasks_too(task, tmp_path, capsys):
     """A built-in task draws its prompts as it goes (no data set to measure), but no prompt fits in

@@ -191,8 +191,15 @@ def test_settings_that_do_less_than_they_seem_are_warned():
     (note,) = notes("loss.entropy_bonus.enabled=true")
     assert note.startswith("warning: loss.entropy_bonus is on with coef=0")
     bonus = "loss.entropy_bonus.enabled=true"
+    (note,) = notes(bonus, "loss.entropy_bonus.coef=-0.1")
+    assert note.startswith("warning: loss.entropy_bonus.coef=-0.1 is negative: the term lowers the entropy")
+    assert notes("loss.rollout_cap=3", "loss.kl_estimator=k2", "optim.min_lr_ratio=0.5") == [
+        "warning: loss.rollout_cap=3.0 (loss.rollout_correction is off) does nothing",
+        "warning: loss.kl_estimator='k2' / kl_bias_correction=False (loss.kl_coef=0: no KL term) does nothing",
+        "warning: optim.min_lr_ratio=0.5 (optim.schedule=constant has no floor) does nothing"]
     for fine in (("train.steps=10", "optim.warmup_steps=10"), (bonus, "loss.entropy_bonus.coef=0.01"),
-                 (bonus, "loss.entropy_bonus.adaptive=true"), ()):
+                 (bonus, "loss.entropy_bonus.adaptive=true"), (), ("loss.rollout_correction=tis", "loss.rollout_cap=3"),
+                 ("loss.kl_coef=0.1", "loss.kl_estimator=k2"), ("optim.schedule=cosine", "optim.min_lr_ratio=0.5")):
         assert notes(*fine) == []
 
 

@@ -25,9 +25,12 @@ DEFAULT_MAX_NEW_TOKENS = 256   # tasks without reference responses (jsonl): room
 def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
     """Built-in tasks: the longest sampled part of the task's reference responses (tool outputs
     excluded) in the model's tokens + 4 (compact format) or x2 + 8 (natural format: chat
-    answers vary in wording); other tasks (jsonl): ``DEFAULT_MAX_NEW_TOKENS``."""
+    answers vary in wording); other tasks (jsonl): ``DEFAULT_MAX_NEW_TOKENS``, at most half the
+    tokenizer's ``model_max_length`` where it states one (builtin:tiny's 256-token context)."""
     if not isinstance(task, ProceduralTask):
-        return DEFAULT_MAX_NEW_TOKENS
+        context = getattr(tokenizer, "model_max_length", None)
+        known = isinstance(context, int) and 2 <= context < 10**6      # HF's "unknown" is ~1e30
+        return min(DEFAULT_MAX_NEW_TOKENS, context // 2) if known else DEFAULT_MAX_NEW_TOKENS
     rng = random.Random(0)
     longest = 0
     for _ in range(samples):

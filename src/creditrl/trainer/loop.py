@@ -140,7 +140,25 @@ def idle_setting_notes(loss, cfg: Config) -> list[str]:
         if term.name == "entropy_bonus" and options.coef == 0 and not options.adaptive:
             notes.append("warning: loss.entropy_bonus is on with coef=0 (and not adaptive), so it adds nothing to "
                          "the loss; set loss.entropy_bonus.coef > 0 or loss.entropy_bonus.adaptive=true")
-    return notes
+        if term.name == "entropy_bonus" and options.coef < 0:
+            notes.append(f"warning: loss.entropy_bonus.coef={options.coef} is negative: the term lowers the entropy "
+                         "(an entropy penalty), the opposite of a bonus")
+    return notes + idle_flat_options(loss, cfg)
+
+
+def idle_flat_options(loss, cfg: Config) -> list[str]:
+    """Flat options moved from their defaults where the setting that reads them is off (config.yaml
+    gives every flat option, so these are warned of, not refused)."""
+    idle = []
+    correction, kl = loss.options_of("rollout_correction"), loss.options_of("kl")
+    if correction.rollout_correction is None and correction.rollout_cap != 2.0:
+        idle.append(f"loss.rollout_cap={correction.rollout_cap} (loss.rollout_correction is off)")
+    if kl.kl_coef == 0 and (kl.kl_estimator != "k3" or kl.kl_bias_correction):
+        idle.append(f"loss.kl_estimator={kl.kl_estimator!r} / kl_bias_correction={kl.kl_bias_correction} "
+                    "(loss.kl_coef=0: no KL term)")
+    if cfg.optim.schedule == "constant" and cfg.optim.min_lr_ratio != 0.1:
+        idle.append(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} (optim.schedule=constant has no floor)")
+    return [f"warning: {text} does nothing" for text in idle]
 
 
 def run_name(cfg: Config) -> str:
