@@ -47,6 +47,15 @@ def check_minibatch(size: int | None, batch: int) -> None:
                           f"mini-batch would hold {batch % size} response(s) and take a full optimizer step on them")
 
 
+def _check_optim(o) -> None:
+    """The optimizer's bounded values: the cosine floor a fraction of the rate, Adam's betas."""
+    if o.min_lr_ratio > 1:
+        raise ConfigError(f"optim.min_lr_ratio: expected a value in [0, 1] (the cosine schedule's floor as a fraction "
+                          f"of optim.lr), got {o.min_lr_ratio!r}")
+    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
+        raise ConfigError(f"optim.betas: expected two values in [0, 1), got {o.betas!r}")
+
+
 def validate(cfg: Config) -> None:
     """Reject invalid values of the run's own settings, naming the key. The estimator's, the loss
     terms' and the task's options are checked against their declarations when the run starts
@@ -66,17 +75,13 @@ def validate(cfg: Config) -> None:
                        ("train.eval_every", t.eval_every), ("logging.completions", cfg.logging.completions),
                        ("optim.min_lr_ratio", o.min_lr_ratio)]:
         _positive(key, value, strict=False)
-    if o.min_lr_ratio > 1:
-        raise ConfigError(f"optim.min_lr_ratio: expected a value in [0, 1] (the cosine schedule's floor as a fraction "
-                          f"of optim.lr), got {o.min_lr_ratio!r}")
+    _check_optim(o)
     if not TEMPERATURE_RANGE[0] <= r.temperature <= TEMPERATURE_RANGE[1]:
         raise ConfigError(f"rollout.temperature: expected a value in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}] "
                           f"(sampling RL needs a real distribution: below it the policy is ~greedy and log-ratios "
                           f"overflow), got {r.temperature!r}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p: expected a value in (0, 1], got {r.top_p!r}")
-    if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        raise ConfigError(f"optim.betas: expected two values in [0, 1), got {o.betas!r}")
     batch = r.prompts_per_step * r.group_size
     for key, value, limit, what in (("optim.minibatch_size", o.minibatch_size, batch, "responses per step"),
                                     ("optim.micro_batch_size", o.micro_batch_size, o.minibatch_size or batch,
