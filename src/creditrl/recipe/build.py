@@ -43,6 +43,15 @@ def default_max_new_tokens(task, tokenizer, samples: int = 64) -> int:
     return longest + 4 if task.format == "compact" else 2 * longest + 8
 
 
+def rollout_kwargs(cfg: Config, max_new_tokens: int) -> dict:
+    """``generate_rollouts``' sampling and scoring keywords from the ``rollout`` section (DAPO's overlong
+    penalty included): what training samples, and diagnose with it."""
+    r = cfg.rollout
+    return {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": max_new_tokens,
+            "max_tool_tokens": r.max_tool_tokens, "stop_strings": tuple(r.stop),
+            "overlong": (r.overlong.buffer, r.overlong.penalty) if r.overlong.buffer else None}
+
+
 def build_task(cfg: Config):
     """The configured task, its ``format=auto`` resolved for the configured model. An error that
     names one of the task's options (``path: ...``) names its config key (``task.options.path: ...``)."""

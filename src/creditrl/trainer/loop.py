@@ -48,7 +48,7 @@ from creditrl.runtime.step_diagnosis import StepDiagnosis, compared_rows
 from creditrl.core.estimators.labels import LOO
 from creditrl.recipe.resolve import precision_of, resolve_config, resolve_device, resolve_loss
 from creditrl.recipe.build import (ConfiguredLoss, build_task, check_lora_source, default_max_new_tokens,
-                                   load_configured_policy, policy_loss_from_config)
+                                   load_configured_policy, policy_loss_from_config, rollout_kwargs)
 from creditrl.utils.rundir import (RunDirError, RunLock, check_new_run, clear_run, mark_run, missing_folders,
                                    remove_empty_folders, run_kind)
 from creditrl.trainer.trackers import check_trackers
@@ -151,12 +151,13 @@ def idle_flat_options(loss, cfg: Config) -> list[str]:
     gives every flat option, so these are warned of, not refused)."""
     idle = []
     correction, kl = loss.options_of("rollout_correction"), loss.options_of("kl")
-    if correction.rollout_correction is None and correction.rollout_cap != 2.0:
+    defaults = {"correction": type(correction)(), "kl": type(kl)(), "optim": type(cfg.optim)()}   # as declared
+    if correction.rollout_correction is None and correction.rollout_cap != defaults["correction"].rollout_cap:
         idle.append(f"loss.rollout_cap={correction.rollout_cap} (loss.rollout_correction is off)")
-    if kl.kl_coef == 0 and (kl.kl_estimator != "k3" or kl.kl_bias_correction):
+    if kl.kl_coef == 0 and (kl.kl_estimator != defaults["kl"].kl_estimator or kl.kl_bias_correction):
         idle.append(f"loss.kl_estimator={kl.kl_estimator!r} / kl_bias_correction={kl.kl_bias_correction} "
                     "(loss.kl_coef=0: no KL term)")
-    if cfg.optim.schedule == "constant" and cfg.optim.min_lr_ratio != 0.1:
+    if cfg.optim.schedule == "constant" and cfg.optim.min_lr_ratio != defaults["optim"].min_lr_ratio:
         idle.append(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} (optim.schedule=constant has no floor)")
     return [f"warning: {text} does nothing" for text in idle]
 
@@ -345,14 +346,11 @@ class Trainer:
 
     def sample(self, count: int) -> RolloutBatch:
         """Rollouts of ``count`` new prompts of the task stream, scored (with the overlong penalty)."""
-        r = self.cfg.rollout
         problems = [self.task.sample(self.task_rng) for _ in range(count)]
-        overlong = (r.overlong.buffer, r.overlong.penalty) if r.overlong.buffer else None
         with self.precision.autocast(self.model):
-            return generate_rollouts(self.model, self.tokenizer, self.task, problems, group_size=r.group_size,
-                                     temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                                     generator=self.generator, max_tool_tokens=r.max_tool_tokens,
-                                     stop_strings=tuple(r.stop), overlong=overlong)
+            return generate_rollouts(self.model, self.tokenizer, self.task, problems,
+                                     group_size=self.cfg.rollout.group_size, generator=self.generator,
+                                     **rollout_kwargs(self.cfg, self.cfg.rollout.max_new_tokens))
 
     def rollouts(self) -> tuple[RolloutBatch | None, RolloutBatch, dict]:
         """The batch to train on (None when dynamic sampling kept no group), everything sampled for

@@ -52,14 +52,15 @@ class RolloutCorrectionOptions:
         check_range("rollout_cap", self.rollout_cap, 1.0)
 
 
-def correction(log_rho: Tensor, row_tokens: Tensor, mode: str, cap: float) -> tuple[Tensor | None, Tensor | None]:
-    """A mode's (weight, dropped) from the token log-ratios ``log_rho`` [B,T] (0 off the mask) and the
-    rows' valid-token counts [B]: each [B,T] for the token modes, [B,1] for the sequence modes;
-    ``weight`` None for rs/geo-rs (1), ``dropped`` None for tis/seq-tis (nothing)."""
+def correction(log_rho: Tensor, row_sums: Tensor, row_tokens: Tensor, mode: str,
+               cap: float) -> tuple[Tensor | None, Tensor | None]:
+    """A mode's (weight, dropped) from the token log-ratios ``log_rho`` [B,T] (0 off the mask), their row
+    sums [B] and the rows' valid-token counts [B]: each [B,T] for the token modes, [B,1] for the sequence
+    modes; ``weight`` None for rs/geo-rs (1), ``dropped`` None for tis/seq-tis (nothing)."""
     if mode in ("seq-tis", "seq-mis"):
-        log_rho = log_rho.sum(1, keepdim=True)                                      # log Π_t ρ_t
+        log_rho = row_sums[:, None]                                                 # log Π_t ρ_t
     elif mode == "geo-rs":
-        log_rho = log_rho.sum(1, keepdim=True) / row_tokens.clamp(min=1)[:, None]   # log of the geometric mean
+        log_rho = (row_sums / row_tokens.clamp(min=1))[:, None]                     # log of the geometric mean
     log_rho = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     weight = None if mode.endswith("rs") else log_rho.exp().clamp_(max=cap)   # kept *-mis ratios are <= cap
     dropped = None if mode.endswith("tis") else log_rho.abs() > math.log(cap)
@@ -71,7 +72,8 @@ def correction_weights(log_rho: Tensor, mask: Tensor, mode: str, cap: float) -> 
     it drops the token and off the 0/1 or bool ``mask`` [B,T], whatever ``log_rho`` holds there): the
     ρ̄_t of OTB's off-policy energies (App. D, eq. 58-60)."""
     valid = mask.bool()
-    weight, dropped = correction(log_rho.masked_fill(~valid, 0.0), valid.sum(1), mode, cap)
+    log_rho = log_rho.masked_fill(~valid, 0.0)
+    weight, dropped = correction(log_rho, log_rho.sum(1), valid.sum(1), mode, cap)
     out = valid.to(log_rho.dtype) if weight is None else weight * valid
     return out if dropped is None else out.masked_fill(dropped, 0.0)
 
@@ -84,11 +86,12 @@ def rollout_correction(state: LossState, options: RolloutCorrectionOptions) -> L
         return state
     with torch.no_grad():                                         # ρ is data
         log_rho = state.old_logp - state.rollout_logp             # 0 off the mask
-        row_log_rho = log_rho.sum(dim=1) / state.row_tokens.clamp(min=1)
+        row_sums = log_rho.sum(dim=1)
+        row_log_rho = row_sums / state.row_tokens.clamp(min=1)
         metrics = {"ppl_gap": ppl_gap_of_rows(row_log_rho, state.row_tokens > 0),           # OTB eq. 68
                    "mismatch_kl": (kl_estimate(log_rho, "k3").sum(), state.n_tokens)}
         mode = options.rollout_correction                         # None: the metrics alone
-        weight, dropped = (None, None) if mode is None else correction(log_rho, state.row_tokens, mode,
+        weight, dropped = (None, None) if mode is None else correction(log_rho, row_sums, state.row_tokens, mode,
                                                                        options.rollout_cap)
         if dropped is not None:
             count = state.valid if dropped.shape[1] > 1 else state.row_tokens[:, None]

@@ -17,7 +17,8 @@ from creditrl.core.estimators.labels import LOO, takes_k
 from creditrl.core.estimators.registry import get_estimator, list_estimators
 from creditrl.recipe import reference
 from creditrl.recipe.resolve import overlong_refusal, precision_of, resolve_config, resolve_device, resolve_loss
-from creditrl.recipe.build import build_task, default_max_new_tokens, load_configured_policy, policy_loss_from_config
+from creditrl.recipe.build import (build_task, default_max_new_tokens, load_configured_policy,
+                                   policy_loss_from_config, rollout_kwargs)
 from creditrl.runtime.gradient_space import choose_space
 from creditrl.tools.diagnose.optimizer_state import check_run, from_checkpoint
 from creditrl.tools.diagnose.plan import (Plan, budget_seconds, estimator_specs, loss_choice, loss_label)
@@ -130,14 +131,11 @@ def make_plan(cfg: Config, d: DiagnoseConfig) -> Plan:
 
 
 def rollout_settings(cfg: Config, task, tokenizer) -> dict:
-    """``generate_rollouts``' keywords from the ``rollout`` section: the responses and rewards training
-    samples (DAPO's overlong penalty included)."""
-    r = cfg.rollout
-    max_new = r.max_new_tokens or default_max_new_tokens(task, tokenizer)
-    check_overlong(r.overlong, max_new)
-    return {"temperature": r.temperature, "top_p": r.top_p, "max_tool_tokens": r.max_tool_tokens,
-            "max_new_tokens": max_new, "stop_strings": tuple(r.stop),
-            "overlong": (r.overlong.buffer, r.overlong.penalty) if r.overlong.buffer else None}
+    """``generate_rollouts``' keywords as training samples (``rollout_kwargs``), the automatic
+    ``rollout.max_new_tokens`` resolved and the overlong buffer checked against it."""
+    max_new = cfg.rollout.max_new_tokens or default_max_new_tokens(task, tokenizer)
+    check_overlong(cfg.rollout.overlong, max_new)
+    return rollout_kwargs(cfg, max_new)
 
 
 def setting_notes(cfg: Config) -> list[str]:
