@@ -227,7 +227,7 @@ def test_user_term_by_import_path_matches_its_written_out_value(plugins):
     (want_grad,) = torch.autograd.grad(want, lp)
     torch.testing.assert_close(loss, want.detach(), rtol=F64_REL, atol=F64_ABS)
     torch.testing.assert_close(grad, want_grad, rtol=F64_REL, atol=F64_ABS)
-    assert set(metrics) == set(METRIC_KEYS) | {"length_penalty"}
+    assert set(metrics) == {*METRIC_KEYS, "clip_frac_low", "clip_frac_high", "length_penalty"}
     assert metrics["length_penalty"] == pytest.approx(0.3 * mask.sum(1).double().mean().item() / mask.shape[1],
                                                       rel=F64_REL)
 

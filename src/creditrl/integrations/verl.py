@@ -476,11 +476,16 @@ def verl_metric_names(metrics: dict[str, float], old_log_prob: Tensor, log_prob:
     """verl's own loss metrics, so dashboards built on verl's losses keep working: ``actor/pg_clipfrac``
     (the surrogate's clip fractions, low + high), ``actor/pg_clipfrac_lower`` (the dual clip's) and
     ``actor/ppo_kl`` (the mean of log π_old − log π_θ over the response tokens, verl's k1). creditrl's
-    fractions count kept tokens, verl's the response tokens: the same unless a term drops tokens."""
+    fractions count kept tokens, verl's the response tokens: the same unless a term drops tokens. A
+    fraction the loss did not measure (a surrogate that does not clip, the dual clip off) is left out."""
     tokens = mask.sum().clamp(min=1)
     ppo_kl = torch.where(mask, old_log_prob.detach() - log_prob.detach(), 0.0).sum() / tokens
-    return {"actor/pg_clipfrac": metrics["clip_frac_low"] + metrics["clip_frac_high"],
-            "actor/pg_clipfrac_lower": metrics["clip_frac_dual"], "actor/ppo_kl": ppo_kl.item()}
+    out = {"actor/ppo_kl": ppo_kl.item()}
+    if "clip_frac_low" in metrics:
+        out["actor/pg_clipfrac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+    if "clip_frac_dual" in metrics:
+        out["actor/pg_clipfrac_lower"] = metrics["clip_frac_dual"]
+    return out
 
 
 POLICY_LOSS_FNS = {name: make_policy_loss(name) for name in POLICY_LOSSES}

@@ -35,8 +35,8 @@ class DeltaLNormOptions:
     """α, the exponent of the length weights n_b^{−α}."""
 
     alpha: float = field(default=1.0, metadata={
-        "help": "α in [0, 1] of the weights n_b^-α (1: the paper's minimum-variance choice; 0: Dr. GRPO's equal "
-                "weights)"})
+        "help": "α in [0, 1] of the weights n_b^-α (1: the paper's minimum-variance choice, not reproduced here: "
+                "grad-variance inconclusive; 0: Dr. GRPO's equal weights)"})
 
     def __post_init__(self):
         check_range("alpha", self.alpha, 0.0, 1.0)
@@ -44,7 +44,8 @@ class DeltaLNormOptions:
 
 @register_loss_term("delta_l_norm", options=DeltaLNormOptions, stage="aggregate")
 def delta_l_norm(state: LossState, options: DeltaLNormOptions) -> LossState:
-    """ΔL normalisation (1/M)·Σ_b n_b^{−α}·Σ_t ℓ_bt / Σ_b' n_b'^{−α} (the paper's α = 1: least variance).
+    """ΔL normalisation (1/M)·Σ_b n_b^{−α}·Σ_t ℓ_bt / Σ_b' n_b'^{−α} (the paper's α = 1: least variance in
+    its analysis; not reproduced here).
 
     Unbiased and least-variance where the lengths carry no information about the reward (module
     docstring). Metric ``agg_count``: Σ_b n_b^{−α} over responses with a kept token."""

@@ -53,8 +53,8 @@ from creditrl.utils.validate import token_advantages
 ON_POLICY_AS_CLIP = ("gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "kl_cov")
 
 LOG_PROBS = ("logp", "old_logp", "ref_logp", "rollout_logp")   # each <= 0, within LOGP_TOLERANCE
-METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl", "ref_kl", "mismatch_kl", "ppl_gap",
-               "is_masked_frac", "spurious_ratio", "adv_abs_mean", "kept_frac", "agg_count")
+# what every loss measures; a term's own metrics appear only where it measured them (``__call__``)
+METRIC_KEYS = ("approx_kl", "adv_abs_mean", "kept_frac", "agg_count")
 
 __all__ = ["METRIC_KEYS", "ON_POLICY_AS_CLIP", "LossMetrics", "PolicyLoss"]
 
@@ -147,13 +147,15 @@ class PolicyLoss:
 
         Returns (scalar loss, metrics); the gradient reaches ``logp`` only, and ``entropy`` under
         an entropy bonus (an empty batch, B = 0 or T = 0, gives loss 0 with zero gradients and
-        every metric 0.0). Metrics (``LossMetrics``: with the count each mean is over) are Python
-        floats, 0.0 when not applicable: clip fractions over
-        kept tokens; approx_kl (k3, KL(π_old‖π_θ)), ref_kl (chosen estimator), mismatch_kl (k3,
-        KL(π_rollout‖π_old)), adv_abs_mean over valid tokens; ppl_gap (OTB eq. 68, old vs
-        rollout); is_masked_frac, spurious_ratio, kept_frac as fractions of valid tokens;
-        agg_count, the aggregation's denominator (what gradient accumulation weights
-        micro-batches by); plus each chosen term's own (``cov_selected_frac``,
+        ``METRIC_KEYS`` 0.0). Metrics (``LossMetrics``: with the count each mean is over) are Python
+        floats. Every loss gives ``METRIC_KEYS``: approx_kl (k3, KL(π_old‖π_θ)), adv_abs_mean over
+        valid tokens, kept_frac as a fraction of valid tokens, agg_count, the aggregation's
+        denominator (what gradient accumulation weights micro-batches by). The others appear only
+        where something measured them, never as a stand-in 0.0: clip_frac_low/_high over kept
+        tokens (the clipping surrogates), clip_frac_dual (the dual clip on); ref_kl (chosen
+        estimator, with ``ref_logp``); mismatch_kl (k3, KL(π_rollout‖π_old)) and ppl_gap (OTB eq.
+        68, old vs rollout), with ``rollout_logp``; is_masked_frac (a rollout correction that drops
+        tokens); spurious_ratio (STAPO on); each chosen term's own (``cov_selected_frac``,
         ``high_entropy_frac``, ``bonus_entropy``, ..., a user term's).
         """
         logp_in = check_tensor("logp", logp, ndim=2, floating=True)
@@ -270,7 +272,7 @@ def _initial_state(data: dict[str, Tensor | None], advantages: Tensor, valid: Te
     state = LossState(logp=zeroed["logp"], old_logp=zeroed["old_logp"], advantages=adv, valid=valid,
                       valid_f=valid_f, keep=valid, row_tokens=row_tokens, n_valid=n_tokens.clamp(min=1),
                       ref_logp=zeroed["ref_logp"], rollout_logp=zeroed["rollout_logp"], entropy=zeroed["entropy"],
-                      metrics=dict.fromkeys(METRIC_KEYS, logp.new_zeros(())))
+                      metrics={})
     return state.with_metrics(adv_abs_mean=(adv_abs_sum, n_tokens)), token_adv, highest
 
 
