@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
-
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,9 +51,9 @@ def ref_returns(rewards, mask, gamma):
     for b in range(mask.shape[0]):
         valid = [t for t in range(mask.shape[1]) if mask[b, t]]
         acc = 0.0
-        for t in reversed(valid):
-            acc = (rewards[b, t].item() if rewards.dim() == 2 else 0.0) + gamma * acc
-            out[b, t] = acc if rewards.dim() == 2 else rewards[b].item()
+        for t in reversed(valid):    # a [B] outcome reward arrives at the last valid token
+            acc = (rewards[b, t].item() if rewards.dim() == 2 else rewards[b].item() * (t == valid[-1])) + gamma * acc
+            out[b, t] = acc
     return out
 
 
@@ -142,6 +143,25 @@ def test_reinforce_is_returns_to_go(seed, gamma):
     from creditrl.core.estimators import estimator_output
     assert estimator_output("reinforce", **outcome)[0].shape == outcome["rewards"].shape
     assert estimator_output("reinforce", **batch, gamma=gamma)[0].shape == batch["mask"].shape
+
+
+@pytest.mark.parametrize("name", ["reinforce", "reinforce_plus_plus", "otb", "otb_isolated"])
+@pytest.mark.parametrize("seed", range(3))
+def test_outcome_rewards_are_discounted_from_the_last_valid_token(name, seed):
+    """[B] rewards with gamma < 1 give what [B,T] rewards with R on each row's last valid token give (verl's
+    form), G_t = γ^(L-1-t)·R, on holey masks with an empty row; not R on every token."""
+    outcome = make_batch(seed)
+    mask = outcome["mask"]
+    on_last = torch.zeros(mask.shape)
+    for b in range(mask.shape[0]):
+        valid = mask[b].nonzero().flatten().tolist()
+        if valid:
+            on_last[b, valid[-1]] = outcome["rewards"][b]
+    got = run(name, outcome, gamma=0.7)
+    assert torch.equal(got, run(name, {**outcome, "rewards": on_last}, gamma=0.7))
+    if name == "reinforce":
+        assert torch.allclose(got, ref_returns(outcome["rewards"], mask, 0.7), atol=F32, rtol=0)
+        assert not torch.allclose(got, run(name, outcome))      # gamma changes the result
 
 
 @settings(max_examples=60, deadline=None)
@@ -401,6 +421,27 @@ def test_registry_lists_all_and_accepts_third_party():
     assert torch.equal(out, 2.5 * batch["mask"].float())
     with pytest.raises(ValueError, match=r"test_constant: unknown option\(s\) \['valu'\]; valid options are \['value'\]"):
         compute_advantages("test_constant", **batch, valu=2.5)
+
+
+def test_registering_before_the_first_call_meets_the_built_ins():
+    """A fresh process where a user's estimator is registered before any call (the built-ins load on first
+    use): ``overwrite=True`` replaces a built-in and leaves the others working; without it the clash is
+    refused at registration, not at some later call of another estimator."""
+    code = """
+import torch, creditrl
+@creditrl.register_estimator("grpo", overwrite=True)
+def mine(batch):
+    return batch.rewards * 0
+args = dict(rewards=torch.tensor([1., 0.]), mask=torch.ones(2, 2), group=torch.tensor([0, 0]))
+print(creditrl.compute_advantages("grpo", **args).abs().sum().item(), creditrl.compute_advantages("rloo", **args)[0, 0].item())
+try:
+    creditrl.register_estimator("rloo")(mine)
+except ValueError as err:
+    print(err)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == "0.0 1.0"
+    assert out[1].startswith("estimator 'rloo' is already registered to <function rloo")
 
 
 def test_error_messages():

@@ -58,10 +58,10 @@ def loop_returns(batch, gamma):
     mask, r = batch["mask"], batch["rewards"]
     out = [[0.0] * mask.shape[1] for _ in range(mask.shape[0])]
     for b in range(mask.shape[0]):
-        acc = 0.0
-        for t in reversed([t for t in range(mask.shape[1]) if mask[b, t]]):
-            acc = (float(r[b, t]) if r.dim() == 2 else 0.0) + gamma * acc
-            out[b][t] = acc if r.dim() == 2 else float(r[b])
+        acc, valid = 0.0, [t for t in range(mask.shape[1]) if mask[b, t]]
+        for t in reversed(valid):     # a [B] outcome reward arrives at the last valid token
+            acc = (float(r[b, t]) if r.dim() == 2 else float(r[b]) * (t == valid[-1])) + gamma * acc
+            out[b][t] = acc
     return out
 
 

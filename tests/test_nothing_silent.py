@@ -1458,25 +1458,27 @@ def test_a_skipped_damaged_checkpoint_is_a_resume_note_and_the_warm_start_line_s
 
 # ---------------------------------------------------------------- black-box audit: loss inputs
 
-@pytest.mark.parametrize("name", ["old_logp", "ref_logp", "rollout_logp"])
+@pytest.mark.parametrize("name", ["logp", "old_logp", "ref_logp", "rollout_logp"])
 @pytest.mark.parametrize("value", [math.inf, -math.inf])
 def test_policy_loss_refuses_infinite_log_probs_of_sampled_tokens(name, value):
     """+inf is no log-probability and -inf is a probability 0 for a token that was sampled: each gave a
-    finite loss (clipping hid it) with a made-up KL. On a masked token either is padding, and ignored."""
+    finite loss (clipping hid it) with a made-up KL; a -inf in the current ``logp`` gave the token no
+    gradient, silently. On a masked token either is padding, and ignored."""
     import creditrl
     gen = torch.Generator().manual_seed(0)
     logp, mask, adv = -torch.rand(2, 3, generator=gen), torch.ones(2, 3), torch.tensor([1.0, -1.0])
     bad = -torch.rand(2, 3, generator=gen)
     bad[0, 1] = value
-    inputs = {"old_logp": logp.detach(), "ref_logp": logp.detach(), "rollout_logp": logp.detach(), name: bad}
+    names = ("logp", "old_logp", "ref_logp", "rollout_logp")
+    inputs = {**{k: logp.detach() for k in names}, name: bad}
     options = dict(kl_coef=0.1, rollout_correction="tis")
     what = "log-probabilities <= 0" if value > 0 else "finite log-probabilities"
     with pytest.raises(ValueError, match=rf"^{name}: expected {what}"):
-        creditrl.policy_loss(logp, inputs.pop("old_logp"), adv, mask, **inputs, **options)
-    padded = dict(inputs, old_logp=logp.detach())
-    padded[name] = torch.where(torch.arange(3) == 1, torch.tensor(value), -torch.rand(2, 3, generator=gen))
-    loss, _ = creditrl.policy_loss(logp, padded.pop("old_logp"), adv, mask * (torch.arange(3) != 1), **padded,
-                                   **options)
+        creditrl.policy_loss(inputs.pop("logp"), inputs.pop("old_logp"), adv, mask, **inputs, **options)
+    padded = {**{k: logp.detach() for k in names},
+              name: torch.where(torch.arange(3) == 1, torch.tensor(value), -torch.rand(2, 3, generator=gen))}
+    loss, _ = creditrl.policy_loss(padded.pop("logp"), padded.pop("old_logp"), adv, mask * (torch.arange(3) != 1),
+                                   **padded, **options)
     assert torch.isfinite(loss)
 
 
@@ -1510,6 +1512,41 @@ def test_masked_output_estimators_refuse_non_finite_advantages(inputs):
     with pytest.raises(ValueError, match=r"estimator 'otb' returned non-finite advantages in rows \[.*\] from finite "
                                          r"inputs: a sum beyond float32's range .* rescale the rewards or energies"):
         compute_advantages("otb", **AUDIT, **inputs)
+
+
+@pytest.mark.parametrize("name", ["otb_isolated", "ogb", "otb"])
+def test_an_overflowed_weight_sum_is_refused_not_a_zero_baseline(name):
+    """Per-token weights each finite (ρ̄² ŵ = 2.25e38) whose group sum overflows to inf: finite / inf would make
+    the baseline 0 and A = R (otb_isolated did); the leave-one-out form's sums over the one other member are
+    finite and exact (A = R_i − R_other)."""
+    from creditrl import compute_advantages
+    inputs = dict(rewards=torch.tensor([1.0, 0.0]), mask=torch.ones(2, 3), group=torch.tensor([0, 0]),
+                  energy=torch.ones(2, 3), is_weights=torch.full((2, 3), 1.5e19))
+    with pytest.raises(ValueError, match=rf"estimator '{name}' returned non-finite advantages .* a sum beyond float32"):
+        compute_advantages(name, **inputs)
+    if name == "otb_isolated":        # otb's W_t and ogb's row sums add a row's tokens first: those overflow already
+        loo = compute_advantages(name, **inputs, leave_one_out=True)
+        assert torch.equal(loo, torch.tensor([[1.0] * 3, [-1.0] * 3]))
+
+
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_inputs_with_grad_are_read_as_data(leave_one_out):
+    """Rewards and energies that carry gradients (a reward model's output, energies from a live forward) give
+    the same advantages as detached ones, without a graph: some estimators crashed on their out= buffers,
+    others returned advantages attached to the caller's graph."""
+    from creditrl import compute_advantages, list_estimators
+    from creditrl.core.estimators.registry import get_estimator
+    rewards, energy = torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.rand(4, 3, generator=torch.Generator().manual_seed(0))
+    for name in list_estimators():
+        options = get_estimator(name).options or {}
+        if leave_one_out and "leave_one_out" not in options:
+            continue
+        kwargs = dict(mask=torch.ones(4, 3), group=torch.zeros(4, dtype=torch.long),
+                      **({"k": 2} if "k" in options else {}), **({"leave_one_out": True} if leave_one_out else {}))
+        got = compute_advantages(name, rewards=rewards.clone().requires_grad_(), energy=energy.clone().requires_grad_(),
+                                 **kwargs)
+        assert not got.requires_grad, name
+        assert torch.equal(got, compute_advantages(name, rewards=rewards, energy=energy, **kwargs)), name
 
 
 def test_a_masked_output_plug_in_is_checked_on_valid_tokens_only():
@@ -1702,3 +1739,58 @@ def test_a_rows_reward_does_not_depend_on_another_rows_size():
     limit = torch.tensor([[torch.finfo(torch.float32).max, 2.0 ** 102, 2.0 ** 102], [1e38, 0.0, 0.0]])
     got = compute_advantages("dr_grpo", rewards=limit, mask=torch.ones(2, 3), group=torch.tensor([0, 0]))
     assert torch.isfinite(got).all()
+
+
+def test_power_proxy_refuses_negative_energies_beyond_rounding():
+    """Σ A² ŵ with ŵ = ‖e_y − π‖² >= 0: a negative energy is a caller's mistake, not a smaller power; rounding
+    just below 0 (π_y → 1) is accepted, as compute_advantages accepts it."""
+    import creditrl
+    mask = torch.ones(3, 4)
+    with pytest.raises(ValueError, match=r"energy: expected .* >= 0 on valid tokens, got a minimum of -0.5"):
+        creditrl.power_proxy(torch.ones(3), torch.full((3, 4), -0.5), mask)
+    assert creditrl.power_proxy(torch.ones(3), torch.full((3, 4), -1e-7), mask) == pytest.approx(-4e-7)
+    garbage = torch.full((3, 4), -5.0).masked_fill(torch.eye(3, 4, dtype=torch.bool), 0.25)   # masked negatives
+    assert creditrl.power_proxy(torch.ones(3), garbage, torch.eye(3, 4)) == pytest.approx(0.25)
+
+
+def test_agg_loss_names_a_non_finite_kept_token():
+    import creditrl
+    with pytest.raises(ValueError, match=r"loss_mat: 1 row\(s\) contain NaN or inf, e.g. rows \[1\]"):
+        creditrl.agg_loss(torch.tensor([[1.0, 2.0], [float("nan"), 1.0]]), torch.ones(2, 2), "token-mean")
+    with pytest.raises(ValueError, match=r"loss_mat: finite on the kept tokens, but its seq-mean-token-sum sum overflows"):
+        creditrl.agg_loss(torch.full((1, 2), 3e38), torch.ones(1, 2), "seq-mean-token-sum")
+    masked_nan = torch.tensor([[1.0, float("nan")]])
+    assert creditrl.agg_loss(masked_nan, torch.tensor([[1, 0]]), "token-mean").item() == 1.0
+
+
+def test_estimator_argument_errors_name_the_argument():
+    """A k beyond int64, component weights as a string and grpo's batch std of one response: each named, or
+    defined without torch's own warning."""
+    import warnings
+
+    from creditrl import compute_advantages
+    common = dict(rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]), mask=torch.ones(4, 2), group=torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"ei: k=100000000000000000000 is out of range for group id 0 \(N=4"):
+        compute_advantages("ei", **common, k=10**20)
+    with pytest.raises(ValueError, match=r"component_weights: expected 2 real numbers .*, got '1,0.5'"):
+        compute_advantages("gdpo", **common, components=torch.ones(4, 2), component_weights="1,0.5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # torch's "degrees of freedom is <= 0" must not leak
+        one = compute_advantages("grpo", rewards=torch.tensor([1.0]), mask=torch.ones(1, 2), group=torch.tensor([0]),
+                                 scale="batch")
+    assert torch.equal(one, torch.zeros(1, 2))
+
+
+def test_policy_loss_checks_entropy_and_truncated_it_does_not_read():
+    """Passed but unused by the chosen terms: still shape- and type-checked, as ref_logp and rollout_logp are."""
+    import creditrl
+    logp = torch.full((7, 9), -1.0)
+    args = (logp, logp, torch.ones(7), torch.ones(7, 9))
+    with pytest.raises(TypeError, match="entropy: expected a torch.Tensor, got str"):
+        creditrl.policy_loss(*args, entropy="yes")
+    with pytest.raises(ValueError, match=r"entropy: expected the shape of logp \[7, 9\], got \[7, 8\]"):
+        creditrl.policy_loss(*args, entropy=torch.ones(7, 8))
+    with pytest.raises(ValueError, match=r"truncated: expected shape \[7\], got \[7, 9\]"):
+        creditrl.policy_loss(*args, truncated=torch.ones(7, 9))
+    loss, _ = creditrl.policy_loss(*args, entropy=torch.ones(7, 9), truncated=torch.zeros(7, dtype=torch.bool))
+    assert loss.item() == -1.0

@@ -24,6 +24,8 @@ MAX_ROWS_REPORTED = 10
 # cross-entropy) land a few float32 ulps of |log Σ exp z| above 0: ~2e-5 at |log Σ exp z| = 100. Logits
 # passed by mistake as log-probs are O(1) and above 0 for many tokens, far beyond 1e-3.
 LOGP_TOLERANCE = 1e-3
+# Energies ŵ = 1 − 2π_y + Σπ² round to just below 0 as π_y → 1; below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
+ENERGY_TOLERANCE = 8.0
 
 
 def check_tensor(name: str, x: object, *, ndim: int | Sequence[int] | None = None,

@@ -15,9 +15,10 @@ import torch
 from torch import Tensor
 
 from creditrl.utils.imports import PluginError, is_builtin, plugin_name
-from creditrl.utils.validate import (FLOAT32_MAX, INF_FLOAT32_BITS, FusedChecks, bad_rows, check_finite, check_range,
-                                    check_mask, check_mask_dtype, check_tensor, float32_bits, integer_mask_copy,
-                                    integer_mask_verdict, mask_stats, mask_verdict, non_negative_range_and_rule)
+from creditrl.utils.validate import (ENERGY_TOLERANCE, FLOAT32_MAX, INF_FLOAT32_BITS, FusedChecks, bad_rows,
+                                    check_finite, check_range, check_mask, check_mask_dtype, check_tensor, float32_bits,
+                                    integer_mask_copy, integer_mask_verdict, mask_stats, mask_verdict,
+                                    non_negative_range_and_rule)
 
 # The fused passes compile on their first use in a process (seconds: 5.9 s on the dev CPU with a warm
 # inductor cache, 15 s cold, where nothing else had compiled) and save ~1.5 ms a call at 4M elements:
@@ -32,9 +33,6 @@ from creditrl.core.groups import GroupIndex
 __all__ = ["compute_advantages", "list_estimators", "register_estimator", "AdvantageBatch", "EstimatorSpec", "KRange",
            "build_batch", "with_energy", "prepare", "estimate", "estimator_output", "estimator_result", "returns_to_go",
            "check_group_size", "check_total"]
-
-# Energies are clamped at 0; anything below -ENERGY_TOLERANCE * eps(dtype) is not rounding.
-ENERGY_TOLERANCE = 8.0
 
 
 def _real(name: str, x: Tensor) -> Tensor:
@@ -107,8 +105,12 @@ def _components(components: Tensor | None, weights: object, num: int,
         raise ValueError(f"components: expected finite values or NaN (no reward from that term), got inf in rows "
                          f"{bad_rows(infinite)}")
     count = components.shape[1]
-    weights = torch.ones(count, dtype=torch.float64, device=device) if weights is None else \
-        torch.as_tensor(weights, dtype=torch.float64, device=device)
+    try:
+        weights = torch.ones(count, dtype=torch.float64, device=device) if weights is None else \
+            torch.as_tensor(weights, dtype=torch.float64, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"component_weights: expected {count} real numbers (a sequence or a tensor), got "
+                         f"{weights!r}") from None
     check_tensor("component_weights", weights, shape=[count])
     check_finite("component_weights", weights)
     return components, weights
@@ -119,31 +121,30 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
                 component_weights: object = None, defer_mask_check: bool = False) -> AdvantageBatch:
     """Validate raw inputs and build the ``AdvantageBatch`` every estimator consumes.
 
-    rewards [B] (outcome) or [B,T] (per token; a reward on a masked token counts at the row's
-    nearest preceding valid token, and in the row total R); mask [B,T]; group [B] int ids;
-    energy, is_weights [B,T] floats (is_weights multiply energies by rho_bar^2, OTB App. D
-    eq. 58-60); components [B,K] each reward term's values (NaN where a term gave none) with
-    component_weights [K] (sequence or tensor; ones by default). Returns-to-go (computed only if an
-    estimator reads them) use ``gamma`` over valid tokens.
+    rewards [B] (outcome) or [B,T] (per token; a reward on a masked token counts at the row's nearest
+    preceding valid token, and in the row total R); mask [B,T]; group [B] int ids; energy, is_weights [B,T]
+    floats (is_weights multiply energies by rho_bar^2, OTB App. D eq. 58-60); components [B,K] each reward
+    term's values (NaN where a term gave none) with component_weights [K] (sequence or tensor; ones by
+    default). Returns-to-go (computed only if an estimator reads them) use ``gamma`` over valid tokens;
+    [B] rewards with ``gamma`` < 1 are discounted from each row's last valid token, where the outcome
+    arrives (G_t = γ^(L-1-t)·R, as token rewards with R on that token give). Inputs are read detached.
 
-    Shapes, dtypes and devices are checked first. Every value check is then one reduction pass
-    per tensor, all read back in one host read (``FusedChecks``): the mask's 0/1 rule
-    (``mask_stats``; an integer mask is replaced by its float32 copy, checked on the copy's
-    bits, ``integer_mask_copy``; a float32 mask of >= ``FUSED_RULE_MIN_ELEMENTS`` on a CPU in
-    another pass over it: with energies, the energies' check, ``non_negative_range_and_rule``;
-    without, and with ``defer_mask_check`` (built-in estimators, whose every use of the mask is
-    tested), its first use, in a second read: see ``AdvantageBatch``), finite rewards (a
-    non-finite value makes its row's sum R and the sum of R non-finite: token rewards cost the one
-    sum R needs),
-    energies and IS weights finite and >= 0 (one integer min/max pass). Only a failing test takes
-    an exact, slower pass, to name the rows or to accept
-    what the fast test cannot tell (masked garbage, -0.0, rounding just below 0, a float32
-    overflow of the row sums).
+    Shapes, dtypes and devices are checked first. Every value check is then one reduction pass per tensor,
+    all read back in one host read (``FusedChecks``): the mask's 0/1 rule (``mask_stats``; an integer mask
+    is replaced by its float32 copy, checked on the copy's bits, ``integer_mask_copy``; a float32 mask of
+    >= ``FUSED_RULE_MIN_ELEMENTS`` on a CPU in another pass over it: with energies, the energies' check,
+    ``non_negative_range_and_rule``; without, and with ``defer_mask_check`` (built-in estimators, whose
+    every use of the mask is tested), its first use, in a second read: see ``AdvantageBatch``), finite
+    rewards (a non-finite value makes its row's sum R and the sum of R non-finite: token rewards cost the
+    one sum R needs), energies and IS weights finite and >= 0 (one integer min/max pass). Only a failing
+    test takes an exact, slower pass, to name the rows or to accept what the fast test cannot tell (masked
+    garbage, -0.0, rounding just below 0, a float32 overflow of the row sums).
     """
     mask = check_tensor("mask", mask, ndim=2)
     check_mask_dtype("mask", mask)
     num, steps_t = mask.shape
     check_tensor("rewards", rewards, ndim=(1, 2))
+    mask, rewards, energy, is_weights, components = _as_data(mask, rewards, energy, is_weights, components)
     _real("rewards", rewards)
     check_tensor("rewards", rewards, shape=[num, steps_t] if rewards.dim() == 2 else [num])
     check_tensor("group", group, shape=[num], integer=True)
@@ -153,27 +154,42 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
     token_rewards = rewards.to(torch.float32) if rewards.dim() == 2 else None
     seq_rewards = rewards.to(torch.float32) if token_rewards is None else token_rewards.sum(1)
     checks = FusedChecks()
-    # On a CPU a large float32 mask's rule runs inside another pass over it: with energies, the
-    # energies' check (one compiled read of both); without, it waits for the mask's first use
-    # (AdvantageBatch.given_mask), where a broadcast runs it in the pass it writes. Not on a GPU:
-    # there the pass costs microseconds, and a second host read a sync
+    # On a CPU a large float32 mask's rule runs inside another pass over it: with energies, the energies'
+    # check (one compiled read of both); without, it waits for the mask's first use (AdvantageBatch.given_mask),
+    # where a broadcast runs it in the pass it writes. Not on a GPU: there the pass costs microseconds, and a
+    # second host read a sync
     large = mask.device.type == "cpu" and mask.dtype == torch.float32 and mask.numel() >= FUSED_RULE_MIN_ELEMENTS
     energy_of, rule = _queue_energy_checks(checks, mask, energy, is_weights, with_mask_rule=large and energy is not None)
     given = mask
     pending = defer_mask_check and large and energy is None and is_weights is None
     mask = _queue_mask_check(checks, given, rule, pending)
-    # a NaN/inf makes the total non-finite (as does a float32 overflow of finite rewards: the exact pass decides)
     finite = checks.add(seq_rewards.sum(), lambda values: math.isfinite(values[0]))
     results = checks.run()                       # the one host read; a bad mask raises here
-    if not results[finite]:
+    if not results[finite]:      # a NaN/inf, or a float32 overflow of finite rewards: the exact pass decides
         if pending:                              # a bad mask's error before the rewards', as when checked here
             check_mask("mask", mask)
             pending = False
         seq_rewards = _exact_totals(seq_rewards, token_rewards)
+    if token_rewards is None and gamma != 1.0:   # an outcome arrives after the last valid token: G_t = γ^(L-1-t)·R
+        token_rewards = on_last_valid_token(seq_rewards, mask)
     return AdvantageBatch(rewards=seq_rewards, input_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy_of(results, mask), token_rewards=token_rewards, gamma=float(gamma),
                           components=components, component_weights=component_weights, mask_copy=mask is not given,
                           mask_pending=pending)
+
+
+def _as_data(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Advantages are data (no gradient flows through a baseline, as in verl and TRL): inputs that carry
+    gradients are read detached."""
+    return tuple(x.detach() if isinstance(x, Tensor) else x for x in tensors)
+
+
+def on_last_valid_token(rewards: Tensor, mask: Tensor) -> Tensor:
+    """[B] rewards -> [B,T] float32 token rewards, each on its row's last valid token (column 0 of a row with
+    none, which then has no return): how verl passes an outcome reward."""
+    steps = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask != 0, steps, 0).amax(1, keepdim=True)
+    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).scatter_(1, last, rewards[:, None])
 
 
 def _queue_mask_check(checks: FusedChecks, mask: Tensor, rule: Tensor | None, pending: bool) -> Tensor:
@@ -251,8 +267,9 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     """Advantages [B,T] float32 from the estimator ``name`` (see ``list_estimators()``).
 
     rewards: [B] outcome reward, or [B,T] token rewards (returns-to-go with option ``gamma``,
-    default 1), read as float32 (a float64 reward is rounded: differences below float32's spacing at
-    the rewards' magnitude, e.g. 1 around 1e8, are lost; the group statistics then run in float64).
+    default 1; a [B] reward arrives at the row's last valid token, G_t = γ^(L-1-t)·R), read as
+    float32 (a float64 reward is rounded: differences below float32's spacing at the rewards'
+    magnitude, e.g. 1 around 1e8, are lost; the group statistics then run in float64).
     Sequence-level estimators use each row's total R = sum_t r_t; for token-level returns a reward
     on a masked token counts at the row's nearest preceding valid token.
     mask: [B,T] bool/0-1. group: [B] int ids (any order, any sizes). energy: [B,T] w_t from
@@ -263,7 +280,8 @@ def compute_advantages(name: str, *, rewards: Tensor, mask: Tensor, group: Tenso
     (ones by default), read by ``gdpo`` (which needs rewards = their weighted sum,
     ``check_total``); others ignore them (their shape and values are still checked). Estimator
     options (``k``, ``eps``, ``normalize``) are keywords.
-    Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0.
+    Output: float32 [B,T] on the mask's device, exactly 0 where mask == 0, without autograd history
+    (advantages are data: inputs that carry gradients are read detached).
     An empty batch (B = 0 or T = 0) gives float32 zeros [B,T].
 
     Statistics are over the rows passed. A row with no valid token gets advantages 0; its reward

@@ -17,6 +17,8 @@ unless omega is constant, its direction. ``leave_one_out=True`` gives A^LOO.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Annotated, Literal
 
 
@@ -33,9 +35,12 @@ def weighted_mean_or_plain(weighted_sum: Tensor, weight_sum: Tensor, plain_sum: 
 
     Where the energies are all 0 (every token certain) the plain mean is the right baseline;
     dividing by a tiny eps there would set it to 0 and bias the gradient (verl does this).
+    A weight sum that overflowed to inf gives NaN, not the 0 that finite / inf would silently make
+    of the baseline: the output check then names the overflow.
     """
     safe = torch.where(weight_sum > 0, weight_sum, torch.ones_like(weight_sum))
-    return torch.where(weight_sum > 0, weighted_sum / safe, plain_sum / count.clamp(min=1))
+    mean = torch.where(weight_sum > 0, weighted_sum / safe, plain_sum / count.clamp(min=1))
+    return mean.masked_fill_(torch.isinf(weight_sum), math.nan)
 
 
 def weighted_baseline(values: Tensor, weights: Tensor, groups: GroupIndex) -> Tensor:
@@ -127,7 +132,11 @@ def grpo(batch: AdvantageBatch, *, eps: Annotated[float, "added to the std befor
     dev = centred(batch)
     if scale == "none":
         return drop_singletons(dev, batch.groups)
-    std = group_std(r, batch.groups, dev) if scale == "group" else r.std(unbiased=True).nan_to_num(0.0)
+    # a batch of one response has no spread (std 0; torch would warn and give NaN); it is a singleton: A = 0
+    if scale == "group":
+        std = group_std(r, batch.groups, dev)
+    else:
+        std = r.std(unbiased=True) if r.numel() > 1 else r.new_zeros(())
     return drop_singletons(dev / (std + eps), batch.groups)
 
 

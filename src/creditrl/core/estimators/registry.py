@@ -20,7 +20,7 @@ from torch import Tensor
 from creditrl.core.estimators.steps import StepIndex, returns_to_go, rewards_off_last_token
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.fused import fused
-from creditrl.utils.imports import import_submodules, plugin_name, registered_entry
+from creditrl.utils.imports import import_submodules, is_builtin, plugin_name, registered_entry
 from creditrl.utils.options import OptionSpec, build, doc_summary, options_of
 from creditrl.utils.validate import (bool_row_counts, check_mask, float_mask, mask_verdict,
                                     row_sums_with_rule, times_mask_with_rule)
@@ -47,7 +47,8 @@ class AdvantageBatch:
     raw_energy:    [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
                           finite and >= 0, but not necessarily 0 on masked tokens (no copy of
                           the caller's tensor); None when not given
-    token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards
+    token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards (with gamma < 1: R on each
+                          row's last valid token, ``on_last_valid_token``)
     gamma:         discount of the returns-to-go
     components:    [B,K]  float64 reward components (one column per reward term, e.g. each of
                           ``task.options.rewards``; NaN where a term gave no reward), or None
@@ -251,7 +252,8 @@ class KRange:
         if k < self.low:
             raise ValueError(f"{name}: k={k} is out of range for any group; expected {self.text()}")
         sizes = groups.sizes
-        bad = (k > sizes - self.below) & (sizes > 1)
+        # k beyond int64 (10**20) cannot be compared as a tensor; it exceeds every size all the same
+        bad = (min(k, torch.iinfo(torch.int64).max) > sizes - self.below) & (sizes > 1)
         if bool(bad.any()):
             first = int(torch.nonzero(bad)[0, 0])
             raise ValueError(f"{name}: k={k} is out of range for group id {groups.ids[first].item()} "
@@ -377,6 +379,9 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
     ``batch_level_when``: option -> value under which it is batch-level (``grpo``: ``{"scale": "batch"}``);
     ``masked_output``: a [B,T] result is finite and exactly 0 where mask == 0, so
     ``compute_advantages`` skips its checking pass (the built-in token-level estimators; tested).
+    ``fn`` must not write into the batch's tensors: ``rewards``, ``input_mask``, ``raw_energy`` and
+    ``token_rewards`` may be the caller's own (no copies are made for speed), so an in-place edit
+    would change the user's inputs.
     Re-registering a name raises unless ``overwrite=True`` (or it is the same function).
     The arguments are checked here, before anything is registered: ``name`` a non-empty string of
     letters, digits, ``_``, ``-`` and ``.``; ``k_range`` a ``KRange`` or None; the flags real bools.
@@ -391,6 +396,8 @@ def register_estimator(name: str, *, needs_energy: bool = False, k_range: KRange
         except (TypeError, ValueError):
             raise TypeError(f"estimator {name!r}: {plugin_name(fn)} must take the batch as its first argument, "
                             f"fn(batch, **options)") from None
+        if not is_builtin(fn):           # the built-ins first, so a name clash is met here, not at their first use
+            import_submodules(BUILTINS)
         old = _REGISTRY.get(name)
         if old is not None and not overwrite and old.fn is not fn and (
                 getattr(old.fn, "__qualname__", None), getattr(old.fn, "__module__", None)) != (

@@ -7,6 +7,7 @@ The ``aggregation`` loss term is the last stage of the policy loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor
 
 from creditrl.core.losses.terms import LossState, register_loss_term
-from creditrl.utils.validate import as_mask, check_choice, check_int, check_tensor
+from creditrl.utils.validate import NonFiniteError, as_mask, check_choice, check_finite, check_int, check_tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -46,7 +47,8 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None =
     - ``seq-mean-token-sum``:      (1/|S|) Σ_{b∈S} Σ_t ℓ
     - ``seq-mean-token-sum-norm``: Σ_{b,t} ℓ / (B · max_len), max_len = T by default (Dr.GRPO)
 
-    Masked entries never reach the result, even when they hold NaN/inf. With no kept token
+    Masked entries never reach the result, even when they hold NaN/inf; a NaN/inf on a kept token
+    raises ``NonFiniteError`` naming its rows (one host read per call). With no kept token
     the result is 0 (still attached to the graph, so ``backward`` works and gives zero grads).
     """
     loss_mat = check_tensor("loss_mat", loss_mat, ndim=2, floating=True)
@@ -55,7 +57,11 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str, *, max_len: int | None =
     if max_len is not None:
         check_int("max_len", max_len, 1)
     kept_loss = torch.where(keep, loss_mat, loss_mat.new_zeros(()))
-    return reduce_kept(kept_loss, keep.sum(dim=-1), mode, max_len=max_len)
+    out = reduce_kept(kept_loss, keep.sum(dim=-1), mode, max_len=max_len)
+    if not math.isfinite(float(out.detach())):      # name the rows, else a sum beyond the dtype's range
+        check_finite("loss_mat", kept_loss.detach())
+        raise NonFiniteError(f"loss_mat: finite on the kept tokens, but its {mode} sum overflows {loss_mat.dtype}")
+    return out
 
 
 def agg_denominator(row_tokens: Tensor, mode: str) -> Tensor:

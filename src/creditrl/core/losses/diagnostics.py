@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from creditrl.utils.validate import check_choice, check_finite, check_same_shape, check_tensor
-from creditrl.utils.validate import as_mask, token_advantages
+from creditrl.utils.validate import ENERGY_TOLERANCE, as_mask, token_advantages
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 MAX_LOG_RATIO = 20.0  # e^20 ≈ 5e8: beyond it exp overflows in grads (0·inf) while nothing is lost
@@ -69,7 +69,8 @@ def power_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:
     sequence-level advantage it is A(τ)²·Ŵ(τ), eq. 64. Token-level advantages (OTB) enter
     token by token, not as their mean. advantages: [B] or [B,T]; energy: [B,T]; mask: [B,T].
     N = B. Returns a Python float (0.0 for an empty batch). Products and row sums run in the
-    inputs' precision (~1e-7 relative in float32); a non-finite valid input raises naming it.
+    inputs' precision (~1e-7 relative in float32); a non-finite valid input, or a negative valid
+    energy, raises naming it.
     """
     mask = check_tensor("mask", mask, ndim=2)
     valid = as_mask("mask", mask, mask.shape)
@@ -82,6 +83,9 @@ def power_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:
         adv, energy = advantages, torch.where(valid, energy, 0.0)
     else:                                  # 0 off the mask; masked energies are multiplied by it
         adv = torch.where(valid, adv, 0.0)
+    lowest = float(torch.where(valid, energy, 0.0).amin())         # NaN propagates: the finiteness check below
+    if lowest < -ENERGY_TOLERANCE * torch.finfo(energy.dtype).eps:  # below rounding
+        raise ValueError(f"energy: expected ŵ_t = ‖e_y − π‖² >= 0 on valid tokens, got a minimum of {lowest:.3g}")
     total = _mean_power(adv, energy)
     if not math.isfinite(total):           # name the input, else a non-finite masked energy or an overflow
         check_finite("advantages", adv)

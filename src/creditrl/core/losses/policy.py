@@ -163,7 +163,10 @@ class PolicyLoss:
         given = {"logp": logp_in, "old_logp": old_logp, "rollout_logp": rollout_logp, "ref_logp": ref_logp,
                  "entropy": entropy if self.needs_entropy else None, "weights": weights}
         self._check_needs({**given, "truncated": truncated})
-        rows_cut = as_mask("truncated", truncated, logp_in.shape[:1]) if self.needs_truncated else None
+        if entropy is not None and not self.needs_entropy:     # unread: its shape and dtype still checked
+            check_same_shape("logp", logp_in, "entropy", check_tensor("entropy", entropy, floating=True))
+        rows_cut = as_mask("truncated", truncated, logp_in.shape[:1]) if truncated is not None else None
+        rows_cut = rows_cut if self.needs_truncated else None
         dtype = _common_dtype(*given.values(), advantages)
         live = ("logp", "entropy") if self.entropy_grad else ("logp",)
         data = {name: None if x is None else _as_float(name, x, logp_in, dtype, name in live)
@@ -297,13 +300,12 @@ def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Te
             finite = bool(torch.isfinite(low) & torch.isfinite(high))      # rare: above the bound, or NaN/inf
             zeroed[name] = x * valid_f if finite else torch.where(valid, x, 0.0)
             _check_log_probs(name, float(zeroed[name].detach().amax()))
-            if not finite and name != "logp":
+            if not finite:
                 _check_no_minus_inf(name, zeroed[name].detach())
         else:                                  # a where, and the bounds read later with the metrics
             zeroed[name] = torch.where(valid, x, 0.0)
             highest[name] = zeroed[name].detach().amax()
-            if name != "logp":
-                highest[f"-{name}"] = -zeroed[name].detach().amin()     # -inf read as +inf: refused
+            highest[f"-{name}"] = -zeroed[name].detach().amin()         # -inf read as +inf: refused
     return zeroed, highest
 
 
@@ -327,8 +329,9 @@ def _check_log_probs(name: str, highest: float) -> None:
 
 
 def _check_no_minus_inf(name: str, x: Tensor) -> None:
-    """``old_logp``, ``ref_logp``, ``rollout_logp`` of sampled tokens: a probability of 0 (-inf) is not a
-    distribution that sampled them (a ratio or KL of it is infinite, and clipping hides it)."""
+    """Log-probs of sampled tokens: a probability of 0 (-inf) is not a distribution that sampled them (a
+    ratio or KL of it is infinite, and clipping hides it); in ``logp``, the current policy's, the token would
+    silently get no gradient (``token_stats`` never gives -inf: it clamps -inf logits)."""
     if bool(torch.isneginf(x).any()):
         _refuse_minus_inf(name)
 
