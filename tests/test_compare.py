@@ -70,6 +70,22 @@ def test_report_aggregates_seeds(tmp_path):
     assert curves[0]["power_proxy_std"] == pytest.approx(1.0)
 
 
+def test_a_metric_one_run_did_not_measure_is_left_empty_not_an_error(tmp_path):
+    """A run without STAPO logs no spurious_ratio (loss metrics appear only where measured); listed first, its
+    rows once set curves.csv's columns and the STAPO run's rows raised. Its cells are empty, and read back absent."""
+    for seed in (0, 1):
+        run = fake_run(tmp_path, "a-grpo", seed)
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in m.items() if k != "spurious_ratio"})
+                                                   + "\n" for m in lines))
+        fake_run(tmp_path, "b-stapo", seed)
+    report = compare.write_report(compare.find_runs(tmp_path), tmp_path, window=1).read_text()
+    curves = tables.read_csv(tmp_path / "curves.csv")
+    assert {"spurious_ratio_mean" in r for r in curves if r["run"] == "a-grpo"} == {False}
+    assert {r["spurious_ratio_mean"] for r in curves if r["run"] == "b-stapo"} == {0.0}
+    assert "| a-grpo" in report
+
+
 def test_uneven_seeds_are_truncated(tmp_path):
     fake_run(tmp_path, "a", 0, steps=10)
     fake_run(tmp_path, "a", 1, steps=7)

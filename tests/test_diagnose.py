@@ -667,6 +667,18 @@ def test_the_plot_draws_no_point_without_its_interval():
     assert report.plot_points(rows, "efficiency_vs_configured") == [(0, exact), (1, measured)]
 
 
+def test_the_plot_writes_the_holm_labels_not_only_per_comparison_intervals(tmp_path):
+    """diagnose.png marks the rows the Holm-adjusted labels name (better / worse, biased direction), so an
+    interval clear of 1 that Holm does not keep is not read as a finding; the figure is written with them."""
+    exact, clear = Interval(1.0, 1.0, 1.0, 16, 0.0, log=True), Interval(1.2, 1.05, 1.4, 16, 0.07, log=True)
+    rows = [{"row": name, "efficiency_vs_configured": iv, "adam_vs_configured": None}
+            for name, iv in (("grpo", exact), ("otb", clear), ("rloo", clear), ("maxrl", clear))]
+    labels = {"better": ["otb"], "worse": ["maxrl"], "biased": ["maxrl"], "m": 3}
+    assert report.holm_marks(rows, labels) == [(1, "better"), (3, "worse, biased direction")]
+    assert report.holm_marks(rows, None) == []                 # rloo: clear of 1, yet not kept by Holm: no mark
+    assert report.plot(rows, tmp_path / "d.png", labels).stat().st_size > 1000
+
+
 def test_the_pace_counts_the_status_between_rounds_and_reserves_it(monkeypatch):
     """The status computed after each round costs 5 s here (a simulated clock; on flat gradient spaces
     it is seconds): the next round's forecast counts it, and every prompt reserves it for the closing

@@ -1517,8 +1517,9 @@ def test_masked_output_estimators_refuse_non_finite_advantages(inputs):
 @pytest.mark.parametrize("name", ["otb_isolated", "ogb", "otb"])
 def test_an_overflowed_weight_sum_is_refused_not_a_zero_baseline(name):
     """Per-token weights each finite (ρ̄² ŵ = 2.25e38) whose group sum overflows to inf: finite / inf would make
-    the baseline 0 and A = R (otb_isolated did); the leave-one-out form's sums over the one other member are
-    finite and exact (A = R_i − R_other)."""
+    the baseline 0 and A = R (otb_isolated did; otb's and ogb's sums overflowed before and raised already, kept
+    here as the same contract); the leave-one-out form's sums over the one other member are finite and exact
+    (A = R_i − R_other)."""
     from creditrl import compute_advantages
     inputs = dict(rewards=torch.tensor([1.0, 0.0]), mask=torch.ones(2, 3), group=torch.tensor([0, 0]),
                   energy=torch.ones(2, 3), is_weights=torch.full((2, 3), 1.5e19))
@@ -1751,6 +1752,7 @@ def test_power_proxy_refuses_negative_energies_beyond_rounding():
     assert creditrl.power_proxy(torch.ones(3), torch.full((3, 4), -1e-7), mask) == pytest.approx(-4e-7)
     garbage = torch.full((3, 4), -5.0).masked_fill(torch.eye(3, 4, dtype=torch.bool), 0.25)   # masked negatives
     assert creditrl.power_proxy(torch.ones(3), garbage, torch.eye(3, 4)) == pytest.approx(0.25)
+    assert creditrl.power_proxy(torch.ones(3), torch.ones(3, 0), torch.ones(3, 0)) == 0.0      # T = 0: defined
 
 
 def test_agg_loss_names_a_non_finite_kept_token():

@@ -22,13 +22,14 @@ Row = dict[str, object]
 
 
 def write_csv(path: Path, rows: Sequence[Row]) -> Path:
-    """Write ``rows`` (dicts with the same keys) to ``path``; floats keep full precision."""
+    """Write ``rows`` to ``path``; floats keep full precision. The columns are every row's keys in the order
+    first seen; a row without one leaves its cell empty (a metric one run measured and another did not)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not rows:
         raise ValueError(f"rows: expected at least one row for {path}, got none")
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)), restval="")
         writer.writeheader()
         writer.writerows(rows)
     return path
@@ -43,9 +44,10 @@ def _parse(value: str) -> object:
 
 
 def read_csv(path: Path) -> list[Row]:
-    """Rows of a CSV written by ``write_csv``, numbers parsed back to int/float."""
+    """Rows of a CSV written by ``write_csv``, numbers parsed back to int/float; an empty cell (a key that row
+    did not have) is left out of the row."""
     with Path(path).open(newline="") as f:
-        return [{key: _parse(value) for key, value in row.items()} for row in csv.DictReader(f)]
+        return [{key: _parse(value) for key, value in row.items() if value != ""} for row in csv.DictReader(f)]
 
 
 def write_json(path: Path, obj: object) -> Path:

@@ -65,7 +65,7 @@ class AdvantageBatch:
     tokens per response; ``mask_bytes`` [B,T] uint8 0/1 (a bool mask only); ``mask`` [B,T] bool;
     ``energy`` [B,T] the energies with 0 where mask == 0;
     ``steps`` (StepIndex); ``returns`` [B,T] float32 returns-to-go
-    G_t over valid steps (R on every valid token for [B] rewards), 0 where mask == 0; a reward on
+    G_t over valid steps (R on every valid token for [B] rewards with gamma = 1), 0 where mask == 0; a reward on
     a masked token counts at the row's nearest preceding valid token.
     """
 
@@ -209,8 +209,8 @@ class AdvantageBatch:
 
     @cached_property
     def constant_returns(self) -> bool:
-        """True when every valid token's return-to-go is its row's R: [B] rewards, or token
-        rewards that sit only on each row's last valid token with gamma = 1 (the usual outcome
+        """True when every valid token's return-to-go is its row's R: gamma = 1 with [B] rewards, or token
+        rewards that sit only on each row's last valid token (the usual outcome
         reward as verl passes it). Estimators then skip the returns-to-go (one pass over the token
         rewards and the mask, ``rewards_off_last_token``)."""
         if self.token_rewards is None:
@@ -337,7 +337,8 @@ class EstimatorSpec:
         return build(where or self.name, specs, options, hint, strict)
 
 
-GAMMA = OptionSpec("gamma", float, 1.0, "Discount of the returns-to-go over valid tokens (token-level rewards).")
+GAMMA = OptionSpec("gamma", float, 1.0, "Discount of the returns-to-go over valid tokens (an outcome reward arrives "
+                                         "at the last valid token).")
 
 NAME = re.compile(r"[A-Za-z0-9_.-]+")     # an estimator name: no spaces (a CLI value, a YAML scalar)
 _REGISTRY: dict[str, EstimatorSpec] = {}

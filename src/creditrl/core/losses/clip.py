@@ -92,7 +92,7 @@ def clip(state: LossState, options: ClipOptions) -> LossState:
     """The clipped surrogate ℓ_t = −A_t·clamp(r_t, lo_t, hi_t) × weight (PPO eq. 7, DAPO, dual clip).
 
     Metrics: ``clip_frac_low`` (A < 0, r < 1 − ε_low), ``clip_frac_high`` (A > 0, r > 1 + ε_high)
-    and ``clip_frac_dual`` (A < 0, r > c), as fractions of the kept tokens."""
+    and, with the dual clip on, ``clip_frac_dual`` (A < 0, r > c), as fractions of the kept tokens."""
     token_loss, ratio, lo, hi = clipped_surrogate(state, options)
     state = dataclasses.replace(state, token_loss=weighted(state, token_loss))
     return state.with_metrics(**clip_fractions(state, ratio, lo, hi, dual=options.clip_c is not None))

@@ -77,7 +77,7 @@ def power_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:
     adv = token_advantages(advantages, valid, "mask")
     energy = check_tensor("energy", energy, ndim=2, floating=True)
     check_same_shape("mask", valid, "energy", energy)
-    if valid.shape[0] == 0:
+    if valid.numel() == 0:                 # B = 0 or T = 0
         return 0.0
     if advantages.dim() == 1:
         adv, energy = advantages, torch.where(valid, energy, 0.0)

@@ -304,8 +304,8 @@ def _zeroed_log_probs(data: dict[str, Tensor | None], valid: Tensor, valid_f: Te
                 _check_no_minus_inf(name, zeroed[name].detach())
         else:                                  # a where, and the bounds read later with the metrics
             zeroed[name] = torch.where(valid, x, 0.0)
-            highest[name] = zeroed[name].detach().amax()
-            highest[f"-{name}"] = -zeroed[name].detach().amin()         # -inf read as +inf: refused
+            lowest, highest[name] = torch.aminmax(zeroed[name].detach())  # one pass for both bounds
+            highest[f"-{name}"] = -lowest                               # -inf read as +inf: refused
     return zeroed, highest
 
 

@@ -219,7 +219,23 @@ def plot_points(rows: list[dict], key: str) -> list[tuple[int, Interval]]:
     return [(i, r[key]) for i, r in enumerate(rows) if r[key] is not None and r[key].defined and r[key].value > 0]
 
 
-def plot(rows: list[dict], path: Path) -> Path:
+def holm_marks(rows: list[dict], labels: dict | None) -> list[tuple[int, str]]:
+    """(row index, mark) of the rows the Holm-adjusted labels name (``recommend.label_rows``): better / worse
+    than the configured row in the labels' column, biased direction; the per-comparison intervals alone
+    would let a reader count an interval clear of 1 as a finding that Holm's correction does not keep."""
+    if not labels:
+        return []
+    marks = []
+    for i, r in enumerate(rows):
+        tags = [tag for tag in ("better", "worse", "biased") if r["row"] in labels.get(tag, ())]
+        if tags:
+            marks.append((i, ", ".join("biased direction" if t == "biased" else t for t in tags)))
+    return marks
+
+
+def plot(rows: list[dict], path: Path, labels: dict | None = None) -> Path:
+    """diagnose.png: each row's efficiency against the configured one (plain and Adam, 95% per-comparison
+    intervals), with the Holm-adjusted labels of ``labels`` (``result["recommendation"]``) in the rows' names."""
     # tall enough for the rotated row names below and a log axis of about a decade above them
     fig, (ax,) = tables.figure(1, width=max(4.5, 0.45 * len(rows)), height=4.4)
     for shift, key, label in ((-0.12, "efficiency_vs_configured", "plain"), (0.12, "adam_vs_configured", "Adam")):
@@ -235,10 +251,16 @@ def plot(rows: list[dict], path: Path) -> Path:
                         va="bottom", fontsize=6, color="gray")     # at the foot, clear of the points
     ax.axhline(1.0, color="k", lw=0.8, ls=":")
     ax.set_xlim(-0.5, len(rows) - 0.5)         # the first and last rows' marks clear of the frame
-    ax.set_xticks(range(len(rows)), [r["row"] for r in rows], rotation=45, ha="right", fontsize=7)
+    marks = dict(holm_marks(rows, labels))           # in the row's name: never over an error bar
+    names = [f"{r['row']} [{marks[i]}]" if i in marks else r["row"] for i, r in enumerate(rows)]
+    ax.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=7)
+    for i in marks:
+        ax.get_xticklabels()[i].set_color("C3")
     ax.set(yscale="log", ylabel="efficiency (95% CI)")
     plain_log_ticks(ax.yaxis)
     ax.set_title("creditrl diagnose:\nefficiency at matched signal", fontsize=9)   # fits the narrowest figure
+    if marks:
+        ax.set_xlabel("[labels]: Holm-adjusted, family-wise 5%", fontsize=7, color="C3")
     if ax.get_legend_handles_labels()[0]:         # beside the axes: never over an error bar
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
@@ -249,7 +271,7 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 def write(run_dir: Path, result: dict) -> Path:
     """diagnose.png, diagnose.json, then diagnose.md (each atomic); returns the report's path."""
-    plot(result["rows"], run_dir / "diagnose.png")
+    plot(result["rows"], run_dir / "diagnose.png", result.get("recommendation"))
     data = plain({k: v for k, v in result.items() if k != "rows"})
     data["rows"] = [plain({k: v for k, v in r.items() if k != "cosine_raw"}) for r in result["rows"]]
     atomic_write_text(run_dir / "diagnose.json", json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n")
