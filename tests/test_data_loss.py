@@ -247,3 +247,63 @@ def test_the_writability_probe_leaves_no_folder_behind(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(RunDirError, match=r"--out: cannot write in"):
         check_writable(tmp_path / "file" / "sub", "--out")
+
+
+def test_a_run_inside_another_run_is_refused_and_never_deleted_with_it(tmp_path):
+    """A run made inside another run's directory would go with that run's --overwrite (the audit lost a
+    finished run so): it is refused where it would be created, and a run directory that already holds one
+    (made before this check) is not overwritten."""
+    from creditrl.utils.rundir import RunDirError, check_new_run
+    outer = tmp_path / "base"
+    outer.mkdir()
+    mark_run(outer, "train")
+    with pytest.raises(RunDirError, match=r"lies inside the creditrl run .*base'; choose a train.output_dir outside"):
+        check_new_run(outer / "sub")
+    nested = outer / "sub"
+    nested.mkdir()
+    mark_run(nested, "train")
+    (nested / "final").mkdir()
+    with pytest.raises(RunDirError, match=r"--overwrite refuses to delete .*base'.*holds another creditrl run, .*sub'"):
+        check_new_run(outer, overwrite=True)
+    assert (nested / "final").is_dir()
+    check_new_run(tmp_path / "beside")                      # a sibling is fine
+
+
+def test_overwrite_refuses_a_run_reached_through_a_symbolic_link(tmp_path):
+    from creditrl.utils.rundir import RunDirError, check_new_run
+    real = tmp_path / "real"
+    real.mkdir()
+    mark_run(real, "train")
+    (real / "config.yaml").write_text("train: {}\n")
+    (tmp_path / "out").mkdir()
+    link = tmp_path / "out" / "link"
+    link.symlink_to(real)
+    with pytest.raises(RunDirError, match=r"is a symbolic link \(to .*real'\)"):
+        check_new_run(link, overwrite=True)
+    assert (real / "config.yaml").is_file()
+
+
+def test_resume_of_a_finished_run_whose_newest_checkpoint_is_older_is_refused(finished_run, tmp_path):
+    """final/ and the summary at 2/2 steps, the newest checkpoint at step 1 (as after an edit with
+    train.save_every=0): resuming would train step 2 again and replace final/; refused as finished."""
+    import shutil
+
+    from creditrl.trainer.loop import Trainer
+    root, _ = finished_run
+    run = tmp_path / "done"
+    shutil.copytree(root / "done", run)
+    checkpoints = sorted((run / "checkpoints").iterdir())
+    assert checkpoints[-1].name == "step_000002"
+    shutil.rmtree(checkpoints[-1])
+    before = snapshot(run)
+    with pytest.raises(ValueError, match=r"already finished \(2/2 steps, final/ complete\)"):
+        Trainer.resume(run)
+    assert snapshot(run) == before
+
+
+def test_a_finished_run_in_the_way_is_named_finished_not_offered_a_resume_that_refuses(finished_run, capsys):
+    _, args = finished_run
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "it finished: to train on, raise train.steps in its config.yaml and run `creditrl train --resume" in err
+    assert "continue it with" not in err

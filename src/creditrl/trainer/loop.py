@@ -162,6 +162,14 @@ def idle_flat_options(loss, cfg: Config) -> list[str]:
     return [f"warning: {text} does nothing" for text in idle]
 
 
+def finished_steps(run_dir: Path) -> int:
+    """The steps a finished run's summary.json (written after final/) records; 0 without one."""
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text()).get("steps") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
 def run_name(cfg: Config) -> str:
     task = cfg.task.name.replace(":", "-")   # a user task by import path
     return cfg.train.run_name or f"{task}-{cfg.algorithm.estimator}-s{cfg.train.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -254,9 +262,12 @@ class Trainer:
         step = state["step"] if state else 0
         changes = resume_changes(state["config"], config_to_dict(cfg), step) if state and "config" in state else {}
         finished = (run_dir / "final").is_dir() and final_problem(run_dir / "final") is None
-        if state is not None and step >= cfg.train.steps and finished:
-            raise ValueError(f"resume: the run in {str(run_dir)!r} already finished ({step}/{cfg.train.steps} steps, "
-                             f"final/ complete); nothing to resume (to train on, raise train.steps in its config.yaml)")
+        # the newest checkpoint may predate the last step (save_every 0 after an edit): the summary has it
+        reached = max(step, finished_steps(run_dir) if finished else 0)
+        if finished and reached >= cfg.train.steps:
+            raise ValueError(f"resume: the run in {str(run_dir)!r} already finished ({reached}/{cfg.train.steps} "
+                             f"steps, final/ complete); nothing to resume (to train on, raise train.steps in its "
+                             f"config.yaml)")
         if state is None and finished:    # a restart from step 0 would discard the finished model
             why = f"every checkpoint is damaged: {'; '.join(skipped)}" if skipped else "train.save_every=0"
             raise ValueError(f"resume: the run in {str(run_dir)!r} finished (final/ complete) and kept no checkpoint to "

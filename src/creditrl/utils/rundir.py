@@ -97,11 +97,19 @@ def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.r
     ``output_dir``/``run_name`` can never delete someone's folder, nor a diagnose report a trained
     model. ``inputs``: the run's input paths by config key (``model.name``, a data file); ``overwrite``
     is refused where one lies inside ``run_dir`` (a model trained from an earlier run's ``final/``
-    would be deleted by the run that reads it). Errors name ``key``; ``resume_hint`` mentions
+    would be deleted by the run that reads it), where ``run_dir`` holds another run, or is a symbolic
+    link; a run inside another run's directory is refused (that run's --overwrite would delete it). Errors name ``key``; ``resume_hint`` mentions
     ``creditrl train --resume``. Deleting is ``clear_run``'s job, once the new run is certain to start."""
     found = occupant(run_dir)
     if found == "file":
         raise RunDirError(f"{key}: {str(run_dir)!r} exists and is not a directory; choose another {key}")
+    host = enclosing_run(run_dir)
+    if host is not None:     # its --overwrite would delete this run with everything else in it
+        raise RunDirError(f"{key}: {str(run_dir)!r} lies inside the creditrl run {str(host)!r}; choose a "
+                          f"train.output_dir outside every run directory")
+    if found is not None and run_dir.is_symlink():
+        raise RunDirError(f"{key}: {str(run_dir)!r} is a symbolic link (to {str(run_dir.resolve())!r}): neither "
+                          f"--resume nor --overwrite takes a run through a link; use the run's own path")
     if found is None:
         check_writable(run_dir.parent if not run_dir.exists() else run_dir,
                        "train.output_dir" if not run_dir.exists() else key)
@@ -118,15 +126,27 @@ def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.r
         raise RunDirError(f"{key}: {str(run_dir)!r} already exists: it is a creditrl {found} run, which this {kind} "
                           f"run can neither continue nor replace; choose another {key}")
     if not overwrite:
-        resume = f"continue it with `creditrl train --resume {run_dir}` or " if resume_hint else ""
+        finished = (Path(run_dir) / "final").is_dir() and (Path(run_dir) / "summary.json").is_file()
+        resume = "" if not resume_hint else (
+            f"it finished: to train on, raise train.steps in its config.yaml and run `creditrl train --resume "
+            f"{run_dir}`, or " if finished else f"continue it with `creditrl train --resume {run_dir}` or ")
         raise RunDirError(f"{key}: the run directory {str(run_dir)!r} already exists; {resume}start it again "
                           f"with --overwrite (which deletes it){'' if resume_hint else ' or choose another ' + key}")
+    nested = next((m.parent for m in Path(run_dir).rglob(RUN_MARKER) if m.parent != Path(run_dir)), None)
+    if nested is not None:
+        raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: it holds another creditrl run, "
+                          f"{str(nested)!r}; move that run out first, or choose another {key}")
     inside = inputs_inside(run_dir, inputs or {})
     if inside:
         named = ", ".join(f"{k} {str(v)!r}" for k, v in inside)
         raise RunDirError(f"{key}: --overwrite refuses to delete {str(run_dir)!r}: this run reads {named}, which "
                           f"lies inside it; copy it out of the run directory first, or choose another {key}")
     check_writable(run_dir, key)
+
+
+def enclosing_run(run_dir: Path) -> Path | None:
+    """The nearest folder above ``run_dir`` (symbolic links resolved) that is a creditrl run, else None."""
+    return next((folder for folder in Path(run_dir).resolve().parents if run_kind(folder) is not None), None)
 
 
 def inputs_inside(run_dir: Path, inputs: Mapping[str, object]) -> list[tuple[str, object]]:
