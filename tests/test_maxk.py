@@ -181,7 +181,7 @@ def test_estimators_match_brute_force(seed):
         maxpo = advantages("maxpo", rewards, group, k=k) if k <= n_min - 1 else None
         pkpo = advantages("pkpo", rewards, group, k=k) if k >= 2 else None
         ei = advantages("ei", rewards, group, k=k) if k >= 2 else None
-        bon = advantages("maxk_bon", rewards, group, k=k)
+        bon = advantages("maxk_bon", rewards, group, k=k) if k <= n_min - 1 else None
         for idx in members(group):
             r = rewards[idx].tolist()
             n = len(r)
@@ -192,6 +192,8 @@ def test_estimators_match_brute_force(seed):
             if pkpo is not None:
                 assert torch.allclose(pkpo[idx], torch.tensor([k / n * e for e in ref["ei"]], dtype=torch.float64), atol=2 * F64, rtol=CAST)
                 assert torch.allclose(ei[idx], torch.tensor(ref["ei"], dtype=torch.float64), atol=2 * F64, rtol=CAST)   # raw EI (MaxPO §3.2)
+            if bon is None:                      # k = N: refused, every s_i would be equal (A = 0)
+                continue
             s = [k / n * m for m in ref["mu"]]
             mean = sum(s) / n
             std = math.sqrt(sum((x - mean) ** 2 for x in s) / (n - 1))
@@ -203,7 +205,7 @@ def test_passk_chen_matches_formula_and_maxpo_direction(seed):
     rewards, group = random_groups(seed + 20, levels=2)
     rewards = (rewards > 0).double()
     n_min = int(torch.unique(group, return_counts=True)[1].min())
-    for k in range(1, n_min + 1):
+    for k in range(1, n_min):            # k = N: refused (σ = 0, every advantage 0)
         got = advantages("passk_chen", rewards, group, k=k)
         numerator = torch.zeros_like(got)
         for idx in members(group):
@@ -274,8 +276,9 @@ def test_maxpo_properties(seed, k, shift, scale):
 @pytest.mark.parametrize("name,k,expect", [
     ("maxpo", 3, "group id 7 (N=3, K=3)"), ("maxpo", 0, "any group; expected 1 <= k"),
     ("pkpo", 1, "any group; expected 2 <= k"), ("ei", 1, "any group; expected 2 <= k"),
-    ("pkpo", 4, "group id 7 (N=3, K=4)"), ("maxk_bon", 4, "group id 7 (N=3, K=4)"),
-    ("passk_chen", 4, "group id 7 (N=3, K=4)")])
+    ("pkpo", 4, "group id 7 (N=3, K=4)"), ("maxk_bon", 4, "group id 2 (N=4, K=4)"),
+    ("passk_chen", 4, "group id 2 (N=4, K=4)"),
+    ("maxk_bon", 3, "group id 7 (N=3, K=3)"), ("passk_chen", 3, "group id 7 (N=3, K=3)")])
 def test_k_out_of_range_names_group(name, k, expect):
     """A k too large for some group names the first; one no group size allows is refused on any
     batch, a batch of singletons (which get 0) included."""

@@ -1367,7 +1367,8 @@ def test_a_reward_beyond_float32_range_counts_as_invalid_not_a_crash():
     ("pkpo", 1, r"algorithm.options.k: pkpo needs 2 <= k <= rollout.group_size \(=4\), got k=1"),
     ("ei", 5, r"algorithm.options.k: ei needs 2 <= k <= rollout.group_size \(=4\), got k=5"),
     ("maxpo", 4, r"algorithm.options.k: maxpo needs 1 <= k < rollout.group_size \(=4\)"),
-    ("maxk_bon", 0, r"algorithm.options.k: maxk_bon needs 1 <= k <= rollout.group_size \(=4\), got k=0")])
+    ("maxk_bon", 0, r"algorithm.options.k: maxk_bon needs 1 <= k < rollout.group_size \(=4\), got k=0"),
+    ("passk_chen", 4, r"algorithm.options.k: passk_chen needs 1 <= k < rollout.group_size \(=4\), got k=4")])
 def test_a_maxk_k_out_of_range_names_algorithm_options_k(estimator, k, message):
     from creditrl.core.estimators.registry import get_estimator
     with pytest.raises(ConfigError, match=message):

@@ -262,7 +262,7 @@ def pkpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps
     return _finish("pkpo", k / stats.sizes.to(torch.float64) * stats.ei, batch, normalize, eps)
 
 
-@register_estimator("maxk_bon", k_range=KRange(1))
+@register_estimator("maxk_bon", k_range=KRange(1, below=1))   # K = N: every s_i equal, A = 0
 def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Bagirov et al. 2025 "BoN mean": z-score within the group of PKPO's s_i = (K/N) mu_i,
     std with N-1 plus eps as in ``grpo`` (MaxPO App. F.6 eq. 103). 1 <= K <= N. Singletons: 0."""
@@ -273,7 +273,7 @@ def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     return _finish("maxk_bon", (s - batch.groups.mean(s)) / (group_std(s, batch.groups) + eps), batch)
 
 
-@register_estimator("passk_chen", k_range=KRange(1))
+@register_estimator("passk_chen", k_range=KRange(1, below=1))   # K = N: σ = 0, A = 0
 def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Chen et al. 2025 analytic pass@K advantage for binary rewards (MaxPO App. F.5 eq. 97):
 
