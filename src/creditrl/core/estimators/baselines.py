@@ -18,7 +18,6 @@ unless omega is constant, its direction. ``leave_one_out=True`` gives A^LOO.
 from __future__ import annotations
 
 import math
-
 from typing import Annotated, Literal
 
 

@@ -265,7 +265,8 @@ def pkpo(batch: AdvantageBatch, *, k: K, normalize: Normalize = "none", eps: Eps
 @register_estimator("maxk_bon", k_range=KRange(1, below=1))   # K = N: every s_i equal, A = 0
 def maxk_bon(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
     """Bagirov et al. 2025 "BoN mean": z-score within the group of PKPO's s_i = (K/N) mu_i,
-    std with N-1 plus eps as in ``grpo`` (MaxPO App. F.6 eq. 103). 1 <= K <= N. Singletons: 0."""
+    std with N-1 plus eps as in ``grpo`` (MaxPO App. F.6 eq. 103). 1 <= K < N (at K = N every s_i is
+    equal). Singletons: 0."""
     stats = _maxk_stats(batch.rewards, batch.groups, k)
     s = k / stats.sizes.to(torch.float64) * stats.mu
     s = torch.where(stats.sizes == 1, torch.zeros_like(s), s)  # mu is nan when K > N = 1
@@ -281,7 +282,8 @@ def passk_chen(batch: AdvantageBatch, *, k: K, eps: Eps = 1e-6) -> Tensor:
         A_correct = (1 - rho) / (sigma + eps)
         A_wrong   = (1 - rho - C(N-c-1,K-1)/C(N-1,K-1)) / (sigma + eps)
 
-    Rewards must be 0/1 per group; 1 <= K <= N. All-correct / all-wrong groups give 0. Singletons: 0.
+    Rewards must be 0/1 per group; 1 <= K < N (at K = N, σ = 0). All-correct / all-wrong groups give 0.
+    Singletons: 0.
     """
     check_positive_float32("passk_chen.eps", eps)
     groups = batch.groups
