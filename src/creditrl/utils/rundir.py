@@ -98,8 +98,9 @@ def check_new_run(run_dir: Path, *, overwrite: bool = False, key: str = "train.r
     model. ``inputs``: the run's input paths by config key (``model.name``, a data file); ``overwrite``
     is refused where one lies inside ``run_dir`` (a model trained from an earlier run's ``final/``
     would be deleted by the run that reads it), where ``run_dir`` holds another run, or is a symbolic
-    link; a run inside another run's directory is refused (that run's --overwrite would delete it). Errors name ``key``; ``resume_hint`` mentions
-    ``creditrl train --resume``. Deleting is ``clear_run``'s job, once the new run is certain to start."""
+    link; a run inside another run's directory is refused (that run's --overwrite would delete it).
+    Errors name ``key``; ``resume_hint`` mentions ``creditrl train --resume``. Deleting is
+    ``clear_run``'s job, once the new run is certain to start."""
     found = occupant(run_dir)
     if found == "file":
         raise RunDirError(f"{key}: {str(run_dir)!r} exists and is not a directory; choose another {key}")

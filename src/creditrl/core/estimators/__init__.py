@@ -170,8 +170,6 @@ def build_batch(*, rewards: Tensor, mask: Tensor, group: Tensor, energy: Tensor 
             check_mask("mask", mask)
             pending = False
         seq_rewards = _exact_totals(seq_rewards, token_rewards)
-    if token_rewards is None and gamma != 1.0:   # an outcome arrives after the last valid token: G_t = γ^(L-1-t)·R
-        token_rewards = on_last_valid_token(seq_rewards, mask)
     return AdvantageBatch(rewards=seq_rewards, input_mask=mask, groups=GroupIndex.from_ids(group),
                           raw_energy=energy_of(results, mask), token_rewards=token_rewards, gamma=float(gamma),
                           components=components, component_weights=component_weights, mask_copy=mask is not given,
@@ -182,14 +180,6 @@ def _as_data(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
     """Advantages are data (no gradient flows through a baseline, as in verl and TRL): inputs that carry
     gradients are read detached."""
     return tuple(x.detach() if isinstance(x, Tensor) else x for x in tensors)
-
-
-def on_last_valid_token(rewards: Tensor, mask: Tensor) -> Tensor:
-    """[B] rewards -> [B,T] float32 token rewards, each on its row's last valid token (column 0 of a row with
-    none, which then has no return): how verl passes an outcome reward."""
-    steps = torch.arange(mask.shape[1], device=mask.device)
-    last = torch.where(mask != 0, steps, 0).amax(1, keepdim=True)
-    return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).scatter_(1, last, rewards[:, None])
 
 
 def _queue_mask_check(checks: FusedChecks, mask: Tensor, rule: Tensor | None, pending: bool) -> Tensor:

@@ -47,8 +47,8 @@ class AdvantageBatch:
     raw_energy:    [B,T]  float32 ŵ_t (×ρ̄_t² when is_weights were given, OTB App. D eq. 58-60),
                           finite and >= 0, but not necessarily 0 on masked tokens (no copy of
                           the caller's tensor); None when not given
-    token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards (with gamma < 1: R on each
-                          row's last valid token, ``on_last_valid_token``)
+    token_rewards: [B,T]  float32 per-token rewards as given; None for [B] rewards (whose returns-to-go, with
+                          gamma < 1, discount R from each row's last valid token)
     gamma:         discount of the returns-to-go
     components:    [B,K]  float64 reward components (one column per reward term, e.g. each of
                           ``task.options.rewards``; NaN where a term gave no reward), or None
@@ -210,13 +210,13 @@ class AdvantageBatch:
     @cached_property
     def constant_returns(self) -> bool:
         """True when every valid token's return-to-go is its row's R: gamma = 1 with [B] rewards, or token
-        rewards that sit only on each row's last valid token (the usual outcome
+        rewards that sit only on each row's last valid token with gamma = 1 (the usual outcome
         reward as verl passes it). Estimators then skip the returns-to-go (one pass over the token
         rewards and the mask, ``rewards_off_last_token``)."""
-        if self.token_rewards is None:
-            return True
         if self.gamma != 1.0:
             return False
+        if self.token_rewards is None:
+            return True
         if self.rule_pending:
             self.lengths                                 # a pending mask's rule, inside the sums' pass
         mask = self.given_mask
@@ -226,7 +226,11 @@ class AdvantageBatch:
     def returns(self) -> Tensor:
         if self.constant_returns:
             return self.broadcast(self.rewards)
-        return returns_to_go(self.token_rewards, self.steps, self.gamma, self.rewards)
+        rewards = self.token_rewards
+        if rewards is None:       # a [B] outcome arrives at the row's last valid token: G_t = γ^(L-1-t)·R
+            rewards = torch.zeros(self.input_mask.shape, dtype=torch.float32, device=self.input_mask.device)
+            rewards.scatter_(1, self.steps.last_token[:, None], self.rewards[:, None])
+        return returns_to_go(rewards, self.steps, self.gamma, self.rewards)
 
 
 class Estimator(Protocol):

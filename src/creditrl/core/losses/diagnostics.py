@@ -79,17 +79,14 @@ def power_proxy(advantages: Tensor, energy: Tensor, mask: Tensor) -> float:
     check_same_shape("mask", valid, "energy", energy)
     if valid.numel() == 0:                 # B = 0 or T = 0
         return 0.0
-    if advantages.dim() == 1:
-        adv, energy = advantages, torch.where(valid, energy, 0.0)
-    else:                                  # 0 off the mask; masked energies are multiplied by it
-        adv = torch.where(valid, adv, 0.0)
-    lowest = float(torch.where(valid, energy, 0.0).amin())         # NaN propagates: the finiteness check below
+    energy = torch.where(valid, energy, 0.0)   # 0 off the mask: what the range check and the sums read
+    adv = advantages if advantages.dim() == 1 else torch.where(valid, adv, 0.0)
+    lowest = float(energy.amin())                                   # NaN propagates: the finiteness check below
     if lowest < -ENERGY_TOLERANCE * torch.finfo(energy.dtype).eps:  # below rounding
         raise ValueError(f"energy: expected ŵ_t = ‖e_y − π‖² >= 0 on valid tokens, got a minimum of {lowest:.3g}")
     total = _mean_power(adv, energy)
-    if not math.isfinite(total):           # name the input, else a non-finite masked energy or an overflow
+    if not math.isfinite(total):           # name the input, else an overflow
         check_finite("advantages", adv)
-        energy = torch.where(valid, energy, 0.0)
         check_finite("energy", energy)
         total = _mean_power(adv.double(), energy.double())
     return total
