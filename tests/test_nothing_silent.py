@@ -640,6 +640,90 @@ def test_every_trainable_tensor_moves_at_a_tiny_lr_in_every_precision(precision,
     assert not frozen, f"{len(frozen)} of {len(trainable)} trainable tensors never changed: {frozen[:5]}"
 
 
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("setting", ["optim.lr=1e-30", "optim.max_grad_norm=1e-30"])
+def test_an_update_below_float32_resolution_is_measured_as_not_moving_the_policy(setting, lora):
+    """AdamW moves a weight by about lr, and by lr·g/eps where the clipped gradient's elements g are
+    below eps: at lr 1e-30, or with the gradient clipped to norm 1e-30, the update-to-weight ratio over
+    every trainable weight (computed here in full) is below 2^-24, and so is the logged sample's,
+    LoRA's B (starting at 0) included; at the default settings both are above it."""
+    from creditrl.trainer.report import UNMOVED_RATIO
+    from creditrl.trainer.update import Learner
+    base = ["rollout.group_size=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4",
+            "algorithm.estimator=grpo"] + (["model.lora.enabled=true"] if lora else [])
+    for extra, moves in (([setting], False), ([], True)):
+        task, tok, model = _tiny_policy(lora=lora)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        before = [p.detach().double().clone() for p in trainable]
+        learner = Learner(model, resolve_config(load_config(None, base + extra)))
+        metrics = learner.update(_spread_batch(task, tok, model), torch.Generator().manual_seed(0)).metrics
+        delta = torch.cat([(p.detach().double() - b).flatten() for p, b in zip(trainable, before)])
+        full = float(delta.norm() / torch.cat([b.flatten() for b in before]).norm())
+        assert metrics["grad_norm"] > 0, metrics["grad_norm"]
+        assert (full >= UNMOVED_RATIO, metrics["update_ratio"] >= UNMOVED_RATIO) == (moves, moves), \
+            (extra, full, metrics["update_ratio"])
+
+
+def _signal_step(step: int, grad_norm: float, update_ratio: float, **extra) -> dict:
+    """A step's metrics with a reward signal (groups whose rewards differ) and an applied update."""
+    return {"step": step, "zero_spread_frac": 0.5, "reward_std": 0.4, "kept_frac": 1.0, "skipped_updates": 0,
+            "lr": 5e-5, "grad_norm": grad_norm, "update_ratio": update_ratio, **extra}
+
+
+def test_idle_updates_are_told_apart_from_steps_without_signal_or_update():
+    from creditrl.trainer.report import UNMOVED_RATIO, idle_update
+    assert idle_update(_signal_step(1, 0.0, 0.0)) == "zero_gradient"
+    assert idle_update(_signal_step(1, 0.0, 1e-3)) == "zero_gradient"      # weight decay alone moved them
+    assert idle_update(_signal_step(1, 2.0, UNMOVED_RATIO / 2)) == "unmoved"
+    assert idle_update(_signal_step(1, 2.0, UNMOVED_RATIO)) is None
+    assert idle_update(_signal_step(1, 2.0, 0.0, skipped_updates=1)) is None          # the skip warnings say why
+    assert idle_update(_signal_step(1, 2.0, 0.0, zero_spread_frac=1.0, reward_std=0.0)) is None   # no signal
+    assert idle_update({k: v for k, v in _signal_step(1, 0.0, 0.0).items() if k != "update_ratio"}) is None
+
+
+def test_a_run_whose_updates_never_moved_the_policy_ends_with_a_warning_naming_why():
+    from creditrl.config import OptimConfig
+    from creditrl.trainer.report import policy_unmoved
+    optim = OptimConfig(lr=1e-30)
+    flat = {"zero_spread_frac": 1.0, "reward_std": 0.0}
+    tiny = [_signal_step(1, 2.0, 0.0), _signal_step(2, 1.5, 1e-29), _signal_step(3, 1.0, 0.0, **flat)]
+    warning = policy_unmoved(tiny, optim)
+    assert warning.startswith("this run's updates did not move the policy. At every one of the 2 steps")
+    assert "grad_norm up to 2" in warning and "optim.lr=1e-30" in warning and "at most 1e-29" in warning
+    mixed = policy_unmoved([_signal_step(1, 0.0, 0.0, high_entropy_frac=0.01), _signal_step(2, 1.0, 0.0)], optim)
+    assert "exactly 0" in mixed and "loss.top_entropy kept 1.00%" in mixed and "; at the others, the gradient" in mixed
+    assert policy_unmoved([*tiny, _signal_step(4, 1.0, 1e-4)], optim) is None          # one step moved it
+    assert policy_unmoved([_signal_step(1, 1.0, 0.0, **flat)], optim) is None          # learned_nothing's case
+
+
+def test_the_idle_update_streak_warns_once_and_steps_without_signal_neither_break_nor_extend_it():
+    from creditrl.config import Config
+    from creditrl.trainer.loop import Trainer
+    from creditrl.trainer.report import NO_SIGNAL_STEPS
+    trainer = types.SimpleNamespace(no_signal_steps=[], idle_steps=[], cfg=Config())
+    warn = lambda m: Trainer.streak_warnings(trainer, m)[1]     # noqa: E731
+    flat = _signal_step(0, 0.0, 0.0, zero_spread_frac=1.0, reward_std=0.0)
+    said = [warn(_signal_step(i, 1.0, 0.0)) for i in range(1, NO_SIGNAL_STEPS)] + [warn(flat)]
+    said += [warn(_signal_step(NO_SIGNAL_STEPS, 1.0, 0.0)), warn(_signal_step(NO_SIGNAL_STEPS + 1, 1.0, 0.0))]
+    assert said[:-2] == [None] * NO_SIGNAL_STEPS and said[-1] is None
+    assert said[-2].startswith(f"warning: {NO_SIGNAL_STEPS} steps in a row did not move the policy (step "
+                               f"{NO_SIGNAL_STEPS})"), said[-2]
+    warn(_signal_step(9, 1.0, 1e-3))
+    assert trainer.idle_steps == []
+
+
+def test_a_tiny_learning_rate_ends_the_run_with_the_warning(tmp_path, capfd):
+    """Whatever rewards the two steps drew: with a signal at some step the run says its updates did not
+    move the policy; with none, that it learned nothing."""
+    run = _finished_run(tmp_path, "optim.lr=1e-30")
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["update_ratio"] == 0 for m in metrics), [m["update_ratio"] for m in metrics]
+    warning = json.loads((run / "summary.json").read_text())["warning"]
+    from creditrl.trainer.report import no_signal
+    expected = "learned nothing" if all(no_signal(m) for m in metrics) else "did not move the policy"
+    assert expected in warning and expected in capfd.readouterr().err
+
+
 def test_low_precision_trainable_weights_get_a_warning_that_names_the_effect():
     from creditrl.trainer.loop import precision_notes
     _, _, model = _tiny_policy()
@@ -755,12 +839,14 @@ def test_a_checkpoint_carries_the_loss_scale_the_warning_streaks_and_the_diagnos
     trainer.learner.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)     # what fp16 on CUDA builds
     trainer.learner.scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     trainer.skipped_streak, trainer.clipped_streak, trainer.no_signal_steps = 2, 1, [{"step": 1}]
+    trainer.idle_steps = [{"step": 2}]
     trainer.save()
     resumed = Trainer(cfg, tmp_path / "r", progress=False)
     resumed.learner.scaler = torch.amp.GradScaler("cpu")
     resumed.load_state(*ckpt.load_latest(tmp_path / "r"))
     assert resumed.learner.scaler.get_scale() == 1024.0
     assert (resumed.skipped_streak, resumed.clipped_streak, resumed.no_signal_steps) == (2, 1, [{"step": 1}])
+    assert resumed.idle_steps == [{"step": 2}]
     assert resumed.diagnosis.metrics() == trainer.diagnosis.metrics() and len(resumed.diagnosis.window.steps) == 3
     other = Trainer(load_config(None, TINY + [f"model.cache_dir={tmp_path / 'cache'}", f"train.output_dir={tmp_path}",
                                               "train.run_name=r", "logging.diagnose_every=1",

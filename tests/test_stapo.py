@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from creditrl import StapoOptions, policy_loss, spurious_token_mask
 
@@ -53,6 +53,26 @@ def test_mask_matches_loop(pool, token_adv, tau_p, frac):
     got = spurious_token_mask(logp, entropy, adv, mask, tau_p=tau_p, high_entropy_fraction=frac, pool=pool)
     assert got.dtype == torch.bool
     assert torch.equal(got, loop_mask(logp, entropy, adv, mask, tau_p, frac, pool))
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=64),
+       q=st.one_of(st.floats(0.0, 1.0), st.floats(1 - 1e-6, 1.0), st.floats(0.0, 1e-6)))
+@example(values=[0.22549442946910858, -1.9013172388076782], q=1 - 1e-9)   # a + w·(b − a) rounded above b
+def test_pool_quantile_stays_between_its_order_statistics(values, q):
+    """The interpolated quantile lies between the two order statistics around its position (so never
+    above the pool's maximum: a top-ρ mask keeps at least the largest value), within float32 rounding
+    of numpy's linear quantile."""
+    from creditrl.core.losses.stapo import pool_quantile
+    x = torch.tensor(values, dtype=torch.float32)
+    got = pool_quantile(x, torch.ones_like(x, dtype=torch.bool), q).item()
+    s = sorted(x.tolist())
+    pos = q * (len(s) - 1)
+    low = s[math.floor(pos)]
+    high = s[min(math.floor(pos) + 1, len(s) - 1)]
+    assert low <= got <= high
+    want = float(np.quantile(np.array(s, dtype=np.float64), q))
+    assert abs(got - want) <= 4 * np.finfo(np.float32).eps * max(abs(low), abs(high))
 
 
 def test_hand_computed_quantile():

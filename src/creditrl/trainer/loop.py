@@ -36,9 +36,8 @@ from creditrl.trainer import checkpoint as ckpt
 from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
-from creditrl.trainer.report import (NO_SIGNAL_STEPS, diagnosis_section, learned_nothing, no_signal, plot_run,
-                                     streak_warning)
-from creditrl.trainer.report import write_summary
+from creditrl.trainer.report import (NO_SIGNAL_STEPS, diagnosis_section, idle_update, idle_warning, learned_nothing,
+                                     no_signal, plot_run, policy_unmoved, streak_warning, write_summary)
 from creditrl.runtime.models import ModelDirError, disable_dropout, hf_progress, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision, PrecisionChoice
@@ -225,6 +224,7 @@ class Trainer:
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = 0
         self.no_signal_steps: list[dict] = []   # the current streak of steps without a reward signal
+        self.idle_steps: list[dict] = []        # ... of steps with one whose update did not move the policy
         self.notes = (precision_notes(self.model, cfg) + component_notes(cfg) + idle_setting_notes(loss.loss, cfg)
                       + on_policy_notes(loss.loss, cfg))
         if dropout:
@@ -303,6 +303,7 @@ class Trainer:
         streaks = state.get("streaks") or {}             # checkpoints written before them: from 0
         self.clipped_streak, self.skipped_streak = streaks.get("clipped", 0), streaks.get("skipped", 0)
         self.no_signal_steps = list(streaks.get("no_signal", []))
+        self.idle_steps = list(streaks.get("idle", []))
         ckpt.set_rng_state(state["rng"], self.generator, self.task_rng)
         self.step, self.tokens_total, self.elapsed = state["step"], state["tokens_total"], state["elapsed"]
 
@@ -338,7 +339,7 @@ class Trainer:
                  # fp16's loss scale: a resumed run restarting at 2^16 would skip updates the run did not
                  "grad_scaler": None if self.learner.scaler is None else self.learner.scaler.state_dict(),
                  "streaks": {"clipped": self.clipped_streak, "skipped": self.skipped_streak,
-                             "no_signal": self.no_signal_steps},
+                             "no_signal": self.no_signal_steps, "idle": self.idle_steps},
                  "diagnosis": None if self.diagnosis is None else self.diagnosis.state_dict()}
         return ckpt.save_checkpoint(self.run_dir, self.step, ckpt.trainable_state(self.model), state,
                                     self.cfg.train.keep_last)
@@ -444,6 +445,15 @@ class Trainer:
             f"magnitude (this step's mean reward: {metrics.get('reward_mean')}), or a model that produces NaN logits "
             f"(try model.dtype=float32)" + (f". The last non-finite loss: {error}" if error else ""))
 
+    def streak_warnings(self, metrics: dict) -> tuple[str | None, str | None]:
+        """The live warnings of a streak of steps without a reward signal, or with one whose update did
+        not move the policy (a step without a signal neither breaks nor extends the second). Each
+        streak is kept up to one past the warning's length: it warns once per streak."""
+        self.no_signal_steps = [*self.no_signal_steps, metrics][:NO_SIGNAL_STEPS + 1] if no_signal(metrics) else []
+        if not no_signal(metrics):
+            self.idle_steps = [*self.idle_steps, metrics][:NO_SIGNAL_STEPS + 1] if idle_update(metrics) else []
+        return streak_warning(self.no_signal_steps), idle_warning(self.idle_steps, self.cfg.optim)
+
     def log_eval(self, logger: RunLogger) -> None:
         result = self.evaluate()
         logger.log_completions(self.step, "eval", result.pop("samples", []))
@@ -471,11 +481,8 @@ class Trainer:
                 logger.log_completions(self.step, "train", samples)
                 logger.log("metrics", metrics)
                 self.check_skipped(metrics)
-                # the streak's steps, kept up to one past the warning's length (it warns once per streak)
-                streak = [*self.no_signal_steps, metrics][:NO_SIGNAL_STEPS + 1]
-                self.no_signal_steps = streak if no_signal(metrics) else []
                 for warning in (self.clipped_warning(metrics["clipped_frac"]), self.uniform_warning(metrics),
-                                streak_warning(self.no_signal_steps)):
+                                *self.streak_warnings(metrics)):
                     if warning:
                         logger.message(warning)
                 self.elapsed = time.perf_counter() - started
@@ -511,7 +518,7 @@ class Trainer:
 
     def finish(self, logger: RunLogger | None = None) -> dict:
         """final/ (atomic, with a manifest), plots, summary.md/json; a run that had no reward signal
-        at any step says so there and in a warning."""
+        at any step, or whose updates never moved the policy, says so there and in a warning."""
         self.save_final()
         metrics, evals = read_jsonl(self.run_dir / "metrics.jsonl"), read_jsonl(self.run_dir / "eval.jsonl")
         completions = [x for x in read_jsonl(self.run_dir / "completions.jsonl") if x.get("kind") == "train"]
@@ -522,7 +529,7 @@ class Trainer:
         c = self.cfg
         title = f"creditrl run: {c.task.name} / {c.model.name} / {c.algorithm.estimator}"
         extra = {"run_dir": str(self.run_dir)}
-        warning = learned_nothing(metrics, c.algorithm.estimator)
+        warning = learned_nothing(metrics, c.algorithm.estimator) or policy_unmoved(metrics, c.optim)
         if warning:
             extra["warning"] = warning
             print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -157,6 +157,29 @@ def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(step[k] for step in steps if k in step) / sum(k in step for step in steps) for k in keys}
 
 
+class WeightSample:
+    """A fixed, evenly strided sample of the trainable weights (up to ``PER_TENSOR`` elements of each
+    tensor), for the update-to-weight ratio ||Δθ|| / ||θ|| of a train step at the cost of a few
+    thousand copied floats. A ratio below a float32 weight's resolution says the step did not move
+    the policy (a tiny ``optim.lr`` or ``optim.max_grad_norm``), even where weights that start at 0
+    (LoRA's B) took a denormal-sized step."""
+    PER_TENSOR = 64
+
+    def __init__(self, params: list[Tensor]):
+        self.params = params
+        self.index = [torch.linspace(0, p.numel() - 1, min(p.numel(), self.PER_TENSOR), device=p.device).long()
+                      for p in params]
+
+    def read(self) -> Tensor:
+        return torch.cat([p.detach().reshape(-1)[i] for p, i in zip(self.params, self.index)]).double()
+
+    def update_ratio(self, before: Tensor) -> float:
+        """||now − before|| / ||before|| over the sample (``before``: an earlier ``read``), in float64, so
+        an update of 1e-30 is not lost; a sample of zeros divides by the smallest normal float64."""
+        before_norm = torch.linalg.vector_norm(before).clamp_min(torch.finfo(torch.float64).tiny)
+        return float(torch.linalg.vector_norm(self.read() - before) / before_norm)
+
+
 def lr_lambda(cfg: Config):
     """Warmup then constant or cosine (to ``min_lr_ratio``), as a factor of ``optim.lr`` per step."""
     warmup, total, floor = cfg.optim.warmup_steps, cfg.train.steps, cfg.optim.min_lr_ratio
@@ -196,6 +219,7 @@ class Learner:
     def __init__(self, model, cfg: Config, loss: ConfiguredLoss | None = None, *, ref_model=None):
         self.model, self.ref_model, self.cfg = model, ref_model, cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sample = WeightSample(self.params)
         fused = {"fused": True} if self.params[0].device.type in ("cpu", "cuda") else {}
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                            weight_decay=cfg.optim.weight_decay, **fused)
@@ -262,6 +286,7 @@ class Learner:
                          self.loss.rollout_correction)
         ref_logp = self.reference_logp(batch)
         applied, rejected = [], []       # each optimizer step's metrics, by whether it changed the weights
+        before = self.sample.read()
         for _ in range(cfg.optim.epochs):
             order = torch.arange(batch.size) if single_pass else torch.randperm(batch.size, generator=generator)
             # near-equal mini-batches: a dynamic-sampling batch that kept fewer groups need not divide
@@ -280,6 +305,7 @@ class Learner:
         lr = self.step_schedule()
         out = mean_metrics(applied or rejected)     # the updates made; only when none was, the skipped ones
         out.update(batch_metrics(rollout, batch, old, adv), skipped_updates=len(rejected), lr=lr,
+                   update_ratio=self.sample.update_ratio(before),
                    adam_variance=adam_moment_variance(self.optimizer), **(self.noise.metrics() if self.noise else {}))
         return Update(out, adv)
 

@@ -49,7 +49,9 @@ def check_stapo_args(tau_p: float, high_entropy_fraction: float, pool: str) -> N
 
 def pool_quantile(values: Tensor, in_pool: Tensor, q: float) -> Tensor | None:
     """Linear-interpolation quantile (as ``numpy.quantile``) of ``values`` where ``in_pool``;
-    None for an empty pool. Two exact order statistics, no sort."""
+    None for an empty pool. Two exact order statistics, no sort. ``torch.lerp`` interpolates from the
+    nearer end, as numpy does: ``a + w·(b − a)`` can round past ``b`` for w near 1, above the pool's
+    maximum, and a top-ρ mask would then keep no token."""
     count = int(torch.count_nonzero(in_pool))
     if count == 0:
         return None
@@ -57,7 +59,7 @@ def pool_quantile(values: Tensor, in_pool: Tensor, q: float) -> Tensor | None:
     low = math.floor(pos)
     high = min(low + 1, count - 1)
     v_low, v_high = pooled_order_statistics(values, in_pool, (low, high))
-    return v_low + (pos - low) * (v_high - v_low)
+    return torch.lerp(v_low, v_high, pos - low)
 
 
 def pooled_order_statistics(values: Tensor, in_pool: Tensor, ranks: tuple[int, ...], *,
