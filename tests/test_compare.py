@@ -31,6 +31,7 @@ def fake_run(root, name, seed, steps=12, scale=1.0):
     (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (d / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     (d / "summary.json").write_text("{}")
+    (d / "config.yaml").write_text(f"train:\n  seed: {seed}\n")
     return d
 
 
@@ -156,6 +157,18 @@ def test_report_only_refuses_an_unfinished_run(tmp_path, capsys):
     (fake_run(tmp_path, "b", 0, steps=7) / "summary.json").unlink()
     assert compare.main(["--out", str(tmp_path), "--report-only"]) == 2
     assert "expected finished runs, got 1 unfinished (b-s0 (step 7): no summary.json)" in capsys.readouterr().err
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_report_only_refuses_a_copied_run_as_another_seed(tmp_path, capsys):
+    """b-s1 copied from b-s0 (train.seed 0 in its config.yaml) would be counted as a second seed of b."""
+    import shutil
+    fake_run(tmp_path, "a", 0)
+    shutil.copytree(fake_run(tmp_path, "b", 0), tmp_path / "runs" / "b-s1")
+    (tmp_path / "runs" / "a-s0" / "config.yaml").unlink()
+    assert compare.main(["--out", str(tmp_path), "--report-only"]) == 2
+    err = capsys.readouterr().err
+    assert "got a-s0 (train.seed=?), b-s1 (train.seed=0) in config.yaml" in err and "another seed" in err
     assert not (tmp_path / "report.md").exists()
 
 

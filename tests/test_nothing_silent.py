@@ -855,6 +855,16 @@ def test_a_checkpoint_carries_the_loss_scale_the_warning_streaks_and_the_diagnos
     assert not other.diagnosis.window.steps and any("diagnosis window starts empty" in n for n in other.notes)
 
 
+@pytest.mark.parametrize("steps", [1, 3, 12])
+def test_the_summarys_recent_train_reward_says_how_many_steps_it_averages(tmp_path, steps):
+    from creditrl.trainer.report import write_summary
+    metrics = [{"step": i + 1, "tokens_total": 10 * (i + 1), "reward_mean": float(i)} for i in range(steps)]
+    summary = write_summary(tmp_path, title="t", metrics=metrics, evals=[], wall_time=1.0)
+    tail = [m["reward_mean"] for m in metrics][-10:]
+    assert summary["train_reward_last10_steps"] == len(tail) == min(steps, 10)
+    assert summary["train_reward_last10"] == pytest.approx(sum(tail) / len(tail), rel=EPS32)
+
+
 def test_a_set_precision_is_in_the_summary_too(tmp_path):
     """An explicit train.precision is recorded in the summary beside the config (only auto's choice was)."""
     run = _finished_run(tmp_path, "train.precision=fp32")

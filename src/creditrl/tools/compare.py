@@ -258,6 +258,25 @@ def check_finished(runs: dict[str, list[Path]]) -> None:
                          f"them, then redraw")
 
 
+def check_seeds_trained(runs: dict[str, list[Path]]) -> None:
+    """Every run directory ``<run>-s<seed>`` of a redrawn report holds the run trained with that seed
+    (its config.yaml's ``train.seed``): a copy of another seed's run would be counted as one more seed."""
+    copies = [f"{path.name} (train.seed={seed})" for dirs in runs.values() for path in dirs
+              if (seed := trained_seed(path)) != path.name.rsplit("-s", 1)[1]]
+    if copies:
+        raise ValueError(f"--report-only: expected each run directory <run>-s<seed> to hold the run trained with that "
+                         f"train.seed, got {', '.join(copies)} in config.yaml: a copied or renamed run would count as "
+                         f"another seed; remove it or give it its own seed's run")
+
+
+def trained_seed(path: Path) -> str:
+    """The ``train.seed`` a run's config.yaml records, as its directory name writes it ('?' without one)."""
+    try:
+        return str(int(read_yaml(path / "config.yaml")["train"]["seed"]))
+    except (OSError, KeyError, TypeError, ValueError):
+        return "?"
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -500,7 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true",
                         help="retrain runs that already finished (deleting them); without it a finished run from "
                         "another config or overrides is refused")
-    parser.add_argument("--report-only", action="store_true", help="only redraw the report from OUT/runs")
+    parser.add_argument("--report-only", action="store_true", help="only redraw the report from OUT/runs (finished runs, each <run>-s<seed> trained with that train.seed)")
     parser.add_argument("--smooth", type=int, default=None, help="moving-average window in steps (default: steps/20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--jobs", type=int, default=1,
@@ -567,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "--config, --force and key=value")
             runs = find_runs(args.out)
             check_finished(runs)
+            check_seeds_trained(runs)
         else:
             if args.out.exists() and not args.out.is_dir():     # before any run: each would fail on it
                 raise ValueError(f"--out: expected a directory (made if missing), got {str(args.out)!r}, a file")

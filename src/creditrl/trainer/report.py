@@ -98,7 +98,9 @@ def write_summary(run_dir: Path, *, title: str, metrics: list[dict], evals: list
         "tokens_total": metrics[-1]["tokens_total"] if metrics else 0, "wall_time_s": round(wall_time, 1),
         "start": {k: start.get(k) for k in keys}, "end": {k: end.get(k) for k in keys},
         "start_step": start.get("step"), "end_step": end.get("step"),
+        # the mean sampled reward of the last 10 steps, or of every step in a shorter run (the count says which)
         "train_reward_last10": (sum(m["reward_mean"] for m in metrics[-10:]) / len(metrics[-10:])) if metrics else None,
+        "train_reward_last10_steps": len(metrics[-10:]),
         **(extra or {}),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
