@@ -519,7 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--force", action="store_true",
                         help="retrain runs that already finished (deleting them); without it a finished run from "
                         "another config or overrides is refused")
-    parser.add_argument("--report-only", action="store_true", help="only redraw the report from OUT/runs (finished runs, each <run>-s<seed> trained with that train.seed)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only redraw the report from OUT/runs (finished runs, each <run>-s<seed> trained with "
+                             "that train.seed)")
     parser.add_argument("--smooth", type=int, default=None, help="moving-average window in steps (default: steps/20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--jobs", type=int, default=1,
