@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from creditrl import compute_advantages, list_estimators, register_estimator
 from creditrl.core.estimators.steps import StepIndex, discounted_suffix_sum
-from tolerances import sum_rtol
+from tolerances import EPS32, sum_rtol
 
 ALL = ("dr_grpo", "ei", "grpo", "maxk_bon", "maxpo", "ogb", "opo", "otb", "otb_isolated", "passk_chen", "pkpo",
        "reinforce", "rloo")
@@ -149,7 +149,9 @@ def test_reinforce_is_returns_to_go(seed, gamma):
 @pytest.mark.parametrize("seed", range(3))
 def test_outcome_rewards_are_discounted_from_the_last_valid_token(name, seed):
     """[B] rewards with gamma < 1 give what [B,T] rewards with R on each row's last valid token give (verl's
-    form), G_t = γ^(L-1-t)·R, on holey masks with an empty row; not R on every token."""
+    form), G_t = γ^(L-1-t)·R, on holey masks with an empty row; not R on every token. The two paths
+    (γ powers, and the blocked suffix sum) both work in float64 and round once to float32, so they
+    may differ in the last float32 bit; whitening (reinforce_plus_plus) scales that by 1/std."""
     outcome = make_batch(seed)
     mask = outcome["mask"]
     on_last = torch.zeros(mask.shape)
@@ -158,7 +160,7 @@ def test_outcome_rewards_are_discounted_from_the_last_valid_token(name, seed):
         if valid:
             on_last[b, valid[-1]] = outcome["rewards"][b]
     got = run(name, outcome, gamma=0.7)
-    assert torch.equal(got, run(name, {**outcome, "rewards": on_last}, gamma=0.7))
+    assert torch.allclose(got, run(name, {**outcome, "rewards": on_last}, gamma=0.7), rtol=2 * EPS32, atol=F32)
     if name == "reinforce":
         assert torch.allclose(got, ref_returns(outcome["rewards"], mask, 0.7), atol=F32, rtol=0)
         assert not torch.allclose(got, run(name, outcome))      # gamma changes the result

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
-from creditrl.core.estimators.steps import StepIndex, returns_to_go, rewards_off_last_token
+from creditrl.core.estimators.steps import StepIndex, outcome_returns, returns_to_go, rewards_off_last_token
 from creditrl.core.groups import GroupIndex
 from creditrl.utils.fused import fused
 from creditrl.utils.imports import import_submodules, is_builtin, plugin_name, registered_entry
@@ -226,11 +226,9 @@ class AdvantageBatch:
     def returns(self) -> Tensor:
         if self.constant_returns:
             return self.broadcast(self.rewards)
-        rewards = self.token_rewards
-        if rewards is None:       # a [B] outcome arrives at the row's last valid token: G_t = γ^(L-1-t)·R
-            rewards = torch.zeros(self.input_mask.shape, dtype=torch.float32, device=self.input_mask.device)
-            rewards.scatter_(1, self.steps.last_token[:, None], self.rewards[:, None])
-        return returns_to_go(rewards, self.steps, self.gamma, self.rewards)
+        if self.token_rewards is None:      # a [B] outcome arrives at the row's last valid token
+            return outcome_returns(self.rewards, self.steps, self.gamma)
+        return returns_to_go(self.token_rewards, self.steps, self.gamma, self.rewards)
 
 
 class Estimator(Protocol):

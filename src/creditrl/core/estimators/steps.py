@@ -180,6 +180,18 @@ def discounted_suffix_sum(x: Tensor, gamma: float) -> Tensor:
     return local.reshape(*x.shape[:-1], num_blocks * block)[..., :n]
 
 
+def outcome_returns(rewards: Tensor, steps: StepIndex, gamma: float) -> Tensor:
+    """Returns-to-go of one outcome reward per response [B], counted at its last valid step:
+    G_t = γ^(L-1-t)·R over valid steps t < L (``returns_to_go`` of R on the last valid token, in one
+    [B, L] pass instead of placing R and summing). The powers come from one float64 table of
+    γ^0..γ^(L-1), read by index (``pow`` per token is 20-40x slower on a CPU); float32 [B, T], 0
+    where masked."""
+    powers = torch.pow(gamma, torch.arange(steps.num_steps, dtype=torch.float64, device=rewards.device))
+    back = steps.lengths[:, None] - 1 - torch.arange(steps.num_steps, device=rewards.device)[None, :]
+    discount = powers.take(back.clamp_(min=0))
+    return steps.expand((discount.mul_(rewards.to(torch.float64)[:, None]) * steps.valid).float())
+
+
 def returns_to_go(rewards: Tensor, steps: StepIndex, gamma: float = 1.0, totals: Tensor | None = None) -> Tensor:
     """Returns-to-go over valid tokens: G_t = sum_{k>=t} gamma^{k-t} r_k, k over valid steps.
 
