@@ -150,6 +150,17 @@ def test_the_cli_imports_a_command_only_when_it_runs():
     assert not {"trainer", "runtime", "tasks"} & set(eval(out.stdout.strip().splitlines()[-1])), out.stdout[-500:]
 
 
+@pytest.mark.parametrize("args", [["train.steps=abc"], ["train.steps=3.0"], ["--steps=5"], ["optim.lr=-1"]])
+def test_a_refused_train_command_loads_no_torch(args):
+    """`creditrl train` checks its arguments and config before the trainer (torch, transformers: ~6 s on
+    a 2-core CPU) loads, so a typo is refused at once."""
+    code = ("import sys\nfrom creditrl import cli\ntry:\n    rc = cli.main(['train', *%r])\n"
+            "except SystemExit as stop:\n    rc = stop.code\n"
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)" % (args,))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "2 False False", out.stdout + out.stderr[-1000:]
+
+
 def test_a_new_estimator_is_one_local_change():
     """One file (tests/plugins/top_half_estimator.py) declares an estimator and its facts; the config
     checks, `creditrl estimators`, the reference, diagnose's plan and TRL's config read them, with no

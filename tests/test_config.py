@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import sys
 from importlib import resources
 
@@ -301,3 +302,68 @@ def test_an_unset_max_len_is_recorded_as_the_trainer_composes_it():
     assert compose(cfg.loss) == policy_loss_from_config(cfg).loss
     assert resolve_config(load_config(None, ["loss.agg=seq-mean-token-sum-norm", "rollout.max_new_tokens=20",
                                              "loss.max_len=8"])).loss["max_len"] == 8
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.tiny.rope_theta=0", "model.tiny.rope_theta: expected a value > 0, got 0.0"),
+    ("model.warm_start.lr=-1", "model.warm_start.lr: expected a value > 0, got -1.0"),
+    ("model.warm_start.lr=0", "model.warm_start.lr: expected a value > 0, got 0.0"),
+    ("model.warm_start.weight_decay=-1", "model.warm_start.weight_decay: expected a value >= 0, got -1.0"),
+    ("model.warm_start.warmup_steps=-5", "model.warm_start.warmup_steps: expected a value >= 0, got -5"),
+    ("train.pass_k=[1,1]", "train.pass_k: expected distinct values, got [1, 1]"),
+    ("logging.report_to=[jsonl,jsonl]", "logging.report_to: expected distinct values, got ['jsonl', 'jsonl']"),
+    ("train.steps=3.0", "train.steps: expected int, got 3.0; write 3"),
+    ("rollout.group_size=4.5", "rollout.group_size: expected int, got 4.5"),
+])
+def test_the_tiny_model_warm_start_and_whole_number_floats_are_refused_naming_the_key(override, message):
+    """Caught here, before the warm start: there a zero RoPE base diverged under another key's name,
+    a negative rate raised torch's unnamed error and a zero one trained 2,000 steps for nothing."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolved([override])
+
+
+def test_an_estimators_int_option_refuses_a_float():
+    with pytest.raises(ValueError, match=r"algorithm.options.k: expected int, got 4.0; write 4"):
+        resolved(["algorithm.estimator=maxpo", "algorithm.options.k=4.0"])
+
+
+@pytest.mark.parametrize("raw", ["007", "2024-01-01", "on", "1.10", "0x1F", "1_000", "+1", ".5"])
+def test_a_string_key_keeps_the_text_as_typed_on_the_command_line(raw):
+    assert load_config(None, [f"train.run_name={raw}"]).train.run_name == raw
+    assert load_config(None, [f"model.name={raw}"]).model.name == raw
+    assert load_config(None, ["train.run_name=null"]).train.run_name is None
+    assert load_config(None, ["train.steps=007"]).train.steps == 7          # an int key reads YAML as before
+
+
+def test_a_yaml_file_value_that_is_no_string_for_a_string_key_asks_for_quotes(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  run_name: 007\n")
+    with pytest.raises(ConfigError, match=r"train.run_name: expected a string, got 7 \(int\); quote it in YAML"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text("train:\n  run_name: '007'\n")
+    assert load_config(tmp_path / "c.yaml").train.run_name == "007"
+
+
+def test_yaml_merge_keys_are_defaults_the_mappings_own_keys_override(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  <<: {steps: 7, seed: 3}\n  steps: 2\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.train.steps, cfg.train.seed) == (2, 3)
+    (tmp_path / "c.yaml").write_text("train:\n  <<: {steps: 7}\n  steps: 2\n  steps: 3\n")
+    with pytest.raises(ConfigError, match="key 'steps' appears twice"):
+        load_config(tmp_path / "c.yaml")
+
+
+def test_an_option_under_its_old_and_current_name_at_once_is_refused(tmp_path):
+    """algorithm.gamma (the old place) beside algorithm.options.gamma: the old one silently won."""
+    (tmp_path / "c.yaml").write_text("algorithm: {gamma: 0.5, options: {gamma: 0.9}}\n")
+    with pytest.raises(ConfigError, match=r"algorithm.gamma: set together with algorithm.options.gamma"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text("algorithm: {gamma: 0.5}\n")
+    assert load_config(tmp_path / "c.yaml").algorithm.options == {"gamma": 0.5}
+
+
+def test_the_reference_gives_every_run_settings_type():
+    from creditrl.recipe.reference import config_section, diagnose_section
+    rows = [line for line in (config_section() + diagnose_section()).splitlines() if line.startswith("| `")]
+    untyped = [row.split("|")[1] for row in rows if not row.split("|")[3].strip()]
+    assert len(rows) > 80 and not untyped, untyped
+    assert "| `optim.betas` | `[0.9, 0.999]` | list of float |" in config_section()

@@ -291,7 +291,7 @@ def test_cli_reports_a_stopped_run_without_a_traceback(tmp_path, monkeypatch, ca
 
     def stop(*a, **k):
         raise loop.TrainingStopped("training stopped at step 3: the loss or gradient was NaN/inf")
-    monkeypatch.setattr("creditrl.trainer.command.train", stop)
+    monkeypatch.setattr("creditrl.trainer.loop.train", stop)
     assert main(["train", "--no-progress", f"train.output_dir={tmp_path}"]) == 2
     assert "training stopped at step 3" in capsys.readouterr().err
     assert Path(tmp_path).exists()
@@ -352,6 +352,12 @@ def test_a_response_budget_past_the_context_is_refused_for_generated_tasks_too(t
     err = capsys.readouterr().err
     assert "rollout.max_new_tokens: expected at most 255 (the model's context of 256 tokens less one" in err
     assert "got 1000" in err
+
+
+@pytest.mark.parametrize("path", [5, 1.5, ["a.jsonl"], None])
+def test_a_data_path_that_is_no_string_is_named(path):
+    with pytest.raises(ValueError, match=r"path: expected the path of a local .jsonl/.json/.parquet file \(a string"):
+        get_task("jsonl", path=path)
 
 
 def test_a_json_array_file_reads_like_json_lines(tmp_path):
@@ -662,6 +668,19 @@ def test_an_update_below_float32_resolution_is_measured_as_not_moving_the_policy
         assert metrics["grad_norm"] > 0, metrics["grad_norm"]
         assert (full >= UNMOVED_RATIO, metrics["update_ratio"] >= UNMOVED_RATIO) == (moves, moves), \
             (extra, full, metrics["update_ratio"])
+
+
+def test_the_weight_sample_strides_stay_inside_tensors_past_float32s_integers():
+    """An embedding of 2^24 + 3 elements: positions past 2^24 are integers float32 cannot hold (a float32
+    linspace indexed one past the end); each tensor gives min(numel, 64) distinct in-bounds positions,
+    its first and last element included."""
+    from creditrl.trainer.update import WeightSample
+    params = [torch.zeros(2**24 + 3, dtype=torch.uint8), torch.zeros(1), torch.zeros(3, 5), torch.zeros(65)]
+    sample = WeightSample(params)
+    for p, index in zip(params, sample.index):
+        assert index.numel() == min(p.numel(), 64) == index.unique().numel()
+        assert int(index[0]) == 0 and int(index[-1]) == p.numel() - 1
+    assert sample.read().shape == (64 + 1 + 15 + 64,) and sample.update_ratio(sample.read()) == 0
 
 
 def _signal_step(step: int, grad_norm: float, update_ratio: float, **extra) -> dict:
@@ -1189,6 +1208,10 @@ def test_eval_takes_a_run_or_a_model_directory_positionally(finished, capsys):
     (["--problems", "-1"], r"--problems: expected a value in \[1, \d+\]"),
     (["--problems", "100000"], r"--problems: expected a value in \[1, \d+\] \(the task's held-out set has"),
     (["model.name=builtin:tiny"], r"model.name: given twice"),
+    (["optim.lr=0.5", "model.tiny.hidden_size=64", "rollout.top_p=0.9"],
+     r"optim.lr: creditrl eval does not read optim.lr, model.tiny.hidden_size \(training settings, or how a model "
+     r"is built: the weights come from the directory\); drop them"),
+    (["train.steps=3"], r"train.steps: creditrl eval does not read train.steps .*; drop it"),
     (["RUN", "RUN"], r"RUN_OR_MODEL: expected one run or model directory"),
     (["--config", "default"], r"--config: a run directory is evaluated with its own config.yaml"),
     (["--out", "RUN"], r"--out: expected a file path for the JSON result, got the directory"),

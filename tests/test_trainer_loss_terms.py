@@ -197,7 +197,13 @@ def test_settings_that_do_less_than_they_seem_are_warned():
         "warning: loss.rollout_cap=3.0 (loss.rollout_correction is off) does nothing",
         "warning: loss.kl_estimator='k2' / kl_bias_correction=False (loss.kl_coef=0: no KL term) does nothing",
         "warning: optim.min_lr_ratio=0.5 (optim.schedule=constant has no floor) does nothing"]
+    assert notes("model.name=/some/model", "model.tiny.hidden_size=64", "model.warm_start.lr=0.5") == [
+        "warning: model.tiny.hidden_size=64 (model.name is '/some/model', not builtin:tiny) does nothing",
+        "warning: model.warm_start.lr=0.5 (model.name is '/some/model', not builtin:tiny) does nothing"]
+    assert notes("train.steps=3", "logging.diagnose_every=4") == [
+        "warning: logging.diagnose_every=4 (> train.steps=3: no step is diagnosed) does nothing"]
     for fine in (("train.steps=10", "optim.warmup_steps=10"), (bonus, "loss.entropy_bonus.coef=0.01"),
+                 ("model.tiny.hidden_size=64",), ("train.steps=4", "logging.diagnose_every=4"),
                  (bonus, "loss.entropy_bonus.adaptive=true"), (), ("loss.rollout_correction=tis", "loss.rollout_cap=3"),
                  ("loss.kl_coef=0.1", "loss.kl_estimator=k2"), ("optim.schedule=cosine", "optim.min_lr_ratio=0.5")):
         assert notes(*fine) == []

@@ -56,6 +56,15 @@ def _check_optim(o) -> None:
         raise ConfigError(f"optim.betas: expected two values in [0, 1), got {o.betas!r}")
 
 
+def _check_tiny(m) -> None:
+    """``builtin:tiny``'s RoPE base and its warm start's optimizer: out of range they fail (a NaN loss,
+    torch's unnamed "Invalid learning rate") or learn nothing only once the warm start runs."""
+    _positive("model.tiny.rope_theta", m.tiny.rope_theta)
+    _positive("model.warm_start.lr", m.warm_start.lr)
+    _positive("model.warm_start.weight_decay", m.warm_start.weight_decay, strict=False)
+    _positive("model.warm_start.warmup_steps", m.warm_start.warmup_steps, strict=False)
+
+
 def validate(cfg: Config) -> None:
     """Reject invalid values of the run's own settings, naming the key. The estimator's, the loss
     terms' and the task's options are checked against their declarations when the run starts
@@ -76,6 +85,7 @@ def validate(cfg: Config) -> None:
                        ("optim.min_lr_ratio", o.min_lr_ratio)]:
         _positive(key, value, strict=False)
     _check_optim(o)
+    _check_tiny(cfg.model)
     if not TEMPERATURE_RANGE[0] <= r.temperature <= TEMPERATURE_RANGE[1]:
         raise ConfigError(f"rollout.temperature: expected a value in [{TEMPERATURE_RANGE[0]}, {TEMPERATURE_RANGE[1]}] "
                           f"(sampling RL needs a real distribution: below it the policy is ~greedy and log-ratios "
@@ -102,6 +112,7 @@ def validate(cfg: Config) -> None:
     for k in t.pass_k or []:
         if not 1 <= k <= samples:
             raise ConfigError(f"train.pass_k: each k must be in [1, train.eval_samples={samples}], got {k}")
+    _distinct({"train.pass_k": t.pass_k, "logging.report_to": cfg.logging.report_to})
     if cfg.logging.diagnose_every < 0:
         raise ConfigError(f"logging.diagnose_every: expected an integer >= 0, got {cfg.logging.diagnose_every}")
     if cfg.logging.diagnose_window < 2:
@@ -114,6 +125,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"logging.diagnose_every: the mean gradient is estimated from pairs of a step's groups, "
                           f"which needs rollout.prompts_per_step >= 2, got {r.prompts_per_step}")
     _check_labels("logging.diagnose_estimators", cfg.logging.diagnose_estimators)
+
+
+def _distinct(lists: dict[str, list | None]) -> None:
+    for key, values in lists.items():
+        if values and len(set(values)) != len(values):
+            raise ConfigError(f"{key}: expected distinct values, got {values}")
 
 
 def _check_labels(key: str, labels: list | None) -> None:

@@ -4,6 +4,7 @@ layouts migrated, a run's saved config.yaml read strictly."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,10 +14,12 @@ from creditrl.config.checks import check_switches, validate
 from creditrl.config.diagnose import DiagnoseConfig, validate_diagnose
 from creditrl.config.schema import LEGACY_ALGORITHM_KEYS, SAMPLING_CONTROLS_OFF, Config, ConfigError
 from creditrl.utils.io import atomic_write_text
-from creditrl.utils.options import deep_update, merge
+from creditrl.utils.options import deep_update, is_optional, merge
 
-def parse_override(text: str) -> dict:
-    """``"a.b.c=1e-5"`` -> ``{"a": {"b": {"c": 1e-5}}}`` (the value parsed as YAML)."""
+def parse_override(text: str, schema: Any = None) -> dict:
+    """``"a.b.c=1e-5"`` -> ``{"a": {"b": {"c": 1e-5}}}`` (the value parsed as YAML). Where ``schema`` (a
+    config dataclass) declares the key a string, a value YAML would read as another scalar keeps its text
+    as typed: ``train.run_name=007`` is "007", not 7 (nor ``2024-01-01`` a date, ``on`` true)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value, e.g. optim.lr=1e-5")
     key, raw = text.split("=", 1)
@@ -27,9 +30,25 @@ def parse_override(text: str) -> dict:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    if value is not None and not isinstance(value, (str, list, dict)) and declares_string(schema, key):
+        value = raw.strip()
     for part in reversed(key.split(".")):
         value = {part: value}
     return value
+
+
+def declares_string(schema: Any, key: str) -> bool:
+    """Whether config dataclass ``schema`` (an instance; a ``Config``'s ``diagnose.*`` keys are a
+    ``DiagnoseConfig``'s) types dotted ``key`` as a string (or a string or null)."""
+    node, parts = schema, key.split(".")
+    if isinstance(schema, Config) and parts[0] == "diagnose":
+        node, parts = DiagnoseConfig(), parts[1:]
+    for part in parts[:-1]:
+        node = getattr(node, part, None)
+    if not parts or not dataclasses.is_dataclass(node):
+        return False
+    declared = typing.get_type_hints(type(node)).get(parts[-1])
+    return declared is not None and is_optional(declared)[1] is str
 
 
 def migrate(data: Any) -> Any:
@@ -53,6 +72,10 @@ def migrate(data: Any) -> Any:
     algorithm = dict(data["algorithm"])
     moved = {k: algorithm.pop(k) for k in LEGACY_ALGORITHM_KEYS if k in algorithm}
     moved = {k: v for k, v in moved.items() if v is not None}
+    both = sorted(set(moved) & set(algorithm.get("options") or {}))
+    if both:
+        raise ConfigError(f"algorithm.{both[0]}: set together with algorithm.options.{both[0]} (its current name); "
+                          f"keep only algorithm.options.{both[0]}")
     if moved:
         algorithm["options"] = deep_update(algorithm.get("options") or {}, moved)
     return {**data, "algorithm": algorithm}
@@ -79,11 +102,14 @@ def resolve_config_path(path: str | Path) -> Path:
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader refusing a mapping that names a key twice (plain YAML keeps the last)."""
+    """YAML's safe loader refusing a mapping that names a key twice (plain YAML keeps the last). A merge
+    key (``<<: *base``) is no second naming: its keys are defaults the mapping's own keys override."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
@@ -115,7 +141,7 @@ def merge_layers(cfg: Any, path: str | Path | None = None, overrides: list[str] 
     if path is not None:
         cfg = merge(cfg, read_yaml(resolve_config_path(path)) or {})
     for text in overrides:
-        cfg = merge(cfg, parse_override(text))
+        cfg = merge(cfg, parse_override(text, cfg))
     return cfg
 
 
@@ -123,13 +149,15 @@ def merge_with_diagnose(cfg: Config, diagnose: DiagnoseConfig, path: str | Path 
                         overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, DiagnoseConfig]:
     """(``cfg``, ``diagnose``) <- YAML file <- overrides: each layer's ``diagnose`` section goes to the
     ``DiagnoseConfig`` (typed, unknown keys refused), the rest to the ``Config`` (``migrate``d)."""
-    return _merge_layers(cfg, diagnose, config_layers(path, overrides))
+    return _merge_layers(cfg, diagnose, config_layers(path, overrides, cfg))
 
 
-def config_layers(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> list[Any]:
-    """The YAML file's data (if any), then each override as a nested mapping: what ``merge`` applies."""
+def config_layers(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                  schema: Any = None) -> list[Any]:
+    """The YAML file's data (if any), then each override as a nested mapping (``parse_override`` against
+    config dataclass ``schema``): what ``merge`` applies."""
     return ([read_yaml(resolve_config_path(path)) or {}] if path is not None else []) + \
-        [parse_override(text) for text in overrides]
+        [parse_override(text, schema) for text in overrides]
 
 
 def _merge_layers(cfg: Config, diagnose: DiagnoseConfig, layers: list[Any]) -> tuple[Config, DiagnoseConfig]:
@@ -159,7 +187,7 @@ def load_diagnose_config(path: str | Path | None = None, overrides: list[str] | 
                          ) -> tuple[Config, DiagnoseConfig]:
     """`creditrl diagnose`'s configs: the training ``Config`` and the ``diagnose`` section, both
     validated."""
-    layers = config_layers(path, overrides)
+    layers = config_layers(path, overrides, Config())
     cfg, diagnose = _merge_layers(Config(), DiagnoseConfig(), layers)
     validate(cfg)
     check_switches(layers, cfg)   # after the values' own checks: a bad value is the more useful error
@@ -169,7 +197,7 @@ def load_diagnose_config(path: str | Path | None = None, overrides: list[str] | 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
     """A validated copy of ``cfg`` with dotted ``key=value`` overrides applied."""
-    layers = config_layers(None, overrides)
+    layers = config_layers(None, overrides, cfg)
     cfg = _merge_layers(cfg, DiagnoseConfig(), layers)[0]
     validate(cfg)
     check_switches(layers, cfg)

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import typing
 
 import yaml
 
@@ -35,8 +36,11 @@ creditrl train --config my.yaml algorithm.estimator=maxpo algorithm.options.k=4 
 ```
 
 Values are parsed as YAML (`1e-5`, `true`, `[1, 4]`, `null`) and checked against the declared type;
-numbers must be finite. Unknown keys, unknown choices, out-of-range values and invalid combinations
-fail before anything loads, naming the key and the valid keys or values. The resolved config, with
+numbers must be finite, an int is written as one (`3`, not `3.0`), and a string key keeps the text as
+typed on the command line (`train.run_name=007` is "007"; in a YAML file quote such a value). Unknown
+keys, unknown choices, out-of-range values and invalid combinations fail before anything loads,
+naming the key and the valid keys or values; a task's own options are checked when the task is
+built, and a `reward/<name>` signal of dynamic sampling once the first responses are scored. The resolved config, with
 every option of the chosen estimator and loss terms filled in, is saved as `config.yaml` in the run
 directory.
 """
@@ -58,6 +62,14 @@ def _rows(key_prefix: str, specs: list[OptionSpec]) -> list[str]:
 TABLE_HEAD = ["| key | default | type | meaning |", "|---|---|---|---|"]
 
 
+def declared(section, key: str) -> str:
+    """The declared type of dotted ``key`` in config dataclass ``section``, in words (``describe``)."""
+    *parents, leaf = key.split(".")
+    for part in parents:
+        section = getattr(section, part)
+    return describe(typing.get_type_hints(type(section))[leaf])
+
+
 def config_section() -> str:
     """The run's own settings: one table per top-level section."""
     out = []
@@ -67,15 +79,16 @@ def config_section() -> str:
             row = f"| `{f.name}` | {_value(value)} | mapping | {_cell(f.metadata.get('help', ''))} |"
             out.append(f"## {f.name}\n\n" + "\n".join(TABLE_HEAD + [row]) + "\n")
             continue
-        rows = [f"| `{f.name}.{key}` | {_value(default)} | | {_cell(text)} |" for key, default, text in flat_items(value)]
+        rows = [f"| `{f.name}.{key}` | {_value(default)} | {_cell(declared(value, key))} | {_cell(text)} |"
+                for key, default, text in flat_items(value)]
         out.append(f"## {f.name}\n\n" + "\n".join(TABLE_HEAD + rows) + "\n")
     return "\n".join(out)
 
 
 def diagnose_section() -> str:
     """``creditrl diagnose``'s own section (``diagnose.*``), read by that command only."""
-    rows = [f"| `diagnose.{key}` | {_value(default)} | | {_cell(text)} |" for key, default, text in
-            flat_items(DiagnoseConfig())]
+    rows = [f"| `diagnose.{key}` | {_value(default)} | {_cell(declared(DiagnoseConfig(), key))} | {_cell(text)} |"
+            for key, default, text in flat_items(DiagnoseConfig())]
     return ("## diagnose\n\n`creditrl diagnose`'s own settings, read by that command only, from the same file as "
             "`train` (a `diagnose:` section) or `diagnose.*` overrides; a training run's config.yaml does not hold "
             "them.\n\n" + "\n".join(TABLE_HEAD + rows) + "\n")

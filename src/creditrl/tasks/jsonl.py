@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import warnings
 from pathlib import Path
@@ -243,6 +244,9 @@ class JsonlTask:
                  *, seed: int = 0, test_size: int | None = None, chat_template="auto",
                  system_prompt: str | None = None, truncate_prompts: bool = False, checker_convention: str = "auto",
                  checker_timeout: float | None = DEFAULT_TIMEOUT, rewards: list | None = None):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path: expected the path of a local .jsonl/.json/.parquet file (a string; quote a "
+                             f"name YAML reads as a number), got {path!r}")
         file = Path(path).expanduser()
         if file.is_dir():
             raise ValueError(f"path: expected a local .jsonl/.json/.parquet file, got the directory {str(file)!r}")

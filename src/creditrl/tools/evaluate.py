@@ -61,10 +61,32 @@ def eval_target(args) -> tuple[Path | None, list[str]]:
     return path, overrides
 
 
+# the keys an evaluation reads: the model and how it loads, the task, sampling, the eval sizes and seed
+EVAL_KEYS = ("model.", "task.", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
+             "rollout.max_tool_tokens", "rollout.stop", "train.seed", "train.device", "train.precision",
+             "train.threads", "train.chunk_size", "train.eval_samples", "train.eval_problems", "train.pass_k",
+             "train.deterministic")
+# ... less those of building builtin:tiny and of training, where the weights come from a directory
+BUILT_KEYS = ("model.tiny.", "model.warm_start.", "model.lora.", "model.gradient_checkpointing")
+
+
+def check_eval_overrides(overrides: list[str], directory: bool) -> None:
+    """Refuse ``key=value`` overrides an evaluation never reads (training's keys; the tiny model's
+    shape, warm start and LoRA settings where ``directory`` gives the weights): the result's
+    ``settings.overrides`` would list them as what produced its numbers."""
+    keys = [o.split("=", 1)[0].strip() for o in overrides]
+    idle = [k for k in keys if not k.startswith(EVAL_KEYS) or directory and k.startswith(BUILT_KEYS)]
+    if idle:
+        built = ", or how a model is built: the weights come from the directory" if directory else ""
+        raise ValueError(f"{idle[0]}: creditrl eval does not read {', '.join(idle)} (training settings{built}); "
+                         f"drop {'it' if len(idle) == 1 else 'them'}")
+
+
 def eval_config(args):
     """(config, model directory or None) of ``creditrl eval``'s arguments: a run directory's saved
     config and its complete ``final/``, a model directory as ``model.name``, or the config keys."""
     path, overrides = eval_target(args)
+    check_eval_overrides(overrides, path is not None)
     if path is not None and path.name == "final" and not (path / "config.yaml").is_file() and \
             (path.parent / "config.yaml").is_file():
         path = path.parent            # a run's final/: evaluated as the run, with its task and settings

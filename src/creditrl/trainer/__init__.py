@@ -4,6 +4,14 @@ report.py).
 
 ``train(cfg) -> run_dir``, ``resume(run_dir) -> run_dir``.
 """
-from creditrl.trainer.loop import Trainer, resume, train
+import importlib
 
 __all__ = ["Trainer", "resume", "train"]
+
+
+def __getattr__(name: str):
+    """The loop's names, loaded on first use (PEP 562): ``creditrl train`` (``trainer/command.py``,
+    inside this package) checks its arguments and config before torch and transformers load."""
+    if name in __all__:
+        return getattr(importlib.import_module("creditrl.trainer.loop"), name)
+    raise AttributeError(f"module 'creditrl.trainer' has no attribute {name!r}")

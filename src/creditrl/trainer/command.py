@@ -4,10 +4,13 @@ from __future__ import annotations
 import time
 
 from creditrl.config import load_config
-from creditrl.recipe import reference
-from creditrl.trainer.loop import resume, train
 from creditrl.utils import cli
 from creditrl.utils.durations import format_duration
+from creditrl.utils.imports import load_object
+
+# imported once the arguments and the config are checked: a refusal comes in a fraction of a second,
+# not after torch and transformers load (~6 s on a 2-core CPU)
+LOOP, REFERENCE = "creditrl.trainer.loop", "creditrl.recipe.reference"
 
 HELP = "train a policy (defaults: builtin:tiny on addition)"
 EXAMPLES = """examples:
@@ -20,7 +23,7 @@ EXAMPLES = """examples:
 
 def main(argv: list[str]) -> int:
     parser = cli.config_parser("train", HELP, "Train with the default config, a YAML file and/or key=value overrides.",
-                               reference.epilog() + "\n\n" + EXAMPLES)
+                               lambda: load_object(f"{REFERENCE}:epilog")() + "\n\n" + EXAMPLES)
     parser.add_argument("--resume", metavar="DIR", help="continue the interrupted run in DIR exactly (its config.yaml "
                         "and newest checkpoint; no other options allowed; a finished run is refused: raise train.steps in its "
                         "config.yaml to train on)")
@@ -38,10 +41,11 @@ def run(args) -> int:
             raise ValueError("--resume: a resumed run uses its saved config.yaml; drop --config, --overwrite and "
                              "key=value (to change a key that may change mid-run, such as optim.lr or train.steps, "
                              "edit DIR/config.yaml)")
-        run_dir = resume(args.resume, progress=not args.no_progress)
+        run_dir = load_object(f"{LOOP}:resume")(args.resume, progress=not args.no_progress)
     else:
         cfg = load_config(args.config, args.overrides)
-        run_dir = train(cfg, progress=False if args.no_progress else None, overwrite=args.overwrite)
+        run_dir = load_object(f"{LOOP}:train")(cfg, progress=False if args.no_progress else None,
+                                               overwrite=args.overwrite)
     print((run_dir / "summary.md").read_text())
     print(f"run directory: {run_dir}  (total wall time incl. model load/warm start: "
           f"{format_duration(time.perf_counter() - start)})")

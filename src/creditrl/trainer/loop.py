@@ -147,7 +147,8 @@ def idle_setting_notes(loss, cfg: Config) -> list[str]:
 
 def idle_flat_options(loss, cfg: Config) -> list[str]:
     """Flat options moved from their defaults where the setting that reads them is off (config.yaml
-    gives every flat option, so these are warned of, not refused)."""
+    gives every flat option, so these are warned of, not refused): model.tiny.* and model.warm_start.*
+    of another model, a diagnosis interval longer than the run, and the loss's and schedule's own."""
     idle = []
     correction, kl = loss.options_of("rollout_correction"), loss.options_of("kl")
     defaults = {"correction": type(correction)(), "kl": type(kl)(), "optim": type(cfg.optim)()}   # as declared
@@ -158,6 +159,15 @@ def idle_flat_options(loss, cfg: Config) -> list[str]:
                     "(loss.kl_coef=0: no KL term)")
     if cfg.optim.schedule == "constant" and cfg.optim.min_lr_ratio != defaults["optim"].min_lr_ratio:
         idle.append(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} (optim.schedule=constant has no floor)")
+    if cfg.model.name != "builtin:tiny":         # the shape and warm start of a model this run does not build
+        for section in ("tiny", "warm_start"):
+            given, default = getattr(cfg.model, section), type(getattr(cfg.model, section))()
+            idle += [f"model.{section}.{f.name}={getattr(given, f.name)!r} (model.name is {cfg.model.name!r}, not "
+                     f"builtin:tiny)" for f in dataclasses.fields(given)
+                     if getattr(given, f.name) != getattr(default, f.name)]
+    every = cfg.logging.diagnose_every
+    if every > cfg.train.steps:
+        idle.append(f"logging.diagnose_every={every} (> train.steps={cfg.train.steps}: no step is diagnosed)")
     return [f"warning: {text} does nothing" for text in idle]
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 from creditrl.utils.durations import format_duration
 from creditrl.utils.plots import figure, save_figure, step_axis
 
-TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm",
+TRAIN_CURVES = ("reward_mean", "accuracy", "entropy", "response_len", "clipped_frac", "grad_norm", "update_ratio",
                 "power_proxy", "approx_kl", "clip_frac_high", "noise_scale", "filtered_frac")
 OUTCOME_CURVES = ("reward_mean", "accuracy")
-LOG_SCALE = ("noise_scale",)   # B_simple spans orders of magnitude
+LOG_SCALE = ("noise_scale", "update_ratio")   # B_simple and ||Δθ||/||θ|| span orders of magnitude
 
 
 def train_curves(metrics: list[dict]) -> list[str]:

@@ -167,8 +167,9 @@ class WeightSample:
 
     def __init__(self, params: list[Tensor]):
         self.params = params
-        self.index = [torch.linspace(0, p.numel() - 1, min(p.numel(), self.PER_TENSOR), device=p.device).long()
-                      for p in params]
+        # integer strides: a float32 linspace rounds positions past 2^24 (an embedding's) out of bounds
+        self.index = [torch.arange(min(p.numel(), self.PER_TENSOR), device=p.device) * (p.numel() - 1)
+                      // max(min(p.numel(), self.PER_TENSOR) - 1, 1) for p in params]
 
     def read(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1)[i] for p, i in zip(self.params, self.index)]).double()

@@ -21,10 +21,22 @@ class GivenOnce(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def config_parser(command: str, help_text: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
-    """A subcommand's parser with the config arguments every config-taking command has."""
-    parser = argparse.ArgumentParser(prog=f"creditrl {command}", description=description or help_text,
-                                     epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+class HelpOnDemand(argparse.ArgumentParser):
+    """A parser whose epilog may be a function, called only when the help is shown: the config reference
+    loads every estimator and loss term (torch), which a refused argument or a run need not wait for."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
+def config_parser(command: str, help_text: str, description: str,
+                  epilog: str | Callable[[], str] = "") -> argparse.ArgumentParser:
+    """A subcommand's parser with the config arguments every config-taking command has (``epilog``:
+    text, or a function giving it when ``--help`` asks)."""
+    parser = HelpOnDemand(prog=f"creditrl {command}", description=description or help_text,
+                          epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     parser.add_argument("--config", metavar="FILE", action=GivenOnce,
                         help="YAML config file (or a packaged config's name)")

@@ -97,6 +97,8 @@ def describe(tp: Any) -> str:
     optional, inner = is_optional(_unannotated(tp)[0])
     if typing.get_origin(inner) is Literal:
         text = "one of " + ", ".join(repr(a) for a in typing.get_args(inner))
+    elif typing.get_origin(inner) in (list, tuple) and typing.get_args(inner):
+        text = f"list of {describe(typing.get_args(inner)[0])}"
     else:
         text = getattr(inner, "__name__", str(inner).replace("typing.", ""))
     return text + (" or null" if optional else "")
@@ -110,8 +112,9 @@ def _scalar(key: str, value: Any, inner: Any, strict: bool = False) -> Any:
     if inner is int and not isinstance(value, bool):
         if isinstance(value, int):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        if isinstance(value, float):
+            raise OptionError(f"{key}: expected int, got {value!r}" + (f"; write {int(value)}" if value.is_integer()
+                                                                            else ""))
     if inner is float and not isinstance(value, bool):
         number = None
         if isinstance(value, (int, float)):
@@ -125,8 +128,11 @@ def _scalar(key: str, value: Any, inner: Any, strict: bool = False) -> Any:
             if not math.isfinite(number):
                 raise OptionError(f"{key}: expected a finite number, got {value!r}")
             return number
-    if inner is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return str(value)
+    if inner is str and isinstance(value, str):
+        return value
+    if inner is str and not isinstance(value, (list, dict)):   # YAML read 007, 1.10, on or a date: quoted, as typed
+        raise OptionError(f"{key}: expected a string, got {value!r} ({type(value).__name__}); quote it in YAML to "
+                          f"keep the text as written, e.g. {key.rsplit('.', 1)[-1]}: \"...\"")
     raise OptionError(f"{key}: expected {describe(inner)}, got {value!r}" + (
         f" ({type(value).__name__})" if strict else ""))
 
