@@ -367,3 +367,17 @@ def test_the_reference_gives_every_run_settings_type():
     untyped = [row.split("|")[1] for row in rows if not row.split("|")[3].strip()]
     assert len(rows) > 80 and not untyped, untyped
     assert "| `optim.betas` | `[0.9, 0.999]` | list of float |" in config_section()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train.steps=2", "train.steps=1"], "train.steps: given 2 times on the command line (train.steps=2, "
+                                         "train.steps=1); give it once"),
+    (["--train.steps=5"], "unrecognized argument --train.steps=5: config keys take no dashes; write train.steps=5"),
+    (["--optim.lr"], "write optim.lr=VALUE"),
+])
+def test_the_command_line_refuses_a_key_given_twice_or_dashed(argv, message, capsys):
+    """A YAML file naming a key twice is refused; on the command line the last silently won."""
+    from creditrl.cli import main
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err

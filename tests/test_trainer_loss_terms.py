@@ -241,3 +241,14 @@ def test_diagnose_names_the_new_terms_it_cannot_measure_group_by_group():
     cut = torch.tensor([False, True, False])
     cot = loss_cotangent(named["mask_truncated"], logp, adv, mask, logp, torch.zeros_like(logp), cut)
     assert (cot[1] == 0).all() and (cot[[0, 2]] != 0).all()
+
+
+def test_a_run_whose_every_response_was_cut_names_max_new_tokens():
+    """rollout.max_new_tokens=1: every response is cut, every reward 0; the warning blamed the task's
+    difficulty (or a group size), not the setting."""
+    step = {"step": 1, "reward_invalid_frac": 0.0, "zero_spread_frac": 1.0, "reward_std": 0.0, "reward_mean": 0.0,
+            "kept_frac": 1.0, "clipped_frac": 1.0, "adv_mean": 0.0, "adv_std": 0.0}
+    warning = learned_nothing([step, {**step, "step": 2}], "grpo")
+    assert "every response was cut at rollout.max_new_tokens (clipped_frac 1 at every step" in warning
+    other = learned_nothing([step, {**step, "step": 2, "clipped_frac": 0.5}], "grpo")
+    assert "max_new_tokens" not in other and "every group's rewards were equal" in other

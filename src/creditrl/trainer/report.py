@@ -211,6 +211,10 @@ def _reason(kind: str | None, steps: list[dict]) -> str:
                 "rollout correction dropping every token), so no step moved the policy")
     means = [m["reward_mean"] for m in steps if m.get("reward_mean") is not None]
     mean = f"{sum(means) / len(means):.3g}" if means else "undefined"
+    if all((m.get("clipped_frac") or 0) >= 1 for m in steps):     # the likelier cause than the task's difficulty
+        return (f"every response was cut at rollout.max_new_tokens (clipped_frac 1 at every step; mean reward "
+                f"{mean}), so none could finish an answer and every group's rewards were equal: raise "
+                f"rollout.max_new_tokens")
     if any((m.get("reward_std") or 0) > 0 for m in steps):
         return (f"every group's rewards were equal within the group (zero spread; mean reward {mean} over "
                 f"{'those steps' if len(steps) > 1 else 'the step'}): rewards differed only between groups, which "
