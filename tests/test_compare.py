@@ -165,10 +165,12 @@ def test_report_only_refuses_a_copied_run_as_another_seed(tmp_path, capsys):
     import shutil
     fake_run(tmp_path, "a", 0)
     shutil.copytree(fake_run(tmp_path, "b", 0), tmp_path / "runs" / "b-s1")
-    (tmp_path / "runs" / "a-s0" / "config.yaml").unlink()
     assert compare.main(["--out", str(tmp_path), "--report-only"]) == 2
     err = capsys.readouterr().err
-    assert "got a-s0 (train.seed=?), b-s1 (train.seed=0) in config.yaml" in err and "another seed" in err
+    assert "got b-s1 (train.seed=0) in config.yaml" in err and "another seed" in err
+    (tmp_path / "runs" / "a-s0" / "config.yaml").unlink()
+    assert compare.main(["--out", str(tmp_path), "--report-only"]) == 2
+    assert "got none in a-s0: its seed and settings are unknown" in capsys.readouterr().err
     assert not (tmp_path / "report.md").exists()
 
 

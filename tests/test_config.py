@@ -332,12 +332,13 @@ def test_a_string_key_keeps_the_text_as_typed_on_the_command_line(raw):
     assert load_config(None, [f"train.run_name={raw}"]).train.run_name == raw
     assert load_config(None, [f"model.name={raw}"]).model.name == raw
     assert load_config(None, ["train.run_name=null"]).train.run_name is None
-    assert load_config(None, ["train.steps=007"]).train.steps == 7          # an int key reads YAML as before
+    assert load_config(None, ["train.steps=7"]).train.steps == 7            # an int key reads YAML as before
 
 
 def test_a_yaml_file_value_that_is_no_string_for_a_string_key_asks_for_quotes(tmp_path):
-    (tmp_path / "c.yaml").write_text("train:\n  run_name: 007\n")
-    with pytest.raises(ConfigError, match=r"train.run_name: expected a string, got 7 \(int\); quote it in YAML"):
+    (tmp_path / "c.yaml").write_text("train:\n  run_name: 1.10\n")
+    with pytest.raises(ConfigError, match=r"train.run_name: expected a string, got 1.1 \(float\); quote it to keep "
+                                          r"the text as written: run_name: \"...\" in YAML"):
         load_config(tmp_path / "c.yaml")
     (tmp_path / "c.yaml").write_text("train:\n  run_name: '007'\n")
     assert load_config(tmp_path / "c.yaml").train.run_name == "007"
@@ -381,3 +382,25 @@ def test_the_command_line_refuses_a_key_given_twice_or_dashed(argv, message, cap
     with pytest.raises(SystemExit) as stop:
         main(["train", *argv])
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("raw, value, base", [("010", 8, "octal"), ("-012", -10, "octal"), ("1:30", 90, "base 60")])
+def test_a_yaml_11_integer_that_reads_as_another_number_is_refused(raw, value, base, tmp_path):
+    """YAML 1.1 reads train.steps=010 as 8 and 1:30 as 90: refused, naming both; a string key keeps the text."""
+    message = f"YAML 1.1 reads {raw} as {value} ({base}); write {value}"
+    with pytest.raises(ConfigError, match=re.escape(f"train.steps: {message}")):
+        load_config(None, [f"train.steps={raw}"])
+    (tmp_path / "c.yaml").write_text(f"train:\n  steps: {raw}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(tmp_path / "c.yaml")
+    assert load_config(None, [f"train.run_name={raw.replace(':', '-')}"]).train.run_name == raw.replace(":", "-")
+    assert load_config(None, ["train.steps=0x1F"]).train.steps == 31         # hexadecimal says what it is
+
+
+def test_a_merged_mapping_that_merges_another_is_no_key_named_twice(tmp_path):
+    """b merges a, which merges its own defaults: flattening b rewrites a's node before a is built."""
+    from creditrl.config import read_yaml
+    import yaml as pyyaml
+    text = "outer:\n  a: &o {<<: {k: 1}, k: 2}\nb: {<<: *o}\n"
+    (tmp_path / "c.yaml").write_text(text)
+    assert read_yaml(tmp_path / "c.yaml") == pyyaml.safe_load(text)

@@ -647,27 +647,32 @@ def test_every_trainable_tensor_moves_at_a_tiny_lr_in_every_precision(precision,
 
 
 @pytest.mark.parametrize("lora", [False, True])
-@pytest.mark.parametrize("setting", ["optim.lr=1e-30", "optim.max_grad_norm=1e-30"])
-def test_an_update_below_float32_resolution_is_measured_as_not_moving_the_policy(setting, lora):
-    """AdamW moves a weight by about lr, and by lr·g/eps where the clipped gradient's elements g are
-    below eps: at lr 1e-30, or with the gradient clipped to norm 1e-30, the update-to-weight ratio over
-    every trainable weight (computed here in full) is below 2^-24, and so is the logged sample's,
-    LoRA's B (starting at 0) included; at the default settings both are above it."""
-    from creditrl.trainer.report import UNMOVED_RATIO
-    from creditrl.trainer.update import Learner
+@pytest.mark.parametrize("setting, moves", [("optim.lr=1e-30", False), ("optim.max_grad_norm=1e-30", False),
+                                            ("optim.lr=1e-8", True), ("optim.lr=5e-5", True)])
+def test_whether_an_update_moved_the_policy_is_measured_against_every_weight(setting, moves, lora):
+    """AdamW moves a weight by about lr, and by lr·g/eps where the clipped gradient's elements g are below
+    eps. At lr 1e-30, or with the gradient clipped to norm 1e-30, no weight of the model changes beyond
+    2^-24 of the larger of its size and the model's RMS weight (computed here over every trainable
+    weight), and the sample's moved_frac is 0, LoRA's B (starting at 0) included; at lr 1e-8 (a warmup's
+    first steps; the sample holds norm weights near 1 beside matrices near 0.02) and at the default,
+    weights move and moved_frac is positive. update_ratio estimates the full ||Δθ||/||θ||."""
+    from creditrl.trainer.update import RESOLUTION, Learner
     base = ["rollout.group_size=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4",
             "algorithm.estimator=grpo"] + (["model.lora.enabled=true"] if lora else [])
-    for extra, moves in (([setting], False), ([], True)):
-        task, tok, model = _tiny_policy(lora=lora)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        before = [p.detach().double().clone() for p in trainable]
-        learner = Learner(model, resolve_config(load_config(None, base + extra)))
-        metrics = learner.update(_spread_batch(task, tok, model), torch.Generator().manual_seed(0)).metrics
-        delta = torch.cat([(p.detach().double() - b).flatten() for p, b in zip(trainable, before)])
-        full = float(delta.norm() / torch.cat([b.flatten() for b in before]).norm())
-        assert metrics["grad_norm"] > 0, metrics["grad_norm"]
-        assert (full >= UNMOVED_RATIO, metrics["update_ratio"] >= UNMOVED_RATIO) == (moves, moves), \
-            (extra, full, metrics["update_ratio"])
+    task, tok, model = _tiny_policy(lora=lora)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    before = torch.cat([p.detach().double().flatten() for p in trainable])
+    learner = Learner(model, resolve_config(load_config(None, base + [setting])))
+    metrics = learner.update(_spread_batch(task, tok, model), torch.Generator().manual_seed(0)).metrics
+    delta = torch.cat([p.detach().double().flatten() for p in trainable]) - before
+    rms = before.square().mean().sqrt()
+    moved = delta.abs() > RESOLUTION * torch.maximum(before.abs(), rms)
+    assert metrics["grad_norm"] > 0, metrics["grad_norm"]
+    assert (bool(moved.any()), metrics["moved_frac"] > 0) == (moves, moves), (setting, moved.double().mean(),
+                                                                            metrics["moved_frac"])
+    full = float(delta.norm() / before.norm())
+    if moves and not lora:      # the sample's estimate of the full ratio, within its sampling error
+        assert full / 4 < metrics["update_ratio"] < 4 * full, (full, metrics["update_ratio"])
 
 
 def test_the_weight_sample_strides_stay_inside_tensors_past_float32s_integers():
@@ -675,43 +680,62 @@ def test_the_weight_sample_strides_stay_inside_tensors_past_float32s_integers():
     linspace indexed one past the end); each tensor gives min(numel, 64) distinct in-bounds positions,
     its first and last element included."""
     from creditrl.trainer.update import WeightSample
-    params = [torch.zeros(2**24 + 3, dtype=torch.uint8), torch.zeros(1), torch.zeros(3, 5), torch.zeros(65)]
+    params = [torch.ones(2**24 + 3, dtype=torch.uint8), torch.ones(1), torch.ones(3, 5), torch.ones(65)]
     sample = WeightSample(params)
     for p, index in zip(params, sample.index):
         assert index.numel() == min(p.numel(), 64) == index.unique().numel()
         assert int(index[0]) == 0 and int(index[-1]) == p.numel() - 1
-    assert sample.read().shape == (64 + 1 + 15 + 64,) and sample.update_ratio(sample.read()) == 0
+    assert sample.read().shape == (64 + 1 + 15 + 64,)
+    assert sample.update(sample.read()) == {"update_ratio": 0.0, "moved_frac": 0.0}
 
 
-def _signal_step(step: int, grad_norm: float, update_ratio: float, **extra) -> dict:
+def test_the_weight_samples_ratio_and_share_weigh_each_tensor_by_its_size():
+    """A 64-element sample of a 6,400-element matrix stands for 100 times what a 64-element norm weight
+    does: moving only the norm weights (1% of the model) gives moved_frac 0.01, and the ratio of the
+    whole model, not of the sample."""
+    from creditrl.trainer.update import WeightSample
+    matrix, norm = torch.full((80, 80), 0.02), torch.ones(64)
+    sample = WeightSample([matrix, norm])
+    before = sample.read()
+    norm += 1e-3
+    got = sample.update(before)
+    assert got["moved_frac"] == pytest.approx(64 / (6400 + 64), rel=1e-12)
+    step, small = float(norm[0]) - 1.0, float(matrix[0, 0])         # the float32 values, exactly
+    full = (64 * step**2) ** 0.5 / (6400 * small**2 + 64) ** 0.5
+    assert got["update_ratio"] == pytest.approx(full, rel=1e-12)
+
+
+def _signal_step(step: int, grad_norm: float, moved_frac: float, **extra) -> dict:
     """A step's metrics with a reward signal (groups whose rewards differ) and an applied update."""
     return {"step": step, "zero_spread_frac": 0.5, "reward_std": 0.4, "kept_frac": 1.0, "skipped_updates": 0,
-            "lr": 5e-5, "grad_norm": grad_norm, "update_ratio": update_ratio, **extra}
+            "lr": 5e-5, "grad_norm": grad_norm, "moved_frac": moved_frac, "update_ratio": moved_frac * 1e-4,
+            **extra}
 
 
 def test_idle_updates_are_told_apart_from_steps_without_signal_or_update():
-    from creditrl.trainer.report import UNMOVED_RATIO, idle_update
+    from creditrl.trainer.report import idle_update
     assert idle_update(_signal_step(1, 0.0, 0.0)) == "zero_gradient"
-    assert idle_update(_signal_step(1, 0.0, 1e-3)) == "zero_gradient"      # weight decay alone moved them
-    assert idle_update(_signal_step(1, 2.0, UNMOVED_RATIO / 2)) == "unmoved"
-    assert idle_update(_signal_step(1, 2.0, UNMOVED_RATIO)) is None
+    assert idle_update(_signal_step(1, 0.0, 0.5)) == "zero_gradient"      # momentum or weight decay moved them
+    assert idle_update(_signal_step(1, 2.0, 0.0)) == "unmoved"
+    assert idle_update(_signal_step(1, 2.0, 1e-6)) is None
     assert idle_update(_signal_step(1, 2.0, 0.0, skipped_updates=1)) is None          # the skip warnings say why
     assert idle_update(_signal_step(1, 2.0, 0.0, zero_spread_frac=1.0, reward_std=0.0)) is None   # no signal
-    assert idle_update({k: v for k, v in _signal_step(1, 0.0, 0.0).items() if k != "update_ratio"}) is None
+    assert idle_update({k: v for k, v in _signal_step(1, 0.0, 0.0).items() if k != "moved_frac"}) is None
 
 
-def test_a_run_whose_updates_never_moved_the_policy_ends_with_a_warning_naming_why():
+def test_a_run_whose_updates_never_taught_the_policy_ends_with_a_warning_naming_why():
     from creditrl.config import OptimConfig
     from creditrl.trainer.report import policy_unmoved
     optim = OptimConfig(lr=1e-30)
     flat = {"zero_spread_frac": 1.0, "reward_std": 0.0}
-    tiny = [_signal_step(1, 2.0, 0.0), _signal_step(2, 1.5, 1e-29), _signal_step(3, 1.0, 0.0, **flat)]
+    tiny = [_signal_step(1, 2.0, 0.0), _signal_step(2, 1.5, 0.0, update_ratio=1e-29), _signal_step(3, 1.0, 0.0, **flat)]
     warning = policy_unmoved(tiny, optim)
-    assert warning.startswith("this run's updates did not move the policy. At every one of the 2 steps")
-    assert "grad_norm up to 2" in warning and "optim.lr=1e-30" in warning and "at most 1e-29" in warning
-    mixed = policy_unmoved([_signal_step(1, 0.0, 0.0, high_entropy_frac=0.01), _signal_step(2, 1.0, 0.0)], optim)
+    assert warning.startswith("this run learned nothing from its rewards. At every one of the 2 steps")
+    assert "grad_norm up to 2" in warning and "optim.lr=1e-30" in warning and "update_ratio at most 1e-29" in warning
+    mixed = policy_unmoved([_signal_step(1, 0.0, 0.5, high_entropy_frac=0.01), _signal_step(2, 1.0, 0.0)], optim)
     assert "exactly 0" in mixed and "loss.top_entropy kept 1.00%" in mixed and "; at the others, the gradient" in mixed
-    assert policy_unmoved([*tiny, _signal_step(4, 1.0, 1e-4)], optim) is None          # one step moved it
+    assert "grad_norm up to 1)" in mixed                        # the unmoved kind's own steps' numbers
+    assert policy_unmoved([*tiny, _signal_step(4, 1.0, 1e-3)], optim) is None          # one step moved it
     assert policy_unmoved([_signal_step(1, 1.0, 0.0, **flat)], optim) is None          # learned_nothing's case
 
 
@@ -722,24 +746,28 @@ def test_the_idle_update_streak_warns_once_and_steps_without_signal_neither_brea
     trainer = types.SimpleNamespace(no_signal_steps=[], idle_steps=[], cfg=Config())
     warn = lambda m: Trainer.streak_warnings(trainer, m)[1]     # noqa: E731
     flat = _signal_step(0, 0.0, 0.0, zero_spread_frac=1.0, reward_std=0.0)
-    said = [warn(_signal_step(i, 1.0, 0.0)) for i in range(1, NO_SIGNAL_STEPS)] + [warn(flat)]
-    said += [warn(_signal_step(NO_SIGNAL_STEPS, 1.0, 0.0)), warn(_signal_step(NO_SIGNAL_STEPS + 1, 1.0, 0.0))]
+    said = [warn(_signal_step(i, 0.0, 0.3)) for i in range(1, NO_SIGNAL_STEPS)] + [warn(flat)]
+    said += [warn(_signal_step(NO_SIGNAL_STEPS, 1e-12, 0.0, update_ratio=1e-9)),
+             warn(_signal_step(NO_SIGNAL_STEPS + 1, 1.0, 0.0))]
     assert said[:-2] == [None] * NO_SIGNAL_STEPS and said[-1] is None
-    assert said[-2].startswith(f"warning: {NO_SIGNAL_STEPS} steps in a row did not move the policy (step "
-                               f"{NO_SIGNAL_STEPS})"), said[-2]
+    assert said[-2].startswith(f"warning: {NO_SIGNAL_STEPS} steps in a row with a reward signal taught the policy "
+                               f"nothing (step {NO_SIGNAL_STEPS})"), said[-2]
+    # each kind's reason from its own steps: the zero-gradient steps' moved weights are not the unmoved one's
+    assert "exactly 0" in said[-2] and "update_ratio at most 1e-09" in said[-2]
     warn(_signal_step(9, 1.0, 1e-3))
     assert trainer.idle_steps == []
 
 
 def test_a_tiny_learning_rate_ends_the_run_with_the_warning(tmp_path, capfd):
-    """Whatever rewards the two steps drew: with a signal at some step the run says its updates did not
-    move the policy; with none, that it learned nothing."""
+    """Whatever rewards the two steps drew: with a signal at some step the run says it learned nothing
+    from its rewards, naming the idle updates; with none, that it learned nothing from its task."""
     run = _finished_run(tmp_path, "optim.lr=1e-30")
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["update_ratio"] == 0 for m in metrics), [m["update_ratio"] for m in metrics]
+    assert all(m["moved_frac"] == 0 and m["update_ratio"] == 0 for m in metrics), metrics
     warning = json.loads((run / "summary.json").read_text())["warning"]
     from creditrl.trainer.report import no_signal
-    expected = "learned nothing" if all(no_signal(m) for m in metrics) else "did not move the policy"
+    expected = ("learned nothing from its task" if all(no_signal(m) for m in metrics) else
+                "no sampled weight changed by more than half a float32 ulp")
     assert expected in warning and expected in capfd.readouterr().err
 
 

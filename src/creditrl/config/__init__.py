@@ -25,6 +25,7 @@ from creditrl.config.checks import (check_overlong, check_run_name, eval_setting
                                     validate_sampling_controls)
 from creditrl.config.diagnose import DiagnoseConfig, validate_diagnose
 from creditrl.config.files import (PACKAGED_CONFIGS, apply_overrides, check_complete, config_from_dict, config_to_dict,
+                                   declared_type,
                                    flat_items, flatten, load_config, load_diagnose_config, load_saved_config,
                                    merge_layers, merge_with_diagnose, migrate, missing_keys, packaged_configs,
                                    parse_override, read_saved_config, read_yaml, resolve_config_path, save_config,
@@ -40,7 +41,8 @@ __all__ = [
     "validate_sampling_controls",
     "DiagnoseConfig", "validate_diagnose", "PACKAGED_CONFIGS", "apply_overrides", "check_complete", "config_from_dict",
     "config_to_dict", "flat_items", "flatten", "load_config", "load_diagnose_config", "load_saved_config",
-    "merge_layers", "merge_with_diagnose", "migrate", "missing_keys", "packaged_configs", "parse_override",
+    "declared_type", "merge_layers", "merge_with_diagnose", "migrate", "missing_keys", "packaged_configs",
+    "parse_override",
     "read_saved_config", "read_yaml", "resolve_config_path", "save_config", "saved_layout", "RESUME_CHANGEABLE",
     "changeable_on_resume", "check_location_edit", "resume_changes", "run_place",
 ]

@@ -4,6 +4,7 @@ layouts migrated, a run's saved config.yaml read strictly."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,7 +28,11 @@ def parse_override(text: str, schema: Any = None) -> dict:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: expected a dotted key such as optim.lr")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=UniqueKeyLoader) if raw.strip() else None
+    except AmbiguousNumber as err:
+        if not declares_string(schema, key):
+            raise ConfigError(f"{key}: {err.problem}") from None
+        value = raw.strip()
     except yaml.YAMLError:
         value = raw
     if value is not None and not isinstance(value, (str, list, dict)) and declares_string(schema, key):
@@ -37,17 +42,22 @@ def parse_override(text: str, schema: Any = None) -> dict:
     return value
 
 
-def declares_string(schema: Any, key: str) -> bool:
-    """Whether config dataclass ``schema`` (an instance; a ``Config``'s ``diagnose.*`` keys are a
-    ``DiagnoseConfig``'s) types dotted ``key`` as a string (or a string or null)."""
+def declared_type(schema: Any, key: str) -> Any:
+    """The annotation of dotted ``key`` in config dataclass ``schema`` (an instance; a ``Config``'s
+    ``diagnose.*`` keys are a ``DiagnoseConfig``'s), or None where no dataclass field declares it."""
     node, parts = schema, key.split(".")
     if isinstance(schema, Config) and parts[0] == "diagnose":
         node, parts = DiagnoseConfig(), parts[1:]
     for part in parts[:-1]:
         node = getattr(node, part, None)
     if not parts or not dataclasses.is_dataclass(node):
-        return False
-    declared = typing.get_type_hints(type(node)).get(parts[-1])
+        return None
+    return typing.get_type_hints(type(node)).get(parts[-1])
+
+
+def declares_string(schema: Any, key: str) -> bool:
+    """Whether ``schema`` types dotted ``key`` as a string (or a string or null)."""
+    declared = declared_type(schema, key)
     return declared is not None and is_optional(declared)[1] is str
 
 
@@ -101,13 +111,32 @@ def resolve_config_path(path: str | Path) -> Path:
                       f"{packaged_configs()}")
 
 
+class AmbiguousNumber(yaml.constructor.ConstructorError):
+    """A YAML 1.1 integer that does not mean what it reads as: ``010`` is octal 8, ``1:30`` base-60 90."""
+
+
 class UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader refusing a mapping that names a key twice (plain YAML keeps the last). A merge
     key (``<<: *base``) is no second naming: its keys are defaults the mapping's own keys override."""
 
+    def construct_yaml_int(self, node):
+        text = str(node.value).replace("_", "")
+        if re.fullmatch(r"[-+]?0[0-9]+", text) or ":" in text:
+            value = super().construct_yaml_int(node)
+            raise AmbiguousNumber(None, None, f"YAML 1.1 reads {node.value} as {value} ("
+                                  f"{'base 60' if ':' in text else 'octal'}); write {value}, or the decimal you meant, "
+                                  f"or quote it for text", node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def flatten_mapping(self, node):
+        # the mapping's own pairs, before a merge (here or where an alias merges it) adds the merged ones
+        if not hasattr(node, "own_pairs"):
+            node.own_pairs = list(node.value)
+        super().flatten_mapping(node)
+
     def construct_mapping(self, node, deep=False):
         seen = set()
-        for key_node, _ in node.value:
+        for key_node, _ in getattr(node, "own_pairs", node.value):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=deep)
@@ -116,6 +145,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
                                                         key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", UniqueKeyLoader.construct_yaml_int)
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -11,11 +11,10 @@ import argparse
 import dataclasses
 import json
 import sys
-import typing
 
 import yaml
 
-from creditrl.config import Config, DiagnoseConfig, config_to_dict, flat_items
+from creditrl.config import Config, DiagnoseConfig, config_to_dict, declared_type, flat_items
 from creditrl.core.estimators import list_estimators
 from creditrl.core.estimators.registry import get_estimator
 from creditrl.core.losses import builtin_loss_terms
@@ -63,12 +62,8 @@ def _rows(key_prefix: str, specs: list[OptionSpec]) -> list[str]:
 TABLE_HEAD = ["| key | default | type | meaning |", "|---|---|---|---|"]
 
 
-def declared(section, key: str) -> str:
-    """The declared type of dotted ``key`` in config dataclass ``section``, in words (``describe``)."""
-    *parents, leaf = key.split(".")
-    for part in parents:
-        section = getattr(section, part)
-    return describe(typing.get_type_hints(type(section))[leaf])
+def _type(section, key: str) -> str:
+    return _cell(describe(declared_type(section, key)))
 
 
 def config_section() -> str:
@@ -80,7 +75,7 @@ def config_section() -> str:
             row = f"| `{f.name}` | {_value(value)} | mapping | {_cell(f.metadata.get('help', ''))} |"
             out.append(f"## {f.name}\n\n" + "\n".join(TABLE_HEAD + [row]) + "\n")
             continue
-        rows = [f"| `{f.name}.{key}` | {_value(default)} | {_cell(declared(value, key))} | {_cell(text)} |"
+        rows = [f"| `{f.name}.{key}` | {_value(default)} | {_type(value, key)} | {_cell(text)} |"
                 for key, default, text in flat_items(value)]
         out.append(f"## {f.name}\n\n" + "\n".join(TABLE_HEAD + rows) + "\n")
     return "\n".join(out)
@@ -88,7 +83,7 @@ def config_section() -> str:
 
 def diagnose_section() -> str:
     """``creditrl diagnose``'s own section (``diagnose.*``), read by that command only."""
-    rows = [f"| `diagnose.{key}` | {_value(default)} | {_cell(declared(DiagnoseConfig(), key))} | {_cell(text)} |"
+    rows = [f"| `diagnose.{key}` | {_value(default)} | {_type(DiagnoseConfig(), key)} | {_cell(text)} |"
             for key, default, text in flat_items(DiagnoseConfig())]
     return ("## diagnose\n\n`creditrl diagnose`'s own settings, read by that command only, from the same file as "
             "`train` (a `diagnose:` section) or `diagnose.*` overrides; a training run's config.yaml does not hold "

@@ -261,6 +261,10 @@ def check_finished(runs: dict[str, list[Path]]) -> None:
 def check_seeds_trained(runs: dict[str, list[Path]]) -> None:
     """Every run directory ``<run>-s<seed>`` of a redrawn report holds the run trained with that seed
     (its config.yaml's ``train.seed``): a copy of another seed's run would be counted as one more seed."""
+    missing = [path.name for dirs in runs.values() for path in dirs if not (path / "config.yaml").is_file()]
+    if missing:
+        raise ValueError(f"--report-only: expected each run directory to hold its config.yaml (which every run "
+                         f"writes first), got none in {', '.join(missing)}: its seed and settings are unknown")
     copies = [f"{path.name} (train.seed={seed})" for dirs in runs.values() for path in dirs
               if (seed := trained_seed(path)) != path.name.rsplit("-s", 1)[1]]
     if copies:
@@ -270,7 +274,7 @@ def check_seeds_trained(runs: dict[str, list[Path]]) -> None:
 
 
 def trained_seed(path: Path) -> str:
-    """The ``train.seed`` a run's config.yaml records, as its directory name writes it ('?' without one)."""
+    """The ``train.seed`` a run's config.yaml records, as its directory name writes it ('?' if unreadable)."""
     try:
         return str(int(read_yaml(path / "config.yaml")["train"]["seed"]))
     except (OSError, KeyError, TypeError, ValueError):

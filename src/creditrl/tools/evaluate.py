@@ -62,7 +62,8 @@ def eval_target(args) -> tuple[Path | None, list[str]]:
 
 
 # the keys an evaluation reads: the model and how it loads, the task, sampling, the eval sizes and seed
-EVAL_KEYS = ("model.", "task.", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens",
+# (rollout.group_size: train.precision=auto times a rollout of that many responses)
+EVAL_KEYS = ("model.", "task.", "rollout.temperature", "rollout.top_p", "rollout.max_new_tokens", "rollout.group_size",
              "rollout.max_tool_tokens", "rollout.stop", "train.seed", "train.device", "train.precision",
              "train.threads", "train.chunk_size", "train.eval_samples", "train.eval_problems", "train.pass_k",
              "train.deterministic")

@@ -234,23 +234,26 @@ def streak_warning(steps: list[dict]) -> str | None:
             f"{_reason(no_signal(steps[-1]), steps)}; a run like this learns nothing from its task")
 
 
-# an update-to-weight ratio below half a float32 ulp of the weights (relative 2^-24 to 2^-23)
-# changes almost no weight: the policy stayed where it was
-UNMOVED_RATIO = 2.0 ** -24
-
-
 def idle_update(metrics: dict) -> str | None:
-    """Why a step that had a reward signal and made its update still did not move the policy:
-    ``"zero_gradient"`` (grad_norm exactly 0: every token the loss kept had advantage 0),
-    ``"unmoved"`` (a nonzero gradient, yet an update-to-weight ratio below ``UNMOVED_RATIO``: AdamW
-    steps below a float32 weight's resolution), or None (the weights moved; or no update was made
-    or it was skipped, or the step had no reward signal, which ``no_signal`` and the skip warnings
-    explain)."""
-    if "update_ratio" not in metrics or metrics.get("skipped_updates") or no_signal(metrics):
+    """Why a step that had a reward signal and made its update taught the policy nothing:
+    ``"zero_gradient"`` (grad_norm exactly 0: every token the loss kept had advantage 0; momentum or
+    weight decay may still move the weights), ``"unmoved"`` (a nonzero gradient, yet no sampled weight
+    changed beyond float32 resolution: ``moved_frac`` 0), or None (the step moved the policy; or no
+    update was made or it was skipped, or the step had no reward signal, which ``no_signal`` and the
+    skip warnings explain)."""
+    if "moved_frac" not in metrics or metrics.get("skipped_updates") or no_signal(metrics):
         return None
     if metrics.get("grad_norm") == 0:
         return "zero_gradient"
-    return "unmoved" if metrics["update_ratio"] < UNMOVED_RATIO else None
+    return "unmoved" if metrics["moved_frac"] == 0 else None
+
+
+def _idle_reasons(steps: list[dict], optim) -> str:
+    """Why ``steps`` (each with an ``idle_update`` kind) taught nothing: one reason per kind, each from
+    its own steps' numbers."""
+    kinds = [idle_update(m) for m in steps]
+    return "; at the others, ".join(_idle_reason(kind, [m for m, k in zip(steps, kinds) if k == kind], optim)
+                                    for kind in dict.fromkeys(kinds))
 
 
 def _idle_reason(kind: str, steps: list[dict], optim) -> str:
@@ -261,11 +264,11 @@ def _idle_reason(kind: str, steps: list[dict], optim) -> str:
         return ("the loss's gradient was exactly 0 (grad_norm 0) although the rewards differed: every token the "
                 f"loss kept had advantage 0{hint}")
     norm, lr = max(m["grad_norm"] for m in steps), max(m["lr"] for m in steps)
-    return (f"the gradient was not 0 (grad_norm up to {norm:.3g}), yet the update-to-weight ratio stayed below "
-            f"{UNMOVED_RATIO:.2g} (at most {max(m['update_ratio'] for m in steps):.2g}): an AdamW step moves "
-            f"each weight by about the learning rate (at most {lr:.3g} here; optim.lr={optim.lr:g}), and less where "
-            f"the clipped gradient's elements are below AdamW's eps of 1e-8 (optim.max_grad_norm="
-            f"{optim.max_grad_norm:g}); every step fell below a float32 weight's resolution: raise whichever is tiny")
+    return (f"the gradient was not 0 (grad_norm up to {norm:.3g}), yet no sampled weight changed by more than half a "
+            f"float32 ulp of its size (update_ratio at most {max(m['update_ratio'] for m in steps):.2g}): an AdamW "
+            f"step moves each weight by about the learning rate (at most {lr:.3g} here; optim.lr={optim.lr:g}), and "
+            f"less where the clipped gradient's elements are below AdamW's eps of 1e-8 (optim.max_grad_norm="
+            f"{optim.max_grad_norm:g}): raise whichever is tiny")
 
 
 def idle_warning(steps: list[dict], optim) -> str | None:
@@ -273,21 +276,18 @@ def idle_warning(steps: list[dict], optim) -> str | None:
     reward signal and an idle update (``idle_update``)."""
     if len(steps) != NO_SIGNAL_STEPS:
         return None
-    return (f"warning: {len(steps)} steps in a row did not move the policy (step {steps[-1]['step']}): "
-            f"{_idle_reason(idle_update(steps[-1]), steps, optim)}; a run like this learns nothing")
+    return (f"warning: {len(steps)} steps in a row with a reward signal taught the policy nothing (step "
+            f"{steps[-1]['step']}): {_idle_reasons(steps, optim)}; a run like this learns nothing")
 
 
 def policy_unmoved(metrics: list[dict], optim) -> str | None:
     """The end-of-run warning when every step that had a reward signal made an idle update
     (``idle_update``), saying why (``learned_nothing`` covers a run with no signal at any step)."""
-    steps = [m for m in metrics if "update_ratio" in m and not no_signal(m)]
-    kinds = [idle_update(m) for m in steps]
-    if not steps or None in kinds:
+    steps = [m for m in metrics if "moved_frac" in m and not no_signal(m)]
+    if not steps or not all(idle_update(m) for m in steps):
         return None
-    reasons = "; at the others, ".join(_idle_reason(kind, [m for m, k in zip(steps, kinds) if k == kind], optim)
-                                       for kind in dict.fromkeys(kinds))
-    return (f"this run's updates did not move the policy. At every one of the {len(steps)} steps with a reward "
-            f"signal, {reasons}")
+    return (f"this run learned nothing from its rewards. At every one of the {len(steps)} steps with a reward "
+            f"signal, {_idle_reasons(steps, optim)}")
 
 
 def learned_nothing(metrics: list[dict], estimator: str) -> str | None:

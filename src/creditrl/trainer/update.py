@@ -157,28 +157,41 @@ def mean_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(step[k] for step in steps if k in step) / sum(k in step for step in steps) for k in keys}
 
 
+# half a float32 ulp, relative: a change below it of a weight that size is rounded away
+RESOLUTION = 2.0 ** -24
+
+
 class WeightSample:
     """A fixed, evenly strided sample of the trainable weights (up to ``PER_TENSOR`` elements of each
-    tensor), for the update-to-weight ratio ||Δθ|| / ||θ|| of a train step at the cost of a few
-    thousand copied floats. A ratio below a float32 weight's resolution says the step did not move
-    the policy (a tiny ``optim.lr`` or ``optim.max_grad_norm``), even where weights that start at 0
-    (LoRA's B) took a denormal-sized step."""
+    tensor, each standing for numel/k of its tensor's weights), read before and after a train step
+    at the cost of a few thousand copied floats: the update-to-weight ratio and whether the step
+    moved any weight beyond float32 resolution (a tiny ``optim.lr`` or ``optim.max_grad_norm``
+    moves none; LoRA's B, starting at 0, takes a step of that tiny size)."""
     PER_TENSOR = 64
 
     def __init__(self, params: list[Tensor]):
         self.params = params
+        counts = [min(p.numel(), self.PER_TENSOR) for p in params]
         # integer strides: a float32 linspace rounds positions past 2^24 (an embedding's) out of bounds
-        self.index = [torch.arange(min(p.numel(), self.PER_TENSOR), device=p.device) * (p.numel() - 1)
-                      // max(min(p.numel(), self.PER_TENSOR) - 1, 1) for p in params]
+        self.index = [torch.arange(k, device=p.device) * (p.numel() - 1) // max(k - 1, 1)
+                      for p, k in zip(params, counts)]
+        self.weight = torch.cat([torch.full((k,), p.numel() / k, dtype=torch.float64, device=p.device)
+                                 for p, k in zip(params, counts)])
 
     def read(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1)[i] for p, i in zip(self.params, self.index)]).double()
 
-    def update_ratio(self, before: Tensor) -> float:
-        """||now − before|| / ||before|| over the sample (``before``: an earlier ``read``), in float64, so
-        an update of 1e-30 is not lost; a sample of zeros divides by the smallest normal float64."""
-        before_norm = torch.linalg.vector_norm(before).clamp_min(torch.finfo(torch.float64).tiny)
-        return float(torch.linalg.vector_norm(self.read() - before) / before_norm)
+    def update(self, before: Tensor) -> dict[str, float]:
+        """Since ``before`` (an earlier ``read``), in float64, each sampled weight weighted by the share
+        of its tensor it stands for: ``update_ratio`` ||Δθ|| / ||θ||, and ``moved_frac``, the share of
+        weights whose change exceeds ``RESOLUTION`` times the larger of their own size and the model's
+        RMS weight (0: the step moved no sampled weight beyond float32 resolution). One host read."""
+        delta, w = self.read() - before, self.weight
+        norm2 = (w * before.square()).sum()
+        moved = delta.abs() > RESOLUTION * torch.maximum(before.abs(), (norm2 / w.sum()).sqrt())
+        ratio = ((w * delta.square()).sum() / norm2.clamp_min(torch.finfo(torch.float64).tiny)).sqrt()
+        ratio, frac = torch.stack([ratio, (w * moved).sum() / w.sum()]).tolist()
+        return {"update_ratio": ratio, "moved_frac": frac}
 
 
 def lr_lambda(cfg: Config):
@@ -306,7 +319,7 @@ class Learner:
         lr = self.step_schedule()
         out = mean_metrics(applied or rejected)     # the updates made; only when none was, the skipped ones
         out.update(batch_metrics(rollout, batch, old, adv), skipped_updates=len(rejected), lr=lr,
-                   update_ratio=self.sample.update_ratio(before),
+                   **self.sample.update(before),
                    adam_variance=adam_moment_variance(self.optimizer), **(self.noise.metrics() if self.noise else {}))
         return Update(out, adv)
 

@@ -106,12 +106,15 @@ def describe(tp: Any) -> str:
 
 def _scalar(key: str, value: Any, inner: Any, strict: bool = False) -> Any:
     """``value`` as the scalar type ``inner`` (bool, int, float, str), or raise. ``strict`` (values
-    from code, not YAML): a number is never read from a string."""
+    from code, not YAML): a number is never read from a string, and an int may come as a whole float
+    (in config text ``3.0`` for an int is refused: write 3)."""
     if inner is bool and isinstance(value, bool):
         return value
     if inner is int and not isinstance(value, bool):
         if isinstance(value, int):
             return value
+        if isinstance(value, float) and value.is_integer() and strict:   # from code: numpy and JSON give 4.0
+            return int(value)
         if isinstance(value, float):
             raise OptionError(f"{key}: expected int, got {value!r}" + (f"; write {int(value)}" if value.is_integer()
                                                                             else ""))
@@ -131,8 +134,9 @@ def _scalar(key: str, value: Any, inner: Any, strict: bool = False) -> Any:
     if inner is str and isinstance(value, str):
         return value
     if inner is str and not isinstance(value, (list, dict)):   # YAML read 007, 1.10, on or a date: quoted, as typed
-        raise OptionError(f"{key}: expected a string, got {value!r} ({type(value).__name__}); quote it in YAML to "
-                          f"keep the text as written, e.g. {key.rsplit('.', 1)[-1]}: \"...\"")
+        raise OptionError(f"{key}: expected a string, got {value!r} ({type(value).__name__}); quote it to keep the "
+                          f"text as written: {key.rsplit('.', 1)[-1]}: \"...\" in YAML, {key}='\"...\"' on the "
+                          f"command line")
     raise OptionError(f"{key}: expected {describe(inner)}, got {value!r}" + (
         f" ({type(value).__name__})" if strict else ""))
 

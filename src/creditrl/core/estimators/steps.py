@@ -189,7 +189,7 @@ def outcome_returns(rewards: Tensor, steps: StepIndex, gamma: float) -> Tensor:
     powers = torch.pow(gamma, torch.arange(steps.num_steps, dtype=torch.float64, device=rewards.device))
     back = steps.lengths[:, None] - 1 - torch.arange(steps.num_steps, device=rewards.device)[None, :]
     discount = powers.take(back.clamp_(min=0))
-    return steps.expand((discount.mul_(rewards.to(torch.float64)[:, None]) * steps.valid).float())
+    return steps.expand(discount.mul_(rewards.to(torch.float64)[:, None]).mul_(steps.valid).float())
 
 
 def returns_to_go(rewards: Tensor, steps: StepIndex, gamma: float = 1.0, totals: Tensor | None = None) -> Tensor:
