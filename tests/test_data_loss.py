@@ -307,3 +307,21 @@ def test_a_finished_run_in_the_way_is_named_finished_not_offered_a_resume_that_r
     err = capsys.readouterr().err
     assert "it finished: to train on, raise train.steps in its config.yaml and run `creditrl train --resume" in err
     assert "continue it with" not in err
+
+
+def test_the_write_probe_survives_another_runs_probe_removing_the_new_folder(tmp_path, monkeypatch):
+    """Two runs starting at once in a new train.output_dir (compare --jobs 2): one run's probe removes
+    the folder it created between the other's mkdir and write. The probe tries again."""
+    from pathlib import Path
+    from creditrl.utils.rundir import check_writable
+    real, calls = Path.write_text, []
+
+    def racing(self, *a, **k):
+        calls.append(self)
+        if len(calls) == 1:
+            self.parent.rmdir()                     # the other run's cleanup, just after our mkdir
+            raise FileNotFoundError(2, "No such file or directory")
+        return real(self, *a, **k)
+    monkeypatch.setattr(Path, "write_text", racing)
+    check_writable(tmp_path / "runs" / "runs")
+    assert len(calls) == 2 and not (tmp_path / "runs").exists()

@@ -36,12 +36,13 @@ creditrl train --config my.yaml algorithm.estimator=maxpo algorithm.options.k=4 
 
 Values are parsed as YAML (`1e-5`, `true`, `[1, 4]`, `null`) and checked against the declared type:
 numbers must be finite, an int is written as one (`3`, not `3.0`), a string key keeps the text as
-typed on the command line (`train.run_name=007` is "007"; in a YAML file quote such a value), and a
-key is given once (twice on the command line, or in one YAML mapping, is an error). Unknown keys,
-unknown choices, out-of-range values and invalid combinations fail before anything loads, naming
-the key and the valid keys or values; a task's own options are checked when the task is built,
-and a `reward/<name>` signal of dynamic sampling once the first responses are scored. The resolved
-config, with every option of the chosen estimator and loss terms filled in, is saved as `config.yaml`
+typed on the command line (`train.run_name=007` is "007"; in a YAML file quote such a value), a
+YAML mapping names a key once, and on the command line a later `key=value` replaces an earlier one
+(as a base command plus overrides expects). Unknown keys, unknown choices, out-of-range values and
+invalid combinations fail before anything loads, naming the key and the valid keys or values; a
+task's own options are checked when the task is built, and a `reward/<name>` signal of dynamic
+sampling once the first responses are scored. The resolved config, with every option of the chosen
+estimator and loss terms filled in, is saved as `config.yaml`
 in the run directory.
 """
 

@@ -265,7 +265,7 @@ def _idle_reason(kind: str, steps: list[dict], optim) -> str:
                 f"loss kept had advantage 0{hint}")
     norm, lr = max(m["grad_norm"] for m in steps), max(m["lr"] for m in steps)
     return (f"the gradient was not 0 (grad_norm up to {norm:.3g}), yet no sampled weight changed by more than half a "
-            f"float32 ulp of its size (update_ratio at most {max(m['update_ratio'] for m in steps):.2g}): an AdamW "
+            f"float32 ulp of its size or the model's RMS weight (update_ratio at most {max(m['update_ratio'] for m in steps):.2g}): an AdamW "
             f"step moves each weight by about the learning rate (at most {lr:.3g} here; optim.lr={optim.lr:g}), and "
             f"less where the clipped gradient's elements are below AdamW's eps of 1e-8 (optim.max_grad_norm="
             f"{optim.max_grad_norm:g}): raise whichever is tiny")

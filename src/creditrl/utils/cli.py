@@ -57,11 +57,6 @@ def parse(parser: argparse.ArgumentParser, argv: list[str], *, paths: bool = Fal
         if any(item.startswith("-") or ("=" not in item and not paths) for item in extra):
             parser.parse_args(argv)  # exits with argparse's own message
         args.overrides = [*args.overrides, *extra]
-    keys = [item.split("=", 1)[0].strip() for item in getattr(args, "overrides", []) if "=" in item]
-    twice = next((k for k in keys if keys.count(k) > 1), None)
-    if twice:
-        parser.error(f"{twice}: given {keys.count(twice)} times on the command line "
-                     f"({', '.join(o for o in args.overrides if o.split('=', 1)[0].strip() == twice)}); give it once")
     return args
 
 

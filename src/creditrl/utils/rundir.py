@@ -47,9 +47,17 @@ def check_writable(folder: Path, arg: str = "train.output_dir") -> None:
     folder = Path(folder)
     missing = missing_folders(folder)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
+        for attempt in range(3):
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".write-test-{os.getpid()}"
+            try:
+                probe.write_text("ok")
+                break
+            except FileNotFoundError:
+                # another run's probe removed the folder it had created between our mkdir and write
+                # (two runs starting at once in a new train.output_dir, e.g. compare --jobs 2)
+                if attempt == 2:
+                    raise
         probe.unlink()
     except OSError as err:
         raise RunDirError(f"{arg}: cannot write in {str(folder)!r} ({err.strerror or err}); "
