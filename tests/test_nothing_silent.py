@@ -725,18 +725,19 @@ def test_idle_updates_are_told_apart_from_steps_without_signal_or_update():
 
 def test_a_run_whose_updates_never_taught_the_policy_ends_with_a_warning_naming_why():
     from creditrl.config import OptimConfig
-    from creditrl.trainer.report import policy_unmoved
+    from creditrl.trainer.report import rewards_taught_nothing
     optim = OptimConfig(lr=1e-30)
     flat = {"zero_spread_frac": 1.0, "reward_std": 0.0}
     tiny = [_signal_step(1, 2.0, 0.0), _signal_step(2, 1.5, 0.0, update_ratio=1e-29), _signal_step(3, 1.0, 0.0, **flat)]
-    warning = policy_unmoved(tiny, optim)
+    warning = rewards_taught_nothing(tiny, optim)
     assert warning.startswith("this run learned nothing from its rewards. At every one of the 2 steps")
     assert "grad_norm up to 2" in warning and "optim.lr=1e-30" in warning and "update_ratio at most 1e-29" in warning
-    mixed = policy_unmoved([_signal_step(1, 0.0, 0.5, high_entropy_frac=0.01), _signal_step(2, 1.0, 0.0)], optim)
+    mixed = rewards_taught_nothing([_signal_step(1, 0.0, 0.5, high_entropy_frac=0.01), _signal_step(2, 1.0, 0.0)],
+                                   optim)
     assert "exactly 0" in mixed and "loss.top_entropy kept 1.00%" in mixed and "; at the others, the gradient" in mixed
     assert "grad_norm up to 1)" in mixed                        # the unmoved kind's own steps' numbers
-    assert policy_unmoved([*tiny, _signal_step(4, 1.0, 1e-3)], optim) is None          # one step moved it
-    assert policy_unmoved([_signal_step(1, 1.0, 0.0, **flat)], optim) is None          # learned_nothing's case
+    assert rewards_taught_nothing([*tiny, _signal_step(4, 1.0, 1e-3)], optim) is None          # one step moved it
+    assert rewards_taught_nothing([_signal_step(1, 1.0, 0.0, **flat)], optim) is None          # learned_nothing's case
 
 
 def test_the_idle_update_streak_warns_once_and_steps_without_signal_neither_break_nor_extend_it():

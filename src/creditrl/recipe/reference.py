@@ -42,8 +42,7 @@ YAML mapping names a key once, and on the command line a later `key=value` repla
 invalid combinations fail before anything loads, naming the key and the valid keys or values; a
 task's own options are checked when the task is built, and a `reward/<name>` signal of dynamic
 sampling once the first responses are scored. The resolved config, with every option of the chosen
-estimator and loss terms filled in, is saved as `config.yaml`
-in the run directory.
+estimator and loss terms filled in, is saved as `config.yaml` in the run directory.
 """
 
 

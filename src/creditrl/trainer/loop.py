@@ -37,7 +37,7 @@ from creditrl.tasks.chat import check_prompt_lengths
 from creditrl.runtime.evaluation import completion_records, evaluate
 from creditrl.trainer.logging import RunLogger, read_jsonl, truncate_jsonl
 from creditrl.trainer.report import (NO_SIGNAL_STEPS, diagnosis_section, idle_update, idle_warning, learned_nothing,
-                                     no_signal, plot_run, policy_unmoved, streak_warning, write_summary)
+                                     no_signal, plot_run, rewards_taught_nothing, streak_warning, write_summary)
 from creditrl.runtime.models import ModelDirError, disable_dropout, hf_progress, tiny_cache_path, warm_start_info
 from creditrl.runtime.models.files import check_model_dir
 from creditrl.runtime.precision import Precision, PrecisionChoice
@@ -234,7 +234,7 @@ class Trainer:
         self.test_problems = test[:self.eval_problems] if self.eval_problems else test
         self.clipped_streak = self.skipped_streak = 0
         self.no_signal_steps: list[dict] = []   # the current streak of steps without a reward signal
-        self.idle_steps: list[dict] = []        # ... of steps with one whose update did not move the policy
+        self.idle_steps: list[dict] = []        # ... of steps with one whose update taught the policy nothing
         self.notes = (precision_notes(self.model, cfg) + component_notes(cfg) + idle_setting_notes(loss.loss, cfg)
                       + on_policy_notes(loss.loss, cfg))
         if dropout:
@@ -457,10 +457,11 @@ class Trainer:
 
     def streak_warnings(self, metrics: dict) -> tuple[str | None, str | None]:
         """The live warnings of a streak of steps without a reward signal, or with one whose update did
-        not move the policy (a step without a signal neither breaks nor extends the second). Each
+        teach the policy nothing (a step without a signal neither breaks nor extends the second). Each
         streak is kept up to one past the warning's length: it warns once per streak."""
-        self.no_signal_steps = [*self.no_signal_steps, metrics][:NO_SIGNAL_STEPS + 1] if no_signal(metrics) else []
-        if not no_signal(metrics):
+        silent = no_signal(metrics)
+        self.no_signal_steps = [*self.no_signal_steps, metrics][:NO_SIGNAL_STEPS + 1] if silent else []
+        if not silent:
             self.idle_steps = [*self.idle_steps, metrics][:NO_SIGNAL_STEPS + 1] if idle_update(metrics) else []
         return streak_warning(self.no_signal_steps), idle_warning(self.idle_steps, self.cfg.optim)
 
@@ -528,7 +529,7 @@ class Trainer:
 
     def finish(self, logger: RunLogger | None = None) -> dict:
         """final/ (atomic, with a manifest), plots, summary.md/json; a run that had no reward signal
-        at any step, or whose updates never moved the policy, says so there and in a warning."""
+        at any step, or whose updates never taught the policy anything, says so there and in a warning."""
         self.save_final()
         metrics, evals = read_jsonl(self.run_dir / "metrics.jsonl"), read_jsonl(self.run_dir / "eval.jsonl")
         completions = [x for x in read_jsonl(self.run_dir / "completions.jsonl") if x.get("kind") == "train"]
@@ -539,7 +540,7 @@ class Trainer:
         c = self.cfg
         title = f"creditrl run: {c.task.name} / {c.model.name} / {c.algorithm.estimator}"
         extra = {"run_dir": str(self.run_dir)}
-        warning = learned_nothing(metrics, c.algorithm.estimator) or policy_unmoved(metrics, c.optim)
+        warning = learned_nothing(metrics, c.algorithm.estimator) or rewards_taught_nothing(metrics, c.optim)
         if warning:
             extra["warning"] = warning
             print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -263,9 +263,9 @@ def _idle_reason(kind: str, steps: list[dict], optim) -> str:
                 "raise loss.top_entropy.quantile)")
         return ("the loss's gradient was exactly 0 (grad_norm 0) although the rewards differed: every token the "
                 f"loss kept had advantage 0{hint}")
-    norm, lr = max(m["grad_norm"] for m in steps), max(m["lr"] for m in steps)
+    norm, lr, ratio = (max(m[k] for m in steps) for k in ("grad_norm", "lr", "update_ratio"))
     return (f"the gradient was not 0 (grad_norm up to {norm:.3g}), yet no sampled weight changed by more than half a "
-            f"float32 ulp of its size or the model's RMS weight (update_ratio at most {max(m['update_ratio'] for m in steps):.2g}): an AdamW "
+            f"float32 ulp of its size or the model's RMS weight (update_ratio at most {ratio:.2g}): an AdamW "
             f"step moves each weight by about the learning rate (at most {lr:.3g} here; optim.lr={optim.lr:g}), and "
             f"less where the clipped gradient's elements are below AdamW's eps of 1e-8 (optim.max_grad_norm="
             f"{optim.max_grad_norm:g}): raise whichever is tiny")
@@ -280,7 +280,7 @@ def idle_warning(steps: list[dict], optim) -> str | None:
             f"{steps[-1]['step']}): {_idle_reasons(steps, optim)}; a run like this learns nothing")
 
 
-def policy_unmoved(metrics: list[dict], optim) -> str | None:
+def rewards_taught_nothing(metrics: list[dict], optim) -> str | None:
     """The end-of-run warning when every step that had a reward signal made an idle update
     (``idle_update``), saying why (``learned_nothing`` covers a run with no signal at any step)."""
     steps = [m for m in metrics if "moved_frac" in m and not no_signal(m)]

@@ -186,9 +186,9 @@ def outcome_returns(rewards: Tensor, steps: StepIndex, gamma: float) -> Tensor:
     [B, L] pass instead of placing R and summing). The powers come from one float64 table of
     γ^0..γ^(L-1), read by index (``pow`` per token is 20-40x slower on a CPU); float32 [B, T], 0
     where masked."""
-    powers = torch.pow(gamma, torch.arange(steps.num_steps, dtype=torch.float64, device=rewards.device))
-    back = steps.lengths[:, None] - 1 - torch.arange(steps.num_steps, device=rewards.device)[None, :]
-    discount = powers.take(back.clamp_(min=0))
+    t = torch.arange(steps.num_steps, device=rewards.device)
+    powers = torch.pow(gamma, t.to(torch.float64))
+    discount = powers.take((steps.lengths[:, None] - 1 - t).clamp_(min=0))
     return steps.expand(discount.mul_(rewards.to(torch.float64)[:, None]).mul_(steps.valid).float())
 
 
